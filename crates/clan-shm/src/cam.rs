@@ -1,0 +1,473 @@
+//! The software CAM: the index from addresses to the tripwires watching them.
+//!
+//! Every aperture (and every mapping that carries outgoing tripwires) has one index, laid
+//! out in shared memory after the aperture's data so that every process writing into the
+//! aperture can match its writes. Only the owner modifies it ([`CamOwner`]); writers read it.
+//!
+//! ## Layout
+//!
+//! The watched range is cut into 64-byte *lines* and 4 KiB *pages*.
+//! - `watch`: one bit per line, set while some tripwire (armed or not) covers the line;
+//! - `wide`: one bit per page, set while some *wide* tripwire covers the page;
+//! - `heads[line]`: first *narrow* tripwire (spanning at most [`NARROW_LINES`] lines) that
+//!   starts in the line, chained through [`TripEntry::next`];
+//! - `wide_head` (in the header): the list of wide tripwires.
+//!
+//! ## Cost of matching a write of `len` bytes at `off`
+//!
+//! - `⌈len/4096⌉ + ⌈len/262144⌉ + 2` word loads when nothing near is watched (the common case);
+//! - otherwise, in addition, one list walk per watched line in `[off − 3 lines, off + len)`,
+//!   visiting the narrow tripwires that *start* in those lines, plus the wide list of this
+//!   index if a written page is covered by a wide tripwire.
+//!
+//! Nothing here depends on the tripwires of any other aperture, nor on the total number of
+//! tripwires of the NIC.
+//!
+//! ## Concurrency
+//!
+//! Lists are modified only by the owner, under its own lock, from a private mirror
+//! ([`CamOwner`]), and every change bumps `epoch` (SeqCst). A reader that walks a list while
+//! an entry is unlinked and reused may be led astray; it notices because `epoch` moved
+//! between its lookup and the end of its transfer, and looks again ([`crate::snoop`]). Walks
+//! are bounded by the table size and every entry is validated (generation, tag, line), so a
+//! corrupted index costs time, never safety.
+
+use std::collections::HashMap;
+
+use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
+use crate::trip::{self, Access, LIVE, TripTable, WIDE};
+
+/// log2 of the line size.
+pub const LINE_SHIFT: u32 = 6;
+/// log2 of the wide-bit granularity.
+pub const PAGE_SHIFT: u32 = 12;
+/// A tripwire spanning at most this many lines is narrow.
+pub const NARROW_LINES: u64 = 4;
+/// Header magic.
+pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM1");
+
+/// Header of an index, 64 bytes.
+#[repr(C)]
+#[derive(Debug)]
+pub struct CamHeader {
+    /// [`CAM_MAGIC`] once initialised.
+    pub magic: AtomicU64,
+    /// Revocation word: `generation << 1 | 1` while the aperture is exported, anything else
+    /// once it is revoked. Every access through a mapping compares it first.
+    pub state: AtomicU64,
+    /// Bumped by every change of the index.
+    pub epoch: AtomicU64,
+    /// Watched length in bytes.
+    pub len: AtomicU64,
+    /// Tag every entry of this index carries (aperture id and generation).
+    pub tag: AtomicU64,
+    /// First wide entry, as `index + 1`.
+    pub wide_head: AtomicU32,
+    _r: AtomicU32,
+    _pad: [AtomicU64; 2],
+}
+
+impl CamHeader {
+    /// A zeroed header.
+    pub fn new() -> CamHeader {
+        CamHeader {
+            magic: AtomicU64::new(0),
+            state: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+            len: AtomicU64::new(0),
+            tag: AtomicU64::new(0),
+            wide_head: AtomicU32::new(0),
+            _r: AtomicU32::new(0),
+            _pad: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl Default for CamHeader {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The revocation word of a live export of generation `generation`.
+pub fn live_state(generation: u32) -> u64 {
+    (u64::from(generation) << 1) | 1
+}
+
+/// Sizes and offsets of an index for `len` watched bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CamLayout {
+    /// Watched bytes.
+    pub len: u64,
+    /// Lines.
+    pub nlines: u64,
+    /// Offset of the watch bits.
+    pub watch_off: usize,
+    /// Words of watch bits.
+    pub watch_words: usize,
+    /// Offset of the wide bits.
+    pub wide_off: usize,
+    /// Words of wide bits.
+    pub wide_words: usize,
+    /// Offset of the list heads.
+    pub heads_off: usize,
+    /// Total bytes.
+    pub size: usize,
+}
+
+impl CamLayout {
+    /// The layout for `len` watched bytes.
+    pub fn new(len: u64) -> CamLayout {
+        let nlines = len.div_ceil(1 << LINE_SHIFT).max(1);
+        let npages = len.div_ceil(1 << PAGE_SHIFT).max(1);
+        let watch_off = std::mem::size_of::<CamHeader>();
+        let watch_words = nlines.div_ceil(64) as usize;
+        let wide_off = watch_off + watch_words * 8;
+        let wide_words = npages.div_ceil(64) as usize;
+        let heads_off = wide_off + wide_words * 8;
+        let size = heads_off + nlines as usize * 4;
+        CamLayout {
+            len,
+            nlines,
+            watch_off,
+            watch_words,
+            wide_off,
+            wide_words,
+            heads_off,
+            size,
+        }
+    }
+}
+
+/// A tripwire that may match an access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// Entry index.
+    pub index: u32,
+    /// Entry generation when found.
+    pub generation: u32,
+    /// Watched range.
+    pub start: u64,
+    /// Watched range end.
+    pub end: u64,
+}
+
+/// One index as seen by a process.
+#[derive(Debug, Clone, Copy)]
+pub struct CamView<'a> {
+    /// Header.
+    pub header: &'a CamHeader,
+    /// Watch bits, one per line.
+    pub watch: &'a [AtomicU64],
+    /// Wide bits, one per page.
+    pub wide: &'a [AtomicU64],
+    /// List heads, one per line.
+    pub heads: &'a [AtomicU32],
+    /// Watched length (trusted: from our own import, not from the header).
+    pub len: u64,
+}
+
+/// Whether any bit in `[lo, hi]` is set.
+fn any_bit(words: &[AtomicU64], lo: u64, hi: u64) -> bool {
+    let mut w = lo / 64;
+    while w <= hi / 64 {
+        let Some(word) = words.get(w as usize) else {
+            return false;
+        };
+        let mut mask = !0u64;
+        if w == lo / 64 {
+            mask &= !0u64 << (lo % 64);
+        }
+        if w == hi / 64 {
+            mask &= !0u64 >> (63 - hi % 64);
+        }
+        // SYNC POINT: pairs with `CamOwner`'s Release `fetch_or` of the bit, made after
+        // linking the entry: a set bit implies the list is visible.
+        if word.load(Ordering::Acquire) & mask != 0 {
+            return true;
+        }
+        w += 1;
+    }
+    false
+}
+
+impl<'a> CamView<'a> {
+    /// Cheap test: may any tripwire overlap `[start, end)`?
+    #[inline]
+    pub fn may_match(&self, start: u64, end: u64) -> bool {
+        if start >= end {
+            return false;
+        }
+        let last = end - 1;
+        any_bit(self.watch, start >> LINE_SHIFT, last >> LINE_SHIFT)
+            || any_bit(self.wide, start >> PAGE_SHIFT, last >> PAGE_SHIFT)
+    }
+
+    /// Append to `out` every entry of this index watching `access` that overlaps
+    /// `[start, end)` and is not already in `out` (armed or not: arming is re-checked at fire
+    /// time). Returns `false` if an inconsistency was seen (concurrent change or corruption).
+    pub fn collect(
+        &self,
+        table: &TripTable<'_>,
+        tag: u64,
+        start: u64,
+        end: u64,
+        access: Access,
+        out: &mut Vec<Candidate>,
+    ) -> bool {
+        if start >= end {
+            return true;
+        }
+        let mut consistent = true;
+        let first_line = start >> LINE_SHIFT;
+        let last_line = (end - 1) >> LINE_SHIFT;
+        let from = first_line.saturating_sub(NARROW_LINES - 1);
+        let mut y = from;
+        while y <= last_line {
+            let wi = (y / 64) as usize;
+            let Some(word) = self.watch.get(wi) else {
+                break;
+            };
+            let mut bits = word.load(Ordering::Acquire) & (!0u64 << (y % 64));
+            let word_last = (wi as u64) * 64 + 63;
+            if word_last > last_line {
+                bits &= !0u64 >> (63 - last_line % 64);
+            }
+            while bits != 0 {
+                let line = (wi as u64) * 64 + u64::from(bits.trailing_zeros());
+                bits &= bits - 1;
+                if let Some(h) = self.heads.get(line as usize) {
+                    // SYNC POINT: pairs with `CamOwner::link`'s Release store of the head.
+                    let head = h.load(Ordering::Acquire);
+                    consistent &= walk(table, head, tag, Some(line), start, end, access, out);
+                }
+            }
+            y = word_last + 1;
+        }
+        if any_bit(self.wide, start >> PAGE_SHIFT, (end - 1) >> PAGE_SHIFT) {
+            // SYNC POINT: pairs with `CamOwner::link`'s Release store of the wide head.
+            let head = self.header.wide_head.load(Ordering::Acquire);
+            consistent &= walk(table, head, tag, None, start, end, access, out);
+        }
+        consistent
+    }
+}
+
+/// Walk one list. `line` is the start line every entry must have (narrow lists), `None` for
+/// the wide list.
+#[allow(clippy::too_many_arguments)]
+fn walk(
+    table: &TripTable<'_>,
+    head: u32,
+    tag: u64,
+    line: Option<u64>,
+    start: u64,
+    end: u64,
+    access: Access,
+    out: &mut Vec<Candidate>,
+) -> bool {
+    let mut consistent = true;
+    let mut next = head;
+    let mut steps = 0usize;
+    while next != 0 {
+        steps += 1;
+        if steps > table.entries.len() {
+            return false; // a cycle: corruption
+        }
+        let index = next - 1;
+        let Some(e) = table.entries.get(index as usize) else {
+            return false;
+        };
+        // Seqlock read of the entry (module documentation of `trip`).
+        let s1 = e.state.load(Ordering::Acquire);
+        let e_start = e.start.load(Ordering::Relaxed);
+        let e_end = e.end.load(Ordering::Relaxed);
+        let e_tag = e.tag.load(Ordering::Relaxed);
+        next = e.next.load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
+        let s2 = e.state.load(Ordering::Relaxed);
+        let fl = trip::flags(s1);
+        let stable = trip::generation(s1) == trip::generation(s2) && trip::flags(s2) & LIVE != 0;
+        let belongs = fl & LIVE != 0
+            && e_tag == tag
+            && e_start < e_end
+            && match line {
+                Some(l) => fl & WIDE == 0 && e_start >> LINE_SHIFT == l,
+                None => fl & WIDE != 0,
+            };
+        if !stable || !belongs {
+            consistent = false;
+            continue;
+        }
+        if fl & access.flag() != 0
+            && e_start < end
+            && start < e_end
+            && !out
+                .iter()
+                .any(|c| c.index == index && c.generation == trip::generation(s1))
+        {
+            out.push(Candidate {
+                index,
+                generation: trip::generation(s1),
+                start: e_start,
+                end: e_end,
+            });
+        }
+    }
+    consistent
+}
+
+/// The owner's private mirror of an index, from which the shared lists are written.
+#[derive(Debug, Default)]
+pub struct CamOwner {
+    narrow: HashMap<u64, Vec<u32>>,
+    wide: Vec<u32>,
+    line_refs: HashMap<u64, u32>,
+    page_refs: HashMap<u64, u32>,
+}
+
+/// Whether a tripwire over `[start, end)` goes on the wide list.
+pub fn is_wide(start: u64, end: u64) -> bool {
+    end > start && ((end - 1) >> LINE_SHIFT) - (start >> LINE_SHIFT) + 1 > NARROW_LINES
+}
+
+fn set_bit(words: &[AtomicU64], bit: u64) {
+    if let Some(w) = words.get((bit / 64) as usize) {
+        // SYNC POINT: pairs with `any_bit`'s Acquire load.
+        w.fetch_or(1u64 << (bit % 64), Ordering::Release);
+    }
+}
+
+fn clear_bit(words: &[AtomicU64], bit: u64) {
+    if let Some(w) = words.get((bit / 64) as usize) {
+        w.fetch_and(!(1u64 << (bit % 64)), Ordering::Release);
+    }
+}
+
+impl CamOwner {
+    /// An empty mirror.
+    pub fn new() -> CamOwner {
+        CamOwner::default()
+    }
+
+    /// Number of indexed tripwires.
+    pub fn len(&self) -> usize {
+        self.narrow.values().map(Vec::len).sum::<usize>() + self.wide.len()
+    }
+
+    /// Whether the index is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Link entry `index`, already written and [`LIVE`] (with [`WIDE`] set iff
+    /// [`is_wide`]`(start, end)`), into the index.
+    pub fn insert(
+        &mut self,
+        cam: &CamView<'_>,
+        table: &TripTable<'_>,
+        index: u32,
+        start: u64,
+        end: u64,
+    ) {
+        let Some(e) = table.entries.get(index as usize) else {
+            return;
+        };
+        if is_wide(start, end) {
+            let old = self.wide.first().map_or(0, |i| i + 1);
+            e.next.store(old, Ordering::Relaxed);
+            self.wide.insert(0, index);
+            // SYNC POINT: publishes the entry's fields; pairs with `collect`'s Acquire.
+            cam.header.wide_head.store(index + 1, Ordering::Release);
+            for p in (start >> PAGE_SHIFT)..=((end - 1) >> PAGE_SHIFT) {
+                let r = self.page_refs.entry(p).or_insert(0);
+                *r += 1;
+                if *r == 1 {
+                    set_bit(cam.wide, p);
+                }
+            }
+        } else {
+            let line = start >> LINE_SHIFT;
+            let list = self.narrow.entry(line).or_default();
+            let old = list.first().map_or(0, |i| i + 1);
+            e.next.store(old, Ordering::Relaxed);
+            list.insert(0, index);
+            if let Some(h) = cam.heads.get(line as usize) {
+                // SYNC POINT: publishes the entry's fields; pairs with `collect`'s Acquire.
+                h.store(index + 1, Ordering::Release);
+            }
+            for l in line..=((end - 1) >> LINE_SHIFT) {
+                let r = self.line_refs.entry(l).or_insert(0);
+                *r += 1;
+                if *r == 1 {
+                    set_bit(cam.watch, l);
+                }
+            }
+        }
+        // SYNC POINT: the epoch pairs with the writers' "fence, load epoch" (`snoop`).
+        cam.header.epoch.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Unlink entry `index` over `[start, end)`.
+    pub fn remove(
+        &mut self,
+        cam: &CamView<'_>,
+        table: &TripTable<'_>,
+        index: u32,
+        start: u64,
+        end: u64,
+    ) {
+        if is_wide(start, end) {
+            let Some(p) = self.wide.iter().position(|&i| i == index) else {
+                return;
+            };
+            let next = self.wide.get(p + 1).map_or(0, |i| i + 1);
+            if p == 0 {
+                cam.header.wide_head.store(next, Ordering::Release);
+            } else if let Some(prev) = table.entries.get(self.wide[p - 1] as usize) {
+                prev.next.store(next, Ordering::Release);
+            }
+            self.wide.remove(p);
+            for pg in (start >> PAGE_SHIFT)..=((end - 1) >> PAGE_SHIFT) {
+                if let Some(r) = self.page_refs.get_mut(&pg) {
+                    *r -= 1;
+                    if *r == 0 {
+                        self.page_refs.remove(&pg);
+                        clear_bit(cam.wide, pg);
+                    }
+                }
+            }
+        } else {
+            let line = start >> LINE_SHIFT;
+            let Some(list) = self.narrow.get_mut(&line) else {
+                return;
+            };
+            let Some(p) = list.iter().position(|&i| i == index) else {
+                return;
+            };
+            let next = list.get(p + 1).map_or(0, |i| i + 1);
+            if p == 0 {
+                if let Some(h) = cam.heads.get(line as usize) {
+                    h.store(next, Ordering::Release);
+                }
+            } else if let Some(prev) = table.entries.get(list[p - 1] as usize) {
+                prev.next.store(next, Ordering::Release);
+            }
+            list.remove(p);
+            if list.is_empty() {
+                self.narrow.remove(&line);
+            }
+            for l in line..=((end - 1) >> LINE_SHIFT) {
+                if let Some(r) = self.line_refs.get_mut(&l) {
+                    *r -= 1;
+                    if *r == 0 {
+                        self.line_refs.remove(&l);
+                        clear_bit(cam.watch, l);
+                    }
+                }
+            }
+        }
+        cam.header.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,372 @@
+//! Layout of an event queue's segment: the synchronisation memory of a group of endpoints.
+//!
+//! One memfd per event queue holds, page-aligned:
+//!
+//! ```text
+//! | header (EqHeader: geometry, armed/wake words, summary bits) |  page 0
+//! | ring 0: RingHeader + slots | ring 1 | ... | ring nrings-1  |  one producer process each
+//! | tripwire table: trip_cap × TripEntry (64 B)                |
+//! | fired bitmap: trip_cap bits                                 |
+//! | tripset words: tripset_cap × TripsetWord (8 B)              |
+//! ```
+//!
+//! Every process that may fire the tripwires of the queue's endpoints maps the whole segment
+//! read-write: synchronisation state is shared among the importers of a queue (a misbehaving
+//! importer can cause spurious or missed events on that queue, never an access outside its
+//! apertures, a crash or a hang of the owner). Geometry is never read back from the header by
+//! an importer: it comes with the import and is checked against the memfd's size.
+//!
+//! The segment is sparse: pages of the table are only allocated when entries are used.
+
+use crate::ring::{EventSlot, QueueWords, RingHeader, Rings};
+use crate::sync::{AtomicU32, AtomicU64};
+use crate::trip::{TripEntry, TripTable, TripsetWord};
+
+/// Header magic.
+pub const EQ_MAGIC: u64 = u64::from_le_bytes(*b"CLANEQ01");
+/// Offsets inside the segment are multiples of this.
+pub const LAYOUT_PAGE: usize = 4096;
+/// Largest tripwire table of one queue.
+pub const MAX_TRIP_CAP: u32 = 1 << 24;
+/// Largest ring.
+pub const MAX_RING_CAP: u32 = 1 << 20;
+
+/// Header of the segment.
+#[repr(C)]
+#[derive(Debug)]
+pub struct EqHeader {
+    /// [`EQ_MAGIC`] once initialised.
+    pub magic: AtomicU64,
+    /// Geometry, for diagnostics only (importers use the geometry they were given).
+    pub nrings: AtomicU32,
+    /// Slots per ring.
+    pub ring_cap: AtomicU32,
+    /// Tripwire entries.
+    pub trip_cap: AtomicU32,
+    /// Tripset words.
+    pub tripset_cap: AtomicU32,
+    _pad: [AtomicU64; 5],
+    /// Words shared by the consumer and the producers.
+    pub words: QueueWords,
+}
+
+impl EqHeader {
+    /// A zeroed header.
+    pub fn new() -> EqHeader {
+        EqHeader {
+            magic: AtomicU64::new(0),
+            nrings: AtomicU32::new(0),
+            ring_cap: AtomicU32::new(0),
+            trip_cap: AtomicU32::new(0),
+            tripset_cap: AtomicU32::new(0),
+            _pad: std::array::from_fn(|_| AtomicU64::new(0)),
+            words: QueueWords::new(),
+        }
+    }
+}
+
+impl Default for EqHeader {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Geometry of a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EqParams {
+    /// Rings (producer processes), at most [`crate::ring::MAX_RINGS`].
+    pub nrings: u32,
+    /// Slots per ring, a power of two.
+    pub ring_cap: u32,
+    /// Tripwire entries.
+    pub trip_cap: u32,
+    /// Tripset words.
+    pub tripset_cap: u32,
+}
+
+impl EqParams {
+    /// Whether the geometry is acceptable (used on parameters received from elsewhere).
+    pub fn is_valid(&self) -> bool {
+        self.nrings >= 1
+            && self.nrings as usize <= crate::ring::MAX_RINGS
+            && self.ring_cap.is_power_of_two()
+            && self.ring_cap <= MAX_RING_CAP
+            && self.trip_cap <= MAX_TRIP_CAP
+            && self.tripset_cap <= MAX_TRIP_CAP
+    }
+}
+
+/// Offsets of the parts of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EqLayout {
+    /// Geometry.
+    pub params: EqParams,
+    /// Offset of ring 0.
+    pub rings_off: usize,
+    /// Distance between rings.
+    pub ring_stride: usize,
+    /// Offset of the tripwire table.
+    pub entries_off: usize,
+    /// Offset of the fired bitmap.
+    pub bitmap_off: usize,
+    /// Words of the fired bitmap.
+    pub bitmap_words: usize,
+    /// Offset of the tripset words.
+    pub tripsets_off: usize,
+    /// Total size (page multiple).
+    pub size: usize,
+}
+
+fn page_up(n: usize) -> usize {
+    n.div_ceil(LAYOUT_PAGE) * LAYOUT_PAGE
+}
+
+impl EqLayout {
+    /// Layout for `params` (which must be valid).
+    pub fn new(params: EqParams) -> EqLayout {
+        let rings_off = LAYOUT_PAGE;
+        let ring_stride = page_up(
+            std::mem::size_of::<RingHeader>()
+                + params.ring_cap as usize * std::mem::size_of::<EventSlot>(),
+        );
+        let entries_off = rings_off + params.nrings as usize * ring_stride;
+        let bitmap_off = entries_off + params.trip_cap as usize * std::mem::size_of::<TripEntry>();
+        let bitmap_words = (params.trip_cap as usize).div_ceil(64);
+        let tripsets_off = (bitmap_off + bitmap_words * 8).div_ceil(64) * 64;
+        let size = page_up(
+            tripsets_off + params.tripset_cap as usize * std::mem::size_of::<TripsetWord>(),
+        );
+        EqLayout {
+            params,
+            rings_off,
+            ring_stride,
+            entries_off,
+            bitmap_off,
+            bitmap_words,
+            tripsets_off,
+            size,
+        }
+    }
+}
+
+/// A queue's segment as seen by one process.
+#[derive(Debug, Clone)]
+pub struct EqView<'a> {
+    /// Header.
+    pub header: &'a EqHeader,
+    /// Ring headers.
+    pub ring_headers: Vec<&'a RingHeader>,
+    /// Ring slots.
+    pub ring_slots: Vec<&'a [EventSlot]>,
+    /// Tripwire table.
+    pub table: TripTable<'a>,
+}
+
+impl<'a> EqView<'a> {
+    /// The rings, for producers and the consumer.
+    pub fn rings(&self) -> Rings<'_> {
+        Rings {
+            words: &self.header.words,
+            headers: &self.ring_headers,
+            slots: &self.ring_slots,
+        }
+    }
+}
+
+/// A heap-allocated queue with the same structure, for tests and loom models.
+#[derive(Debug)]
+pub struct EqModel {
+    header: EqHeader,
+    rings: Vec<RingHeader>,
+    slots: Vec<Vec<EventSlot>>,
+    entries: Vec<TripEntry>,
+    bitmap: Vec<AtomicU64>,
+    tripsets: Vec<TripsetWord>,
+}
+
+impl EqModel {
+    /// A zeroed model queue.
+    pub fn new(params: EqParams) -> EqModel {
+        EqModel {
+            header: EqHeader::new(),
+            rings: (0..params.nrings).map(|_| RingHeader::new()).collect(),
+            slots: (0..params.nrings)
+                .map(|_| (0..params.ring_cap).map(|_| EventSlot::new()).collect())
+                .collect(),
+            entries: (0..params.trip_cap).map(|_| TripEntry::new()).collect(),
+            bitmap: (0..(params.trip_cap as usize).div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            tripsets: (0..params.tripset_cap)
+                .map(|_| TripsetWord::new())
+                .collect(),
+        }
+    }
+
+    /// Its view.
+    pub fn view(&self) -> EqView<'_> {
+        EqView {
+            header: &self.header,
+            ring_headers: self.rings.iter().collect(),
+            ring_slots: self.slots.iter().map(Vec::as_slice).collect(),
+            table: TripTable {
+                entries: &self.entries,
+                bitmap: &self.bitmap,
+                tripsets: &self.tripsets,
+            },
+        }
+    }
+}
+
+/// A heap-allocated index, for tests, loom models and mapping-side (outgoing) tripwires.
+#[derive(Debug)]
+pub struct CamModel {
+    header: crate::cam::CamHeader,
+    watch: Vec<AtomicU64>,
+    wide: Vec<AtomicU64>,
+    heads: Vec<AtomicU32>,
+    len: u64,
+}
+
+impl CamModel {
+    /// A zeroed index over `len` bytes.
+    pub fn new(len: u64) -> CamModel {
+        let l = crate::cam::CamLayout::new(len);
+        CamModel {
+            header: crate::cam::CamHeader::new(),
+            watch: (0..l.watch_words).map(|_| AtomicU64::new(0)).collect(),
+            wide: (0..l.wide_words).map(|_| AtomicU64::new(0)).collect(),
+            heads: (0..l.nlines).map(|_| AtomicU32::new(0)).collect(),
+            len,
+        }
+    }
+
+    /// Its view.
+    pub fn view(&self) -> crate::cam::CamView<'_> {
+        crate::cam::CamView {
+            header: &self.header,
+            watch: &self.watch,
+            wide: &self.wide,
+            heads: &self.heads,
+            len: self.len,
+        }
+    }
+}
+
+#[cfg(not(loom))]
+pub use mapped::{CamMap, EqMap};
+
+#[cfg(not(loom))]
+mod mapped {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::cam::{CamLayout, CamView};
+    use crate::segment::{Segment, SegmentError};
+
+    /// An event queue segment mapped in this process, with its view.
+    #[derive(Debug)]
+    pub struct EqMap {
+        // Field order: the view (borrowing the mapping) is dropped before the mapping.
+        view: EqView<'static>,
+        layout: EqLayout,
+        seg: Arc<Segment>,
+    }
+
+    impl EqMap {
+        /// Build the view of `seg` laid out as `layout`. Fails if the segment is too small.
+        pub fn new(seg: Arc<Segment>, layout: EqLayout) -> Result<EqMap, SegmentError> {
+            let p = layout.params;
+            let view = {
+                let s: &Segment = &seg;
+                let header = s.view::<EqHeader>(0)?;
+                let mut ring_headers = Vec::with_capacity(p.nrings as usize);
+                let mut ring_slots = Vec::with_capacity(p.nrings as usize);
+                for r in 0..p.nrings as usize {
+                    let off = layout.rings_off + r * layout.ring_stride;
+                    ring_headers.push(s.view::<RingHeader>(off)?);
+                    ring_slots.push(s.slice::<EventSlot>(
+                        off + std::mem::size_of::<RingHeader>(),
+                        p.ring_cap as usize,
+                    )?);
+                }
+                let table = TripTable {
+                    entries: s.slice::<TripEntry>(layout.entries_off, p.trip_cap as usize)?,
+                    bitmap: s.slice::<AtomicU64>(layout.bitmap_off, layout.bitmap_words)?,
+                    tripsets: s
+                        .slice::<TripsetWord>(layout.tripsets_off, p.tripset_cap as usize)?,
+                };
+                EqView {
+                    header,
+                    ring_headers,
+                    ring_slots,
+                    table,
+                }
+            };
+            // SAFETY: every reference in `view` points into the mapping owned by `seg`, which
+            // this struct keeps alive (and unmoved: it is behind an `Arc`) for as long as the
+            // view exists; the view is only ever handed out reborrowed for `&self`'s lifetime.
+            let view = unsafe { std::mem::transmute::<EqView<'_>, EqView<'static>>(view) };
+            Ok(EqMap { view, layout, seg })
+        }
+
+        /// The view, for as long as `self` is borrowed.
+        pub fn view(&self) -> &EqView<'_> {
+            &self.view
+        }
+
+        /// The layout.
+        pub fn layout(&self) -> &EqLayout {
+            &self.layout
+        }
+
+        /// The segment.
+        pub fn segment(&self) -> &Arc<Segment> {
+            &self.seg
+        }
+    }
+
+    /// An index mapped in this process, with its view.
+    #[derive(Debug)]
+    pub struct CamMap {
+        view: CamView<'static>,
+        layout: CamLayout,
+        seg: Arc<Segment>,
+    }
+
+    impl CamMap {
+        /// The index at `offset` of `seg`, watching `len` bytes.
+        pub fn new(seg: Arc<Segment>, offset: usize, len: u64) -> Result<CamMap, SegmentError> {
+            let layout = CamLayout::new(len);
+            let view = {
+                let s: &Segment = &seg;
+                CamView {
+                    header: s.view(offset)?,
+                    watch: s.slice(offset + layout.watch_off, layout.watch_words)?,
+                    wide: s.slice(offset + layout.wide_off, layout.wide_words)?,
+                    heads: s.slice(offset + layout.heads_off, layout.nlines as usize)?,
+                    len,
+                }
+            };
+            // SAFETY: as in `EqMap::new`: the references point into `seg`'s mapping, kept
+            // alive and unmoved by this struct, and are only lent out for `&self`'s lifetime.
+            let view = unsafe { std::mem::transmute::<CamView<'_>, CamView<'static>>(view) };
+            Ok(CamMap { view, layout, seg })
+        }
+
+        /// The view.
+        pub fn view(&self) -> &CamView<'_> {
+            &self.view
+        }
+
+        /// The layout.
+        pub fn layout(&self) -> &CamLayout {
+            &self.layout
+        }
+
+        /// The segment.
+        pub fn segment(&self) -> &Arc<Segment> {
+            &self.seg
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! memfd-backed regions: the unit of protection between processes.
+//!
+//! Every aperture and every event queue is one memfd, so an importer that is handed the file
+//! descriptor can never map more than it was granted. Sizes are sealed (`F_SEAL_SHRINK`,
+//! `F_SEAL_GROW`) before the descriptor leaves the process, and a received memfd is refused
+//! unless it carries those seals: otherwise the other side could truncate the file under our
+//! mapping and turn every later access into `SIGBUS`.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+
+use rustix::fs::{FallocateFlags, MemfdFlags, OFlags, SealFlags};
+
+/// An owned memfd of fixed, sealed size.
+#[derive(Debug)]
+pub struct Memfd {
+    fd: OwnedFd,
+    len: u64,
+}
+
+impl Memfd {
+    /// Create a zero-filled memfd of `len` bytes and seal its size.
+    pub fn create(name: &str, len: u64) -> io::Result<Memfd> {
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, len)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        Ok(Memfd { fd, len })
+    }
+
+    /// Adopt a memfd received from another process, checking that it is sealed against
+    /// resizing and at least `min_len` bytes long.
+    pub fn adopt(fd: OwnedFd, min_len: u64) -> io::Result<Memfd> {
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                "received descriptor is not a memfd",
+            )
+        })?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "received memfd is not sealed against shrinking",
+            ));
+        }
+        let st = rustix::fs::fstat(&fd)?;
+        let len = st.st_size as u64;
+        if len < min_len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("received memfd holds {len} bytes, {min_len} expected"),
+            ));
+        }
+        Ok(Memfd { fd, len })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the memfd is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A new, read-only open file description of the same memory: a process that receives it
+    /// can map it `PROT_READ` only, whatever it tries.
+    pub fn reopen_read_only(&self) -> io::Result<OwnedFd> {
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(Into::into)
+    }
+
+    /// Discard the contents of `[offset, offset + len)`: it reads as zeros afterwards and its
+    /// pages are returned to the system.
+    pub fn zero(&self, offset: u64, len: u64) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        rustix::fs::fallocate(
+            &self.fd,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            offset,
+            len,
+        )?;
+        Ok(())
+    }
+
+    /// Duplicate the descriptor (for sending; the duplicate is closed after `sendmsg`).
+    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+}
+
+impl AsFd for Memfd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// Raise the soft `RLIMIT_NOFILE` to the hard limit. Returns the new soft limit.
+pub fn raise_fd_limit() -> u64 {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let lim = getrlimit(Resource::Nofile);
+    if let (Some(cur), max) = (lim.current, lim.maximum) {
+        if max.is_none_or(|m| cur < m) {
+            let _ = setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: max,
+                    maximum: max,
+                },
+            );
+        }
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}

@@ -1,0 +1,199 @@
+//! `SOCK_SEQPACKET` Unix sockets in the abstract namespace, with fd passing and peer
+//! credentials: the control channel between the NICs of one host.
+//!
+//! Abstract names live in the network namespace of the process, so a NIC is reachable this
+//! way exactly from the processes of its own (virtual) host. Message boundaries are preserved,
+//! so every `recv` returns one whole control message, and a message that does not fit (or whose
+//! descriptors do not fit) is reported as [`Received::truncated`] and must be refused.
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
+
+/// Most descriptors one control message may carry.
+pub const MAX_FDS: usize = 4;
+
+/// Kernel-verified identity of the process at the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Process id (at connect time).
+    pub pid: u32,
+    /// Effective user id.
+    pub uid: u32,
+    /// Effective group id.
+    pub gid: u32,
+}
+
+/// One received message.
+#[derive(Debug)]
+pub struct Received {
+    /// Bytes of payload placed in the buffer (0 with no descriptors means end of stream).
+    pub len: usize,
+    /// Descriptors that came with it (closed on drop if unused).
+    pub fds: Vec<OwnedFd>,
+    /// The payload or the descriptors did not fit: the message must be refused.
+    pub truncated: bool,
+}
+
+/// A SEQPACKET Unix socket (listener or connection).
+#[derive(Debug)]
+pub struct SeqPacket {
+    fd: OwnedFd,
+}
+
+fn socket() -> io::Result<OwnedFd> {
+    Ok(rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
+}
+
+impl SeqPacket {
+    /// Bind and listen on an abstract name. Fails with `AddrInUse` if the name is taken.
+    pub fn listen_abstract(name: &[u8]) -> io::Result<SeqPacket> {
+        let fd = socket()?;
+        let addr = SocketAddrUnix::new_abstract_name(name)?;
+        rustix::net::bind(&fd, &addr)?;
+        rustix::net::listen(&fd, 1024)?;
+        Ok(SeqPacket { fd })
+    }
+
+    /// Connect to an abstract name (blocking).
+    pub fn connect_abstract(name: &[u8]) -> io::Result<SeqPacket> {
+        let fd = socket()?;
+        let addr = SocketAddrUnix::new_abstract_name(name)?;
+        rustix::net::connect(&fd, &addr)?;
+        Ok(SeqPacket { fd })
+    }
+
+    /// A connected pair (for tests and for in-process plumbing).
+    pub fn pair() -> io::Result<(SeqPacket, SeqPacket)> {
+        let (a, b) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        Ok((SeqPacket { fd: a }, SeqPacket { fd: b }))
+    }
+
+    /// Accept one connection; `Ok(None)` if none is pending on a non-blocking listener.
+    pub fn accept(&self) -> io::Result<Option<SeqPacket>> {
+        match rustix::net::accept_with(&self.fd, SocketFlags::CLOEXEC) {
+            Ok(fd) => Ok(Some(SeqPacket { fd })),
+            Err(rustix::io::Errno::AGAIN) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Switch non-blocking mode.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        rustix::io::ioctl_fionbio(&self.fd, on)?;
+        Ok(())
+    }
+
+    /// Bound every blocking `send` and `recv` by `timeout`, so that a stuck peer surfaces as
+    /// an error (`WouldBlock`/`TimedOut`) instead of a hang.
+    pub fn set_timeouts(&self, timeout: Duration) -> io::Result<()> {
+        rustix::net::sockopt::set_socket_timeout(
+            &self.fd,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(timeout),
+        )?;
+        rustix::net::sockopt::set_socket_timeout(
+            &self.fd,
+            rustix::net::sockopt::Timeout::Send,
+            Some(timeout),
+        )?;
+        Ok(())
+    }
+
+    /// Credentials of the connected peer, as recorded by the kernel at connect time.
+    pub fn peer_cred(&self) -> io::Result<PeerCred> {
+        let c = rustix::net::sockopt::socket_peercred(&self.fd)?;
+        Ok(PeerCred {
+            pid: c.pid.as_raw_nonzero().get() as u32,
+            uid: c.uid.as_raw(),
+            gid: c.gid.as_raw(),
+        })
+    }
+
+    /// Send one message with up to [`MAX_FDS`] descriptors.
+    pub fn send(&self, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        if fds.len() > MAX_FDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "too many descriptors",
+            ));
+        }
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "descriptors do not fit",
+            ));
+        }
+        let iov = [io::IoSlice::new(data)];
+        loop {
+            match rustix::net::sendmsg(&self.fd, &iov, &mut control, SendFlags::NOSIGNAL) {
+                Ok(n) if n == data.len() => return Ok(()),
+                Ok(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "short send on a seqpacket socket",
+                    ));
+                }
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Receive one message into `buf`.
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let mut iov = [io::IoSliceMut::new(buf)];
+        let msg = loop {
+            match rustix::net::recvmsg(&self.fd, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+                Ok(m) => break m,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let mut fds = Vec::new();
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = m {
+                fds.extend(rights);
+            }
+        }
+        let truncated =
+            msg.flags.contains(ReturnFlags::TRUNC) || msg.flags.contains(ReturnFlags::CTRUNC);
+        Ok(Received {
+            len: msg.bytes,
+            fds,
+            truncated,
+        })
+    }
+}
+
+impl AsFd for SeqPacket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl AsRawFd for SeqPacket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}

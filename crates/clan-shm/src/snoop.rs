@@ -1,0 +1,161 @@
+//! The data path: move bytes through the NIC while snooping their addresses.
+//!
+//! This is where the software NIC does what the CLAN hardware did with its CAM: every write
+//! (or read) that goes through the NIC is matched against the tripwires of its target, and
+//! each tripwire it touches is fired *after the watched bytes are visible and before the rest
+//! of the transfer is done* — so a receiver watching an early word of a message is woken
+//! while the body is still arriving (Tripwire paper §4.3).
+//!
+//! ## Algorithm of [`transfer`]
+//!
+//! 1. `e1 = epoch.load(Acquire)`.
+//! 2. If the index says nothing near `[off, off+len)` is watched: move everything.
+//!    Otherwise collect the candidate tripwires, sort them by where their overlap with the
+//!    transfer ends, and for each one move the bytes up to that point, `fence(SeqCst)`, and
+//!    fire it if it is armed; then move the rest.
+//! 3. `fence(SeqCst)`; `e2 = epoch.load`. If the index changed during the transfer (a
+//!    tripwire was armed, or an entry was unlinked under our walk), collect again and fire
+//!    what was not fired yet; repeat while it keeps changing, at most [`MAX_REDO`] times.
+//!
+//! The fence of step 3 is the writer's half of the arm/fire protocol (see [`crate::trip`]):
+//! a tripwire armed concurrently with a transfer either fires or its owner sees the data.
+
+use crate::cam::{CamView, Candidate};
+use crate::sync::{Futex, Ordering, fence};
+use crate::trip::{self, Access, Fired, TripTable};
+
+/// Bound on re-lookups while the index keeps changing under a transfer.
+pub const MAX_REDO: u32 = 16;
+
+/// The watched side of a transfer: an index and the tripwire table it points into.
+#[derive(Debug, Clone, Copy)]
+pub struct Watch<'a> {
+    /// The index.
+    pub cam: &'a CamView<'a>,
+    /// The tripwire table of the queue the index's tripwires belong to.
+    pub table: &'a TripTable<'a>,
+    /// Tag of the index (entries from elsewhere are ignored).
+    pub tag: u64,
+}
+
+/// Where firings go: the futex to wake sleepers with, and the event queue producer.
+pub trait Sink {
+    /// Futex implementation.
+    type F: Futex;
+    /// The futex.
+    fn futex(&self) -> &Self::F;
+    /// Post a tripwire event for entry `(index, generation)`.
+    fn post(&self, index: u32, generation: u32, access: Access);
+}
+
+/// Fire one candidate; returns 1 if it fired.
+fn fire_one(watch: &Watch<'_>, sink: &impl Sink, c: &Candidate, access: Access) -> u32 {
+    match trip::fire(watch.table, c.index, c.generation, access, sink.futex()) {
+        Fired::No => 0,
+        Fired::Yes => 1,
+        Fired::PostEvent => {
+            sink.post(c.index, c.generation, access);
+            1
+        }
+    }
+}
+
+/// Move `len` bytes at watched offset `off` with `mover(offset, len)`, firing the tripwires
+/// of `watch` for `access` as described in the module documentation. Returns the number of
+/// tripwires fired. `scratch` is reused between calls to avoid allocating.
+pub fn transfer<E>(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    scratch: &mut Vec<Candidate>,
+    mut mover: impl FnMut(u64, u64) -> Result<(), E>,
+) -> Result<u32, E> {
+    let end = off.saturating_add(len);
+    let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
+    let mut fired = 0;
+    scratch.clear();
+    if len > 0 && watch.cam.may_match(off, end) {
+        watch
+            .cam
+            .collect(watch.table, watch.tag, off, end, access, scratch);
+        scratch.sort_unstable_by_key(|c| c.end.min(end));
+        let mut cursor = off;
+        for c in scratch.iter() {
+            let upto = c.end.min(end);
+            if upto > cursor {
+                mover(cursor, upto - cursor)?;
+                cursor = upto;
+            }
+            // The watched bytes are in place: make them visible before the firing is.
+            fence(Ordering::SeqCst);
+            fired += fire_one(watch, sink, c, access);
+        }
+        if cursor < end {
+            mover(cursor, end - cursor)?;
+        }
+    } else if len > 0 {
+        mover(off, len)?;
+    }
+    fired += recheck(access, watch, sink, off, end, e1, scratch);
+    Ok(fired)
+}
+
+/// Step 3 of [`transfer`]: after the data is in place, fire what was armed meanwhile.
+fn recheck(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    end: u64,
+    mut seen_epoch: u64,
+    scratch: &mut Vec<Candidate>,
+) -> u32 {
+    let mut fired = 0;
+    // Writer's half of the arm/fire Dekker: data stores above, fence, then the epoch load.
+    fence(Ordering::SeqCst);
+    let mut epoch = watch.cam.header.epoch.load(Ordering::Acquire);
+    let mut rounds = 0;
+    while epoch != seen_epoch && rounds < MAX_REDO && off < end {
+        rounds += 1;
+        let done = scratch.len();
+        watch
+            .cam
+            .collect(watch.table, watch.tag, off, end, access, scratch);
+        for i in done..scratch.len() {
+            let c = scratch[i];
+            fired += fire_one(watch, sink, &c, access);
+        }
+        seen_epoch = epoch;
+        fence(Ordering::SeqCst);
+        epoch = watch.cam.header.epoch.load(Ordering::Acquire);
+    }
+    fired
+}
+
+/// Fire every armed tripwire of `watch` overlapping `[off, off+len)` (for outgoing
+/// tripwires on a mapping: called once the transfer through it has completed).
+pub fn fire_range(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    scratch: &mut Vec<Candidate>,
+) -> u32 {
+    let end = off.saturating_add(len);
+    let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
+    scratch.clear();
+    let mut fired = 0;
+    if watch.cam.may_match(off, end) {
+        watch
+            .cam
+            .collect(watch.table, watch.tag, off, end, access, scratch);
+        for i in 0..scratch.len() {
+            let c = scratch[i];
+            fired += fire_one(watch, sink, &c, access);
+        }
+    }
+    fired + recheck(access, watch, sink, off, end, e1, scratch)
+}
