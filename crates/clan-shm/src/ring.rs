@@ -27,7 +27,7 @@
 //! consumer's `fetch_and` comes last it reads from the producer's release, so the re-load of
 //! `head` sees the event.
 //!
-//! Consumer, before sleeping (`Consumer::arm`):
+//! Consumer, before sleeping (`arm`):
 //! 1. `armed.fetch_or(mode)`; 2. `fence(SeqCst)`; 3. load `summary`.
 //! By the two fences, either the producer's step 5 sees `armed` (and wakes), or the
 //! consumer's step 3 sees the bit of step 3 (and does not sleep). `tests/loom.rs` checks it.
@@ -214,7 +214,7 @@ impl Producer {
         // SYNC POINT: the release half pairs with the consumer's `fetch_and` in `visit` (the
         // RMW chain orders our `head` store before its re-load of `head`).
         word.fetch_or(1u64 << (self.ring % 64), Ordering::AcqRel);
-        // Dekker with `Consumer::arm`'s "armed.fetch_or, fence, load summary".
+        // Dekker with `arm`'s "armed.fetch_or, fence, load summary".
         fence(Ordering::SeqCst);
         let mut signal_fd = false;
         if rings.words.armed.load(Ordering::Relaxed) != 0 {
@@ -376,38 +376,34 @@ impl Consumer {
         hdr.tail.store(self.tails[r], Ordering::Release);
         Some(Taken::Event { ring: r, words })
     }
+}
 
-    /// Whether every ring is empty, by the summary bits (a set bit may be stale: "maybe").
-    pub fn maybe_nonempty(&self, rings: &Rings<'_>) -> bool {
-        rings
-            .words
-            .summary
-            .iter()
-            .any(|w| w.load(Ordering::Acquire) != 0)
-    }
+/// Whether any ring may hold events, by the summary bits (a set bit may be stale: "maybe").
+pub fn maybe_nonempty(rings: &Rings<'_>) -> bool {
+    rings
+        .words
+        .summary
+        .iter()
+        .any(|w| w.load(Ordering::Acquire) != 0)
+}
 
-    /// Announce that the consumer is about to sleep (`mode` is [`ARM_FUTEX`] and/or
-    /// [`ARM_FD`]). Returns `true` if the queue is empty and sleeping is safe: every event
-    /// posted from now on wakes the sleeper. Returns `false` if events may be pending.
-    pub fn arm(&self, rings: &Rings<'_>, mode: u32) -> bool {
-        rings.words.armed.fetch_or(mode, Ordering::AcqRel);
-        // Dekker with `Producer::post`'s "summary.fetch_or, fence, load armed".
-        fence(Ordering::SeqCst);
-        !self.maybe_nonempty(rings)
-    }
+/// Announce that the consumer is about to sleep (`mode` is [`ARM_FUTEX`] and/or [`ARM_FD`]).
+/// Returns `true` if the queue is empty and sleeping is safe: every event posted from now on
+/// wakes the sleeper. Returns `false` if events may be pending.
+pub fn arm(rings: &Rings<'_>, mode: u32) -> bool {
+    rings.words.armed.fetch_or(mode, Ordering::AcqRel);
+    // Dekker with `Producer::post`'s "summary.fetch_or, fence, load armed".
+    fence(Ordering::SeqCst);
+    !maybe_nonempty(rings)
+}
 
-    /// Block until an event may be present, `timeout` at most. Spins are the caller's.
-    pub fn sleep(
-        &self,
-        rings: &Rings<'_>,
-        futex: &impl Futex,
-        timeout: Option<std::time::Duration>,
-    ) {
-        // SYNC POINT: read the wake word before arming, so that a producer's increment after
-        // our arming makes `futex.wait` return at once (pairs with its `fetch_add(Release)`).
-        let seen = rings.words.wake.load(Ordering::Acquire);
-        if self.arm(rings, ARM_FUTEX) {
-            futex.wait(&rings.words.wake, seen, timeout);
-        }
+/// Block until an event may be present, `timeout` at most. Does not need the consumer, so
+/// other threads can keep taking events while one sleeps.
+pub fn sleep(rings: &Rings<'_>, futex: &impl Futex, timeout: Option<std::time::Duration>) {
+    // SYNC POINT: read the wake word before arming, so that a producer's increment after our
+    // arming makes `futex.wait` return at once (pairs with its `fetch_add(Release)`).
+    let seen = rings.words.wake.load(Ordering::Acquire);
+    if arm(rings, ARM_FUTEX) {
+        futex.wait(&rings.words.wake, seen, timeout);
     }
 }

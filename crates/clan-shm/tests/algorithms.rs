@@ -83,13 +83,13 @@ fn ring_round_robin_overflow_and_arm() {
     let mut p2 = Producer::new(2);
     let mut c = Consumer::new(4);
     assert!(
-        c.arm(&rings, clan_shm::ring::ARM_FUTEX),
+        clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX),
         "empty queue may sleep"
     );
     let posted = p0.post(&rings, [1, 0, 0, 0], &SharedFutex);
     assert!(posted.stored);
     assert!(
-        !c.arm(&rings, clan_shm::ring::ARM_FUTEX),
+        !clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX),
         "pending event: must not sleep"
     );
     p2.post(&rings, [2, 0, 0, 0], &SharedFutex);
@@ -122,7 +122,7 @@ fn ring_round_robin_overflow_and_arm() {
         }
     }
     assert_eq!((events, lost), (8, 2));
-    assert!(c.arm(&rings, clan_shm::ring::ARM_FUTEX));
+    assert!(clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX));
 }
 
 #[test]

@@ -105,7 +105,7 @@ fn ring_no_lost_wakeup() {
             match c.take(&rings) {
                 Some(Taken::Event { words, .. }) => got.push(words[0]),
                 Some(other) => panic!("unexpected {other:?}"),
-                None => c.sleep(&rings, &*futex, None),
+                None => clan_shm::ring::sleep(&rings, &*futex, None),
             }
         }
         got.sort();
@@ -141,7 +141,7 @@ fn ring_same_ring_order() {
             match c.take(&rings) {
                 Some(Taken::Event { words, .. }) => got.push(words[0]),
                 Some(other) => panic!("unexpected {other:?}"),
-                None => c.sleep(&rings, &*futex, None),
+                None => clan_shm::ring::sleep(&rings, &*futex, None),
             }
         }
         assert_eq!(got, vec![10, 11], "FIFO within a ring");

@@ -1,0 +1,295 @@
+//! Apertures: page-aligned regions of memory an endpoint exports.
+//!
+//! Each aperture is one sealed memfd laid out as `[data (page multiple)][index]`: the data
+//! that importers map, and the aperture's tripwire index (`clan_shm::cam`) that every
+//! importer reads to snoop its own writes. Protection between processes is per aperture:
+//! an importer receives this memfd only (read-only if its descriptor grants reading only),
+//! never any other memory. A descriptor narrowed to a sub-range is enforced by the NIC on
+//! every access; the kernel-enforced unit is the aperture.
+//!
+//! The owner accesses its aperture as local memory ([`Aperture::write`], [`Aperture::load_u64`],
+//! …): those are plain loads and stores, invisible to the NIC, exactly like the CPU's
+//! accesses to local memory next to a CLAN NIC. Traffic through the NIC (mappings, DMA, links)
+//! fires tripwires.
+//!
+//! ## Unexport and reuse
+//!
+//! Unexporting revokes the descriptor generation at once: the index header's revocation word
+//! changes, so every later access through a mapping and every import fails with a clear
+//! error. The memory itself is recycled (the endpoint cache) only after every mapping of it —
+//! in this process and in every importing process — is gone, and it is zeroed before reuse.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use clan_shm::cam::{CAM_MAGIC, CamLayout, live_state};
+use clan_shm::eq::CamMap;
+use clan_shm::memfd::Memfd;
+use clan_shm::segment::{self, Access as SegAccess, Segment};
+use clan_shm::sync::{AtomicU32, AtomicU64};
+
+use crate::addr::EndpointAddr;
+use crate::config::ImportPolicy;
+use crate::descriptor::Descriptor;
+use crate::error::{AccessError, ExportError, TripwireError};
+use crate::nic::NicInner;
+use crate::tripwire::{Tripwire, TripwireConfig, WatchOwner};
+use crate::window::{Window, check_align, check_range};
+
+/// Largest aperture.
+pub const MAX_APERTURE: u64 = 1 << 40;
+
+/// The recyclable memory of an aperture.
+#[derive(Debug)]
+pub(crate) struct ApertureMem {
+    pub memfd: Memfd,
+    pub seg: Arc<Segment>,
+    pub cam: Arc<CamMap>,
+    /// Data capacity (a page multiple); also the offset of the index in the memfd.
+    pub cap: u64,
+}
+
+impl ApertureMem {
+    pub fn create(cap: u64) -> Result<ApertureMem, ExportError> {
+        let index_len = segment::page_align(CamLayout::new(cap).size) as u64;
+        let total = cap + index_len;
+        let memfd = Memfd::create("clan-aperture", total)
+            .map_err(|e| fd_or_io(e, "creating the aperture memfd"))?;
+        let seg = Arc::new(
+            Segment::map(&memfd, 0, total as usize, SegAccess::ReadWrite).map_err(|source| {
+                ExportError::Io {
+                    context: "mapping the aperture",
+                    source,
+                }
+            })?,
+        );
+        let cam =
+            Arc::new(
+                CamMap::new(seg.clone(), cap as usize, cap).map_err(|e| ExportError::Io {
+                    context: "laying out the aperture index",
+                    source: std::io::Error::other(e),
+                })?,
+            );
+        Ok(ApertureMem {
+            memfd,
+            seg,
+            cam,
+            cap,
+        })
+    }
+
+    /// Zero data and index (returns the pages to the system).
+    pub fn reset(&self) -> std::io::Result<()> {
+        self.memfd.zero(0, self.memfd.len())
+    }
+
+    /// Initialise the index header for a new export.
+    pub fn init(&self, generation: u32, tag: u64) {
+        let h = self.cam.view().header;
+        h.len.store(self.cap, Ordering::Relaxed);
+        h.tag.store(tag, Ordering::Relaxed);
+        h.wide_head.store(0, Ordering::Relaxed);
+        h.magic.store(CAM_MAGIC, Ordering::Relaxed);
+        // SYNC POINT: pairs with the importers' Acquire check of `state` (`Window::check_live`).
+        h.state.store(live_state(generation), Ordering::Release);
+    }
+
+    pub fn revoke(&self) {
+        // SYNC POINT: pairs with `Window::check_live`'s Acquire load.
+        self.cam.view().header.state.store(0, Ordering::Release);
+    }
+}
+
+pub(crate) fn fd_or_io(e: std::io::Error, context: &'static str) -> ExportError {
+    if e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error())
+        || e.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error())
+    {
+        ExportError::FdLimit {
+            limit: crate::nic::fd_limit(),
+        }
+    } else {
+        ExportError::Io { context, source: e }
+    }
+}
+
+/// The tag of an aperture's index: what its tripwire entries carry.
+pub(crate) fn aperture_tag(id: u32, generation: u32) -> u64 {
+    (u64::from(generation & 0x7fff_ffff) << 32) | u64::from(id)
+}
+
+#[derive(Debug)]
+pub(crate) struct ApertureInner {
+    pub nic: Arc<NicInner>,
+    pub id: u32,
+    pub generation: u32,
+    pub len: u64,
+    pub endpoint: EndpointAddr,
+    /// `Option` only so that `Drop` can hand the memory over for reuse.
+    pub mem: Option<Arc<ApertureMem>>,
+    pub window: Window,
+    pub watch: Arc<WatchOwner>,
+    pub key: [u8; 32],
+    pub policy: ImportPolicy,
+    pub revoked: AtomicBool,
+}
+
+impl ApertureInner {
+    pub fn mem(&self) -> &Arc<ApertureMem> {
+        self.mem
+            .as_ref()
+            .expect("aperture memory present until drop")
+    }
+
+    pub fn unexport(&self) {
+        if self.revoked.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.mem().revoke();
+        self.watch.clear();
+        self.nic.aperture_unexported(self.id, self.generation);
+    }
+
+    pub fn descriptor(&self) -> Descriptor {
+        Descriptor::root(self.nic.addr, self.id, self.generation, self.len, &self.key)
+    }
+}
+
+impl Drop for ApertureInner {
+    fn drop(&mut self) {
+        self.unexport();
+        if let Some(mem) = self.mem.take() {
+            self.nic.aperture_released(self.id, self.generation, mem);
+        }
+    }
+}
+
+/// An exported region of memory. Dropping it unexports it. `Send` and `Sync`.
+#[derive(Debug)]
+pub struct Aperture {
+    pub(crate) inner: Arc<ApertureInner>,
+}
+
+impl Aperture {
+    /// The descriptor of the whole aperture (read-write). Narrow it with
+    /// [`Descriptor::derive`] before handing it out if the importer needs less.
+    pub fn descriptor(&self) -> Descriptor {
+        self.inner.descriptor()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// Whether the aperture is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Aperture id on this NIC.
+    pub fn id(&self) -> u32 {
+        self.inner.id
+    }
+
+    /// Generation of the id.
+    pub fn generation(&self) -> u32 {
+        self.inner.generation
+    }
+
+    /// The exporting endpoint.
+    pub fn endpoint(&self) -> EndpointAddr {
+        self.inner.endpoint
+    }
+
+    /// Mappings of this aperture currently held by other processes.
+    pub fn remote_imports(&self) -> u32 {
+        self.inner
+            .nic
+            .remote_refs(self.inner.id, self.inner.generation)
+    }
+
+    fn seg(&self) -> &Segment {
+        &self.inner.window.data
+    }
+
+    /// Copy `src` into the aperture at `off` (a local store: fires no tripwire).
+    pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
+        check_range(off, src.len() as u64, self.inner.len)?;
+        self.seg()
+            .write(off as usize, src)
+            .map_err(|_| AccessError::NotWritable)
+    }
+
+    /// Copy from the aperture at `off` into `dst` (a local load).
+    pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
+        check_range(off, dst.len() as u64, self.inner.len)?;
+        self.seg()
+            .read(off as usize, dst)
+            .map_err(|_| AccessError::NotReadable)
+    }
+
+    /// Fill `len` bytes at `off` with `byte`.
+    pub fn fill(&self, off: u64, len: u64, byte: u8) -> Result<(), AccessError> {
+        check_range(off, len, self.inner.len)?;
+        self.seg()
+            .fill(off as usize, len as usize, byte)
+            .map_err(|_| AccessError::NotWritable)
+    }
+
+    fn word<T: segment::Shared>(&self, off: u64, size: u64) -> Result<&T, AccessError> {
+        check_range(off, size, self.inner.len)?;
+        check_align(off, size)?;
+        self.seg()
+            .view::<T>(off as usize)
+            .map_err(|_| AccessError::Misaligned {
+                offset: off,
+                align: size,
+            })
+    }
+
+    /// Atomic load (Acquire) of the aligned word at `off`: the way to poll a flag or counter
+    /// that a remote writer updates.
+    pub fn load_u64(&self, off: u64) -> Result<u64, AccessError> {
+        Ok(self.word::<AtomicU64>(off, 8)?.load(Ordering::Acquire))
+    }
+
+    /// Atomic store (Release) of the aligned word at `off`.
+    pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {
+        self.word::<AtomicU64>(off, 8)?.store(v, Ordering::Release);
+        Ok(())
+    }
+
+    /// Atomic load (Acquire) of the aligned 32-bit word at `off`.
+    pub fn load_u32(&self, off: u64) -> Result<u32, AccessError> {
+        Ok(self.word::<AtomicU32>(off, 4)?.load(Ordering::Acquire))
+    }
+
+    /// Atomic store (Release) of the aligned 32-bit word at `off`.
+    pub fn store_u32(&self, off: u64, v: u32) -> Result<(), AccessError> {
+        self.word::<AtomicU32>(off, 4)?.store(v, Ordering::Release);
+        Ok(())
+    }
+
+    /// A raw window onto `len` bytes at `off`, for zero-copy processing in place.
+    pub fn raw(&self, off: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
+        check_range(off, len, self.inner.len)?;
+        self.inner.window.raw(off, len)
+    }
+
+    /// Set a tripwire on incoming traffic (writes and/or reads by importers) to a range.
+    pub fn tripwire(&self, cfg: TripwireConfig) -> Result<Tripwire, TripwireError> {
+        if self.inner.revoked.load(Ordering::Acquire) {
+            return Err(TripwireError::Stale);
+        }
+        self.inner.watch.add(&cfg)
+    }
+
+    /// Unexport now (dropping does the same).
+    pub fn unexport(self) {}
+}
+
+impl Drop for Aperture {
+    fn drop(&mut self) {
+        self.inner.unexport();
+    }
+}

@@ -1,0 +1,322 @@
+//! Endpoints: (NIC address, port). Each owns an out-of-band message queue, its apertures and
+//! tripwires, and reports to an event queue.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::addr::EndpointAddr;
+use crate::aperture::{Aperture, ApertureInner};
+use crate::config::ExportConfig;
+use crate::ctl::{self, Code, Reply, Request};
+use crate::descriptor::{Descriptor, Rights};
+use crate::error::{Denial, ExportError, ImportError, OobError, TripwireError};
+use crate::event_queue::{EVENT_OOB, EventQueue};
+use crate::mapping::{Keep, Mapping, MappingInner};
+use crate::nic::NicInner;
+use crate::tripset::Tripset;
+
+/// Capacity of an endpoint's out-of-band queue.
+pub const OOB_QUEUE: usize = 256;
+
+/// An out-of-band message: a fixed 40-byte payload and its sender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OobMessage {
+    /// Sending endpoint.
+    pub from: EndpointAddr,
+    /// Payload (zero-padded).
+    pub payload: [u8; ctl::OOB_PAYLOAD],
+}
+
+/// How an endpoint is created.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointConfig {
+    /// Endpoint port; None picks a free one.
+    pub port: Option<u32>,
+    /// Event queue; None uses the NIC's default queue.
+    pub queue: Option<EventQueue>,
+}
+
+#[derive(Debug)]
+pub(crate) struct EndpointInner {
+    pub nic: Arc<NicInner>,
+    pub addr: EndpointAddr,
+    pub queue: EventQueue,
+    oob: Mutex<VecDeque<OobMessage>>,
+    oob_cv: Condvar,
+    closed: AtomicBool,
+    apertures: Mutex<Vec<Weak<ApertureInner>>>,
+}
+
+impl EndpointInner {
+    pub fn new(nic: Arc<NicInner>, addr: EndpointAddr, queue: EventQueue) -> EndpointInner {
+        EndpointInner {
+            nic,
+            addr,
+            queue,
+            oob: Mutex::new(VecDeque::new()),
+            oob_cv: Condvar::new(),
+            closed: AtomicBool::new(false),
+            apertures: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Queue an out-of-band message and post its event.
+    pub fn deliver_oob(&self, msg: OobMessage) -> Result<(), Code> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Code::NoSuchEndpoint);
+        }
+        {
+            let mut q = self.oob.lock().unwrap_or_else(|e| e.into_inner());
+            if q.len() >= OOB_QUEUE {
+                return Err(Code::QueueFull);
+            }
+            q.push_back(msg);
+        }
+        self.oob_cv.notify_all();
+        self.queue
+            .inner
+            .post_local(EVENT_OOB, u64::from(self.addr.port), 0);
+        Ok(())
+    }
+
+    fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let aps = std::mem::take(&mut *self.apertures.lock().unwrap_or_else(|e| e.into_inner()));
+        for a in aps.iter().filter_map(Weak::upgrade) {
+            a.unexport();
+        }
+        self.nic.endpoint_closed(self.addr.port);
+        self.oob_cv.notify_all();
+    }
+}
+
+impl Drop for EndpointInner {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// An endpoint. Dropping it (or [`Endpoint::close`]) unexports its apertures and frees its
+/// port. `Send` and `Sync`: share it across threads with `Arc`.
+#[derive(Debug)]
+pub struct Endpoint {
+    pub(crate) inner: Arc<EndpointInner>,
+}
+
+impl Endpoint {
+    /// Its address.
+    pub fn addr(&self) -> EndpointAddr {
+        self.inner.addr
+    }
+
+    /// Its port.
+    pub fn port(&self) -> u32 {
+        self.inner.addr.port
+    }
+
+    /// The event queue it reports to.
+    pub fn event_queue(&self) -> &EventQueue {
+        &self.inner.queue
+    }
+
+    /// Export `len` bytes (rounded up to whole pages in memory; accesses are bounded by
+    /// `len`), zero-filled, importable by anyone holding its descriptor.
+    pub fn export(&self, len: u64) -> Result<Aperture, ExportError> {
+        self.export_with(len, ExportConfig::default())
+    }
+
+    /// Export with import restrictions.
+    pub fn export_with(&self, len: u64, cfg: ExportConfig) -> Result<Aperture, ExportError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(ExportError::EndpointClosed);
+        }
+        let ap = self.inner.nic.export(&self.inner, len, cfg)?;
+        let mut aps = self
+            .inner
+            .apertures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        aps.retain(|w| w.strong_count() > 0);
+        aps.push(Arc::downgrade(&ap.inner));
+        Ok(ap)
+    }
+
+    /// Import a descriptor: from this process, from another process of this host (the
+    /// memory is mapped here), or from another host (over a link).
+    pub fn import(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(ImportError::EndpointClosed);
+        }
+        let nic = &self.inner.nic;
+        if desc.nic() == nic.addr {
+            return self.import_local(desc);
+        }
+        crate::peer::import_remote(&self.inner, desc)
+    }
+
+    fn import_local(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
+        let nic = &self.inner.nic;
+        let revoked = || ImportError::Revoked {
+            aperture: desc.aperture(),
+            generation: desc.generation(),
+        };
+        let ap = nic
+            .live_aperture(desc.aperture(), desc.generation())
+            .ok_or_else(revoked)?;
+        if !desc.verify(&ap.key) {
+            return Err(ImportError::BadKey);
+        }
+        if desc.aperture_len() != ap.len {
+            return Err(ImportError::BadKey);
+        }
+        let p = &ap.policy;
+        let me = crate::nic::own_cred();
+        if !p.uids.is_empty() && !p.uids.contains(&me.uid) {
+            return Err(ImportError::Denied(Denial::Uid));
+        }
+        if !p.pids.is_empty() && !p.pids.contains(&me.pid) {
+            return Err(ImportError::Denied(Denial::Pid));
+        }
+        if !p.endpoints.is_empty() && !p.endpoints.contains(&self.inner.addr) {
+            return Err(ImportError::Denied(Denial::Endpoint));
+        }
+        let w = &ap.window;
+        let window = crate::window::Window {
+            data: w.data.clone(),
+            data_base: 0,
+            cam: w.cam.clone(),
+            tag: w.tag,
+            live: w.live,
+            port: w.port.clone(),
+        };
+        let _ = Rights::READ;
+        Ok(Mapping {
+            inner: Arc::new(MappingInner {
+                window,
+                desc: desc.clone(),
+                off: desc.offset(),
+                len: desc.len(),
+                rights: desc.rights(),
+                importer_eq: self.inner.queue.inner.clone(),
+                importer_port: self.inner.addr.port,
+                outgoing: OnceLock::new(),
+                serial: nic.next_serial(),
+                _keep: Keep::Local(ap),
+            }),
+        })
+    }
+
+    /// A tripset for tripwires of this endpoint.
+    pub fn tripset(&self) -> Result<Tripset, TripwireError> {
+        Tripset::new(self.inner.queue.inner.clone(), self.inner.addr.port)
+    }
+
+    /// Send an out-of-band message (at most 40 bytes, zero-padded) to `to`. Returns once it is
+    /// queued at the destination (or with the reason it could not be).
+    pub fn send_oob(&self, to: EndpointAddr, payload: &[u8]) -> Result<(), OobError> {
+        if payload.len() > ctl::OOB_PAYLOAD {
+            return Err(OobError::TooLong(payload.len()));
+        }
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(OobError::Closed);
+        }
+        let mut p = [0u8; ctl::OOB_PAYLOAD];
+        p[..payload.len()].copy_from_slice(payload);
+        let nic = &self.inner.nic;
+        let code = if to.nic == nic.addr {
+            match nic.deliver_oob(self.inner.addr, to.port, p) {
+                Ok(()) => return Ok(()),
+                Err(c) => c,
+            }
+        } else {
+            let peer = nic.peer(to.nic).map_err(|e| oob_peer_error(to, e))?;
+            match peer.request(&Request::Oob {
+                from: self.inner.addr,
+                to_port: to.port,
+                payload: p,
+            }) {
+                Ok((Reply::Ok, _)) => return Ok(()),
+                Ok((Reply::Err { code, .. }, _)) => code,
+                Ok((other, _)) => {
+                    return Err(OobError::Protocol {
+                        peer: to.nic,
+                        detail: format!("unexpected reply {other:?}"),
+                    });
+                }
+                Err(e) => return Err(oob_peer_error(to, e)),
+            }
+        };
+        Err(match code {
+            Code::NoSuchEndpoint => OobError::NoSuchEndpoint(to),
+            Code::QueueFull => OobError::QueueFull(to),
+            other => OobError::Protocol {
+                peer: to.nic,
+                detail: format!("{other:?}"),
+            },
+        })
+    }
+
+    /// Take one out-of-band message, if any (no system call).
+    pub fn recv_oob(&self) -> Option<OobMessage> {
+        self.inner
+            .oob
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop_front()
+    }
+
+    /// Wait for an out-of-band message.
+    pub fn wait_oob(&self, timeout: Option<Duration>) -> Result<OobMessage, OobError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut q = self.inner.oob.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(m) = q.pop_front() {
+                return Ok(m);
+            }
+            if self.inner.closed.load(Ordering::Acquire) {
+                return Err(OobError::Closed);
+            }
+            q = match deadline {
+                None => self.inner.oob_cv.wait(q).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(OobError::Timeout);
+                    }
+                    self.inner
+                        .oob_cv
+                        .wait_timeout(q, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Close the endpoint now (dropping does the same).
+    pub fn close(self) {
+        self.inner.close();
+    }
+}
+
+fn oob_peer_error(to: EndpointAddr, e: crate::peer::PeerError) -> OobError {
+    match e {
+        crate::peer::PeerError::Unreachable => OobError::Unreachable(to.nic),
+        crate::peer::PeerError::Timeout(t) => OobError::Protocol {
+            peer: to.nic,
+            detail: format!("no answer within {t:?}"),
+        },
+        crate::peer::PeerError::Protocol(d) => OobError::Protocol {
+            peer: to.nic,
+            detail: d,
+        },
+        crate::peer::PeerError::Io(e) => OobError::Protocol {
+            peer: to.nic,
+            detail: e.to_string(),
+        },
+    }
+}

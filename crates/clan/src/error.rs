@@ -1,0 +1,329 @@
+//! Errors: one enum per family of operations. Every message says what was wrong and, where
+//! there is one, what the caller can do about it.
+
+use std::io;
+use std::time::Duration;
+
+use crate::addr::{EndpointAddr, NicAddr};
+
+/// Opening a NIC.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NicError {
+    /// Another NIC on this host already uses the address.
+    #[error(
+        "NIC address {0} is already in use on this host; choose another port or let clan pick one (port 0)"
+    )]
+    AddrInUse(NicAddr),
+    /// No free port was found for an automatically numbered NIC.
+    #[error("no free NIC port found on this host")]
+    NoFreePort,
+    /// The configuration is inconsistent.
+    #[error("invalid NIC configuration: {0}")]
+    Config(String),
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What clan was doing.
+        context: &'static str,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Creating, finding or closing endpoints.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EndpointError {
+    /// The requested endpoint port is taken.
+    #[error("endpoint port {0} is already in use on this NIC")]
+    PortInUse(u32),
+    /// Port 0 is reserved for "pick one".
+    #[error("endpoint port 0 is reserved: pass None to have a port assigned")]
+    ReservedPort,
+    /// The endpoint was closed.
+    #[error("the endpoint is closed")]
+    Closed,
+    /// The event queue belongs to another NIC.
+    #[error("the event queue belongs to another NIC")]
+    ForeignQueue,
+}
+
+/// Exporting apertures.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExportError {
+    /// Zero-length apertures are meaningless.
+    #[error("cannot export an aperture of 0 bytes")]
+    Empty,
+    /// Larger than supported.
+    #[error("aperture of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// Requested length.
+        len: u64,
+        /// Limit.
+        max: u64,
+    },
+    /// Out of file descriptors (one memfd per aperture).
+    #[error(
+        "out of file descriptors ({limit} allowed): each aperture holds one memfd; raise RLIMIT_NOFILE (ulimit -n) or export fewer, larger apertures"
+    )]
+    FdLimit {
+        /// The soft limit in force.
+        limit: u64,
+    },
+    /// The endpoint was closed.
+    #[error("the endpoint is closed")]
+    EndpointClosed,
+    /// Too many apertures on this NIC.
+    #[error("too many apertures on this NIC")]
+    TooMany,
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What clan was doing.
+        context: &'static str,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Why an import was refused by the exporter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Denial {
+    /// The importer's user id is not allowed.
+    Uid,
+    /// The importer's process id is not allowed.
+    Pid,
+    /// The importing endpoint is not allowed.
+    Endpoint,
+}
+
+/// Importing descriptors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ImportError {
+    /// The aperture was unexported (or never existed): the descriptor is stale.
+    #[error(
+        "descriptor refers to aperture {aperture} generation {generation}, which is no longer exported: ask the exporter for a fresh descriptor"
+    )]
+    Revoked {
+        /// Aperture id.
+        aperture: u32,
+        /// Generation in the descriptor.
+        generation: u32,
+    },
+    /// The descriptor's key does not match: it was forged or altered.
+    #[error("descriptor key does not match: the descriptor was forged or altered")]
+    BadKey,
+    /// The exporter's import restrictions exclude us.
+    #[error("the exporter does not allow this importer ({0:?} restriction)")]
+    Denied(Denial),
+    /// No NIC answers at the descriptor's address.
+    #[error("no NIC reachable at {0}")]
+    Unreachable(NicAddr),
+    /// The exporter has no room for another producer in the aperture's event queue.
+    #[error("the exporter's event queue has no free producer ring (too many importing processes)")]
+    TooManyProducers,
+    /// Out of file descriptors.
+    #[error("out of file descriptors while importing: raise RLIMIT_NOFILE (ulimit -n)")]
+    FdLimit,
+    /// The endpoint was closed.
+    #[error("the endpoint is closed")]
+    EndpointClosed,
+    /// The exporter answered something invalid.
+    #[error("protocol error talking to {peer}: {detail}")]
+    Protocol {
+        /// The exporter.
+        peer: NicAddr,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The exporter did not answer in time.
+    #[error("{peer} did not answer within {timeout:?}")]
+    Timeout {
+        /// The exporter.
+        peer: NicAddr,
+        /// The limit.
+        timeout: Duration,
+    },
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What clan was doing.
+        context: &'static str,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Programmed I/O through a mapping, and local access to an aperture.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AccessError {
+    /// The access does not lie within the region.
+    #[error("access of {len} bytes at offset {offset} is outside the {size}-byte region")]
+    OutOfBounds {
+        /// Offset requested.
+        offset: u64,
+        /// Length requested.
+        len: u64,
+        /// Size of the region.
+        size: u64,
+    },
+    /// A write through a descriptor without write rights.
+    #[error("the descriptor does not grant write access")]
+    NotWritable,
+    /// A read through a descriptor without read rights.
+    #[error("the descriptor does not grant read access")]
+    NotReadable,
+    /// Word accesses must be naturally aligned.
+    #[error("word access at offset {offset} is not {align}-byte aligned")]
+    Misaligned {
+        /// Offset requested.
+        offset: u64,
+        /// Required alignment.
+        align: u64,
+    },
+    /// The aperture was unexported.
+    #[error("the aperture was unexported; the mapping is stale")]
+    Revoked,
+}
+
+/// Tripwires and tripsets.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TripwireError {
+    /// The range is empty.
+    #[error("a tripwire must watch at least one byte")]
+    EmptyRange,
+    /// The range is outside the aperture or mapping.
+    #[error("tripwire range {start}..{end} is outside the {size}-byte region")]
+    OutOfBounds {
+        /// Start requested.
+        start: u64,
+        /// End requested.
+        end: u64,
+        /// Size of the region.
+        size: u64,
+    },
+    /// The event queue's tripwire table is full.
+    #[error(
+        "the event queue's tripwire table is full ({capacity} entries): raise EventQueueConfig::tripwires"
+    )]
+    TableFull {
+        /// Capacity of the table.
+        capacity: u32,
+    },
+    /// The tripwire belongs to another endpoint or queue.
+    #[error("the tripwire belongs to another endpoint or event queue")]
+    Foreign,
+    /// The tripwire is already in a tripset.
+    #[error("the tripwire is already a member of a tripset")]
+    InTripset,
+    /// No more tripsets in the queue.
+    #[error(
+        "the event queue has no free tripset ({capacity} in use): raise EventQueueConfig::tripsets"
+    )]
+    TripsetsFull {
+        /// Capacity.
+        capacity: u32,
+    },
+    /// The aperture or mapping it watched is gone.
+    #[error("the watched aperture was unexported or the mapping dropped")]
+    Stale,
+    /// Waiting timed out.
+    #[error("timed out waiting for the tripwire")]
+    Timeout,
+}
+
+/// Event queues.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EventQueueError {
+    /// Waiting timed out.
+    #[error("timed out waiting for an event")]
+    Timeout,
+    /// The configuration is invalid.
+    #[error("invalid event queue configuration: {0}")]
+    Config(String),
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What clan was doing.
+        context: &'static str,
+        /// The system error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Out-of-band messages.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OobError {
+    /// The payload is longer than the fixed 40 bytes.
+    #[error("out-of-band payload of {0} bytes exceeds 40 bytes")]
+    TooLong(usize),
+    /// No such endpoint at the destination NIC.
+    #[error("no endpoint {0}")]
+    NoSuchEndpoint(EndpointAddr),
+    /// The destination's OOB queue is full.
+    #[error("the out-of-band queue of {0} is full; retry later")]
+    QueueFull(EndpointAddr),
+    /// No NIC answers at the destination.
+    #[error("no NIC reachable at {0}")]
+    Unreachable(NicAddr),
+    /// Waiting timed out.
+    #[error("timed out waiting for an out-of-band message")]
+    Timeout,
+    /// The endpoint was closed.
+    #[error("the endpoint is closed")]
+    Closed,
+    /// The destination answered something invalid or nothing in time.
+    #[error("protocol error talking to {peer}: {detail}")]
+    Protocol {
+        /// The peer NIC.
+        peer: NicAddr,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+/// Parsing and deriving descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DescriptorError {
+    /// Not a clan descriptor (wrong magic or version).
+    #[error("not a clan descriptor (bad magic or version)")]
+    BadMagic,
+    /// Truncated or with trailing bytes.
+    #[error("descriptor has the wrong length")]
+    BadLength,
+    /// The text form is not valid.
+    #[error("descriptor text is not valid: expected \"clan1.\" followed by base64url")]
+    BadText,
+    /// Unknown bits in the rights or address family.
+    #[error("descriptor has invalid fields")]
+    BadField,
+    /// A derived range does not lie within its parent.
+    #[error("derived range {offset}+{len} does not lie within the parent's {parent_len} bytes")]
+    NotWithin {
+        /// Relative offset requested.
+        offset: u64,
+        /// Length requested.
+        len: u64,
+        /// Parent's length.
+        parent_len: u64,
+    },
+    /// Derived rights must be a subset of the parent's.
+    #[error("derived rights must be a subset of the parent's")]
+    RightsEscalation,
+    /// Too many derivations.
+    #[error("a descriptor can be narrowed at most {0} times")]
+    TooDeep(usize),
+}

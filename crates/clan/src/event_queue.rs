@@ -1,0 +1,663 @@
+//! Event queues: tripwire, out-of-band, disconnect and user events, delivered into memory
+//! shared with their producers.
+//!
+//! A queue is one memfd ([`clan_shm::eq`]): a ring per producing process, the tripwire table
+//! of the endpoints that use the queue, their fired bitmap and tripset words. Posting and
+//! taking are O(1) and need no system call; a consumer spins for [`EventQueueConfig::spin`]
+//! and then sleeps on a futex, and the queue's eventfd ([`EventQueue::as_fd`]) makes it a
+//! member of any epoll/mio/tokio loop.
+//!
+//! ## The file descriptor
+//!
+//! The descriptor is readable while the queue holds events posted after the consumer last
+//! *armed* it ([`EventQueue::arm`]); `arm` returns `false` (and leaves the descriptor readable)
+//! if events are already pending. An event loop therefore runs:
+//!
+//! ```text
+//! loop {
+//!     while let Some(ev) = queue.try_take() { handle(ev) }
+//!     if queue.arm() { epoll_wait(...) }      // sleeps only if nothing is pending
+//! }
+//! ```
+//!
+//! Arming is what makes a busy consumer free of system calls: producers only signal the
+//! descriptor (or the futex) of a consumer that announced it was going to sleep.
+//!
+//! ## Overflow
+//!
+//! A producer whose ring is full drops the event and counts it; the consumer reports the
+//! count as [`Event::Overflow`] and in [`EventQueueStats::lost`], then should re-check the
+//! state it watches (as after any spurious or missing event). Event words from other processes
+//! are validated; malformed or stale ones are dropped and counted, never delivered.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use clan_shm::eq::{EQ_MAGIC, EqLayout, EqMap, EqParams, EqView};
+use clan_shm::eventfd::EventFd;
+use clan_shm::memfd::Memfd;
+use clan_shm::ring::{self, ARM_FD, Consumer, Producer, Taken};
+use clan_shm::segment::{Access as SegAccess, Segment};
+use clan_shm::snoop::Sink;
+use clan_shm::sync::SharedFutex;
+use clan_shm::trip::{self, Access};
+
+use crate::config::EventQueueConfig;
+use crate::error::EventQueueError;
+use crate::nic::NicInner;
+use crate::tripwire::TripwireId;
+
+const KIND_TRIP: u64 = 1;
+const KIND_OOB: u64 = 2;
+const KIND_DISCONNECT: u64 = 3;
+const KIND_USER: u64 = 4;
+
+/// Something that happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A tripwire registered with the queue fired.
+    Tripwire {
+        /// Which tripwire.
+        id: TripwireId,
+        /// The value given when registering it.
+        cookie: u64,
+        /// Port of the endpoint that owns it.
+        endpoint: u32,
+        /// The traffic that fired it.
+        access: Access,
+    },
+    /// An out-of-band message arrived for the endpoint with this port.
+    Oob {
+        /// Endpoint port.
+        endpoint: u32,
+    },
+    /// The peer of an endpoint went away.
+    Disconnect {
+        /// Endpoint port.
+        endpoint: u32,
+        /// A value identifying the connection (the protocol layer's).
+        token: u64,
+    },
+    /// Posted with [`EventQueue::post_user`].
+    User(u64),
+    /// Events were lost: a producer's ring overflowed (or was found corrupt). Re-check
+    /// everything this queue watches.
+    Overflow {
+        /// How many events were lost.
+        lost: u64,
+    },
+}
+
+/// Counters of a queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventQueueStats {
+    /// Events delivered.
+    pub delivered: u64,
+    /// Events lost to full rings (reported as [`Event::Overflow`]).
+    pub lost: u64,
+    /// Malformed event words dropped.
+    pub malformed: u64,
+    /// Events of tripwires destroyed or unregistered since, dropped.
+    pub stale: u64,
+}
+
+/// The producer side of one queue in this process: its mapping, our ring and the eventfd.
+#[derive(Debug)]
+pub(crate) struct EqPort {
+    pub map: EqMap,
+    pub producer: Mutex<Producer>,
+    pub eventfd: Arc<EventFd>,
+}
+
+impl EqPort {
+    pub fn view(&self) -> &EqView<'_> {
+        self.map.view()
+    }
+
+    /// Post raw event words on our ring; signals the eventfd if the consumer asked for it.
+    pub fn post(&self, words: [u64; 4]) -> bool {
+        let posted = {
+            let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+            p.post(&self.view().rings(), words, &SharedFutex)
+        };
+        if posted.signal_fd {
+            self.eventfd.signal();
+        }
+        posted.stored
+    }
+
+    pub fn sink(&self) -> PortSink<'_> {
+        PortSink { port: self }
+    }
+}
+
+/// Posts tripwire firings into a queue.
+#[derive(Debug)]
+pub(crate) struct PortSink<'a> {
+    port: &'a EqPort,
+}
+
+impl Sink for PortSink<'_> {
+    type F = SharedFutex;
+    fn futex(&self) -> &SharedFutex {
+        &SharedFutex
+    }
+    fn post(&self, index: u32, generation: u32, access: Access) {
+        let a = match access {
+            Access::Read => 1,
+            Access::Write => 2,
+        };
+        self.port.post([
+            KIND_TRIP | (a << 8),
+            u64::from(index) | (u64::from(generation) << 32),
+            0,
+            0,
+        ]);
+    }
+}
+
+/// Private bookkeeping of one tripwire entry.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TripMeta {
+    pub generation: u32,
+    pub endpoint: u32,
+    pub cookie: u64,
+    pub registered: bool,
+    pub live: bool,
+}
+
+#[derive(Debug, Default)]
+struct TripAlloc {
+    next: u32,
+    free: std::collections::VecDeque<u32>,
+    tripsets_next: u32,
+    tripsets_free: Vec<u32>,
+}
+
+/// Which producer owns which ring.
+#[derive(Debug)]
+struct RingAlloc {
+    /// `owner[r]`: connection id owning ring r (0 = free; ring 0 is ours).
+    owner: Vec<u64>,
+    /// Rings whose producer is gone, to be reset before reuse.
+    retired: Vec<usize>,
+}
+
+pub(crate) struct EqInner {
+    pub id: u32,
+    pub nic: Weak<NicInner>,
+    pub config: EventQueueConfig,
+    pub layout: EqLayout,
+    pub memfd: Memfd,
+    pub port: Arc<EqPort>,
+    consumer: Mutex<Consumer>,
+    trips: Mutex<TripAlloc>,
+    meta: RwLock<Vec<TripMeta>>,
+    rings: Mutex<RingAlloc>,
+    delivered: AtomicU64,
+    lost: AtomicU64,
+    malformed: AtomicU64,
+    stale: AtomicU64,
+}
+
+impl std::fmt::Debug for EqInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventQueue")
+            .field("id", &self.id)
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn params_of(config: &EventQueueConfig) -> Result<EqParams, EventQueueError> {
+    let p = EqParams {
+        nrings: config.producers,
+        ring_cap: config.ring_capacity,
+        trip_cap: config.tripwires,
+        tripset_cap: config.tripsets,
+    };
+    if !p.is_valid() {
+        return Err(EventQueueError::Config(format!(
+            "producers must be 1..=256, ring_capacity a power of two up to 2^20, tripwires and tripsets at most 2^24 (got {p:?})"
+        )));
+    }
+    Ok(p)
+}
+
+impl EqInner {
+    pub(crate) fn create(
+        id: u32,
+        nic: Weak<NicInner>,
+        config: EventQueueConfig,
+    ) -> Result<Arc<EqInner>, EventQueueError> {
+        let params = params_of(&config)?;
+        let layout = EqLayout::new(params);
+        let io = |context: &'static str| move |source| EventQueueError::Io { context, source };
+        let memfd = Memfd::create("clan-eq", layout.size as u64)
+            .map_err(io("creating the event queue memfd"))?;
+        let seg = Arc::new(
+            Segment::map(&memfd, 0, layout.size, SegAccess::ReadWrite)
+                .map_err(io("mapping the event queue"))?,
+        );
+        let map = EqMap::new(seg, layout).map_err(|e| EventQueueError::Io {
+            context: "laying out the event queue",
+            source: std::io::Error::other(e),
+        })?;
+        {
+            let h = map.view().header;
+            h.nrings.store(params.nrings, Ordering::Relaxed);
+            h.ring_cap.store(params.ring_cap, Ordering::Relaxed);
+            h.trip_cap.store(params.trip_cap, Ordering::Relaxed);
+            h.tripset_cap.store(params.tripset_cap, Ordering::Relaxed);
+            h.magic.store(EQ_MAGIC, Ordering::Release);
+        }
+        let eventfd = Arc::new(EventFd::new().map_err(io("creating the event queue eventfd"))?);
+        let port = Arc::new(EqPort {
+            map,
+            producer: Mutex::new(Producer::new(0)),
+            eventfd,
+        });
+        let mut owner = vec![0u64; params.nrings as usize];
+        owner[0] = u64::MAX;
+        Ok(Arc::new(EqInner {
+            id,
+            nic,
+            config,
+            layout,
+            memfd,
+            port,
+            consumer: Mutex::new(Consumer::new(params.nrings as usize)),
+            trips: Mutex::new(TripAlloc::default()),
+            meta: RwLock::new(Vec::new()),
+            rings: Mutex::new(RingAlloc {
+                owner,
+                retired: Vec::new(),
+            }),
+            delivered: AtomicU64::new(0),
+            lost: AtomicU64::new(0),
+            malformed: AtomicU64::new(0),
+            stale: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn view(&self) -> &EqView<'_> {
+        self.port.view()
+    }
+
+    /// Allocate a tripwire entry for endpoint `endpoint`: `(index, generation)`.
+    pub fn alloc_trip(&self, endpoint: u32) -> Option<(u32, u32)> {
+        let mut t = self.trips.lock().unwrap_or_else(|e| e.into_inner());
+        // Reuse the oldest freed entry first (FIFO) to keep stale references stale long.
+        let index = if t.free.len() > 64 || t.next >= self.layout.params.trip_cap {
+            t.free.pop_front()?
+        } else {
+            let i = t.next;
+            t.next += 1;
+            i
+        };
+        let mut meta = self.meta.write().unwrap_or_else(|e| e.into_inner());
+        if meta.len() <= index as usize {
+            meta.resize(index as usize + 1, TripMeta::default());
+        }
+        let m = &mut meta[index as usize];
+        m.generation = m.generation.wrapping_add(1).max(1);
+        m.endpoint = endpoint;
+        m.cookie = 0;
+        m.registered = false;
+        m.live = true;
+        Some((index, m.generation))
+    }
+
+    /// Return an entry (already retired and unlinked).
+    pub fn free_trip(&self, index: u32) {
+        if let Some(m) = self
+            .meta
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(index as usize)
+        {
+            m.live = false;
+            m.registered = false;
+        }
+        self.trips
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free
+            .push_back(index);
+    }
+
+    pub fn set_registration(&self, index: u32, generation: u32, cookie: Option<u64>) -> bool {
+        let mut meta = self.meta.write().unwrap_or_else(|e| e.into_inner());
+        match meta.get_mut(index as usize) {
+            Some(m) if m.live && m.generation == generation => {
+                m.registered = cookie.is_some();
+                m.cookie = cookie.unwrap_or(0);
+                drop(meta);
+                trip::set_flags(
+                    &self.view().table.entries[index as usize],
+                    generation,
+                    trip::ACT_EVENT,
+                    cookie.is_some(),
+                )
+            }
+            _ => false,
+        }
+    }
+
+    pub fn alloc_tripset(&self) -> Option<u32> {
+        let mut t = self.trips.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = t.tripsets_free.pop() {
+            return Some(s);
+        }
+        (t.tripsets_next < self.layout.params.tripset_cap).then(|| {
+            t.tripsets_next += 1;
+            t.tripsets_next - 1
+        })
+    }
+
+    pub fn free_tripset(&self, slot: u32) {
+        self.trips
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .tripsets_free
+            .push(slot);
+    }
+
+    /// Give producer `conn` a ring: its existing one, a free one, or a retired one (reset).
+    pub fn ring_for(&self, conn: u64) -> Option<u32> {
+        let mut ra = self.rings.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = ra.owner.iter().position(|&o| o == conn) {
+            return Some(r as u32);
+        }
+        let free = (1..ra.owner.len()).find(|&r| ra.owner[r] == 0 && !ra.retired.contains(&r));
+        let r = match free {
+            Some(r) => r,
+            None => {
+                // Reuse a ring whose producer died: drop what it left and reset it.
+                let r = ra.retired.pop()?;
+                let mut c = self.consumer.lock().unwrap_or_else(|e| e.into_inner());
+                let v = self.view();
+                let h = v.ring_headers[r];
+                let left = h.head.load(Ordering::Acquire).wrapping_sub(c.tail(r));
+                if left != 0 && left <= u64::from(self.layout.params.ring_cap) {
+                    self.lost.fetch_add(left, Ordering::Relaxed);
+                }
+                h.head.store(0, Ordering::Relaxed);
+                h.tail.store(0, Ordering::Relaxed);
+                h.overflow.store(0, Ordering::Relaxed);
+                c.reset_ring(r);
+                r
+            }
+        };
+        ra.owner[r] = conn;
+        Some(r as u32)
+    }
+
+    /// Producer `conn` is gone: make the consumer drain what it published, and retire its
+    /// ring for later reuse.
+    pub fn release_rings(&self, conn: u64) {
+        let mut ra = self.rings.lock().unwrap_or_else(|e| e.into_inner());
+        for r in 1..ra.owner.len() {
+            if ra.owner[r] == conn {
+                ra.owner[r] = 0;
+                ra.retired.insert(0, r);
+                // A producer killed between publishing and setting its summary bit: set it.
+                self.view().header.words.summary[r / 64].fetch_or(1 << (r % 64), Ordering::AcqRel);
+            }
+        }
+    }
+
+    fn decode(&self, ring: usize, w: [u64; 4]) -> Option<Event> {
+        match w[0] & 0xff {
+            KIND_TRIP => {
+                let access = match (w[0] >> 8) & 0xff {
+                    1 => Access::Read,
+                    2 => Access::Write,
+                    _ => {
+                        self.malformed.fetch_add(1, Ordering::Relaxed);
+                        return None;
+                    }
+                };
+                let index = w[1] as u32;
+                let generation = (w[1] >> 32) as u32;
+                let meta = self.meta.read().unwrap_or_else(|e| e.into_inner());
+                match meta.get(index as usize) {
+                    Some(m) if m.live && m.registered && m.generation == generation => {
+                        Some(Event::Tripwire {
+                            id: TripwireId {
+                                queue: self.id,
+                                index,
+                                generation,
+                            },
+                            cookie: m.cookie,
+                            endpoint: m.endpoint,
+                            access,
+                        })
+                    }
+                    Some(_) => {
+                        self.stale.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                    None => {
+                        self.malformed.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                }
+            }
+            // Only our own process posts these, on ring 0.
+            KIND_OOB if ring == 0 => Some(Event::Oob {
+                endpoint: w[1] as u32,
+            }),
+            KIND_DISCONNECT if ring == 0 => Some(Event::Disconnect {
+                endpoint: w[1] as u32,
+                token: w[2],
+            }),
+            KIND_USER if ring == 0 => Some(Event::User(w[1])),
+            _ => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    pub fn try_take(&self) -> Option<Event> {
+        let mut c = self.consumer.lock().unwrap_or_else(|e| e.into_inner());
+        let v = self.view();
+        let rings = v.rings();
+        loop {
+            match c.take(&rings)? {
+                Taken::Event { ring, words } => {
+                    if let Some(ev) = self.decode(ring, words) {
+                        self.delivered.fetch_add(1, Ordering::Relaxed);
+                        return Some(ev);
+                    }
+                }
+                Taken::Overflow { lost, .. } => {
+                    self.lost.fetch_add(lost, Ordering::Relaxed);
+                    return Some(Event::Overflow { lost });
+                }
+                Taken::Corrupt { skipped, .. } => {
+                    self.malformed.fetch_add(1, Ordering::Relaxed);
+                    self.lost.fetch_add(skipped, Ordering::Relaxed);
+                    return Some(Event::Overflow { lost: skipped });
+                }
+            }
+        }
+    }
+
+    pub fn post_local(&self, kind: u64, a: u64, b: u64) -> bool {
+        self.port.post([kind, a, b, 0])
+    }
+}
+
+/// An event queue. Cheap to clone (clones share the queue); `Send` and `Sync`: any thread may
+/// take events, and several may wait at once.
+#[derive(Debug, Clone)]
+pub struct EventQueue {
+    pub(crate) inner: Arc<EqInner>,
+}
+
+impl EventQueue {
+    /// Take one event if there is one: never blocks, never makes a system call.
+    pub fn try_take(&self) -> Option<Event> {
+        self.inner.try_take()
+    }
+
+    /// Take up to `max` events into `out`; returns how many.
+    pub fn poll(&self, out: &mut Vec<Event>, max: usize) -> usize {
+        let mut n = 0;
+        while n < max {
+            match self.try_take() {
+                Some(ev) => {
+                    out.push(ev);
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        n
+    }
+
+    /// Wait for an event: spin for the configured time, then sleep until one is posted or
+    /// `timeout` passes (None: no limit).
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Event, EventQueueError> {
+        self.wait_spin(self.inner.config.spin, timeout)
+    }
+
+    /// [`EventQueue::wait`] with an explicit spin time.
+    pub fn wait_spin(
+        &self,
+        spin: Duration,
+        timeout: Option<Duration>,
+    ) -> Result<Event, EventQueueError> {
+        if let Some(ev) = self.try_take() {
+            return Ok(ev);
+        }
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        if !spin.is_zero() {
+            let until = start + spin.min(timeout.unwrap_or(spin));
+            while Instant::now() < until {
+                std::hint::spin_loop();
+                if let Some(ev) = self.try_take() {
+                    return Ok(ev);
+                }
+            }
+        }
+        loop {
+            let left = match deadline {
+                Some(d) => {
+                    let l = d.saturating_duration_since(Instant::now());
+                    if l.is_zero() {
+                        return Err(EventQueueError::Timeout);
+                    }
+                    Some(l)
+                }
+                None => None,
+            };
+            ring::sleep(&self.inner.view().rings(), &SharedFutex, left);
+            if let Some(ev) = self.try_take() {
+                return Ok(ev);
+            }
+        }
+    }
+
+    /// Arm the file descriptor before sleeping on it in an epoll/mio/tokio loop. Returns
+    /// `true` if the queue is empty (sleep: the descriptor becomes readable when an event is
+    /// posted), `false` if events are pending (the descriptor is left readable: take them).
+    pub fn arm(&self) -> bool {
+        let port = &self.inner.port;
+        port.eventfd.drain();
+        let empty = ring::arm(&port.view().rings(), ARM_FD);
+        if !empty {
+            port.eventfd.signal();
+        }
+        empty
+    }
+
+    /// Post [`Event::User`]`(value)`: wakes a sleeping consumer, e.g. from another thread.
+    /// Returns false if the queue's own ring is full (the loss is reported as overflow).
+    pub fn post_user(&self, value: u64) -> bool {
+        self.inner.post_local(KIND_USER, value, 0)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EventQueueStats {
+        let i = &self.inner;
+        EventQueueStats {
+            delivered: i.delivered.load(Ordering::Relaxed),
+            lost: i.lost.load(Ordering::Relaxed),
+            malformed: i.malformed.load(Ordering::Relaxed),
+            stale: i.stale.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Identity of the queue within its NIC.
+    pub fn id(&self) -> u32 {
+        self.inner.id
+    }
+
+    /// The configuration it was created with.
+    pub fn config(&self) -> &EventQueueConfig {
+        &self.inner.config
+    }
+
+    /// Register interest in `tripwire`: its firings are posted here as [`Event::Tripwire`]
+    /// carrying `cookie`. The tripwire must belong to an endpoint using this queue.
+    pub fn register(
+        &self,
+        tripwire: &crate::Tripwire,
+        cookie: u64,
+    ) -> Result<(), crate::TripwireError> {
+        tripwire.set_registration(self, Some(cookie))
+    }
+
+    /// Stop posting `tripwire`'s firings here (events already posted are dropped on taking).
+    pub fn unregister(&self, tripwire: &crate::Tripwire) -> Result<(), crate::TripwireError> {
+        tripwire.set_registration(self, None)
+    }
+}
+
+impl AsFd for EventQueue {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.port.eventfd.as_fd()
+    }
+}
+
+impl AsRawFd for EventQueue {
+    fn as_raw_fd(&self) -> RawFd {
+        self.inner.port.eventfd.as_raw_fd()
+    }
+}
+
+/// mio integration: registering arms the queue, so a poll that follows returns when an event
+/// is (or already was) posted. After draining with `try_take`, call [`EventQueue::arm`]
+/// before the next `poll`.
+impl mio::event::Source for EventQueue {
+    fn register(
+        &mut self,
+        registry: &mio::Registry,
+        token: mio::Token,
+        interests: mio::Interest,
+    ) -> std::io::Result<()> {
+        self.arm();
+        mio::unix::SourceFd(&self.as_raw_fd()).register(registry, token, interests)
+    }
+    fn reregister(
+        &mut self,
+        registry: &mio::Registry,
+        token: mio::Token,
+        interests: mio::Interest,
+    ) -> std::io::Result<()> {
+        self.arm();
+        mio::unix::SourceFd(&self.as_raw_fd()).reregister(registry, token, interests)
+    }
+    fn deregister(&mut self, registry: &mio::Registry) -> std::io::Result<()> {
+        mio::unix::SourceFd(&self.as_raw_fd()).deregister(registry)
+    }
+}
+
+pub(crate) const EVENT_OOB: u64 = KIND_OOB;

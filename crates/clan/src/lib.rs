@@ -1,0 +1,90 @@
+//! # clan — a user-level network in software
+//!
+//! clan implements the CLAN network of AT&T Laboratories Cambridge — non-coherent
+//! distributed shared memory with *tripwires* for synchronisation — with a software NIC
+//! embedded in each process. Layer: the user API, above `clan-shm` (the unsafe core); this
+//! crate has no `unsafe` code.
+//!
+//! - A [`Nic`] is opened in the process (no daemon) and addressed by a [`NicAddr`].
+//! - An [`Endpoint`] (NIC address + port) exports [`Aperture`]s: regions of memory named by
+//!   unforgeable, serialisable [`Descriptor`]s that can travel in any message, and narrowed
+//!   (sub-range, fewer rights) by whoever holds them.
+//! - Importing a descriptor gives a [`Mapping`]: within a host the exporter's memory is
+//!   mapped and written with the CPU's own stores (programmed I/O, true zero copy).
+//! - [`Tripwire`]s watch address ranges and fire when traffic through the NIC touches them —
+//!   synchronisation orthogonal to data transfer. Firing posts to an [`EventQueue`] (a file
+//!   descriptor for epoll/mio), sets a bit testable without a system call, counts, and wakes
+//!   [`Tripwire::wait`] and [`Tripset`] waiters.
+//! - Endpoints exchange fixed-size out-of-band messages ([`Endpoint::send_oob`]) for
+//!   connection setup and exceptional conditions.
+//!
+//! ```no_run
+//! use clan::{Nic, NicConfig, TripwireConfig};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let nic = Nic::open(NicConfig::default())?;
+//! let server = nic.endpoint()?;
+//! let buf = server.export(4096)?;
+//! let flag = buf.tripwire(TripwireConfig::writes(0..8))?;
+//! let desc = buf.descriptor().to_string(); // send it anywhere
+//!
+//! // In the client (any process of the host, or this one):
+//! let client = nic.endpoint()?;
+//! let remote = client.import(&desc.parse()?)?;
+//! remote.write(8, b"hello")?;      // the body first ...
+//! remote.store_u64(0, 1)?;         // ... then the flag: fires the tripwire
+//!
+//! // Back in the server: arm, re-check, wait.
+//! flag.arm()?;
+//! while buf.load_u64(0)? == 0 {
+//!     flag.wait(None)?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ## Threads
+//!
+//! Every public type is `Send` and `Sync`; every method takes `&self` and may be called
+//! from any thread. Cheap handles ([`Nic`], [`EventQueue`], [`Mapping`]) are `Clone`.
+//!
+//! ## Panics
+//!
+//! No function panics on bad input: bad arguments, stale or forged descriptors, hostile
+//! bytes from other processes and out-of-range accesses are typed errors.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod addr;
+mod aperture;
+mod config;
+mod ctl;
+mod descriptor;
+mod endpoint;
+mod engine;
+mod error;
+mod event_queue;
+mod mapping;
+mod nic;
+mod peer;
+mod tripset;
+mod tripwire;
+mod window;
+
+pub use addr::{AddrParseError, EndpointAddr, NicAddr};
+pub use aperture::{Aperture, MAX_APERTURE};
+pub use clan_shm::segment::RawRegion;
+pub use config::{EventQueueConfig, ExportConfig, ImportPolicy, NicConfig};
+pub use descriptor::{Descriptor, MAX_CAVEATS, Rights};
+pub use endpoint::{Endpoint, EndpointConfig, OOB_QUEUE, OobMessage};
+pub use error::{
+    AccessError, Denial, DescriptorError, EndpointError, EventQueueError, ExportError, ImportError,
+    NicError, OobError, TripwireError,
+};
+pub use event_queue::{Event, EventQueue, EventQueueStats};
+pub use mapping::Mapping;
+pub use nic::{Nic, NicStats, fd_limit};
+pub use tripset::Tripset;
+pub use tripwire::{Access, Actions, Tripwire, TripwireConfig, TripwireId};
+
+/// Size of an out-of-band payload.
+pub const OOB_PAYLOAD: usize = ctl::OOB_PAYLOAD;

@@ -1,0 +1,710 @@
+//! The NIC: embedded in the process, no daemon. Owns the endpoint and aperture tables, the
+//! event queues, the connections to other NICs and the engine thread.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use clan_shm::cam::live_state;
+use clan_shm::seqpacket::{PeerCred, SeqPacket};
+
+use crate::addr::{EndpointAddr, NicAddr};
+use crate::aperture::{Aperture, ApertureInner, ApertureMem, MAX_APERTURE, aperture_tag};
+use crate::config::{EventQueueConfig, ExportConfig, NicConfig};
+use crate::ctl::{Code, ImportGrant, OOB_PAYLOAD};
+use crate::descriptor::{Descriptor, Rights, aperture_key};
+use crate::endpoint::{Endpoint, EndpointConfig, EndpointInner, OobMessage};
+use crate::engine::{Conn, Engine};
+use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
+use crate::event_queue::{EqInner, EventQueue};
+use crate::peer::{PeerConn, PeerError};
+use crate::tripwire::WatchOwner;
+use crate::window::Window;
+
+static FD_LIMIT: AtomicU64 = AtomicU64::new(0);
+
+/// The soft file-descriptor limit in force (raised to the hard limit when a NIC opens).
+pub fn fd_limit() -> u64 {
+    FD_LIMIT.load(Ordering::Relaxed)
+}
+
+/// Our own credentials.
+pub(crate) fn own_cred() -> PeerCred {
+    static CRED: OnceLock<PeerCred> = OnceLock::new();
+    *CRED.get_or_init(|| PeerCred {
+        pid: std::process::id(),
+        uid: rustix::process::getuid().as_raw(),
+        gid: rustix::process::getgid().as_raw(),
+    })
+}
+
+#[derive(Debug, Default)]
+struct ApSlot {
+    generation: u32,
+    live: Weak<ApertureInner>,
+    in_use: bool,
+    exported: bool,
+    /// Live imports per connection.
+    remote: HashMap<u64, u32>,
+    /// Connections that ever imported this generation and are still connected.
+    holders: HashSet<u64>,
+    parked: Option<Arc<ApertureMem>>,
+}
+
+#[derive(Debug, Default)]
+struct ApertureTable {
+    slots: Vec<ApSlot>,
+    free: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct Cache {
+    by_cap: HashMap<u64, Vec<Arc<ApertureMem>>>,
+    bytes: u64,
+}
+
+/// Counters of a NIC.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NicStats {
+    /// Apertures exported with fresh memory.
+    pub exports_fresh: u64,
+    /// Apertures exported with memory from the cache.
+    pub exports_cached: u64,
+    /// Imports granted to other processes.
+    pub imports_granted: u64,
+    /// Imports refused (stale, forged, denied, malformed).
+    pub imports_refused: u64,
+    /// Bytes of memory held in the cache.
+    pub cached_bytes: u64,
+    /// Open endpoints.
+    pub endpoints: u64,
+}
+
+pub(crate) struct NicInner {
+    pub addr: NicAddr,
+    pub config: NicConfig,
+    secret: [u8; 32],
+    serial: AtomicU64,
+    apertures: Mutex<ApertureTable>,
+    endpoints: Mutex<(HashMap<u32, Weak<EndpointInner>>, u32)>,
+    next_queue: AtomicU32,
+    default_queue: OnceLock<EventQueue>,
+    /// Queues by id (those handed to other processes must be found when a connection ends).
+    queues: Mutex<HashMap<u32, Weak<EqInner>>>,
+    peers: Mutex<HashMap<NicAddr, Arc<PeerConn>>>,
+    cache: Mutex<Cache>,
+    engine: Mutex<Option<Engine>>,
+    exports_fresh: AtomicU64,
+    exports_cached: AtomicU64,
+    imports_granted: AtomicU64,
+    imports_refused: AtomicU64,
+}
+
+impl std::fmt::Debug for NicInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nic")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for NicInner {
+    fn drop(&mut self) {
+        if let Some(mut e) = self
+            .engine
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            e.stop();
+        }
+    }
+}
+
+fn bind(config: &NicConfig) -> Result<(NicAddr, SeqPacket), NicError> {
+    let io = |context| move |source| NicError::Io { context, source };
+    if config.port != 0 {
+        let addr = NicAddr::new(config.ip, config.port);
+        return match SeqPacket::listen_abstract(&addr.abstract_name()) {
+            Ok(l) => Ok((addr, l)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(NicError::AddrInUse(addr)),
+            Err(e) => Err(io("binding the NIC's control socket")(e)),
+        };
+    }
+    let mut r = [0u8; 2];
+    let _ = rustix::rand::getrandom(&mut r, rustix::rand::GetRandomFlags::empty());
+    let start = 20000 + u16::from_le_bytes(r) as u32 % 40000;
+    for i in 0..2000u32 {
+        let port = (20000 + (start - 20000 + i) % 40000) as u16;
+        let addr = NicAddr::new(config.ip, port);
+        match SeqPacket::listen_abstract(&addr.abstract_name()) {
+            Ok(l) => return Ok((addr, l)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            Err(e) => return Err(io("binding the NIC's control socket")(e)),
+        }
+    }
+    Err(NicError::NoFreePort)
+}
+
+impl NicInner {
+    pub fn next_serial(&self) -> u64 {
+        self.serial.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn peer(&self, addr: NicAddr) -> Result<Arc<PeerConn>, PeerError> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get(&addr) {
+            if !p.is_broken() {
+                return Ok(p.clone());
+            }
+        }
+        let p = Arc::new(PeerConn::connect(
+            self.addr,
+            addr,
+            self.config.request_timeout,
+        )?);
+        peers.insert(addr, p.clone());
+        Ok(p)
+    }
+
+    // ---- endpoints -------------------------------------------------------------------
+
+    pub fn endpoint_closed(&self, port: u32) {
+        let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        if eps.0.get(&port).is_some_and(|w| w.strong_count() == 0) {
+            eps.0.remove(&port);
+        }
+    }
+
+    pub fn deliver_oob(
+        &self,
+        from: EndpointAddr,
+        port: u32,
+        payload: [u8; OOB_PAYLOAD],
+    ) -> Result<(), Code> {
+        let ep = {
+            let eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+            eps.0.get(&port).and_then(Weak::upgrade)
+        };
+        ep.ok_or(Code::NoSuchEndpoint)?
+            .deliver_oob(OobMessage { from, payload })
+    }
+
+    // ---- apertures -------------------------------------------------------------------
+
+    pub fn export(
+        self: &Arc<Self>,
+        ep: &EndpointInner,
+        len: u64,
+        cfg: ExportConfig,
+    ) -> Result<Aperture, ExportError> {
+        if len == 0 {
+            return Err(ExportError::Empty);
+        }
+        if len > MAX_APERTURE {
+            return Err(ExportError::TooLarge {
+                len,
+                max: MAX_APERTURE,
+            });
+        }
+        let cap = clan_shm::segment::page_align(len as usize) as u64;
+        let cached = {
+            let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let m = c.by_cap.get_mut(&cap).and_then(Vec::pop);
+            if m.is_some() {
+                c.bytes -= cap;
+            }
+            m
+        };
+        let mem = match cached {
+            Some(m) => {
+                self.exports_cached.fetch_add(1, Ordering::Relaxed);
+                m
+            }
+            None => {
+                self.exports_fresh.fetch_add(1, Ordering::Relaxed);
+                Arc::new(ApertureMem::create(cap)?)
+            }
+        };
+        let (id, generation) = {
+            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let id = match t.free.pop() {
+                Some(id) => id,
+                None => {
+                    if t.slots.len() >= u32::MAX as usize {
+                        return Err(ExportError::TooMany);
+                    }
+                    t.slots.push(ApSlot::default());
+                    (t.slots.len() - 1) as u32
+                }
+            };
+            let s = &mut t.slots[id as usize];
+            s.generation = s.generation.wrapping_add(1).max(1);
+            s.in_use = true;
+            s.exported = true;
+            s.remote.clear();
+            s.holders.clear();
+            (id, s.generation)
+        };
+        let tag = aperture_tag(id, generation);
+        mem.init(generation, tag);
+        let eq = ep.queue.inner.clone();
+        let watch = Arc::new(WatchOwner::new(
+            eq.clone(),
+            mem.cam.clone(),
+            tag,
+            len,
+            0,
+            ep.addr.port,
+        ));
+        let window = Window {
+            data: mem.seg.clone(),
+            data_base: 0,
+            cam: mem.cam.clone(),
+            tag,
+            live: live_state(generation),
+            port: eq.port.clone(),
+        };
+        let inner = Arc::new(ApertureInner {
+            nic: self.clone(),
+            id,
+            generation,
+            len,
+            endpoint: ep.addr,
+            mem: Some(mem),
+            window,
+            watch,
+            key: aperture_key(&self.secret, id, generation),
+            policy: cfg.policy,
+            revoked: Default::default(),
+        });
+        {
+            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            t.slots[id as usize].live = Arc::downgrade(&inner);
+        }
+        Ok(Aperture { inner })
+    }
+
+    /// The live aperture `(id, generation)`, if it is exported.
+    pub fn live_aperture(&self, id: u32, generation: u32) -> Option<Arc<ApertureInner>> {
+        let t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        let s = t.slots.get(id as usize)?;
+        if s.generation != generation || !s.exported {
+            return None;
+        }
+        s.live.upgrade()
+    }
+
+    pub fn aperture_unexported(&self, id: u32, generation: u32) {
+        let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = t
+            .slots
+            .get_mut(id as usize)
+            .filter(|s| s.generation == generation)
+        {
+            s.exported = false;
+        }
+    }
+
+    pub fn remote_refs(&self, id: u32, generation: u32) -> u32 {
+        let t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        t.slots
+            .get(id as usize)
+            .filter(|s| s.generation == generation)
+            .map_or(0, |s| s.remote.values().sum())
+    }
+
+    fn releasable(&self, s: &ApSlot) -> bool {
+        if self.config.reuse_imported_apertures {
+            s.remote.values().all(|&n| n == 0)
+        } else {
+            s.holders.is_empty()
+        }
+    }
+
+    /// The last local reference to an aperture is gone: recycle its memory, or park it until
+    /// the last remote mapping is released.
+    pub fn aperture_released(&self, id: u32, generation: u32, mem: Arc<ApertureMem>) {
+        let recycle = {
+            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(s) = t
+                .slots
+                .get_mut(id as usize)
+                .filter(|s| s.generation == generation)
+            else {
+                return;
+            };
+            s.live = Weak::new();
+            if self.releasable(s) {
+                s.in_use = false;
+                t.free.push(id);
+                Some(mem)
+            } else {
+                s.parked = Some(mem);
+                None
+            }
+        };
+        if let Some(m) = recycle {
+            self.recycle(m);
+        }
+    }
+
+    fn recycle(&self, mem: Arc<ApertureMem>) {
+        // Local mappings keep the aperture (and so its memory) alive: when the memory gets
+        // here, none of ours can reach it, and remote ones were released (`releasable`).
+        let Ok(mem) = Arc::try_unwrap(mem) else {
+            return;
+        };
+        let cap = mem.cap;
+        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if c.bytes + cap > self.config.cache_bytes || mem.reset().is_err() {
+            return;
+        }
+        c.bytes += cap;
+        c.by_cap.entry(cap).or_default().push(Arc::new(mem));
+    }
+
+    fn after_remote_change(&self, t: &mut ApertureTable, id: u32) -> Option<Arc<ApertureMem>> {
+        let s = &mut t.slots[id as usize];
+        if s.parked.is_some() && s.live.strong_count() == 0 && self.releasable(s) {
+            s.in_use = false;
+            let m = s.parked.take();
+            t.free.push(id);
+            return m;
+        }
+        None
+    }
+
+    pub fn remote_unref(&self, id: u32, generation: u32, conn: u64) {
+        let m = {
+            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(s) = t
+                .slots
+                .get_mut(id as usize)
+                .filter(|s| s.generation == generation)
+            else {
+                return;
+            };
+            if let Some(n) = s.remote.get_mut(&conn) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    s.remote.remove(&conn);
+                }
+            }
+            self.after_remote_change(&mut t, id)
+        };
+        if let Some(m) = m {
+            self.recycle(m);
+        }
+    }
+
+    pub fn connection_closed(&self, c: Conn) {
+        let mut recycle = Vec::new();
+        {
+            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            for id in 0..t.slots.len() as u32 {
+                let s = &mut t.slots[id as usize];
+                let touched = s.remote.remove(&c.id).is_some() | s.holders.remove(&c.id);
+                if touched {
+                    if let Some(m) = self.after_remote_change(&mut t, id) {
+                        recycle.push(m);
+                    }
+                }
+            }
+        }
+        for m in recycle {
+            self.recycle(m);
+        }
+        // Retire the producer rings of that process in every queue it was given.
+        for a in self.all_queues(&c.eqs) {
+            a.release_rings(c.id);
+        }
+    }
+
+    fn all_queues(&self, ids: &HashSet<u32>) -> Vec<Arc<EqInner>> {
+        let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        ids.iter()
+            .filter_map(|id| q.get(id).and_then(Weak::upgrade))
+            .collect()
+    }
+
+    /// Serve an import request from connection `c`.
+    pub fn grant_import(
+        &self,
+        c: &mut Conn,
+        importer: EndpointAddr,
+        want_eq: bool,
+        desc: &[u8],
+    ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
+        let r = self.grant_import_inner(c, importer, want_eq, desc);
+        match &r {
+            Ok(_) => self.imports_granted.fetch_add(1, Ordering::Relaxed),
+            Err(_) => self.imports_refused.fetch_add(1, Ordering::Relaxed),
+        };
+        r
+    }
+
+    fn grant_import_inner(
+        &self,
+        c: &mut Conn,
+        importer: EndpointAddr,
+        want_eq: bool,
+        desc: &[u8],
+    ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
+        let desc = Descriptor::from_bytes(desc).map_err(|e| (Code::Malformed, e.to_string()))?;
+        if desc.nic() != self.addr {
+            return Err((Code::NotOurs, format!("descriptor is for {}", desc.nic())));
+        }
+        let ap = self
+            .live_aperture(desc.aperture(), desc.generation())
+            .ok_or((Code::Revoked, String::from("aperture not exported")))?;
+        if !desc.verify(&ap.key) {
+            return Err((Code::BadKey, String::new()));
+        }
+        let p = &ap.policy;
+        if !p.uids.is_empty() && !p.uids.contains(&c.cred.uid) {
+            return Err((Code::DeniedUid, String::new()));
+        }
+        if !p.pids.is_empty() && !p.pids.contains(&c.cred.pid) {
+            return Err((Code::DeniedPid, String::new()));
+        }
+        if !p.endpoints.is_empty() {
+            // The importing endpoint must be on the NIC that said hello, and that NIC must
+            // belong to the connecting process (its listener's credentials say so).
+            let verified = *c.verified.get_or_insert_with(|| {
+                c.hello.is_some_and(|h| {
+                    SeqPacket::connect_abstract(&h.abstract_name())
+                        .and_then(|s| s.peer_cred())
+                        .is_ok_and(|cred| cred.pid == c.cred.pid)
+                })
+            });
+            if !verified || Some(importer.nic) != c.hello || !p.endpoints.contains(&importer) {
+                return Err((Code::DeniedEndpoint, String::new()));
+            }
+        }
+        let mem = ap.mem();
+        let read_only = !desc.rights().contains(Rights::WRITE);
+        let internal = |e: std::io::Error| (Code::Internal, e.to_string());
+        let ap_fd = if read_only {
+            mem.memfd.reopen_read_only()
+        } else {
+            mem.memfd.try_clone_fd()
+        }
+        .map_err(internal)?;
+        let eq = ap.watch.eq.clone();
+        let ring = eq
+            .ring_for(c.id)
+            .ok_or((Code::TooManyProducers, String::new()))?;
+        let eq_fds = want_eq || !c.eqs.contains(&eq.id);
+        let mut fds = vec![ap_fd];
+        if eq_fds {
+            fds.push(eq.memfd.try_clone_fd().map_err(internal)?);
+            fds.push(eq.port.eventfd.try_clone_fd().map_err(internal)?);
+            c.eqs.insert(eq.id);
+            self.remember_queue(&eq);
+        }
+        let import_id = self.next_serial();
+        c.imports.insert(import_id, (ap.id, ap.generation));
+        {
+            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(s) = t
+                .slots
+                .get_mut(ap.id as usize)
+                .filter(|s| s.generation == ap.generation)
+            {
+                *s.remote.entry(c.id).or_insert(0) += 1;
+                s.holders.insert(c.id);
+            }
+        }
+        let params = eq.layout.params;
+        Ok((
+            ImportGrant {
+                import_id,
+                aperture_len: ap.len,
+                cap: mem.cap,
+                eq_id: eq.id,
+                nrings: params.nrings,
+                ring_cap: params.ring_cap,
+                trip_cap: params.trip_cap,
+                tripset_cap: params.tripset_cap,
+                ring,
+                tag: ap.watch.tag,
+                live: live_state(ap.generation),
+                read_only,
+                eq_fds,
+            },
+            fds,
+        ))
+    }
+
+    fn remember_queue(&self, eq: &Arc<EqInner>) {
+        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        q.retain(|_, w| w.strong_count() > 0);
+        q.insert(eq.id, Arc::downgrade(eq));
+    }
+
+    pub fn default_queue(&self) -> &EventQueue {
+        self.default_queue.get().expect("set when the NIC opens")
+    }
+
+    pub fn new_queue(
+        self: &Arc<Self>,
+        config: EventQueueConfig,
+    ) -> Result<EventQueue, EventQueueError> {
+        let id = self.next_queue.fetch_add(1, Ordering::Relaxed);
+        let inner = EqInner::create(id, Arc::downgrade(self), config)?;
+        self.remember_queue(&inner);
+        Ok(EventQueue { inner })
+    }
+}
+
+/// A software NIC, embedded in this process. Cheap to clone (clones share the NIC);
+/// `Send` and `Sync`. The NIC closes when the last clone and the last object made from it
+/// (endpoint, aperture, mapping, queue) are gone.
+#[derive(Debug, Clone)]
+pub struct Nic {
+    pub(crate) inner: Arc<NicInner>,
+}
+
+impl Nic {
+    /// Open a NIC: bind its address on this host, create its default event queue and start
+    /// its engine thread. Raises the soft `RLIMIT_NOFILE` to the hard limit (each aperture
+    /// holds one memfd).
+    pub fn open(config: NicConfig) -> Result<Nic, NicError> {
+        FD_LIMIT.store(clan_shm::memfd::raise_fd_limit(), Ordering::Relaxed);
+        let (addr, listener) = bind(&config)?;
+        let mut secret = [0u8; 32];
+        rustix::rand::getrandom(&mut secret, rustix::rand::GetRandomFlags::empty()).map_err(
+            |e| NicError::Io {
+                context: "reading random bytes for the NIC secret",
+                source: e.into(),
+            },
+        )?;
+        crate::event_queue::params_of(&config.default_queue)
+            .map_err(|e| NicError::Config(e.to_string()))?;
+        let default_config = config.default_queue.clone();
+        let inner = Arc::new(NicInner {
+            addr,
+            config,
+            secret,
+            serial: AtomicU64::new(1),
+            apertures: Mutex::new(ApertureTable::default()),
+            endpoints: Mutex::new((HashMap::new(), 1)),
+            next_queue: AtomicU32::new(1),
+            default_queue: OnceLock::new(),
+            queues: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::default()),
+            engine: Mutex::new(None),
+            exports_fresh: AtomicU64::new(0),
+            exports_cached: AtomicU64::new(0),
+            imports_granted: AtomicU64::new(0),
+            imports_refused: AtomicU64::new(0),
+        });
+        let q = EqInner::create(0, Arc::downgrade(&inner), default_config)
+            .map_err(|e| NicError::Config(format!("default event queue: {e}")))?;
+        inner.remember_queue(&q);
+        let _ = inner.default_queue.set(EventQueue { inner: q });
+        let engine =
+            Engine::start(Arc::downgrade(&inner), listener).map_err(|source| NicError::Io {
+                context: "starting the NIC engine",
+                source,
+            })?;
+        *inner.engine.lock().unwrap_or_else(|e| e.into_inner()) = Some(engine);
+        Ok(Nic { inner })
+    }
+
+    /// Open a NIC on 127.0.0.1 with a free port and default settings.
+    pub fn open_default() -> Result<Nic, NicError> {
+        Nic::open(NicConfig::default())
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> NicAddr {
+        self.inner.addr
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &NicConfig {
+        &self.inner.config
+    }
+
+    /// The default event queue (used by endpoints created without one).
+    pub fn default_queue(&self) -> &EventQueue {
+        self.inner.default_queue()
+    }
+
+    /// A new event queue.
+    pub fn event_queue(&self, config: EventQueueConfig) -> Result<EventQueue, EventQueueError> {
+        self.inner.new_queue(config)
+    }
+
+    /// A new endpoint on a free port, reporting to the default queue.
+    pub fn endpoint(&self) -> Result<Endpoint, EndpointError> {
+        self.endpoint_with(EndpointConfig::default())
+    }
+
+    /// A new endpoint.
+    pub fn endpoint_with(&self, cfg: EndpointConfig) -> Result<Endpoint, EndpointError> {
+        let queue = cfg
+            .queue
+            .unwrap_or_else(|| self.inner.default_queue().clone());
+        if queue
+            .inner
+            .nic
+            .upgrade()
+            .is_none_or(|n| !Arc::ptr_eq(&n, &self.inner))
+        {
+            return Err(EndpointError::ForeignQueue);
+        }
+        let mut eps = self
+            .inner
+            .endpoints
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let port = match cfg.port {
+            Some(0) => return Err(EndpointError::ReservedPort),
+            Some(p) => {
+                if eps.0.get(&p).is_some_and(|w| w.strong_count() > 0) {
+                    return Err(EndpointError::PortInUse(p));
+                }
+                p
+            }
+            None => loop {
+                let p = eps.1;
+                eps.1 = eps.1.wrapping_add(1).max(1);
+                if !eps.0.get(&p).is_some_and(|w| w.strong_count() > 0) {
+                    break p;
+                }
+            },
+        };
+        let inner = Arc::new(EndpointInner::new(
+            self.inner.clone(),
+            EndpointAddr::new(self.inner.addr, port),
+            queue,
+        ));
+        eps.0.insert(port, Arc::downgrade(&inner));
+        Ok(Endpoint { inner })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> NicStats {
+        let i = &self.inner;
+        NicStats {
+            exports_fresh: i.exports_fresh.load(Ordering::Relaxed),
+            exports_cached: i.exports_cached.load(Ordering::Relaxed),
+            imports_granted: i.imports_granted.load(Ordering::Relaxed),
+            imports_refused: i.imports_refused.load(Ordering::Relaxed),
+            cached_bytes: i.cache.lock().unwrap_or_else(|e| e.into_inner()).bytes,
+            endpoints: i
+                .endpoints
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .0
+                .values()
+                .filter(|w| w.strong_count() > 0)
+                .count() as u64,
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Tripsets: wait for any of a group of tripwires of one endpoint.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use clan_shm::sync::SharedFutex;
+use clan_shm::trip;
+
+use crate::error::TripwireError;
+use crate::event_queue::EqInner;
+use crate::tripwire::{Tripwire, TripwireId};
+
+#[derive(Debug)]
+struct Member {
+    id: TripwireId,
+    last_seen: u32,
+}
+
+/// A group of tripwires of one endpoint, waited on together. `Send` and `Sync`.
+///
+/// Each member links to the tripset's wake word in the event queue's segment; a firing of
+/// any member bumps it and wakes the waiters, who then find which members fired by comparing
+/// their firing sequence numbers (no system call when nothing sleeps).
+#[derive(Debug)]
+pub struct Tripset {
+    eq: Arc<EqInner>,
+    endpoint: u32,
+    slot: u32,
+    members: Mutex<Vec<Member>>,
+}
+
+impl Tripset {
+    pub(crate) fn new(eq: Arc<EqInner>, endpoint: u32) -> Result<Tripset, TripwireError> {
+        let slot = eq.alloc_tripset().ok_or(TripwireError::TripsetsFull {
+            capacity: eq.layout.params.tripset_cap,
+        })?;
+        Ok(Tripset {
+            eq,
+            endpoint,
+            slot,
+            members: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Add a tripwire of the same endpoint. A tripwire belongs to at most one tripset.
+    pub fn add(&self, tw: &Tripwire) -> Result<(), TripwireError> {
+        if !Arc::ptr_eq(&tw.owner.eq, &self.eq) || tw.owner.endpoint != self.endpoint {
+            return Err(TripwireError::Foreign);
+        }
+        let e = tw.entry();
+        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        if e.tripset.load(Ordering::Relaxed) != 0 {
+            return Err(TripwireError::InTripset);
+        }
+        let last_seen = e.seq.load(Ordering::Acquire);
+        // Linking before the waiters' fence: see `clan_shm::trip::fire` (reads the link after
+        // its own fence), model-checked by `tripset_link_vs_fire`.
+        e.tripset.store(self.slot + 1, Ordering::Relaxed);
+        m.push(Member {
+            id: tw.id,
+            last_seen,
+        });
+        Ok(())
+    }
+
+    /// Remove a member; returns whether it was one.
+    pub fn remove(&self, tw: &Tripwire) -> bool {
+        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(p) = m.iter().position(|x| x.id == tw.id) else {
+            return false;
+        };
+        m.remove(p);
+        let e = tw.entry();
+        let _ = e
+            .tripset
+            .compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+        true
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.members.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether there are no members.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The members that fired since the last `poll`/`wait` (or since they were added).
+    pub fn poll(&self) -> Vec<TripwireId> {
+        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        let table = &self.eq.view().table;
+        let mut out = Vec::new();
+        // Members destroyed since they were added are dropped from the set.
+        m.retain(|x| {
+            trip::generation(
+                table.entries[x.id.index as usize]
+                    .state
+                    .load(Ordering::Acquire),
+            ) == x.id.generation
+        });
+        for x in m.iter_mut() {
+            let now = table.entries[x.id.index as usize]
+                .seq
+                .load(Ordering::Acquire);
+            if now != x.last_seen {
+                x.last_seen = now;
+                out.push(x.id);
+            }
+        }
+        out
+    }
+
+    /// Block until a member fires (spinning for the queue's spin time first); returns the
+    /// members that fired.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Vec<TripwireId>, TripwireError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let v = self.eq.view();
+        let w = &v.table.tripsets[self.slot as usize];
+        loop {
+            let ready = trip::wait_until(
+                &w.seq,
+                &w.waiters,
+                self.eq.config.spin,
+                deadline,
+                &SharedFutex,
+                || {
+                    let m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+                    m.iter().any(|x| {
+                        v.table.entries[x.id.index as usize]
+                            .seq
+                            .load(Ordering::Acquire)
+                            != x.last_seen
+                    })
+                },
+            );
+            if !ready {
+                return Err(TripwireError::Timeout);
+            }
+            let fired = self.poll();
+            if !fired.is_empty() {
+                return Ok(fired);
+            }
+        }
+    }
+}
+
+impl Drop for Tripset {
+    fn drop(&mut self) {
+        let m = self.members.get_mut().unwrap_or_else(|e| e.into_inner());
+        let table = &self.eq.view().table;
+        for x in m.drain(..) {
+            let _ = table.entries[x.id.index as usize].tripset.compare_exchange(
+                self.slot + 1,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+        self.eq.free_tripset(self.slot);
+    }
+}

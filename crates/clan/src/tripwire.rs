@@ -1,0 +1,461 @@
+//! Tripwires: watches on address ranges of an aperture (traffic arriving) or of a mapping
+//! (traffic leaving), fired by whoever moves the data.
+//!
+//! A tripwire fires when traffic *through the NIC* touches its range: writes or reads by
+//! importers of the aperture (including this process through a mapping of its own
+//! aperture) for an aperture tripwire, and this process's own writes or reads through the
+//! mapping, once complete, for a mapping tripwire. The owner's plain loads and stores to its
+//! own aperture are local memory accesses, invisible to the NIC, as in the hardware.
+//!
+//! Firing performs the tripwire's actions ([`Actions`]): post an [`crate::Event::Tripwire`]
+//! to the event queue it is registered with, set its bit in the queue's fired bitmap
+//! (tested with [`Tripwire::fired`] without a system call), and count. It also wakes the
+//! threads blocked in [`Tripwire::wait`] or in a [`crate::Tripset`].
+//!
+//! ## Arm, then re-check
+//!
+//! A tripwire only catches traffic that starts after it was armed. The pattern that never
+//! misses a wake-up is: arm, re-check the watched memory, and only then wait:
+//!
+//! ```ignore
+//! tw.arm();
+//! while aperture.load_u64(FLAG)? == 0 {
+//!     tw.wait(None)?;
+//! }
+//! ```
+//!
+//! `arm` fences after arming, and every writer fences between its data and its look at the
+//! tripwire table, so either the writer fires the tripwire or the re-check sees the data
+//! (`clan_shm::trip`; model-checked in `clan-shm/tests/loom.rs`).
+//!
+//! ## Cost
+//!
+//! Matching a write of `len` bytes costs `⌈len/4096⌉` word loads plus the tripwires that
+//! start near it on that aperture (`clan_shm::cam`), whatever the number of tripwires on other
+//! apertures; a table holds up to 2^24 tripwires per event queue (the NIC's default queue
+//! holds 2^20).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clan_shm::cam::{self, CamOwner};
+use clan_shm::eq::CamMap;
+use clan_shm::sync::SharedFutex;
+use clan_shm::trip::{
+    self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, ON_WRITE, ONCE, WIDE,
+};
+
+use crate::error::TripwireError;
+use crate::event_queue::{EqInner, EventQueue};
+
+pub use clan_shm::trip::Access;
+
+/// What a firing does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Actions(u32);
+
+impl Actions {
+    /// Post an event to the registered event queue.
+    pub const EVENT: Actions = Actions(ACT_EVENT);
+    /// Set the tripwire's bit in the queue's fired bitmap.
+    pub const BITMAP: Actions = Actions(ACT_BITMAP);
+    /// Count firings ([`Tripwire::count`]).
+    pub const COUNTER: Actions = Actions(ACT_COUNTER);
+    /// None (only waiters and tripsets are woken).
+    pub const NONE: Actions = Actions(0);
+
+    /// Whether all of `o` is in `self`.
+    pub fn contains(self, o: Actions) -> bool {
+        self.0 & o.0 == o.0
+    }
+}
+
+impl std::ops::BitOr for Actions {
+    type Output = Actions;
+    fn bitor(self, o: Actions) -> Actions {
+        Actions(self.0 | o.0)
+    }
+}
+
+impl Default for Actions {
+    /// Bitmap and counter.
+    fn default() -> Actions {
+        Actions::BITMAP | Actions::COUNTER
+    }
+}
+
+/// How a tripwire is set up.
+#[derive(Debug, Clone)]
+pub struct TripwireConfig {
+    range: Range<u64>,
+    on: u32,
+    once: bool,
+    armed: bool,
+    actions: Actions,
+    cookie: Option<u64>,
+}
+
+impl TripwireConfig {
+    /// Fire on writes to `range`.
+    pub fn writes(range: Range<u64>) -> Self {
+        TripwireConfig {
+            range,
+            on: ON_WRITE,
+            once: false,
+            armed: true,
+            actions: Actions::default(),
+            cookie: None,
+        }
+    }
+    /// Fire on reads of `range`.
+    pub fn reads(range: Range<u64>) -> Self {
+        TripwireConfig {
+            on: ON_READ,
+            ..Self::writes(range)
+        }
+    }
+    /// Fire on reads and writes of `range`.
+    pub fn accesses(range: Range<u64>) -> Self {
+        TripwireConfig {
+            on: ON_READ | ON_WRITE,
+            ..Self::writes(range)
+        }
+    }
+    /// Disarm on the first firing (re-arm with [`Tripwire::arm`]).
+    pub fn once(mut self) -> Self {
+        self.once = true;
+        self
+    }
+    /// Create disarmed.
+    pub fn disarmed(mut self) -> Self {
+        self.armed = false;
+        self
+    }
+    /// Set the actions (default: bitmap and counter).
+    pub fn actions(mut self, a: Actions) -> Self {
+        self.actions = a;
+        self
+    }
+    /// Register with the owning endpoint's event queue, with `cookie` in its events.
+    pub fn event(mut self, cookie: u64) -> Self {
+        self.cookie = Some(cookie);
+        self.actions = self.actions | Actions::EVENT;
+        self
+    }
+}
+
+/// Identity of a tripwire: queue, table index and generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TripwireId {
+    /// Event queue id (within the NIC).
+    pub queue: u32,
+    /// Index in the queue's tripwire table (its bit in the fired bitmap).
+    pub index: u32,
+    /// Generation of the entry.
+    pub generation: u32,
+}
+
+impl fmt::Display for TripwireId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tw{}.{}#{}", self.queue, self.index, self.generation)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TripRecord {
+    generation: u32,
+    start: u64,
+    end: u64,
+}
+
+#[derive(Debug, Default)]
+struct OwnerState {
+    cam: CamOwner,
+    trips: HashMap<u32, TripRecord>,
+    dead: bool,
+}
+
+/// The owner of one index (an aperture's, or a mapping's outgoing one) and its tripwires.
+#[derive(Debug)]
+pub(crate) struct WatchOwner {
+    pub eq: Arc<EqInner>,
+    pub cam: Arc<CamMap>,
+    pub tag: u64,
+    /// Watched length.
+    pub len: u64,
+    /// Index coordinate of user offset 0 (user ranges are relative to the aperture or the
+    /// mapping; a mapping's outgoing index uses the mapping's own coordinates, base 0).
+    pub base: u64,
+    pub endpoint: u32,
+    state: Mutex<OwnerState>,
+}
+
+impl WatchOwner {
+    pub fn new(
+        eq: Arc<EqInner>,
+        cam: Arc<CamMap>,
+        tag: u64,
+        len: u64,
+        base: u64,
+        endpoint: u32,
+    ) -> WatchOwner {
+        WatchOwner {
+            eq,
+            cam,
+            tag,
+            len,
+            base,
+            endpoint,
+            state: Mutex::new(OwnerState::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Create a tripwire.
+    pub fn add(self: &Arc<Self>, cfg: &TripwireConfig) -> Result<Tripwire, TripwireError> {
+        let (s, e) = (cfg.range.start, cfg.range.end);
+        if s >= e {
+            return Err(TripwireError::EmptyRange);
+        }
+        if e > self.len {
+            return Err(TripwireError::OutOfBounds {
+                start: s,
+                end: e,
+                size: self.len,
+            });
+        }
+        let (start, end) = (s + self.base, e + self.base);
+        let mut st = self.lock();
+        if st.dead {
+            return Err(TripwireError::Stale);
+        }
+        let (index, generation) =
+            self.eq
+                .alloc_trip(self.endpoint)
+                .ok_or(TripwireError::TableFull {
+                    capacity: self.eq.layout.params.trip_cap,
+                })?;
+        let mut flags = cfg.on | cfg.actions.0;
+        if cfg.once {
+            flags |= ONCE;
+        }
+        if cfg.armed {
+            flags |= ARMED;
+        }
+        if cam::is_wide(start, end) {
+            flags |= WIDE;
+        }
+        // The event action only takes effect once registered (below).
+        flags &= !ACT_EVENT;
+        let v = self.eq.view();
+        let entry = &v.table.entries[index as usize];
+        let seq = entry.seq.load(Ordering::Acquire);
+        trip::clear_bit(&v.table, index);
+        trip::publish(entry, generation, flags, start, end, self.tag);
+        st.cam.insert(self.cam.view(), &v.table, index, start, end);
+        st.trips.insert(
+            index,
+            TripRecord {
+                generation,
+                start,
+                end,
+            },
+        );
+        drop(st);
+        let tw = Tripwire {
+            owner: self.clone(),
+            id: crate::TripwireId {
+                queue: self.eq.id,
+                index,
+                generation,
+            },
+            range: cfg.range.clone(),
+            last_seen: AtomicU32::new(seq),
+        };
+        if let Some(cookie) = cfg.cookie {
+            self.eq.set_registration(index, generation, Some(cookie));
+        }
+        Ok(tw)
+    }
+
+    fn remove_locked(&self, st: &mut OwnerState, index: u32, generation: u32) {
+        if let Some(r) = st
+            .trips
+            .get(&index)
+            .copied()
+            .filter(|r| r.generation == generation)
+        {
+            st.trips.remove(&index);
+            let v = self.eq.view();
+            // Order: retire, unlink (epoch bump), free; the next `publish` fences (trip.rs).
+            trip::retire(&v.table.entries[index as usize]);
+            st.cam
+                .remove(self.cam.view(), &v.table, index, r.start, r.end);
+            self.eq.free_trip(index);
+        }
+    }
+
+    pub fn remove(&self, index: u32, generation: u32) {
+        let mut st = self.lock();
+        self.remove_locked(&mut st, index, generation);
+    }
+
+    /// Remove every tripwire; later creations fail with `Stale`.
+    pub fn clear(&self) {
+        let mut st = self.lock();
+        st.dead = true;
+        let all: Vec<(u32, u32)> = st.trips.iter().map(|(&i, r)| (i, r.generation)).collect();
+        for (i, g) in all {
+            self.remove_locked(&mut st, i, g);
+        }
+    }
+
+    fn is_current(&self, index: u32, generation: u32) -> bool {
+        self.lock()
+            .trips
+            .get(&index)
+            .is_some_and(|r| r.generation == generation)
+    }
+}
+
+/// A tripwire. Dropping it destroys it. `Send` and `Sync`.
+#[derive(Debug)]
+pub struct Tripwire {
+    pub(crate) owner: Arc<WatchOwner>,
+    pub(crate) id: TripwireId,
+    range: Range<u64>,
+    /// The `seq` value the last `arm`/`wait`/`take_fired` observed.
+    pub(crate) last_seen: AtomicU32,
+}
+
+impl Tripwire {
+    /// Its identity.
+    pub fn id(&self) -> TripwireId {
+        self.id
+    }
+
+    /// The watched range (relative to the aperture or mapping).
+    pub fn range(&self) -> Range<u64> {
+        self.range.clone()
+    }
+
+    pub(crate) fn entry(&self) -> &clan_shm::trip::TripEntry {
+        &self.owner.eq.view().table.entries[self.id.index as usize]
+    }
+
+    fn check(&self) -> Result<(), TripwireError> {
+        if self.owner.is_current(self.id.index, self.id.generation) {
+            Ok(())
+        } else {
+            Err(TripwireError::Stale)
+        }
+    }
+
+    /// Arm: the tripwire fires on traffic that starts from now on. Afterwards, re-check the
+    /// watched memory before waiting (module documentation). Also resets what
+    /// [`Tripwire::wait`] and [`Tripwire::take_fired`] consider "already seen".
+    pub fn arm(&self) -> Result<(), TripwireError> {
+        self.check()?;
+        let e = self.entry();
+        self.last_seen
+            .store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
+        if trip::set_armed(e, self.id.generation, true) {
+            Ok(())
+        } else {
+            Err(TripwireError::Stale)
+        }
+    }
+
+    /// Disarm.
+    pub fn disarm(&self) -> Result<(), TripwireError> {
+        self.check()?;
+        if trip::set_armed(self.entry(), self.id.generation, false) {
+            Ok(())
+        } else {
+            Err(TripwireError::Stale)
+        }
+    }
+
+    /// Whether it is armed (a once-only tripwire disarms when it fires).
+    pub fn is_armed(&self) -> bool {
+        let s = self.entry().state.load(Ordering::Acquire);
+        trip::generation(s) == self.id.generation && trip::flags(s) & ARMED != 0
+    }
+
+    /// Its bit in the fired bitmap (bitmap action): set by firings, cleared by
+    /// [`Tripwire::clear`]. A plain memory load.
+    pub fn fired(&self) -> bool {
+        trip::test_bit(&self.owner.eq.view().table, self.id.index)
+    }
+
+    /// Clear its bit in the fired bitmap; returns whether it was set.
+    pub fn clear(&self) -> bool {
+        trip::clear_bit(&self.owner.eq.view().table, self.id.index)
+    }
+
+    /// Firings counted so far (counter action).
+    pub fn count(&self) -> u64 {
+        self.entry().count.load(Ordering::Relaxed)
+    }
+
+    /// Whether it fired since the last `arm`, `wait` or `take_fired`; consumes the
+    /// observation. A plain memory load when it has not.
+    pub fn take_fired(&self) -> bool {
+        let now = self.entry().seq.load(Ordering::Acquire);
+        let seen = self.last_seen.swap(now, Ordering::AcqRel);
+        now != seen
+    }
+
+    /// Block until it fires (if it already fired since the last `arm`, `wait` or
+    /// `take_fired`, return at once). Spins for the queue's spin time first.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<(), TripwireError> {
+        self.check()?;
+        let e = self.entry();
+        let seen = self.last_seen.load(Ordering::Relaxed);
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let spin = self.owner.eq.config.spin;
+        let ok = trip::wait_until(&e.seq, &e.waiters, spin, deadline, &SharedFutex, || {
+            e.seq.load(Ordering::Acquire) != seen
+        });
+        if ok {
+            self.last_seen
+                .store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
+            Ok(())
+        } else {
+            Err(TripwireError::Timeout)
+        }
+    }
+
+    pub(crate) fn set_registration(
+        &self,
+        queue: &EventQueue,
+        cookie: Option<u64>,
+    ) -> Result<(), TripwireError> {
+        if !Arc::ptr_eq(&queue.inner, &self.owner.eq) {
+            return Err(TripwireError::Foreign);
+        }
+        self.check()?;
+        if self
+            .owner
+            .eq
+            .set_registration(self.id.index, self.id.generation, cookie)
+        {
+            Ok(())
+        } else {
+            Err(TripwireError::Stale)
+        }
+    }
+}
+
+impl Drop for Tripwire {
+    fn drop(&mut self) {
+        self.owner.remove(self.id.index, self.id.generation);
+    }
+}

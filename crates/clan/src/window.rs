@@ -1,0 +1,199 @@
+//! A window onto one aperture as seen by this process, and the snooped data path through it.
+//!
+//! Every access through the NIC — PIO through a mapping, and later DMA and incoming link
+//! traffic — ends here: bounds and revocation are checked by the caller, then the bytes move
+//! through [`clan_shm::snoop`], which fires the aperture's tripwires in the right order.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use clan_shm::cam::Candidate;
+use clan_shm::eq::CamMap;
+use clan_shm::segment::Segment;
+use clan_shm::snoop::{self, Watch};
+use clan_shm::sync::{AtomicU32, AtomicU64};
+use clan_shm::trip::Access;
+
+use crate::error::AccessError;
+use crate::event_queue::EqPort;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<Candidate>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Run `f` with this thread's candidate buffer (a fresh one if it is already in use).
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Vec<Candidate>) -> R) -> R {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut v) => f(&mut v),
+        Err(_) => f(&mut Vec::new()),
+    })
+}
+
+/// One aperture's memory and index, and the queue its tripwires report to.
+#[derive(Debug)]
+pub(crate) struct Window {
+    /// Mapping of the data (all of it, or the pages a descriptor covers).
+    pub data: Arc<Segment>,
+    /// Aperture offset of byte 0 of `data`.
+    pub data_base: u64,
+    /// The aperture's index.
+    pub cam: Arc<CamMap>,
+    /// The index's tag.
+    pub tag: u64,
+    /// The revocation word while the export is live.
+    pub live: u64,
+    /// Where firings are posted (our ring in the exporter's queue).
+    pub port: Arc<EqPort>,
+}
+
+fn seg_err(e: clan_shm::segment::SegmentError) -> AccessError {
+    match e {
+        clan_shm::segment::SegmentError::OutOfBounds { offset, len, size } => {
+            AccessError::OutOfBounds {
+                offset: offset as u64,
+                len: len as u64,
+                size: size as u64,
+            }
+        }
+        clan_shm::segment::SegmentError::Misaligned { offset, align } => AccessError::Misaligned {
+            offset: offset as u64,
+            align: align as u64,
+        },
+        clan_shm::segment::SegmentError::ReadOnly => AccessError::NotWritable,
+    }
+}
+
+impl Window {
+    /// Whether the export is still live.
+    #[inline]
+    pub fn check_live(&self) -> Result<(), AccessError> {
+        // SYNC POINT: pairs with the exporter's Release store of 0 on unexport.
+        if self.cam.view().header.state.load(Ordering::Acquire) == self.live {
+            Ok(())
+        } else {
+            Err(AccessError::Revoked)
+        }
+    }
+
+    #[inline]
+    fn rel(&self, abs: u64) -> usize {
+        (abs - self.data_base) as usize
+    }
+
+    fn with_watch<R>(&self, f: impl FnOnce(&Watch<'_>) -> R) -> R {
+        let v = self.port.view();
+        let watch = Watch {
+            cam: self.cam.view(),
+            table: &v.table,
+            tag: self.tag,
+        };
+        f(&watch)
+    }
+
+    /// Write `src` at aperture offset `abs` (in bounds: checked by the caller).
+    pub fn write(&self, abs: u64, src: &[u8]) -> Result<u32, AccessError> {
+        let sink = self.port.sink();
+        self.with_watch(|w| {
+            with_scratch(|s| {
+                snoop::transfer(Access::Write, w, &sink, abs, src.len() as u64, s, |o, l| {
+                    let from = (o - abs) as usize;
+                    self.data
+                        .write(self.rel(o), &src[from..from + l as usize])
+                        .map_err(seg_err)
+                })
+            })
+        })
+    }
+
+    /// Read into `dst` from aperture offset `abs`.
+    pub fn read(&self, abs: u64, dst: &mut [u8]) -> Result<u32, AccessError> {
+        let sink = self.port.sink();
+        let len = dst.len() as u64;
+        self.with_watch(|w| {
+            with_scratch(|s| {
+                snoop::transfer(Access::Read, w, &sink, abs, len, s, |o, l| {
+                    let from = (o - abs) as usize;
+                    self.data
+                        .read(self.rel(o), &mut dst[from..from + l as usize])
+                        .map_err(seg_err)
+                })
+            })
+        })
+    }
+
+    /// Fire the tripwires of `[abs, abs+len)` for `access`, the data being already in place.
+    pub fn commit(&self, abs: u64, len: u64, access: Access) -> u32 {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let sink = self.port.sink();
+        self.with_watch(|w| with_scratch(|s| snoop::fire_range(access, w, &sink, abs, len, s)))
+    }
+
+    /// Atomic word store (Release), then fire.
+    pub fn store_u64(&self, abs: u64, v: u64) -> Result<u32, AccessError> {
+        self.data
+            .view::<AtomicU64>(self.rel(abs))
+            .map_err(seg_err)?
+            .store(v, Ordering::Release);
+        Ok(self.commit(abs, 8, Access::Write))
+    }
+
+    /// Atomic word store (Release), then fire.
+    pub fn store_u32(&self, abs: u64, v: u32) -> Result<u32, AccessError> {
+        self.data
+            .view::<AtomicU32>(self.rel(abs))
+            .map_err(seg_err)?
+            .store(v, Ordering::Release);
+        Ok(self.commit(abs, 4, Access::Write))
+    }
+
+    /// Atomic word load (Acquire), then fire read tripwires.
+    pub fn load_u64(&self, abs: u64) -> Result<u64, AccessError> {
+        let v = self
+            .data
+            .view::<AtomicU64>(self.rel(abs))
+            .map_err(seg_err)?
+            .load(Ordering::Acquire);
+        self.commit(abs, 8, Access::Read);
+        Ok(v)
+    }
+
+    /// Atomic word load (Acquire), then fire read tripwires.
+    pub fn load_u32(&self, abs: u64) -> Result<u32, AccessError> {
+        let v = self
+            .data
+            .view::<AtomicU32>(self.rel(abs))
+            .map_err(seg_err)?
+            .load(Ordering::Acquire);
+        self.commit(abs, 4, Access::Read);
+        Ok(v)
+    }
+
+    /// A raw window for zero-copy access.
+    pub fn raw(&self, abs: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
+        self.data.raw(self.rel(abs), len as usize).map_err(seg_err)
+    }
+}
+
+/// Check that `[off, off+len)` lies within `size` bytes.
+#[inline]
+pub(crate) fn check_range(off: u64, len: u64, size: u64) -> Result<(), AccessError> {
+    match off.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(AccessError::OutOfBounds {
+            offset: off,
+            len,
+            size,
+        }),
+    }
+}
+
+/// Check word alignment.
+#[inline]
+pub(crate) fn check_align(off: u64, align: u64) -> Result<(), AccessError> {
+    if off % align == 0 {
+        Ok(())
+    } else {
+        Err(AccessError::Misaligned { offset: off, align })
+    }
+}

@@ -1,0 +1,331 @@
+//! Apertures, descriptors and mappings within one process.
+
+use clan::{
+    AccessError, Denial, Descriptor, EndpointConfig, ExportConfig, ExportError, ImportError,
+    ImportPolicy, Nic, NicConfig, Rights,
+};
+
+fn nic() -> Nic {
+    Nic::open(NicConfig::default()).expect("open NIC")
+}
+
+#[test]
+fn export_import_write_read() {
+    let nic = nic();
+    let a = nic.endpoint().unwrap();
+    let b = nic.endpoint().unwrap();
+    let ap = a.export(10_000).unwrap();
+    assert_eq!(ap.len(), 10_000);
+    let desc: Descriptor = ap.descriptor().to_string().parse().unwrap();
+    let m = b.import(&desc).unwrap();
+    assert_eq!(m.len(), 10_000);
+    m.write(100, b"hello, aperture").unwrap();
+    let mut buf = [0u8; 15];
+    ap.read(100, &mut buf).unwrap();
+    assert_eq!(&buf, b"hello, aperture");
+    ap.write(9_990, &[7; 10]).unwrap();
+    let mut tail = [0u8; 10];
+    m.read(9_990, &mut tail).unwrap();
+    assert_eq!(tail, [7; 10]);
+    m.store_u64(8, 0xdead_beef).unwrap();
+    assert_eq!(ap.load_u64(8).unwrap(), 0xdead_beef);
+    ap.store_u32(16, 77).unwrap();
+    assert_eq!(m.load_u32(16).unwrap(), 77);
+    // A new aperture is zero-filled.
+    let z = a.export(4096).unwrap();
+    let mut all = vec![1u8; 4096];
+    z.read(0, &mut all).unwrap();
+    assert!(all.iter().all(|&x| x == 0));
+}
+
+#[test]
+fn out_of_range_and_misaligned_accesses_are_errors() {
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    // A narrowed descriptor: 100 bytes at 1000.
+    let d = ap
+        .descriptor()
+        .derive(1000, 100, Rights::READ_WRITE)
+        .unwrap();
+    let m = ep.import(&d).unwrap();
+    assert_eq!(
+        m.write(95, &[0; 6]),
+        Err(AccessError::OutOfBounds {
+            offset: 95,
+            len: 6,
+            size: 100
+        })
+    );
+    assert_eq!(
+        m.write(u64::MAX, &[0; 2]),
+        Err(AccessError::OutOfBounds {
+            offset: u64::MAX,
+            len: 2,
+            size: 100
+        })
+    );
+    assert_eq!(
+        m.read(100, &mut [0; 1]),
+        Err(AccessError::OutOfBounds {
+            offset: 100,
+            len: 1,
+            size: 100
+        })
+    );
+    assert_eq!(
+        m.store_u64(4, 1),
+        Err(AccessError::Misaligned {
+            offset: 4,
+            align: 8
+        })
+    );
+    assert!(matches!(
+        m.raw(50, 51),
+        Err(AccessError::OutOfBounds { .. })
+    ));
+    // Nothing outside [1000, 1100) was touched by the in-range writes.
+    m.write(0, &[0xff; 100]).unwrap();
+    let mut before = [0u8; 1000];
+    ap.read(0, &mut before).unwrap();
+    assert!(before.iter().all(|&b| b == 0));
+    let mut after = vec![0u8; 4096 - 1100];
+    ap.read(1100, &mut after).unwrap();
+    assert!(after.iter().all(|&b| b == 0));
+    let mut inside = [0u8; 100];
+    ap.read(1000, &mut inside).unwrap();
+    assert!(inside.iter().all(|&b| b == 0xff));
+    // Local access to the aperture is bounded by its length too.
+    assert!(matches!(
+        ap.write(4090, &[0; 7]),
+        Err(AccessError::OutOfBounds { .. })
+    ));
+}
+
+#[test]
+fn rights_are_enforced() {
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let ro = ep
+        .import(&ap.descriptor().derive(0, 4096, Rights::READ).unwrap())
+        .unwrap();
+    assert_eq!(ro.write(0, b"x"), Err(AccessError::NotWritable));
+    assert_eq!(ro.store_u64(0, 1), Err(AccessError::NotWritable));
+    assert_eq!(ro.commit(0, 8), Err(AccessError::NotWritable));
+    ap.write(0, b"visible").unwrap();
+    let mut b = [0u8; 7];
+    ro.read(0, &mut b).unwrap();
+    assert_eq!(&b, b"visible");
+    let wo = ep
+        .import(&ap.descriptor().derive(0, 4096, Rights::WRITE).unwrap())
+        .unwrap();
+    assert_eq!(wo.read(0, &mut b), Err(AccessError::NotReadable));
+    assert_eq!(wo.load_u64(0), Err(AccessError::NotReadable));
+    wo.write(0, b"W").unwrap();
+}
+
+#[test]
+fn stale_and_forged_descriptors_are_refused() {
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(8192).unwrap();
+    let desc = ap.descriptor();
+    let m = ep.import(&desc).unwrap();
+    // Forge: escalate a read-only descriptor's rights byte.
+    let ro = desc.derive(0, 4096, Rights::READ).unwrap();
+    let mut bytes = ro.to_bytes();
+    let at = bytes.len() - 17;
+    bytes[at] = 3;
+    let forged = Descriptor::from_bytes(&bytes).unwrap();
+    assert!(matches!(ep.import(&forged), Err(ImportError::BadKey)));
+    // Unexport: the mapping and the descriptor go stale at once.
+    let (id, generation) = (ap.id(), ap.generation());
+    drop(ap);
+    assert_eq!(m.write(0, b"late"), Err(AccessError::Revoked));
+    assert!(!m.is_live());
+    match ep.import(&desc) {
+        Err(ImportError::Revoked {
+            aperture,
+            generation: g,
+        }) => assert_eq!((aperture, g), (id, generation)),
+        other => panic!("expected Revoked, got {other:?}"),
+    }
+    // A new export reusing the id has a new generation; the old descriptor stays dead.
+    drop(m);
+    let ap2 = ep.export(8192).unwrap();
+    assert!(ap2.id() != id || ap2.generation() != generation);
+    assert!(matches!(ep.import(&desc), Err(ImportError::Revoked { .. })));
+}
+
+#[test]
+fn restricting_importers_by_endpoint() {
+    let nic = nic();
+    let owner = nic.endpoint().unwrap();
+    let friend = nic.endpoint().unwrap();
+    let stranger = nic.endpoint().unwrap();
+    let ap = owner
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().endpoint(friend.addr()),
+            },
+        )
+        .unwrap();
+    assert!(friend.import(&ap.descriptor()).is_ok());
+    assert!(matches!(
+        stranger.import(&ap.descriptor()),
+        Err(ImportError::Denied(Denial::Endpoint))
+    ));
+    let ap = owner
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().uid(0xfffe),
+            },
+        )
+        .unwrap();
+    assert!(matches!(
+        friend.import(&ap.descriptor()),
+        Err(ImportError::Denied(Denial::Uid))
+    ));
+    let ap = owner
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().pid(std::process::id()),
+            },
+        )
+        .unwrap();
+    assert!(friend.import(&ap.descriptor()).is_ok());
+}
+
+#[test]
+fn memory_is_reused_only_when_no_mapping_can_reach_it() {
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(64 * 1024).unwrap();
+    ap.fill(0, 64 * 1024, 0xaa).unwrap();
+    let m = ep.import(&ap.descriptor()).unwrap();
+    let fresh = nic.stats().exports_fresh;
+    drop(ap);
+    // A mapping still exists: the memory must not be handed out again.
+    let other = ep.export(64 * 1024).unwrap();
+    assert_eq!(
+        nic.stats().exports_fresh,
+        fresh + 1,
+        "memory reachable by a stale mapping was reused"
+    );
+    drop(m);
+    drop(other);
+    // Now both are released: the next export of that size comes from the cache, zeroed.
+    let cached = nic.stats().exports_cached;
+    let again = ep.export(64 * 1024).unwrap();
+    assert_eq!(nic.stats().exports_cached, cached + 1);
+    let mut buf = vec![1u8; 64 * 1024];
+    again.read(0, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "reused memory must be zeroed");
+}
+
+#[test]
+fn closing_an_endpoint_unexports_its_apertures_and_frees_its_port() {
+    let nic = nic();
+    let ep = nic
+        .endpoint_with(EndpointConfig {
+            port: Some(4242),
+            queue: None,
+        })
+        .unwrap();
+    let other = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let m = other.import(&ap.descriptor()).unwrap();
+    assert!(matches!(
+        nic.endpoint_with(EndpointConfig {
+            port: Some(4242),
+            queue: None
+        }),
+        Err(clan::EndpointError::PortInUse(4242))
+    ));
+    ep.close();
+    assert_eq!(m.write(0, b"x"), Err(AccessError::Revoked));
+    assert!(matches!(
+        ap.tripwire(clan::TripwireConfig::writes(0..8)),
+        Err(clan::TripwireError::Stale)
+    ));
+    let again = nic
+        .endpoint_with(EndpointConfig {
+            port: Some(4242),
+            queue: None,
+        })
+        .unwrap();
+    assert_eq!(again.port(), 4242);
+}
+
+#[test]
+fn bad_export_arguments() {
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    assert!(matches!(ep.export(0), Err(ExportError::Empty)));
+    assert!(matches!(
+        ep.export(clan::MAX_APERTURE + 1),
+        Err(ExportError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn raw_access_then_commit() {
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let tw = ap.tripwire(clan::TripwireConfig::writes(64..72)).unwrap();
+    let m = ep.import(&ap.descriptor()).unwrap();
+    {
+        let mut r = m.raw(0, 128).unwrap();
+        assert!(r.is_writable());
+        // SAFETY: this test is the only party touching the aperture.
+        let s = unsafe { r.as_mut_slice() };
+        s[64..72].copy_from_slice(&9u64.to_le_bytes());
+    }
+    assert!(
+        !tw.take_fired(),
+        "raw stores are invisible to the NIC until committed"
+    );
+    assert_eq!(m.commit(0, 128).unwrap(), 1);
+    assert!(tw.take_fired());
+    assert_eq!(ap.load_u64(64).unwrap(), 9);
+}
+
+#[test]
+fn two_nics_in_one_process_talk_like_two_processes() {
+    let n1 = nic();
+    let n2 = nic();
+    assert_ne!(n1.addr(), n2.addr());
+    let a = n1.endpoint().unwrap();
+    let b = n2.endpoint().unwrap();
+    let ap = a.export(4096).unwrap();
+    let m = b.import(&ap.descriptor()).unwrap();
+    m.write(0, b"across NICs").unwrap();
+    let mut buf = [0u8; 11];
+    ap.read(0, &mut buf).unwrap();
+    assert_eq!(&buf, b"across NICs");
+    assert_eq!(ap.remote_imports(), 1);
+    drop(m);
+    let w = std::time::Instant::now();
+    while ap.remote_imports() != 0 {
+        assert!(
+            w.elapsed() < std::time::Duration::from_secs(10),
+            "unimport never arrived"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn nic_addresses() {
+    let n1 = nic();
+    let taken = n1.addr();
+    match Nic::open(NicConfig::at(taken.ip(), taken.port())) {
+        Err(clan::NicError::AddrInUse(a)) => assert_eq!(a, taken),
+        other => panic!("expected AddrInUse, got {other:?}"),
+    }
+}

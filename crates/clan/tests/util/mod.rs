@@ -1,0 +1,162 @@
+//! Helpers shared by the integration tests: a watchdog, and child processes made by
+//! re-executing the test binary (so cross-process behaviour is tested with real processes).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Aborts the whole test process if not dropped within `limit`: a deadlock fails loudly
+/// instead of hanging CI. Children are killed with us (they watch their stdin).
+pub struct Watchdog {
+    done: Arc<AtomicBool>,
+}
+
+impl Watchdog {
+    pub fn new(what: &'static str, limit: Duration) -> Watchdog {
+        let done = Arc::new(AtomicBool::new(false));
+        let d = done.clone();
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while start.elapsed() < limit {
+                if d.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            eprintln!("WATCHDOG: {what} did not finish within {limit:?}; aborting");
+            std::process::abort();
+        });
+        Watchdog { done }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Release);
+    }
+}
+
+const ROLE: &str = "CLAN_TEST_ROLE";
+const PREFIX: &str = "@@ ";
+
+/// The role this process plays, if it is a child.
+pub fn role() -> Option<String> {
+    std::env::var(ROLE).ok()
+}
+
+/// A child process running `role` (dispatched by the test named `entry` of this binary).
+pub struct Peer {
+    pub child: Child,
+    input: Option<ChildStdin>,
+    output: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    pub fn spawn(entry: &str, role: &str, env: &[(&str, String)]) -> Peer {
+        let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
+        cmd.args([
+            entry,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--include-ignored",
+        ])
+        .env(ROLE, role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn child");
+        let input = child.stdin.take().expect("stdin");
+        let output = BufReader::new(child.stdout.take().expect("stdout"));
+        Peer {
+            child,
+            input: Some(input),
+            output,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Send one line to the child.
+    pub fn send(&mut self, line: &str) {
+        if let Some(i) = self.input.as_mut() {
+            let _ = writeln!(i, "{line}");
+            let _ = i.flush();
+        }
+    }
+
+    /// The child's next protocol line (None at end of output).
+    pub fn recv(&mut self) -> Option<String> {
+        let mut l = String::new();
+        loop {
+            l.clear();
+            if self.output.read_line(&mut l).ok()? == 0 {
+                return None;
+            }
+            if let Some(msg) = l.trim_end().strip_prefix(PREFIX) {
+                return Some(msg.to_owned());
+            }
+        }
+    }
+
+    pub fn expect(&mut self, what: &str) -> String {
+        self.recv()
+            .unwrap_or_else(|| panic!("child ended before sending {what}"))
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn wait_ok(mut self) {
+        self.input = None;
+        let st = self.child.wait().expect("wait child");
+        assert!(st.success(), "child failed: {st}");
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// In a child: send one protocol line to the parent.
+pub fn say(line: impl std::fmt::Display) {
+    println!("{PREFIX}{line}");
+    let _ = std::io::stdout().flush();
+}
+
+/// In a child: read one line from the parent (None when the parent closed our stdin).
+pub fn hear() -> Option<String> {
+    let mut l = String::new();
+    match std::io::stdin().read_line(&mut l) {
+        Ok(0) | Err(_) => None,
+        Ok(_) => Some(l.trim_end().to_owned()),
+    }
+}
+
+/// In a child: exit when the parent goes away (stdin closes), so no child outlives a test.
+pub fn die_with_parent() {
+    std::thread::spawn(|| {
+        let mut s = String::new();
+        while std::io::stdin()
+            .read_line(&mut s)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {
+            s.clear();
+        }
+        std::process::exit(0);
+    });
+}
