@@ -29,6 +29,7 @@
 //!
 //! Consumer, before sleeping (`arm`):
 //! 1. `armed.fetch_or(mode)`; 2. `fence(SeqCst)`; 3. load `summary`.
+//!
 //! By the two fences, either the producer's step 5 sees `armed` (and wakes), or the
 //! consumer's step 3 sees the bit of step 3 (and does not sleep). `tests/loom.rs` checks it.
 //!
@@ -340,6 +341,33 @@ impl Consumer {
         let t = self.take_from(rings, r)?;
         word.fetch_or(bit, Ordering::AcqRel);
         Some(t)
+    }
+
+    /// Clear the summary bits of rings found empty (stale "maybe" bits left after their last
+    /// event was taken), so that [`maybe_nonempty`] becomes exact. Same protocol as `visit`:
+    /// clear, then re-load `head`, and set the bit again if an event arrived meanwhile.
+    pub fn settle(&mut self, rings: &Rings<'_>) {
+        let n = self.tails.len().min(rings.headers.len());
+        for (w_idx, word) in rings.words.summary.iter().enumerate() {
+            let mut bits = word.load(Ordering::Acquire);
+            while bits != 0 {
+                let r = w_idx * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if r >= n {
+                    continue;
+                }
+                let empty = |c: &Self| {
+                    rings.headers[r].head.load(Ordering::Acquire) == c.tails[r]
+                        && rings.headers[r].overflow.load(Ordering::Relaxed) == c.overflow_seen[r]
+                };
+                if empty(self) {
+                    word.fetch_and(!(1u64 << (r % 64)), Ordering::AcqRel);
+                    if !empty(self) {
+                        word.fetch_or(1u64 << (r % 64), Ordering::AcqRel);
+                    }
+                }
+            }
+        }
     }
 
     fn take_from(&mut self, rings: &Rings<'_>, r: usize) -> Option<Taken> {

@@ -123,9 +123,8 @@ fn recheck(
         watch
             .cam
             .collect(watch.table, watch.tag, off, end, access, scratch);
-        for i in done..scratch.len() {
-            let c = scratch[i];
-            fired += fire_one(watch, sink, &c, access);
+        for c in &scratch[done..] {
+            fired += fire_one(watch, sink, c, access);
         }
         seen_epoch = epoch;
         fence(Ordering::SeqCst);
@@ -152,9 +151,8 @@ pub fn fire_range(
         watch
             .cam
             .collect(watch.table, watch.tag, off, end, access, scratch);
-        for i in 0..scratch.len() {
-            let c = scratch[i];
-            fired += fire_one(watch, sink, &c, access);
+        for c in scratch.iter() {
+            fired += fire_one(watch, sink, c, access);
         }
     }
     fired + recheck(access, watch, sink, off, end, e1, scratch)

@@ -488,6 +488,20 @@ impl EqInner {
         }
     }
 
+    /// Arm for `mode`; exact: stale summary bits are settled before answering.
+    pub fn arm(&self, mode: u32) -> bool {
+        let v = self.view();
+        let rings = v.rings();
+        if ring::arm(&rings, mode) {
+            return true;
+        }
+        self.consumer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .settle(&rings);
+        !ring::maybe_nonempty(&rings)
+    }
+
     pub fn post_local(&self, kind: u64, a: u64, b: u64) -> bool {
         self.port.post([kind, a, b, 0])
     }
@@ -571,7 +585,7 @@ impl EventQueue {
     pub fn arm(&self) -> bool {
         let port = &self.inner.port;
         port.eventfd.drain();
-        let empty = ring::arm(&port.view().rings(), ARM_FD);
+        let empty = self.inner.arm(ARM_FD);
         if !empty {
             port.eventfd.signal();
         }

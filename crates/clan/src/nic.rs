@@ -674,7 +674,7 @@ impl Nic {
             None => loop {
                 let p = eps.1;
                 eps.1 = eps.1.wrapping_add(1).max(1);
-                if !eps.0.get(&p).is_some_and(|w| w.strong_count() > 0) {
+                if eps.0.get(&p).is_none_or(|w| w.strong_count() == 0) {
                     break p;
                 }
             },

@@ -42,9 +42,12 @@ impl Drop for Watchdog {
 const ROLE: &str = "CLAN_TEST_ROLE";
 const PREFIX: &str = "@@ ";
 
-/// The role this process plays, if it is a child.
+/// The role this process plays, if it is a child. A child is killed if its parent dies
+/// (so that no child outlives a test, whatever happens to the test).
 pub fn role() -> Option<String> {
-    std::env::var(ROLE).ok()
+    let r = std::env::var(ROLE).ok()?;
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    Some(r)
 }
 
 /// A child process running `role` (dispatched by the test named `entry` of this binary).
@@ -101,8 +104,10 @@ impl Peer {
             if self.output.read_line(&mut l).ok()? == 0 {
                 return None;
             }
-            if let Some(msg) = l.trim_end().strip_prefix(PREFIX) {
-                return Some(msg.to_owned());
+            // libtest prints "test child ... " without a newline before the test runs, so the
+            // first protocol line may follow it on the same line.
+            if let Some(at) = l.find(PREFIX) {
+                return Some(l[at + PREFIX.len()..].trim_end().to_owned());
             }
         }
     }

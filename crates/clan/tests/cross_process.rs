@@ -1,0 +1,521 @@
+//! Cross-process behaviour, with real child processes (this binary re-executed in a role).
+
+mod util;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clan::{
+    AccessError, Descriptor, EndpointAddr, Event, EventQueueConfig, ExportConfig, ImportError,
+    ImportPolicy, Nic, NicConfig, Rights, TripwireConfig,
+};
+use util::{Peer, Watchdog, hear, say};
+
+const ENTRY: &str = "child";
+
+fn nic() -> Nic {
+    Nic::open(NicConfig::default()).expect("open NIC")
+}
+
+fn describe(e: &ImportError) -> String {
+    match e {
+        ImportError::Denied(d) => format!("Denied({d:?})"),
+        ImportError::Revoked { .. } => "Revoked".into(),
+        ImportError::BadKey => "BadKey".into(),
+        other => format!("other: {other}"),
+    }
+}
+
+/// The child side of every test: dispatched on the role in the environment.
+#[test]
+fn child() {
+    let Some(role) = util::role() else { return };
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    match role.as_str() {
+        "import_write" => {
+            let d: Descriptor = hear().unwrap().parse().unwrap();
+            let m = ep.import(&d).unwrap();
+            m.write(64, b"written by the child").unwrap();
+            m.store_u64(0, 1).unwrap();
+            say("done");
+            let _ = hear();
+        }
+        "try_import" => {
+            let d: Descriptor = hear().unwrap().parse().unwrap();
+            match ep.import(&d) {
+                Ok(_) => say("ok"),
+                Err(e) => say(describe(&e)),
+            }
+        }
+        "endpoint_import" => {
+            say(ep.addr());
+            let d: Descriptor = hear().unwrap().parse().unwrap();
+            match ep.import(&d) {
+                Ok(_) => say("ok"),
+                Err(e) => say(describe(&e)),
+            }
+        }
+        "read_only" => {
+            let d: Descriptor = hear().unwrap().parse().unwrap();
+            let m = ep.import(&d).unwrap();
+            say(format!("{:?}", m.write(0, b"x")));
+            say(format!("{}", m.raw(0, 8).unwrap().is_writable()));
+            let mut b = [0u8; 5];
+            m.read(0, &mut b).unwrap();
+            say(String::from_utf8_lossy(&b));
+        }
+        "revoke" => {
+            let d: Descriptor = hear().unwrap().parse().unwrap();
+            let m = ep.import(&d).unwrap();
+            m.write(0, b"before").unwrap();
+            say("imported");
+            assert_eq!(hear().as_deref(), Some("unexported"));
+            say(format!("{:?}", m.write(0, b"after")));
+            say(match ep.import(&d) {
+                Ok(_) => "ok".to_string(),
+                Err(e) => describe(&e),
+            });
+            drop(m);
+            say("dropped");
+            let _ = hear();
+        }
+        "hold" => {
+            let d: Descriptor = hear().unwrap().parse().unwrap();
+            let _m = ep.import(&d).unwrap();
+            say("holding");
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+        "pingpong" => {
+            // Parent's aperture to write into; ours to be written.
+            let mine = ep.export(4096).unwrap();
+            let tw = mine.tripwire(TripwireConfig::writes(0..8)).unwrap();
+            say(mine.descriptor());
+            let theirs = ep.import(&hear().unwrap().parse().unwrap()).unwrap();
+            let rounds: u64 = hear().unwrap().parse().unwrap();
+            for i in 1..=rounds {
+                tw.arm().unwrap();
+                while mine.load_u64(0).unwrap() < i {
+                    tw.wait(Some(Duration::from_secs(60)))
+                        .expect("lost wake-up in the child");
+                }
+                theirs.store_u64(0, i).unwrap();
+            }
+            say("finished");
+        }
+        "write_loop" => {
+            let m = ep.import(&hear().unwrap().parse().unwrap()).unwrap();
+            say("looping");
+            let mut i = 0u64;
+            loop {
+                i += 1;
+                m.store_u64(0, i).unwrap();
+            }
+        }
+        "scribble" => {
+            let ppid = hear().unwrap();
+            let secs: u64 = hear().unwrap().parse().unwrap();
+            scribble(&ppid, Duration::from_millis(secs));
+            say("scribbled");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// A hostile process: map every clan memfd of `pid` (through /proc) and write garbage over
+/// the event queues and the aperture indexes.
+fn scribble(pid: &str, time: Duration) {
+    use clan_shm::segment::{Access, Segment};
+    let mut segs = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(link) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        let l = link.to_string_lossy();
+        if !(l.contains("memfd:clan-eq") || l.contains("memfd:clan-aperture")) {
+            continue;
+        }
+        let Ok(f) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(e.path())
+        else {
+            continue;
+        };
+        let len = f.metadata().unwrap().len() as usize;
+        if let Ok(s) = Segment::map(&f, 0, len, Access::ReadWrite) {
+            segs.push((l.contains("clan-eq"), s));
+        }
+    }
+    assert!(!segs.is_empty(), "found no clan memory to attack");
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let start = Instant::now();
+    while start.elapsed() < time {
+        for (is_eq, s) in &segs {
+            for _ in 0..256 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Event queues: anywhere. Apertures: only the index (the tail), data is data.
+                let lo = if *is_eq { 0 } else { s.len() / 2 };
+                let off = (lo + (x as usize % (s.len() - lo - 8))) & !7;
+                let v = if x & 3 == 0 {
+                    u64::MAX
+                } else {
+                    x.rotate_left(17)
+                };
+                let _ = s.write(off, &v.to_le_bytes());
+            }
+        }
+    }
+}
+
+#[test]
+fn import_from_another_process_and_wake_on_its_write() {
+    let _wd = Watchdog::new("cross-process import", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let tw = ap.tripwire(TripwireConfig::writes(0..8).event(42)).unwrap();
+    tw.arm().unwrap();
+    let mut child = Peer::spawn(ENTRY, "import_write", &[]);
+    child.send(&ap.descriptor().to_string());
+    while ap.load_u64(0).unwrap() == 0 {
+        tw.wait(Some(Duration::from_secs(60)))
+            .expect("tripwire wake-up from the other process");
+    }
+    let mut b = [0u8; 20];
+    ap.read(64, &mut b).unwrap();
+    assert_eq!(&b, b"written by the child");
+    match ep
+        .event_queue()
+        .wait(Some(Duration::from_secs(60)))
+        .unwrap()
+    {
+        Event::Tripwire { cookie: 42, id, .. } => assert_eq!(id, tw.id()),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(child.expect("done"), "done");
+    assert_eq!(ap.remote_imports(), 1);
+    assert_eq!(nic.stats().imports_granted, 1);
+    child.wait_ok();
+}
+
+fn try_import(desc: &Descriptor) -> String {
+    let mut c = Peer::spawn(ENTRY, "try_import", &[]);
+    c.send(&desc.to_string());
+    let r = c.expect("result");
+    c.wait_ok();
+    r
+}
+
+#[test]
+fn import_restrictions_by_pid_uid_and_endpoint() {
+    let _wd = Watchdog::new("restrictions", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let only_me = ep
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().pid(std::process::id()),
+            },
+        )
+        .unwrap();
+    assert_eq!(try_import(&only_me.descriptor()), "Denied(Pid)");
+    let other_uid = ep
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().uid(54321),
+            },
+        )
+        .unwrap();
+    assert_eq!(try_import(&other_uid.descriptor()), "Denied(Uid)");
+    let my_uid = rustix::process::getuid().as_raw();
+    let same_uid = ep
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().uid(my_uid),
+            },
+        )
+        .unwrap();
+    assert_eq!(try_import(&same_uid.descriptor()), "ok");
+    // Endpoint: only the endpoint the first child announces.
+    let mut friend = Peer::spawn(ENTRY, "endpoint_import", &[]);
+    let friend_ep: EndpointAddr = friend.expect("endpoint").parse().unwrap();
+    let ap = ep
+        .export_with(
+            4096,
+            ExportConfig {
+                policy: ImportPolicy::anyone().endpoint(friend_ep),
+            },
+        )
+        .unwrap();
+    friend.send(&ap.descriptor().to_string());
+    assert_eq!(friend.expect("result"), "ok");
+    friend.wait_ok();
+    let mut stranger = Peer::spawn(ENTRY, "endpoint_import", &[]);
+    let _ = stranger.expect("endpoint");
+    stranger.send(&ap.descriptor().to_string());
+    assert_eq!(stranger.expect("result"), "Denied(Endpoint)");
+    stranger.wait_ok();
+    // Forged and stale descriptors, across processes.
+    let ro = ap.descriptor().derive(0, 4096, Rights::READ).unwrap();
+    let mut b = ro.to_bytes();
+    let at = b.len() - 17;
+    b[at] = 3;
+    assert_eq!(try_import(&Descriptor::from_bytes(&b).unwrap()), "BadKey");
+    let stale = only_me.descriptor();
+    drop(only_me);
+    assert_eq!(try_import(&stale), "Revoked");
+    assert!(nic.stats().imports_refused >= 5);
+}
+
+#[test]
+fn read_only_descriptors_map_read_only() {
+    let _wd = Watchdog::new("read only", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    ap.write(0, b"hello").unwrap();
+    let mut c = Peer::spawn(ENTRY, "read_only", &[]);
+    c.send(
+        &ap.descriptor()
+            .derive(0, 4096, Rights::READ)
+            .unwrap()
+            .to_string(),
+    );
+    assert_eq!(
+        c.expect("write result"),
+        format!("{:?}", Err::<(), _>(AccessError::NotWritable))
+    );
+    assert_eq!(
+        c.expect("raw writable"),
+        "false",
+        "the kernel mapping itself is read-only"
+    );
+    assert_eq!(c.expect("content"), "hello");
+    c.wait_ok();
+}
+
+#[test]
+fn unexport_revokes_remote_mappings_and_memory_waits_for_them() {
+    let _wd = Watchdog::new("revoke", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(16384).unwrap();
+    let desc = ap.descriptor();
+    let mut c = Peer::spawn(ENTRY, "revoke", &[]);
+    c.send(&desc.to_string());
+    assert_eq!(c.expect("imported"), "imported");
+    let fresh = nic.stats().exports_fresh;
+    drop(ap);
+    // The child still maps the memory: a new export must not get it.
+    let other = ep.export(16384).unwrap();
+    assert_eq!(nic.stats().exports_fresh, fresh + 1);
+    c.send("unexported");
+    assert_eq!(
+        c.expect("write after unexport"),
+        format!("{:?}", Err::<(), _>(AccessError::Revoked))
+    );
+    assert_eq!(c.expect("re-import"), "Revoked");
+    assert_eq!(c.expect("dropped"), "dropped");
+    drop(other);
+    // Once the child's unimport is processed, the memory comes back through the cache.
+    let start = Instant::now();
+    loop {
+        let cached = nic.stats().cached_bytes;
+        if cached >= 2 * 16384 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "memory never recycled ({cached} bytes cached)"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.wait_ok();
+}
+
+#[test]
+fn a_killed_importer_releases_its_imports() {
+    let _wd = Watchdog::new("importer death", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let mut c = Peer::spawn(ENTRY, "hold", &[]);
+    c.send(&ap.descriptor().to_string());
+    assert_eq!(c.expect("holding"), "holding");
+    assert_eq!(ap.remote_imports(), 1);
+    c.kill();
+    let start = Instant::now();
+    while ap.remote_imports() != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "import of a dead process never released"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Tens of thousands of arm / re-check / wait rounds across two processes: a single lost
+/// wake-up hangs (and the watchdog fails the test).
+#[test]
+fn pingpong_stress_never_loses_a_wakeup() {
+    let rounds: u64 = 20_000;
+    let _wd = Watchdog::new("ping-pong stress", Duration::from_secs(600));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let mine = ep.export(4096).unwrap();
+    let tw = mine.tripwire(TripwireConfig::writes(0..8)).unwrap();
+    let mut c = Peer::spawn(ENTRY, "pingpong", &[]);
+    let theirs = ep.import(&c.expect("descriptor").parse().unwrap()).unwrap();
+    c.send(&mine.descriptor().to_string());
+    c.send(&rounds.to_string());
+    for i in 1..=rounds {
+        tw.arm().unwrap();
+        theirs.store_u64(0, i).unwrap();
+        while mine.load_u64(0).unwrap() < i {
+            tw.wait(Some(Duration::from_secs(60)))
+                .expect("lost wake-up in the parent");
+        }
+    }
+    assert_eq!(c.expect("finished"), "finished");
+    c.wait_ok();
+}
+
+/// Producers SIGKILLed at random points never stall or corrupt the consumer's queue.
+#[test]
+fn producers_killed_at_random_points() {
+    let _wd = Watchdog::new("SIGKILL producers", Duration::from_secs(600));
+    let nic = nic();
+    let q = nic
+        .event_queue(EventQueueConfig {
+            ring_capacity: 64,
+            ..EventQueueConfig::default()
+        })
+        .unwrap();
+    let ep = nic
+        .endpoint_with(clan::EndpointConfig {
+            port: None,
+            queue: Some(q.clone()),
+        })
+        .unwrap();
+    let ap = ep.export(4096).unwrap();
+    let _tw = ap.tripwire(TripwireConfig::writes(0..8).event(7)).unwrap();
+    let mine = ep.import(&ap.descriptor()).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(AtomicU64::new(0));
+    let consumer = {
+        let (q, stop, seen) = (q.clone(), stop.clone(), seen.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                match q.wait(Some(Duration::from_millis(50))) {
+                    Ok(Event::Tripwire { cookie: 7, .. }) | Ok(Event::Overflow { .. }) => {
+                        seen.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(other) => panic!("unexpected event {other:?}"),
+                    Err(_) => {}
+                }
+            }
+        })
+    };
+    let mut x = std::process::id() as u64 | 1;
+    for round in 0..25 {
+        let mut c = Peer::spawn(ENTRY, "write_loop", &[]);
+        c.send(&ap.descriptor().to_string());
+        assert_eq!(c.expect("looping"), "looping");
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::thread::sleep(Duration::from_micros(x % 20_000));
+        c.kill();
+        // The queue still works: our own write is delivered.
+        let before = seen.load(Ordering::Relaxed);
+        let start = Instant::now();
+        mine.store_u64(0, round).unwrap();
+        while seen.load(Ordering::Relaxed) == before {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "queue stalled after a producer was killed"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    stop.store(true, Ordering::Release);
+    consumer.join().unwrap();
+    assert_eq!(
+        q.stats().malformed,
+        0,
+        "killed producers never produce garbage"
+    );
+    assert!(seen.load(Ordering::Relaxed) >= 25);
+}
+
+/// A hostile process of the same user writes garbage over our event queues and aperture
+/// indexes while we keep working: we may see spurious events, never a crash or a hang.
+#[test]
+fn hostile_process_cannot_crash_or_hang_us() {
+    let _wd = Watchdog::new("hostile scribbler", Duration::from_secs(300));
+    let nic = nic();
+    let q = nic.event_queue(EventQueueConfig::default()).unwrap();
+    let ep = nic
+        .endpoint_with(clan::EndpointConfig {
+            port: None,
+            queue: Some(q.clone()),
+        })
+        .unwrap();
+    let ap = ep.export(1 << 16).unwrap();
+    let mine = ep.import(&ap.descriptor()).unwrap();
+    let tws: Vec<_> = (0..64)
+        .map(|i| {
+            ap.tripwire(TripwireConfig::writes(i * 512..i * 512 + 64).event(i))
+                .unwrap()
+        })
+        .collect();
+    let mut c = Peer::spawn(ENTRY, "scribble", &[]);
+    c.send(&std::process::id().to_string());
+    c.send("1500");
+    let start = Instant::now();
+    let mut ops = 0u64;
+    while start.elapsed() < Duration::from_millis(1500) {
+        let off = (ops * 4096) % (1 << 16);
+        let _ = mine.write(off, &[ops as u8; 700]);
+        while q.try_take().is_some() {}
+        let t = ap.tripwire(TripwireConfig::writes(off..off + 8).event(1));
+        let _ = t.map(|t| t.wait(Some(Duration::from_micros(100))));
+        let _ = tws[(ops % 64) as usize].arm();
+        let _ = q.wait(Some(Duration::from_micros(200)));
+        ops += 1;
+    }
+    assert_eq!(c.expect("scribbled"), "scribbled");
+    c.wait_ok();
+    // Fresh resources still work normally.
+    let q2 = nic.event_queue(EventQueueConfig::default()).unwrap();
+    let ep2 = nic
+        .endpoint_with(clan::EndpointConfig {
+            port: None,
+            queue: Some(q2.clone()),
+        })
+        .unwrap();
+    let ap2 = ep2.export(4096).unwrap();
+    let tw2 = ap2.tripwire(TripwireConfig::writes(0..8).event(3)).unwrap();
+    ep2.import(&ap2.descriptor())
+        .unwrap()
+        .store_u64(0, 1)
+        .unwrap();
+    assert!(matches!(
+        q2.wait(Some(Duration::from_secs(10))),
+        Ok(Event::Tripwire { cookie: 3, .. })
+    ));
+    assert_eq!(tw2.count(), 1);
+    assert!(ops > 10);
+}
