@@ -1,1 +1,72 @@
-fn main() {}
+//! The `clan` command: benchmarks (each with its baseline measured in the same run) and
+//! diagnostics.
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod sys;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "clan",
+    version,
+    about = "CLAN user-level network in software: benchmarks and tools"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a benchmark.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Print what this machine is and what a NIC opened here looks like.
+    Info,
+    /// Internal: the peer process of a benchmark.
+    #[command(name = "__peer", hide = true)]
+    Peer {
+        role: String,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCmd {
+    /// Ping-pong round-trip time between two processes.
+    Latency(bench::latency::LatencyArgs),
+    /// One-way bandwidth into another process's aperture.
+    Bandwidth(bench::bandwidth::BandwidthArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Bench(BenchCmd::Latency(a)) => bench::latency::run(&a),
+        Cmd::Bench(BenchCmd::Bandwidth(a)) => bench::bandwidth::run(&a),
+        Cmd::Info => info(),
+        Cmd::Peer { role, args } => bench::peer_main(&role, &args),
+    };
+    if let Err(e) = r {
+        eprintln!("clan: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn info() -> bench::Result<()> {
+    let m = sys::machine();
+    println!("machine: {} × {}, Linux {}", m.cpus, m.model, m.kernel);
+    let nic = clan::Nic::open(clan::NicConfig::default())?;
+    println!("NIC address: {}", nic.addr());
+    println!("file descriptor limit: {}", clan::fd_limit());
+    let q = nic.default_queue().config();
+    println!(
+        "default event queue: {} tripwires, {} producer rings × {} events, spin {:?}",
+        q.tripwires, q.producers, q.ring_capacity, q.spin
+    );
+    Ok(())
+}

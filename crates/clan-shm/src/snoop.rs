@@ -109,12 +109,26 @@ fn recheck(
     sink: &impl Sink,
     off: u64,
     end: u64,
+    seen_epoch: u64,
+    scratch: &mut Vec<Candidate>,
+) -> u32 {
+    // Writer's half of the arm/fire Dekker: data stores above, fence, then the epoch load.
+    fence(Ordering::SeqCst);
+    redo(access, watch, sink, off, end, seen_epoch, scratch)
+}
+
+/// While the index keeps changing (bounded), collect again and fire what is new. The caller
+/// has fenced since its data stores.
+fn redo(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    end: u64,
     mut seen_epoch: u64,
     scratch: &mut Vec<Candidate>,
 ) -> u32 {
     let mut fired = 0;
-    // Writer's half of the arm/fire Dekker: data stores above, fence, then the epoch load.
-    fence(Ordering::SeqCst);
     let mut epoch = watch.cam.header.epoch.load(Ordering::Acquire);
     let mut rounds = 0;
     while epoch != seen_epoch && rounds < MAX_REDO && off < end {
@@ -133,9 +147,12 @@ fn recheck(
     fired
 }
 
-/// Fire every armed tripwire of `watch` overlapping `[off, off+len)` (for outgoing
-/// tripwires on a mapping: called once the transfer through it has completed).
-pub fn fire_range(
+/// Fire every armed tripwire of `watch` overlapping `[off, off+len)` for data that is
+/// already in place (a word stored atomically, raw stores being committed, or an outgoing
+/// transfer that has completed). One fence in the common case: the epoch is read first, then
+/// `fence(SeqCst)` orders the caller's stores before the look at the index, then the
+/// candidates fire, and a changed epoch makes it look again.
+pub fn commit(
     access: Access,
     watch: &Watch<'_>,
     sink: &impl Sink,
@@ -145,6 +162,7 @@ pub fn fire_range(
 ) -> u32 {
     let end = off.saturating_add(len);
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
+    fence(Ordering::SeqCst);
     scratch.clear();
     let mut fired = 0;
     if watch.cam.may_match(off, end) {
@@ -155,5 +173,5 @@ pub fn fire_range(
             fired += fire_one(watch, sink, c, access);
         }
     }
-    fired + recheck(access, watch, sink, off, end, e1, scratch)
+    fired + redo(access, watch, sink, off, end, e1, scratch)
 }

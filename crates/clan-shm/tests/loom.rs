@@ -13,7 +13,7 @@ use clan_shm::cam::{self, CamOwner};
 use clan_shm::eq::{CamModel, EqModel, EqParams};
 use clan_shm::ring::{Consumer, Producer, Taken};
 use clan_shm::snoop::{self, Sink, Watch};
-use clan_shm::sync::ModelFutex;
+use clan_shm::sync::{Futex, ModelFutex};
 use clan_shm::trip::{self, ACT_COUNTER, ARMED, Access, ON_WRITE, ONCE, WIDE};
 
 const TAG: u64 = 7;
@@ -380,5 +380,90 @@ fn relink_under_walker_still_fires() {
             1,
             "B must fire exactly once"
         );
+    });
+}
+
+/// A word stored atomically and then committed (one fence) against an insertion.
+#[test]
+fn arm_by_insert_vs_word_store_commit() {
+    model(|| {
+        let eq = Arc::new(EqModel::new(tiny()));
+        let cam_m = Arc::new(CamModel::new(256));
+        let data = Arc::new(AtomicU64::new(0));
+        let sink = Arc::new(LoomSink::new());
+        let writer = {
+            let (eq, cam_m, data, sink) = (eq.clone(), cam_m.clone(), data.clone(), sink.clone());
+            thread::spawn(move || {
+                let v = eq.view();
+                let cv = cam_m.view();
+                let watch = Watch {
+                    cam: &cv,
+                    table: &v.table,
+                    tag: TAG,
+                };
+                let mut scratch = Vec::new();
+                data.store(1, Ordering::Relaxed);
+                snoop::commit(Access::Write, &watch, &*sink, 0, 8, &mut scratch)
+            })
+        };
+        let mut owner = CamOwner::new();
+        add(
+            &eq,
+            &cam_m,
+            &mut owner,
+            0,
+            0,
+            8,
+            ARMED | ON_WRITE | ACT_COUNTER,
+        );
+        let saw = data.load(Ordering::Relaxed) == 1;
+        let fired = writer.join().unwrap();
+        assert!(fired == 1 || saw, "lost wake-up");
+    });
+}
+
+/// A consumer that settles stale summary bits before deciding to sleep never sleeps past
+/// an event.
+#[test]
+fn settle_then_sleep_no_lost_wakeup() {
+    model(|| {
+        let eq = Arc::new(EqModel::new(tiny()));
+        let futex = Arc::new(ModelFutex::default());
+        // One event already taken, leaving a stale summary bit, then a concurrent post.
+        {
+            let v = eq.view();
+            let mut p = Producer::new(1);
+            p.post(&v.rings(), [1, 0, 0, 0], &*futex);
+        }
+        let mut c = Consumer::new(2);
+        {
+            let v = eq.view();
+            assert!(matches!(c.take(&v.rings()), Some(Taken::Event { .. })));
+        }
+        let producer = {
+            let (eq, futex) = (eq.clone(), futex.clone());
+            thread::spawn(move || {
+                let v = eq.view();
+                let mut p = Producer::resume(1, 1);
+                p.post(&v.rings(), [2, 0, 0, 0], &*futex);
+            })
+        };
+        let v = eq.view();
+        let rings = v.rings();
+        loop {
+            if let Some(Taken::Event { words, .. }) = c.take(&rings) {
+                assert_eq!(words[0], 2);
+                break;
+            }
+            let seen = rings.words.wake.load(Ordering::Acquire);
+            if !clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX) {
+                c.settle(&rings);
+                if clan_shm::ring::maybe_nonempty(&rings) {
+                    continue;
+                }
+            }
+            futex.wait(&rings.words.wake, seen, None);
+        }
+        producer.join().unwrap();
     });
 }

@@ -238,8 +238,6 @@ impl WatchOwner {
             tag: self.tag,
         };
         let sink = self.eq.port.sink();
-        with_scratch(|s| {
-            clan_shm::snoop::fire_range(access, &watch, &sink, off + self.base, len, s)
-        })
+        with_scratch(|s| clan_shm::snoop::commit(access, &watch, &sink, off + self.base, len, s))
     }
 }

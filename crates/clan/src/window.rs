@@ -124,9 +124,8 @@ impl Window {
 
     /// Fire the tripwires of `[abs, abs+len)` for `access`, the data being already in place.
     pub fn commit(&self, abs: u64, len: u64, access: Access) -> u32 {
-        std::sync::atomic::fence(Ordering::SeqCst);
         let sink = self.port.sink();
-        self.with_watch(|w| with_scratch(|s| snoop::fire_range(access, w, &sink, abs, len, s)))
+        self.with_watch(|w| with_scratch(|s| snoop::commit(access, w, &sink, abs, len, s)))
     }
 
     /// Atomic word store (Release), then fire.

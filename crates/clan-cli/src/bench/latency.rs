@@ -1,0 +1,452 @@
+//! `clan bench latency`: ping-pong round-trip time between two processes.
+//!
+//! - `--sync spin`: each side polls the first word of its own aperture (local memory), the
+//!   other side writes it through a mapping. Baseline: the same ping-pong over raw shared
+//!   memory (a memfd both map, plain atomic stores and loads): `shm-raw`.
+//! - `--sync block`: each side sleeps on a tripwire on that word, through its event queue
+//!   (no spinning). Baseline: an AF_UNIX stream ping-pong between the same two processes:
+//!   `unix`.
+//!
+//! A message is `size` bytes: `size - 8` bytes of payload written first, then the 8-byte
+//! sequence word that the receiver watches. Both sides are pinned (parent on CPU 0, peer on
+//! CPU 1 unless `--placement same`), for the clan run and its baseline alike.
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use clan::{Aperture, EventQueue, Nic, NicConfig, TripwireConfig};
+use clan_shm::segment::{Access, Segment};
+use clan_shm::sync::AtomicU64;
+use serde::Serialize;
+
+use super::report::{Samples, emit, ns, ratio};
+use super::{Link, PeerProc, Result, arg};
+use crate::sys;
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Processes of this host, through shared memory.
+    Shm,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncMode {
+    /// Poll memory.
+    Spin,
+    /// Sleep on tripwires through the event queue.
+    Block,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Parent on CPU 0, peer on CPU 1.
+    Cross,
+    /// Both on CPU 0.
+    Same,
+}
+
+/// Arguments of `clan bench latency`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LatencyArgs {
+    /// Where the peers are.
+    #[arg(long, value_enum, default_value_t = Transport::Shm)]
+    pub transport: Transport,
+    /// How receivers wait.
+    #[arg(long, value_enum, default_value_t = SyncMode::Spin)]
+    pub sync: SyncMode,
+    /// Message size in bytes (at least 8).
+    #[arg(long, default_value_t = 8)]
+    pub size: usize,
+    /// Measured round trips (plus 10% warm-up).
+    #[arg(long, default_value_t = 100_000)]
+    pub iters: u64,
+    /// Thread placement.
+    #[arg(long, value_enum, default_value_t = Placement::Cross)]
+    pub placement: Placement,
+    /// Alternate clan and baseline this many times (samples are merged), so that drift of a
+    /// shared machine cannot favour either.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct LatencyReport {
+    bench: &'static str,
+    transport: &'static str,
+    sync: &'static str,
+    size: usize,
+    iters: u64,
+    rtt_p50_ns: u64,
+    rtt_p90_ns: u64,
+    rtt_p99_ns: u64,
+    rtt_p999_ns: u64,
+    rtt_mean_ns: f64,
+    one_way_p50_ns: u64,
+    baseline: &'static str,
+    baseline_rtt_p50_ns: u64,
+    baseline_rtt_p99_ns: u64,
+    baseline_rtt_mean_ns: f64,
+    ratio_p50: f64,
+    placement: String,
+    machine: sys::Machine,
+}
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn placement_cpus(p: Placement) -> (usize, usize) {
+    match p {
+        Placement::Cross => (0, 1),
+        Placement::Same => (0, 0),
+    }
+}
+
+pub fn run(a: &LatencyArgs) -> Result<()> {
+    if a.size < 8 {
+        return Err("--size must be at least 8 (the sequence word)".into());
+    }
+    if a.iters == 0 {
+        return Err("--iters must be positive".into());
+    }
+    let (cpu_parent, cpu_peer) = placement_cpus(a.placement);
+    let pinned = sys::pin(cpu_parent);
+    let placement = format!(
+        "parent pinned to CPU {}, peer to CPU {} ({} CPUs){}",
+        pinned.map_or("-".into(), |c| c.to_string()),
+        cpu_peer,
+        sys::machine().cpus,
+        if a.sync == SyncMode::Spin {
+            "; both sides spin"
+        } else {
+            "; both sides sleep"
+        }
+    );
+    let rounds = a.rounds.max(1);
+    let per_round = a.iters.div_ceil(u64::from(rounds));
+    let warmup = (per_round / 10).max(100);
+    let total = per_round + warmup;
+    let baseline = match a.sync {
+        SyncMode::Spin => "shm-raw",
+        SyncMode::Block => "unix",
+    };
+    let (mut base, mut ours) = (Samples::new(), Samples::new());
+    for _ in 0..rounds {
+        let b = match a.sync {
+            SyncMode::Spin => raw_shm(a.size, total, warmup, cpu_peer)?,
+            SyncMode::Block => unix(a.size, total, warmup, cpu_peer)?,
+        };
+        base.merge(&b);
+        ours.merge(&clan_pingpong(a.sync, a.size, total, warmup, cpu_peer)?);
+    }
+    let (o, b) = (ours.summary(), base.summary());
+    let r = LatencyReport {
+        bench: "latency",
+        transport: "shm",
+        sync: match a.sync {
+            SyncMode::Spin => "spin",
+            SyncMode::Block => "block",
+        },
+        size: a.size,
+        iters: a.iters,
+        rtt_p50_ns: o.p50_ns,
+        rtt_p90_ns: o.p90_ns,
+        rtt_p99_ns: o.p99_ns,
+        rtt_p999_ns: o.p999_ns,
+        rtt_mean_ns: o.mean_ns,
+        one_way_p50_ns: o.p50_ns / 2,
+        baseline,
+        baseline_rtt_p50_ns: b.p50_ns,
+        baseline_rtt_p99_ns: b.p99_ns,
+        baseline_rtt_mean_ns: b.mean_ns,
+        ratio_p50: ratio(o.p50_ns as f64, b.p50_ns as f64),
+        placement,
+        machine: sys::machine(),
+    };
+    emit(a.json, &r, || {
+        println!(
+            "clan bench latency: transport shm, sync {}, {} bytes, {} round trips in {} interleaved rounds",
+            r.sync, r.size, r.iters, rounds
+        );
+        println!("placement: {}", r.placement);
+        println!(
+            "machine: {} × {}, Linux {}",
+            r.machine.cpus, r.machine.model, r.machine.kernel
+        );
+        println!(
+            "{:<10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "", "p50", "p90", "p99", "p99.9", "mean"
+        );
+        for (name, s) in [("clan", o), (baseline, b)] {
+            println!(
+                "{:<10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                name,
+                ns(s.p50_ns),
+                ns(s.p90_ns),
+                ns(s.p99_ns),
+                ns(s.p999_ns),
+                ns(s.mean_ns as u64)
+            );
+        }
+        println!("ratio clan/{baseline} at p50: {:.2}", r.ratio_p50);
+    });
+    Ok(())
+}
+
+fn aperture_len(size: usize) -> u64 {
+    size.max(64) as u64
+}
+
+/// Wait until the sequence word of `ap` holds `v`, spinning or sleeping on the event queue.
+fn wait_for(ap: &Aperture, v: u64, block: Option<&EventQueue>) -> Result<()> {
+    let start = Instant::now();
+    match block {
+        None => {
+            let mut n = 0u32;
+            while ap.load_u64(0)? != v {
+                std::hint::spin_loop();
+                n = n.wrapping_add(1);
+                if n % 4096 == 0 && start.elapsed() > LIMIT {
+                    return Err("peer stopped answering".into());
+                }
+            }
+        }
+        Some(q) => {
+            while ap.load_u64(0)? != v {
+                q.wait_spin(Duration::ZERO, Some(LIMIT))
+                    .map_err(|_| "peer stopped answering")?;
+            }
+            while q.try_take().is_some() {}
+        }
+    }
+    Ok(())
+}
+
+struct Side {
+    _nic: Nic,
+    queue: EventQueue,
+    ap: Aperture,
+    _tw: Option<clan::Tripwire>,
+    ep: clan::Endpoint,
+}
+
+fn side(sync: SyncMode, size: usize) -> Result<Side> {
+    let nic = Nic::open(NicConfig::default())?;
+    let ep = nic.endpoint()?;
+    let ap = ep.export(aperture_len(size))?;
+    let tw = match sync {
+        SyncMode::Block => Some(ap.tripwire(TripwireConfig::writes(0..8).event(1))?),
+        SyncMode::Spin => None,
+    };
+    Ok(Side {
+        queue: ep.event_queue().clone(),
+        _nic: nic,
+        ap,
+        _tw: tw,
+        ep,
+    })
+}
+
+fn clan_pingpong(
+    sync: SyncMode,
+    size: usize,
+    total: u64,
+    warmup: u64,
+    cpu_peer: usize,
+) -> Result<Samples> {
+    let me = side(sync, size)?;
+    let mode = if sync == SyncMode::Spin {
+        "spin"
+    } else {
+        "block"
+    };
+    let mut peer = PeerProc::spawn(
+        "lat-clan",
+        &[
+            format!("sync={mode}"),
+            format!("size={size}"),
+            format!("iters={total}"),
+            format!("cpu={cpu_peer}"),
+        ],
+    )?;
+    let theirs = me.ep.import(&peer.recv()?.parse()?)?;
+    peer.send(me.ap.descriptor())?;
+    if peer.recv()? != "ready" {
+        return Err("peer not ready".into());
+    }
+    let payload = vec![0x5au8; size - 8];
+    let block = (sync == SyncMode::Block).then_some(&me.queue);
+    let mut s = Samples::new();
+    for i in 1..=total {
+        let t0 = Instant::now();
+        if size > 8 {
+            theirs.write(8, &payload)?;
+        }
+        theirs.store_u64(0, i)?;
+        wait_for(&me.ap, i, block)?;
+        if i > warmup {
+            s.record(t0.elapsed());
+        }
+    }
+    if peer.recv()? != "done" {
+        return Err("peer did not finish".into());
+    }
+    peer.finish()?;
+    Ok(s)
+}
+
+fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
+    let region = clan_shm::segment::page_align(size.max(64));
+    let memfd = clan_shm::memfd::Memfd::create("clan-bench-raw", 2 * region as u64)?;
+    let seg = Segment::map(&memfd, 0, 2 * region, Access::ReadWrite)?;
+    let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
+    let mut peer = PeerProc::spawn(
+        "lat-raw",
+        &[
+            format!("path={path}"),
+            format!("size={size}"),
+            format!("iters={total}"),
+            format!("cpu={cpu_peer}"),
+        ],
+    )?;
+    if peer.recv()? != "ready" {
+        return Err("peer not ready".into());
+    }
+    let payload = vec![0x5au8; size - 8];
+    let (mine, theirs) = (seg.view::<AtomicU64>(0)?, seg.view::<AtomicU64>(region)?);
+    let mut s = Samples::new();
+    for i in 1..=total {
+        let t0 = Instant::now();
+        if size > 8 {
+            seg.write(region + 8, &payload)?;
+        }
+        theirs.store(i, std::sync::atomic::Ordering::Release);
+        spin_until(mine, i)?;
+        if i > warmup {
+            s.record(t0.elapsed());
+        }
+    }
+    peer.finish()?;
+    Ok(s)
+}
+
+fn spin_until(w: &AtomicU64, v: u64) -> Result<()> {
+    let start = Instant::now();
+    let mut n = 0u32;
+    while w.load(std::sync::atomic::Ordering::Acquire) != v {
+        std::hint::spin_loop();
+        n = n.wrapping_add(1);
+        if n % 4096 == 0 && start.elapsed() > LIMIT {
+            return Err("peer stopped answering".into());
+        }
+    }
+    Ok(())
+}
+
+fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    let name = format!("clan-bench-unix-{}", std::process::id());
+    let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+    let peer = PeerProc::spawn(
+        "lat-unix",
+        &[
+            format!("name={name}"),
+            format!("size={size}"),
+            format!("iters={total}"),
+            format!("cpu={cpu_peer}"),
+        ],
+    )?;
+    let (mut sock, _) = listener.accept()?;
+    sock.set_read_timeout(Some(LIMIT))?;
+    let out = vec![0x5au8; size];
+    let mut inp = vec![0u8; size];
+    let mut s = Samples::new();
+    for i in 1..=total {
+        let t0 = Instant::now();
+        sock.write_all(&out)?;
+        sock.read_exact(&mut inp)?;
+        if i > warmup {
+            s.record(t0.elapsed());
+        }
+    }
+    peer.finish()?;
+    Ok(s)
+}
+
+trait RawFdNum {
+    fn as_fd_raw(&self) -> i32;
+}
+
+impl RawFdNum for clan_shm::memfd::Memfd {
+    fn as_fd_raw(&self) -> i32 {
+        std::os::fd::AsFd::as_fd(self).as_raw_fd()
+    }
+}
+
+/// The peer side of the latency benchmarks.
+pub fn peer(role: &str, args: &[String]) -> Result<()> {
+    let size: usize = arg(args, "size")?;
+    let iters: u64 = arg(args, "iters")?;
+    sys::pin(arg(args, "cpu")?);
+    match role {
+        "lat-clan" => {
+            let sync = if arg::<String>(args, "sync")? == "block" {
+                SyncMode::Block
+            } else {
+                SyncMode::Spin
+            };
+            let me = side(sync, size)?;
+            Link::say(me.ap.descriptor());
+            let theirs = me.ep.import(&Link::hear()?.parse()?)?;
+            Link::say("ready");
+            let payload = vec![0xa5u8; size - 8];
+            let block = (sync == SyncMode::Block).then_some(&me.queue);
+            for i in 1..=iters {
+                wait_for(&me.ap, i, block)?;
+                if size > 8 {
+                    theirs.write(8, &payload)?;
+                }
+                theirs.store_u64(0, i)?;
+            }
+            Link::say("done");
+            let _ = Link::hear();
+        }
+        "lat-raw" => {
+            let path: String = arg(args, "path")?;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)?;
+            let region = clan_shm::segment::page_align(size.max(64));
+            let seg = Segment::map(&f, 0, 2 * region, Access::ReadWrite)?;
+            let (theirs, mine) = (seg.view::<AtomicU64>(0)?, seg.view::<AtomicU64>(region)?);
+            let payload = vec![0xa5u8; size - 8];
+            Link::say("ready");
+            for i in 1..=iters {
+                spin_until(mine, i)?;
+                if size > 8 {
+                    seg.write(8, &payload)?;
+                }
+                theirs.store(i, std::sync::atomic::Ordering::Release);
+            }
+        }
+        "lat-unix" => {
+            use std::os::linux::net::SocketAddrExt;
+            use std::os::unix::net::{SocketAddr, UnixStream};
+            let name: String = arg(args, "name")?;
+            let mut sock =
+                UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+            sock.set_read_timeout(Some(LIMIT))?;
+            let mut buf = vec![0u8; size];
+            for _ in 0..iters {
+                sock.read_exact(&mut buf)?;
+                sock.write_all(&buf)?;
+            }
+        }
+        other => return Err(format!("unknown role {other}").into()),
+    }
+    Ok(())
+}

@@ -1,0 +1,109 @@
+//! `clan bench …`: every benchmark runs the real thing across real processes and measures
+//! its baseline in the same run, with the same message sizes and the same placement.
+
+pub mod bandwidth;
+pub mod latency;
+pub mod report;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// A benchmark peer: this executable re-run as `clan __peer <role> <args…>`, talking in
+/// lines over its stdin and stdout.
+pub struct PeerProc {
+    child: Child,
+    input: Option<ChildStdin>,
+    output: BufReader<ChildStdout>,
+}
+
+impl PeerProc {
+    pub fn spawn(role: &str, args: &[String]) -> Result<PeerProc> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("__peer")
+            .arg(role)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let input = child.stdin.take();
+        let output = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        Ok(PeerProc {
+            child,
+            input,
+            output,
+        })
+    }
+
+    pub fn send(&mut self, line: impl std::fmt::Display) -> Result<()> {
+        let i = self.input.as_mut().ok_or("peer input closed")?;
+        writeln!(i, "{line}")?;
+        i.flush()?;
+        Ok(())
+    }
+
+    pub fn recv(&mut self) -> Result<String> {
+        let mut l = String::new();
+        if self.output.read_line(&mut l)? == 0 {
+            return Err("benchmark peer exited early (see its error above)".into());
+        }
+        Ok(l.trim_end().to_owned())
+    }
+
+    pub fn finish(mut self) -> Result<()> {
+        self.input = None;
+        let st = self.child.wait()?;
+        if !st.success() {
+            return Err(format!("benchmark peer failed: {st}").into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PeerProc {
+    fn drop(&mut self) {
+        if self.input.is_some() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// The peer side: line I/O on stdio.
+pub struct Link;
+
+impl Link {
+    pub fn say(line: impl std::fmt::Display) {
+        println!("{line}");
+        let _ = std::io::stdout().flush();
+    }
+    pub fn hear() -> Result<String> {
+        let mut l = String::new();
+        if std::io::stdin().read_line(&mut l)? == 0 {
+            return Err("benchmark parent went away".into());
+        }
+        Ok(l.trim_end().to_owned())
+    }
+}
+
+/// Entry of `clan __peer`.
+pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
+    // Die with the benchmark that started us.
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    match role {
+        r if r.starts_with("lat-") => latency::peer(r, args),
+        r if r.starts_with("bw-") => bandwidth::peer(r, args),
+        other => Err(format!("unknown peer role {other}").into()),
+    }
+}
+
+/// `key=value` arguments.
+pub fn arg<T: std::str::FromStr>(args: &[String], key: &str) -> Result<T> {
+    args.iter()
+        .find_map(|a| a.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .ok_or_else(|| format!("missing peer argument {key}"))?
+        .parse()
+        .map_err(|_| format!("bad peer argument {key}").into())
+}

@@ -1,0 +1,85 @@
+//! Percentiles, tables and JSON.
+
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// Nanosecond samples.
+#[derive(Debug)]
+pub struct Samples {
+    h: Histogram<u64>,
+}
+
+impl Default for Samples {
+    fn default() -> Self {
+        Samples::new()
+    }
+}
+
+impl Samples {
+    pub fn new() -> Samples {
+        Samples {
+            h: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds"),
+        }
+    }
+    pub fn record(&mut self, d: Duration) {
+        let _ = self.h.record((d.as_nanos() as u64).max(1));
+    }
+    pub fn merge(&mut self, o: &Samples) {
+        let _ = self.h.add(&o.h);
+    }
+    pub fn p(&self, q: f64) -> u64 {
+        self.h.value_at_quantile(q)
+    }
+    pub fn summary(&self) -> Percentiles {
+        Percentiles {
+            p50_ns: self.p(0.50),
+            p90_ns: self.p(0.90),
+            p99_ns: self.p(0.99),
+            p999_ns: self.p(0.999),
+            min_ns: self.h.min(),
+            max_ns: self.h.max(),
+            mean_ns: self.h.mean(),
+            count: self.h.len(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Percentiles {
+    pub p50_ns: u64,
+    pub p90_ns: u64,
+    pub p99_ns: u64,
+    pub p999_ns: u64,
+    pub min_ns: u64,
+    pub max_ns: u64,
+    pub mean_ns: f64,
+    pub count: u64,
+}
+
+pub fn ns(v: u64) -> String {
+    if v >= 10_000_000 {
+        format!("{:.1} ms", v as f64 / 1e6)
+    } else if v >= 10_000 {
+        format!("{:.1} µs", v as f64 / 1e3)
+    } else {
+        format!("{v} ns")
+    }
+}
+
+pub fn ratio(a: f64, b: f64) -> f64 {
+    if b == 0.0 { f64::NAN } else { a / b }
+}
+
+/// Print a report as pretty JSON or as text lines.
+pub fn emit<T: Serialize>(json: bool, value: &T, text: impl FnOnce()) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(value).expect("serialisable report")
+        );
+    } else {
+        text();
+    }
+}
