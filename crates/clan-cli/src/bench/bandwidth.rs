@@ -126,7 +126,10 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
     // clan: PIO into the peer's aperture.
     let nic = Nic::open(NicConfig::default())?;
     let ep = nic.endpoint()?;
-    let mut peer = PeerProc::spawn("bw-clan", &[format!("size={}", a.size), "cpu=1".to_string()])?;
+    let mut peer = PeerProc::spawn(
+        "bw-clan",
+        &[format!("size={}", a.size), "cpu=1".to_string()],
+    )?;
     let m = ep.import(&peer.recv()?.parse()?)?;
     let (t, s) = run_ring(a.size, iters, |off| {
         m.write(off as u64, &src)?;
