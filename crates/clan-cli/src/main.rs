@@ -41,6 +41,8 @@ enum BenchCmd {
     Latency(bench::latency::LatencyArgs),
     /// One-way bandwidth into another process's aperture.
     Bandwidth(bench::bandwidth::BandwidthArgs),
+    /// Cost of snooping writes, with and without tripwires elsewhere.
+    Tripwires(bench::tripwires::TripwiresArgs),
 }
 
 fn main() {
@@ -48,6 +50,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Bench(BenchCmd::Latency(a)) => bench::latency::run(&a),
         Cmd::Bench(BenchCmd::Bandwidth(a)) => bench::bandwidth::run(&a),
+        Cmd::Bench(BenchCmd::Tripwires(a)) => bench::tripwires::run(&a),
         Cmd::Info => info(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),
     };

@@ -4,6 +4,7 @@
 pub mod bandwidth;
 pub mod latency;
 pub mod report;
+pub mod tripwires;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
