@@ -70,20 +70,45 @@ pub fn transfer<E>(
     off: u64,
     len: u64,
     scratch: &mut Vec<Candidate>,
+    mover: impl FnMut(u64, u64) -> Result<(), E>,
+) -> Result<u32, E> {
+    transfer_piece(access, watch, sink, off, len, off.saturating_add(len), scratch, mover)
+}
+
+/// Where a candidate's watched part of a write ending at `write_end` is complete.
+#[inline]
+fn stop(c: &Candidate, write_end: u64) -> u64 {
+    c.end.min(write_end)
+}
+
+/// [`transfer`] for one piece `[off, off+len)` of a write that ends at `write_end` (a burst
+/// arriving in several pieces): a tripwire fires in the piece where its watched part of the
+/// *whole* write completes — never before all its watched bytes of the write are in place.
+#[allow(clippy::too_many_arguments)]
+pub fn transfer_piece<E>(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    write_end: u64,
+    scratch: &mut Vec<Candidate>,
     mut mover: impl FnMut(u64, u64) -> Result<(), E>,
 ) -> Result<u32, E> {
     let end = off.saturating_add(len);
+    let write_end = write_end.max(end);
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
     let mut fired = 0;
     scratch.clear();
     if len > 0 && watch.cam.may_match(off, end) {
-        watch
-            .cam
-            .collect(watch.table, watch.tag, off, end, access, scratch);
-        scratch.sort_unstable_by_key(|c| c.end.min(end));
+        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+        scratch.sort_unstable_by_key(|c| stop(c, write_end));
         let mut cursor = off;
         for c in scratch.iter() {
-            let upto = c.end.min(end);
+            let upto = stop(c, write_end);
+            if upto > end {
+                break; // completes in a later piece (sorted: so do the rest)
+            }
             if upto > cursor {
                 mover(cursor, upto - cursor)?;
                 cursor = upto;
@@ -98,33 +123,57 @@ pub fn transfer<E>(
     } else if len > 0 {
         mover(off, len)?;
     }
-    fired += recheck(access, watch, sink, off, end, e1, scratch);
+    fired += recheck(access, watch, sink, off, end, write_end, e1, scratch);
     Ok(fired)
 }
 
+/// The first point after `off` (at most `end`) where a tripwire's watched part of a write
+/// ending at `write_end` completes: a receiver that moves bytes in pieces it does not
+/// control (straight from a socket) stops its pieces there, so that [`commit_piece`] fires
+/// each tripwire exactly when its watched bytes are in place.
+pub fn next_stop(
+    access: Access,
+    watch: &Watch<'_>,
+    off: u64,
+    end: u64,
+    write_end: u64,
+    scratch: &mut Vec<Candidate>,
+) -> u64 {
+    if off >= end || !watch.cam.may_match(off, end) {
+        return end;
+    }
+    scratch.clear();
+    watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+    scratch.iter().map(|c| stop(c, write_end.max(end))).filter(|&s| s > off).min().unwrap_or(end).min(end)
+}
+
 /// Step 3 of [`transfer`]: after the data is in place, fire what was armed meanwhile.
+#[allow(clippy::too_many_arguments)]
 fn recheck(
     access: Access,
     watch: &Watch<'_>,
     sink: &impl Sink,
     off: u64,
     end: u64,
+    write_end: u64,
     seen_epoch: u64,
     scratch: &mut Vec<Candidate>,
 ) -> u32 {
     // Writer's half of the arm/fire Dekker: data stores above, fence, then the epoch load.
     fence(Ordering::SeqCst);
-    redo(access, watch, sink, off, end, seen_epoch, scratch)
+    redo(access, watch, sink, off, end, write_end, seen_epoch, scratch)
 }
 
 /// While the index keeps changing (bounded), collect again and fire what is new. The caller
 /// has fenced since its data stores.
+#[allow(clippy::too_many_arguments)]
 fn redo(
     access: Access,
     watch: &Watch<'_>,
     sink: &impl Sink,
     off: u64,
     end: u64,
+    write_end: u64,
     mut seen_epoch: u64,
     scratch: &mut Vec<Candidate>,
 ) -> u32 {
@@ -138,7 +187,9 @@ fn redo(
             .cam
             .collect(watch.table, watch.tag, off, end, access, scratch);
         for c in &scratch[done..] {
-            fired += fire_one(watch, sink, c, access);
+            if stop(c, write_end) <= end {
+                fired += fire_one(watch, sink, c, access);
+            }
         }
         seen_epoch = epoch;
         fence(Ordering::SeqCst);
@@ -160,18 +211,33 @@ pub fn commit(
     len: u64,
     scratch: &mut Vec<Candidate>,
 ) -> u32 {
+    commit_piece(access, watch, sink, off, len, off.saturating_add(len), scratch)
+}
+
+/// [`commit`] for one piece of a write ending at `write_end`: fires the tripwires whose
+/// watched part of the whole write completes within `[off, off+len)`.
+pub fn commit_piece(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    write_end: u64,
+    scratch: &mut Vec<Candidate>,
+) -> u32 {
     let end = off.saturating_add(len);
+    let write_end = write_end.max(end);
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
     fence(Ordering::SeqCst);
     scratch.clear();
     let mut fired = 0;
     if watch.cam.may_match(off, end) {
-        watch
-            .cam
-            .collect(watch.table, watch.tag, off, end, access, scratch);
+        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
         for c in scratch.iter() {
-            fired += fire_one(watch, sink, c, access);
+            if stop(c, write_end) <= end {
+                fired += fire_one(watch, sink, c, access);
+            }
         }
     }
-    fired + redo(access, watch, sink, off, end, e1, scratch)
+    fired + redo(access, watch, sink, off, end, write_end, e1, scratch)
 }

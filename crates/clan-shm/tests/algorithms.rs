@@ -382,3 +382,63 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    /// A write delivered in arbitrary pieces (as from a socket) fires each armed overlapping
+    /// tripwire exactly once, and only when all its watched bytes of the write are in place.
+    #[test]
+    fn pieces_fire_each_tripwire_once_when_complete(
+        tws in prop::collection::vec(tw_strategy(8192), 1..30),
+        start in 0u64..4096,
+        len in 1u64..4096,
+        cuts in prop::collection::vec(1u64..700, 0..12),
+        use_next_stop in any::<bool>(),
+    ) {
+        let eq = EqModel::new(EqParams { nrings: 1, ring_cap: 64, trip_cap: 64, tripset_cap: 1 });
+        let cam_m = CamModel::new(8192);
+        let mut owner = CamOwner::new();
+        for (i, t) in tws.iter().enumerate() {
+            add(&eq, &cam_m, &mut owner, i as u32, t.start, t.start + t.len, ARMED | ON_WRITE | ACT_EVENT);
+        }
+        let v = eq.view();
+        let cv = cam_m.view();
+        let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
+        let end = start + len;
+        let landed = RefCell::new(start);
+        let fired = RefCell::new(Vec::<(u32, u64)>::new());
+        let sink = RecSink::new(|i| fired.borrow_mut().push((i, *landed.borrow())));
+        let mut scratch = Vec::new();
+        let mut off = start;
+        let mut ci = 0;
+        while off < end {
+            let mut piece = cuts.get(ci).copied().unwrap_or(1 << 20).min(end - off);
+            ci += 1;
+            if use_next_stop {
+                // A receiver that cannot control what arrives stops its pieces at the stops
+                // and commits after the bytes landed.
+                let s = snoop::next_stop(Access::Write, &watch, off, off + piece, end, &mut scratch);
+                piece = s - off;
+                *landed.borrow_mut() = off + piece;
+                snoop::commit_piece(Access::Write, &watch, &sink, off, piece, end, &mut scratch);
+            } else {
+                snoop::transfer_piece(Access::Write, &watch, &sink, off, piece, end, &mut scratch, |o, l| {
+                    *landed.borrow_mut() = o + l;
+                    Ok::<(), ()>(())
+                }).unwrap();
+            }
+            off += piece;
+        }
+        drop(sink);
+        let fired = fired.into_inner();
+        for (i, t) in tws.iter().enumerate() {
+            let overlaps = t.start < end && start < t.start + t.len;
+            let n = fired.iter().filter(|(x, _)| *x == i as u32).count();
+            prop_assert_eq!(n, usize::from(overlaps), "tripwire {} fired {} times", i, n);
+            if let Some((_, at)) = fired.iter().find(|(x, _)| *x == i as u32) {
+                let need = (t.start + t.len).min(end);
+                prop_assert!(*at >= need, "tripwire {} fired with bytes up to {} in place, needs {}", i, at, need);
+            }
+        }
+    }
+}

@@ -1,9 +1,35 @@
 //! Configuration, with defaults that suit a low-latency server.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use crate::addr::EndpointAddr;
+use crate::addr::{EndpointAddr, NicAddr};
+
+pub use clan_wire::LinkConfig;
+
+/// Who processes incoming link traffic (writes, reads, messages from other hosts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// The NIC's engine thread, woken by epoll (the default). Threads that wait for a link
+    /// (a read, an import, a barrier) also process it themselves when they can.
+    Engine,
+    /// The engine thread, which keeps polling its links for this long after the last
+    /// activity before it sleeps in epoll (lower latency, one core busy).
+    BusyPoll(Duration),
+    /// The application: nothing happens on links unless a thread calls
+    /// [`crate::Nic::progress`] (as with UCX or libfabric in manual progress). Made for a
+    /// thread that spins anyway, so that no second thread needs a core.
+    Manual,
+}
+
+/// How this NIC reaches another NIC of the same host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalTransport {
+    /// Shared memory (the default): the other NIC's memory is mapped here.
+    SharedMemory,
+    /// A link, as if the other NIC were on another host (for tests and benchmarks).
+    Link,
+}
 
 /// How a NIC is opened.
 #[derive(Debug, Clone)]
@@ -22,6 +48,21 @@ pub struct NicConfig {
     pub reuse_imported_apertures: bool,
     /// Most bytes of unexported aperture memory kept for reuse (the endpoint cache).
     pub cache_bytes: u64,
+    /// Accept and make links to NICs of other hosts over TCP at `ip:port`.
+    pub tcp: bool,
+    /// Link parameters (window, keepalive).
+    pub link: LinkConfig,
+    /// Who processes incoming link traffic.
+    pub progress: Progress,
+    /// How to reach NICs of this host.
+    pub local_transport: LocalTransport,
+    /// A key shared by the NICs of a cluster: links authenticate both ends with it (and
+    /// refuse a peer without it). Without one, a link trusts the address its peer claims.
+    pub cluster_key: Option<[u8; 32]>,
+    /// Reach these NICs at these socket addresses instead of their own (a proxy, NAT).
+    pub routes: Vec<(NicAddr, SocketAddr)>,
+    /// Pin the engine thread to this CPU (e.g. the CPU of the thread it wakes).
+    pub engine_cpu: Option<usize>,
 }
 
 impl Default for NicConfig {
@@ -36,6 +77,13 @@ impl Default for NicConfig {
             request_timeout: Duration::from_secs(5),
             reuse_imported_apertures: true,
             cache_bytes: 256 << 20,
+            tcp: true,
+            link: LinkConfig::default(),
+            progress: Progress::Engine,
+            local_transport: LocalTransport::SharedMemory,
+            cluster_key: None,
+            routes: Vec::new(),
+            engine_cpu: None,
         }
     }
 }
