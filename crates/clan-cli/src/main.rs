@@ -9,11 +9,7 @@ mod sys;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "clan",
-    version,
-    about = "CLAN user-level network in software: benchmarks and tools"
-)]
+#[command(name = "clan", version, about = "CLAN user-level network in software: benchmarks and tools")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

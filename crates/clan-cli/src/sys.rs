@@ -14,21 +14,11 @@ pub fn machine() -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
-        .find_map(|l| {
-            l.strip_prefix("model name")
-                .and_then(|r| r.split(':').nth(1))
-        })
+        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split(':').nth(1)))
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|| "unknown".into());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_owned();
-    Machine {
-        cpus: online_cpus(),
-        model,
-        kernel,
-    }
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+    Machine { cpus: online_cpus(), model, kernel }
 }
 
 /// CPUs online on the machine (not the affinity mask of this process, which a pinned
@@ -40,11 +30,7 @@ pub fn online_cpus() -> usize {
             s.trim()
                 .split(',')
                 .map(|r| match r.split_once('-') {
-                    Some((a, b)) => b
-                        .parse::<usize>()
-                        .ok()
-                        .zip(a.parse::<usize>().ok())
-                        .map(|(b, a)| b - a + 1),
+                    Some((a, b)) => b.parse::<usize>().ok().zip(a.parse::<usize>().ok()).map(|(b, a)| b - a + 1),
                     None => r.parse::<usize>().ok().map(|_| 1),
                 })
                 .sum::<Option<usize>>()
@@ -59,7 +45,5 @@ pub fn pin(cpu: usize) -> Option<usize> {
     let cpu = cpu % online_cpus();
     let mut set = rustix::thread::CpuSet::new();
     set.set(cpu);
-    rustix::thread::sched_setaffinity(None, &set)
-        .ok()
-        .map(|_| cpu)
+    rustix::thread::sched_setaffinity(None, &set).ok().map(|_| cpu)
 }

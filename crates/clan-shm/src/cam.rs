@@ -126,16 +126,7 @@ impl CamLayout {
         let wide_words = npages.div_ceil(64) as usize;
         let heads_off = wide_off + wide_words * 8;
         let size = heads_off + nlines as usize * 4;
-        CamLayout {
-            len,
-            nlines,
-            watch_off,
-            watch_words,
-            wide_off,
-            wide_words,
-            heads_off,
-            size,
-        }
+        CamLayout { len, nlines, watch_off, watch_words, wide_off, wide_words, heads_off, size }
     }
 }
 
@@ -302,16 +293,9 @@ fn walk(
         if fl & access.flag() != 0
             && e_start < end
             && start < e_end
-            && !out
-                .iter()
-                .any(|c| c.index == index && c.generation == trip::generation(s1))
+            && !out.iter().any(|c| c.index == index && c.generation == trip::generation(s1))
         {
-            out.push(Candidate {
-                index,
-                generation: trip::generation(s1),
-                start: e_start,
-                end: e_end,
-            });
+            out.push(Candidate { index, generation: trip::generation(s1), start: e_start, end: e_end });
         }
     }
     consistent
@@ -362,14 +346,7 @@ impl CamOwner {
 
     /// Link entry `index`, already written and [`LIVE`] (with [`WIDE`] set iff
     /// [`is_wide`]`(start, end)`), into the index.
-    pub fn insert(
-        &mut self,
-        cam: &CamView<'_>,
-        table: &TripTable<'_>,
-        index: u32,
-        start: u64,
-        end: u64,
-    ) {
+    pub fn insert(&mut self, cam: &CamView<'_>, table: &TripTable<'_>, index: u32, start: u64, end: u64) {
         let Some(e) = table.entries.get(index as usize) else {
             return;
         };
@@ -410,14 +387,7 @@ impl CamOwner {
     }
 
     /// Unlink entry `index` over `[start, end)`.
-    pub fn remove(
-        &mut self,
-        cam: &CamView<'_>,
-        table: &TripTable<'_>,
-        index: u32,
-        start: u64,
-        end: u64,
-    ) {
+    pub fn remove(&mut self, cam: &CamView<'_>, table: &TripTable<'_>, index: u32, start: u64, end: u64) {
         if is_wide(start, end) {
             let Some(p) = self.wide.iter().position(|&i| i == index) else {
                 return;

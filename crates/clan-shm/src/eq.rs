@@ -125,27 +125,14 @@ impl EqLayout {
     /// Layout for `params` (which must be valid).
     pub fn new(params: EqParams) -> EqLayout {
         let rings_off = LAYOUT_PAGE;
-        let ring_stride = page_up(
-            std::mem::size_of::<RingHeader>()
-                + params.ring_cap as usize * std::mem::size_of::<EventSlot>(),
-        );
+        let ring_stride =
+            page_up(std::mem::size_of::<RingHeader>() + params.ring_cap as usize * std::mem::size_of::<EventSlot>());
         let entries_off = rings_off + params.nrings as usize * ring_stride;
         let bitmap_off = entries_off + params.trip_cap as usize * std::mem::size_of::<TripEntry>();
         let bitmap_words = (params.trip_cap as usize).div_ceil(64);
         let tripsets_off = (bitmap_off + bitmap_words * 8).div_ceil(64) * 64;
-        let size = page_up(
-            tripsets_off + params.tripset_cap as usize * std::mem::size_of::<TripsetWord>(),
-        );
-        EqLayout {
-            params,
-            rings_off,
-            ring_stride,
-            entries_off,
-            bitmap_off,
-            bitmap_words,
-            tripsets_off,
-            size,
-        }
+        let size = page_up(tripsets_off + params.tripset_cap as usize * std::mem::size_of::<TripsetWord>());
+        EqLayout { params, rings_off, ring_stride, entries_off, bitmap_off, bitmap_words, tripsets_off, size }
     }
 }
 
@@ -165,11 +152,7 @@ pub struct EqView<'a> {
 impl<'a> EqView<'a> {
     /// The rings, for producers and the consumer.
     pub fn rings(&self) -> Rings<'_> {
-        Rings {
-            words: &self.header.words,
-            headers: &self.ring_headers,
-            slots: &self.ring_slots,
-        }
+        Rings { words: &self.header.words, headers: &self.ring_headers, slots: &self.ring_slots }
     }
 }
 
@@ -190,16 +173,10 @@ impl EqModel {
         EqModel {
             header: EqHeader::new(),
             rings: (0..params.nrings).map(|_| RingHeader::new()).collect(),
-            slots: (0..params.nrings)
-                .map(|_| (0..params.ring_cap).map(|_| EventSlot::new()).collect())
-                .collect(),
+            slots: (0..params.nrings).map(|_| (0..params.ring_cap).map(|_| EventSlot::new()).collect()).collect(),
             entries: (0..params.trip_cap).map(|_| TripEntry::new()).collect(),
-            bitmap: (0..(params.trip_cap as usize).div_ceil(64))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
-            tripsets: (0..params.tripset_cap)
-                .map(|_| TripsetWord::new())
-                .collect(),
+            bitmap: (0..(params.trip_cap as usize).div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            tripsets: (0..params.tripset_cap).map(|_| TripsetWord::new()).collect(),
         }
     }
 
@@ -209,11 +186,7 @@ impl EqModel {
             header: &self.header,
             ring_headers: self.rings.iter().collect(),
             ring_slots: self.slots.iter().map(Vec::as_slice).collect(),
-            table: TripTable {
-                entries: &self.entries,
-                bitmap: &self.bitmap,
-                tripsets: &self.tripsets,
-            },
+            table: TripTable { entries: &self.entries, bitmap: &self.bitmap, tripsets: &self.tripsets },
         }
     }
 }
@@ -285,23 +258,15 @@ mod mapped {
                 for r in 0..p.nrings as usize {
                     let off = layout.rings_off + r * layout.ring_stride;
                     ring_headers.push(s.view::<RingHeader>(off)?);
-                    ring_slots.push(s.slice::<EventSlot>(
-                        off + std::mem::size_of::<RingHeader>(),
-                        p.ring_cap as usize,
-                    )?);
+                    ring_slots
+                        .push(s.slice::<EventSlot>(off + std::mem::size_of::<RingHeader>(), p.ring_cap as usize)?);
                 }
                 let table = TripTable {
                     entries: s.slice::<TripEntry>(layout.entries_off, p.trip_cap as usize)?,
                     bitmap: s.slice::<AtomicU64>(layout.bitmap_off, layout.bitmap_words)?,
-                    tripsets: s
-                        .slice::<TripsetWord>(layout.tripsets_off, p.tripset_cap as usize)?,
+                    tripsets: s.slice::<TripsetWord>(layout.tripsets_off, p.tripset_cap as usize)?,
                 };
-                EqView {
-                    header,
-                    ring_headers,
-                    ring_slots,
-                    table,
-                }
+                EqView { header, ring_headers, ring_slots, table }
             };
             // SAFETY: every reference in `view` points into the mapping owned by `seg`, which
             // this struct keeps alive (and unmoved: it is behind an `Arc`) for as long as the

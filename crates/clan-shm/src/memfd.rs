@@ -30,17 +30,10 @@ impl Memfd {
     /// Adopt a memfd received from another process, checking that it is sealed against
     /// resizing and at least `min_len` bytes long.
     pub fn adopt(fd: OwnedFd, min_len: u64) -> io::Result<Memfd> {
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|_| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                "received descriptor is not a memfd",
-            )
-        })?;
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "received descriptor is not a memfd"))?;
         if !seals.contains(SealFlags::SHRINK) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "received memfd is not sealed against shrinking",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "received memfd is not sealed against shrinking"));
         }
         let st = rustix::fs::fstat(&fd)?;
         let len = st.st_size as u64;
@@ -67,12 +60,7 @@ impl Memfd {
     /// can map it `PROT_READ` only, whatever it tries.
     pub fn reopen_read_only(&self) -> io::Result<OwnedFd> {
         let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
-        rustix::fs::open(
-            path,
-            OFlags::RDONLY | OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .map_err(Into::into)
+        rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, rustix::fs::Mode::empty()).map_err(Into::into)
     }
 
     /// Discard the contents of `[offset, offset + len)`: it reads as zeros afterwards and its
@@ -81,12 +69,7 @@ impl Memfd {
         if len == 0 {
             return Ok(());
         }
-        rustix::fs::fallocate(
-            &self.fd,
-            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-            offset,
-            len,
-        )?;
+        rustix::fs::fallocate(&self.fd, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len)?;
         Ok(())
     }
 
@@ -108,13 +91,7 @@ pub fn raise_fd_limit() -> u64 {
     let lim = getrlimit(Resource::Nofile);
     if let (Some(cur), max) = (lim.current, lim.maximum) {
         if max.is_none_or(|m| cur < m) {
-            let _ = setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: max,
-                    maximum: max,
-                },
-            );
+            let _ = setrlimit(Resource::Nofile, Rlimit { current: max, maximum: max });
         }
     }
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)

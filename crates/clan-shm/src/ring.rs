@@ -93,9 +93,7 @@ pub struct EventSlot {
 impl EventSlot {
     /// A zeroed slot.
     pub fn new() -> EventSlot {
-        EventSlot {
-            w: std::array::from_fn(|_| AtomicU64::new(0)),
-        }
+        EventSlot { w: std::array::from_fn(|_| AtomicU64::new(0)) }
     }
 }
 
@@ -185,12 +183,8 @@ impl Producer {
 
     /// Post one event. Never blocks. `futex` wakes a consumer sleeping on the futex word.
     pub fn post(&mut self, rings: &Rings<'_>, event: [u64; 4], futex: &impl Futex) -> Posted {
-        let (Some(hdr), Some(slots)) = (rings.headers.get(self.ring), rings.slots.get(self.ring))
-        else {
-            return Posted {
-                stored: false,
-                signal_fd: false,
-            };
+        let (Some(hdr), Some(slots)) = (rings.headers.get(self.ring), rings.slots.get(self.ring)) else {
+            return Posted { stored: false, signal_fd: false };
         };
         let cap = slots.len() as u64;
         // SYNC POINT: pairs with the consumer's `tail.store(Release)` after it read a slot, so
@@ -270,11 +264,7 @@ pub struct Consumer {
 impl Consumer {
     /// A consumer for `nrings` rings, all starting empty.
     pub fn new(nrings: usize) -> Consumer {
-        Consumer {
-            tails: vec![0; nrings],
-            overflow_seen: vec![0; nrings],
-            cursor: 0,
-        }
+        Consumer { tails: vec![0; nrings], overflow_seen: vec![0; nrings], cursor: 0 }
     }
 
     /// Forget the state of ring `ring` after its owner reset it for a new producer.
@@ -293,11 +283,7 @@ impl Consumer {
     /// Take one event, O(1) in the number of events: scans at most [`SUMMARY_WORDS`] words
     /// of the summary bitmap, starting after the ring served last (round robin).
     pub fn take(&mut self, rings: &Rings<'_>) -> Option<Taken> {
-        let n = self
-            .tails
-            .len()
-            .min(rings.headers.len())
-            .min(rings.slots.len());
+        let n = self.tails.len().min(rings.headers.len()).min(rings.slots.len());
         if n == 0 {
             return None;
         }
@@ -391,10 +377,7 @@ impl Consumer {
         if avail > cap {
             self.tails[r] = head;
             hdr.tail.store(head, Ordering::Release);
-            return Some(Taken::Corrupt {
-                ring: r,
-                skipped: avail,
-            });
+            return Some(Taken::Corrupt { ring: r, skipped: avail });
         }
         let slot = &slots[(tail % cap) as usize];
         let words = std::array::from_fn(|i| slot.w[i].load(Ordering::Relaxed));
@@ -408,11 +391,7 @@ impl Consumer {
 
 /// Whether any ring may hold events, by the summary bits (a set bit may be stale: "maybe").
 pub fn maybe_nonempty(rings: &Rings<'_>) -> bool {
-    rings
-        .words
-        .summary
-        .iter()
-        .any(|w| w.load(Ordering::Acquire) != 0)
+    rings.words.summary.iter().any(|w| w.load(Ordering::Acquire) != 0)
 }
 
 /// Announce that the consumer is about to sleep (`mode` is [`ARM_FUTEX`] and/or [`ARM_FD`]).

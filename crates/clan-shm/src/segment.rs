@@ -80,10 +80,9 @@ pub enum SegmentError {
 impl std::fmt::Display for SegmentError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
-            SegmentError::OutOfBounds { offset, len, size } => write!(
-                f,
-                "access of {len} bytes at offset {offset} is outside the {size}-byte region"
-            ),
+            SegmentError::OutOfBounds { offset, len, size } => {
+                write!(f, "access of {len} bytes at offset {offset} is outside the {size}-byte region")
+            }
             SegmentError::Misaligned { offset, align } => {
                 write!(f, "offset {offset} is not {align}-byte aligned")
             }
@@ -113,16 +112,10 @@ impl Segment {
     /// Map `len` bytes of `fd` at `offset` (which must be page-aligned), shared.
     pub fn map(fd: impl AsFd, offset: u64, len: usize, access: Access) -> io::Result<Segment> {
         if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "cannot map 0 bytes",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "cannot map 0 bytes"));
         }
         if offset % page_size() as u64 != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "mapping offset is not page-aligned",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "mapping offset is not page-aligned"));
         }
         let prot = match access {
             Access::ReadOnly => ProtFlags::READ,
@@ -130,45 +123,20 @@ impl Segment {
         };
         // SAFETY: a fresh mapping at an address the kernel chooses cannot alias any Rust
         // object; the fd's file outlives the mapping by kernel reference counting.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                MapFlags::SHARED,
-                fd,
-                offset,
-            )?
-        };
-        Ok(Segment {
-            ptr: NonNull::new(ptr.cast()).expect("mmap returned null"),
-            len,
-            access,
-        })
+        let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, offset)? };
+        Ok(Segment { ptr: NonNull::new(ptr.cast()).expect("mmap returned null"), len, access })
     }
 
     /// Anonymous shared memory (inherited across `fork`), zero-filled.
     pub fn anonymous(len: usize) -> io::Result<Segment> {
         if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "cannot map 0 bytes",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "cannot map 0 bytes"));
         }
         // SAFETY: as for `map`: a fresh mapping aliases nothing.
         let ptr = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-            )?
+            rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED)?
         };
-        Ok(Segment {
-            ptr: NonNull::new(ptr.cast()).expect("mmap returned null"),
-            len,
-            access: Access::ReadWrite,
-        })
+        Ok(Segment { ptr: NonNull::new(ptr.cast()).expect("mmap returned null"), len, access: Access::ReadWrite })
     }
 
     /// Size in bytes.
@@ -195,11 +163,7 @@ impl Segment {
     fn check(&self, offset: usize, len: usize) -> Result<(), SegmentError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(SegmentError::OutOfBounds {
-                offset,
-                len,
-                size: self.len,
-            }),
+            _ => Err(SegmentError::OutOfBounds { offset, len, size: self.len }),
         }
     }
 
@@ -220,9 +184,7 @@ impl Segment {
         // and cannot overlap `src` (a Rust slice cannot point into memory we only expose raw).
         // Concurrent access by other processes is part of the protocol: the bytes are plain
         // data and ordering is provided by the atomics and fences around this copy.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
         Ok(())
     }
 
@@ -232,9 +194,7 @@ impl Segment {
         self.check(offset, dst.len())?;
         // SAFETY: bounds checked; source is inside our live mapping; `dst` is a distinct Rust
         // buffer. See `write` on concurrent modification.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -258,13 +218,7 @@ impl Segment {
     }
 
     /// Copy `len` bytes from `src_seg` at `src` into this segment at `dst`.
-    pub fn copy_from(
-        &self,
-        dst: usize,
-        src_seg: &Segment,
-        src: usize,
-        len: usize,
-    ) -> Result<(), SegmentError> {
+    pub fn copy_from(&self, dst: usize, src_seg: &Segment, src: usize, len: usize) -> Result<(), SegmentError> {
         self.check_writable()?;
         self.check(dst, len)?;
         src_seg.check(src, len)?;
@@ -278,13 +232,8 @@ impl Segment {
     #[inline]
     pub fn view<T: Shared>(&self, offset: usize) -> Result<&T, SegmentError> {
         self.check(offset, std::mem::size_of::<T>())?;
-        if offset % std::mem::align_of::<T>() != 0
-            || (self.as_ptr() as usize) % std::mem::align_of::<T>() != 0
-        {
-            return Err(SegmentError::Misaligned {
-                offset,
-                align: std::mem::align_of::<T>(),
-            });
+        if offset % std::mem::align_of::<T>() != 0 || (self.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+            return Err(SegmentError::Misaligned { offset, align: std::mem::align_of::<T>() });
         }
         // SAFETY: in bounds and aligned (checked); `T: Shared` is valid for any bit pattern
         // and only accessed atomically; the reference lives no longer than `&self`, i.e. the
@@ -295,21 +244,14 @@ impl Segment {
     /// `n` consecutive shared-memory values starting at `offset`.
     #[inline]
     pub fn slice<T: Shared>(&self, offset: usize, n: usize) -> Result<&[T], SegmentError> {
-        let bytes = n
-            .checked_mul(std::mem::size_of::<T>())
-            .ok_or(SegmentError::OutOfBounds {
-                offset,
-                len: usize::MAX,
-                size: self.len,
-            })?;
+        let bytes = n.checked_mul(std::mem::size_of::<T>()).ok_or(SegmentError::OutOfBounds {
+            offset,
+            len: usize::MAX,
+            size: self.len,
+        })?;
         self.check(offset, bytes)?;
-        if offset % std::mem::align_of::<T>() != 0
-            || (self.as_ptr() as usize) % std::mem::align_of::<T>() != 0
-        {
-            return Err(SegmentError::Misaligned {
-                offset,
-                align: std::mem::align_of::<T>(),
-            });
+        if offset % std::mem::align_of::<T>() != 0 || (self.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+            return Err(SegmentError::Misaligned { offset, align: std::mem::align_of::<T>() });
         }
         // SAFETY: as for `view`, for `n` elements.
         Ok(unsafe { std::slice::from_raw_parts(self.as_ptr().add(offset).cast::<T>(), n) })
@@ -356,11 +298,7 @@ impl Segment {
     /// A checked raw window onto `len` bytes at `offset`, for zero-copy access.
     pub fn raw(&self, offset: usize, len: usize) -> Result<RawRegion<'_>, SegmentError> {
         self.check(offset, len)?;
-        Ok(RawRegion {
-            seg: self,
-            offset,
-            len,
-        })
+        Ok(RawRegion { seg: self, offset, len })
     }
 }
 

@@ -12,8 +12,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::time::Duration;
 
 use rustix::net::{
-    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
-    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
 
 /// Most descriptors one control message may carry.
@@ -48,12 +48,7 @@ pub struct SeqPacket {
 }
 
 fn socket() -> io::Result<OwnedFd> {
-    Ok(rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?)
+    Ok(rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
 }
 
 impl SeqPacket {
@@ -76,12 +71,7 @@ impl SeqPacket {
 
     /// A connected pair (for tests and for in-process plumbing).
     pub fn pair() -> io::Result<(SeqPacket, SeqPacket)> {
-        let (a, b) = rustix::net::socketpair(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )?;
+        let (a, b) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
         Ok((SeqPacket { fd: a }, SeqPacket { fd: b }))
     }
 
@@ -103,54 +93,33 @@ impl SeqPacket {
     /// Bound every blocking `send` and `recv` by `timeout`, so that a stuck peer surfaces as
     /// an error (`WouldBlock`/`TimedOut`) instead of a hang.
     pub fn set_timeouts(&self, timeout: Duration) -> io::Result<()> {
-        rustix::net::sockopt::set_socket_timeout(
-            &self.fd,
-            rustix::net::sockopt::Timeout::Recv,
-            Some(timeout),
-        )?;
-        rustix::net::sockopt::set_socket_timeout(
-            &self.fd,
-            rustix::net::sockopt::Timeout::Send,
-            Some(timeout),
-        )?;
+        rustix::net::sockopt::set_socket_timeout(&self.fd, rustix::net::sockopt::Timeout::Recv, Some(timeout))?;
+        rustix::net::sockopt::set_socket_timeout(&self.fd, rustix::net::sockopt::Timeout::Send, Some(timeout))?;
         Ok(())
     }
 
     /// Credentials of the connected peer, as recorded by the kernel at connect time.
     pub fn peer_cred(&self) -> io::Result<PeerCred> {
         let c = rustix::net::sockopt::socket_peercred(&self.fd)?;
-        Ok(PeerCred {
-            pid: c.pid.as_raw_nonzero().get() as u32,
-            uid: c.uid.as_raw(),
-            gid: c.gid.as_raw(),
-        })
+        Ok(PeerCred { pid: c.pid.as_raw_nonzero().get() as u32, uid: c.uid.as_raw(), gid: c.gid.as_raw() })
     }
 
     /// Send one message with up to [`MAX_FDS`] descriptors.
     pub fn send(&self, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         if fds.len() > MAX_FDS {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "too many descriptors",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many descriptors"));
         }
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "descriptors do not fit",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "descriptors do not fit"));
         }
         let iov = [io::IoSlice::new(data)];
         loop {
             match rustix::net::sendmsg(&self.fd, &iov, &mut control, SendFlags::NOSIGNAL) {
                 Ok(n) if n == data.len() => return Ok(()),
                 Ok(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::WriteZero,
-                        "short send on a seqpacket socket",
-                    ));
+                    return Err(io::Error::new(io::ErrorKind::WriteZero, "short send on a seqpacket socket"));
                 }
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
@@ -176,13 +145,8 @@ impl SeqPacket {
                 fds.extend(rights);
             }
         }
-        let truncated =
-            msg.flags.contains(ReturnFlags::TRUNC) || msg.flags.contains(ReturnFlags::CTRUNC);
-        Ok(Received {
-            len: msg.bytes,
-            fds,
-            truncated,
-        })
+        let truncated = msg.flags.contains(ReturnFlags::TRUNC) || msg.flags.contains(ReturnFlags::CTRUNC);
+        Ok(Received { len: msg.bytes, fds, truncated })
     }
 }
 

@@ -183,9 +183,7 @@ fn redo(
     while epoch != seen_epoch && rounds < MAX_REDO && off < end {
         rounds += 1;
         let done = scratch.len();
-        watch
-            .cam
-            .collect(watch.table, watch.tag, off, end, access, scratch);
+        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
         for c in &scratch[done..] {
             if stop(c, write_end) <= end {
                 fired += fire_one(watch, sink, c, access);

@@ -153,10 +153,7 @@ pub struct TripsetWord {
 impl TripsetWord {
     /// A zeroed word.
     pub fn new() -> TripsetWord {
-        TripsetWord {
-            seq: AtomicU32::new(0),
-            waiters: AtomicU32::new(0),
-        }
+        TripsetWord { seq: AtomicU32::new(0), waiters: AtomicU32::new(0) }
     }
 }
 
@@ -194,35 +191,21 @@ pub enum Fired {
 /// Performs the bitmap and counter actions, bumps `seq` and the tripset word and wakes their
 /// sleepers. Posting the event (if [`Fired::PostEvent`]) is left to the caller, who holds the
 /// producer ring.
-pub fn fire(
-    table: &TripTable<'_>,
-    index: u32,
-    generation_: u32,
-    access: Access,
-    futex: &impl Futex,
-) -> Fired {
+pub fn fire(table: &TripTable<'_>, index: u32, generation_: u32, access: Access, futex: &impl Futex) -> Fired {
     let Some(e) = table.entries.get(index as usize) else {
         return Fired::No;
     };
     let mut s = e.state.load(Ordering::Acquire);
     let fl = loop {
         let fl = flags(s);
-        if generation(s) != generation_
-            || fl & (LIVE | ARMED) != (LIVE | ARMED)
-            || fl & access.flag() == 0
-        {
+        if generation(s) != generation_ || fl & (LIVE | ARMED) != (LIVE | ARMED) || fl & access.flag() == 0 {
             return Fired::No;
         }
         if fl & ONCE == 0 {
             break fl;
         }
         // Exactly one of any number of concurrent firers wins the once-only tripwire.
-        match e.state.compare_exchange(
-            s,
-            s & !u64::from(ARMED),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
+        match e.state.compare_exchange(s, s & !u64::from(ARMED), Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => break fl,
             Err(now) => s = now,
         }
@@ -246,11 +229,7 @@ pub fn fire(
     // Read the tripset link only after the fence: a tripset waiter that linked this entry and
     // then fenced either sees our `seq` above, or we see its link here.
     let ts = e.tripset.load(Ordering::Relaxed);
-    if let Some(w) = if ts != 0 {
-        table.tripsets.get(ts as usize - 1)
-    } else {
-        None
-    } {
+    if let Some(w) = if ts != 0 { table.tripsets.get(ts as usize - 1) } else { None } {
         // SYNC POINT: pairs with `wait_until`'s `seq.load(Acquire)` on the tripset word.
         w.seq.fetch_add(1, Ordering::AcqRel);
         fence(Ordering::SeqCst);
@@ -258,11 +237,7 @@ pub fn fire(
             futex.wake(&w.seq);
         }
     }
-    if fl & ACT_EVENT != 0 {
-        Fired::PostEvent
-    } else {
-        Fired::Yes
-    }
+    if fl & ACT_EVENT != 0 { Fired::PostEvent } else { Fired::Yes }
 }
 
 /// Owner: make free entry `e` live as generation `generation` watching `[start, end)`.
@@ -283,16 +258,14 @@ pub fn publish(e: &TripEntry, generation_: u32, flags_: u32, start: u64, end: u6
     e.tripset.store(0, Ordering::Relaxed);
     e.count.store(0, Ordering::Relaxed);
     // SYNC POINT: pairs with the readers' Acquire load of `state` (the seqlock in `cam`).
-    e.state
-        .store(state_word(generation_, flags_ | LIVE), Ordering::Release);
+    e.state.store(state_word(generation_, flags_ | LIVE), Ordering::Release);
 }
 
 /// Owner: retire a live entry; it stops firing and readers drop it. Its generation is kept
 /// (the next `publish` must use a new one).
 pub fn retire(e: &TripEntry) {
     let s = e.state.load(Ordering::Relaxed);
-    e.state
-        .store(state_word(generation(s), 0), Ordering::Release);
+    e.state.store(state_word(generation(s), 0), Ordering::Release);
 }
 
 /// Owner: arm (`on`) or disarm an entry of generation `generation_`, and fence, so that
@@ -304,15 +277,8 @@ pub fn set_armed(e: &TripEntry, generation_: u32, on: bool) -> bool {
         if generation(s) != generation_ || flags(s) & LIVE == 0 {
             return false;
         }
-        let n = if on {
-            s | u64::from(ARMED)
-        } else {
-            s & !u64::from(ARMED)
-        };
-        match e
-            .state
-            .compare_exchange_weak(s, n, Ordering::AcqRel, Ordering::Relaxed)
-        {
+        let n = if on { s | u64::from(ARMED) } else { s & !u64::from(ARMED) };
+        match e.state.compare_exchange_weak(s, n, Ordering::AcqRel, Ordering::Relaxed) {
             Ok(_) => break,
             Err(now) => s = now,
         }
@@ -329,15 +295,8 @@ pub fn set_flags(e: &TripEntry, generation_: u32, mask: u32, on: bool) -> bool {
         if generation(s) != generation_ || flags(s) & LIVE == 0 {
             return false;
         }
-        let n = if on {
-            s | u64::from(mask)
-        } else {
-            s & !u64::from(mask)
-        };
-        match e
-            .state
-            .compare_exchange_weak(s, n, Ordering::AcqRel, Ordering::Relaxed)
-        {
+        let n = if on { s | u64::from(mask) } else { s & !u64::from(mask) };
+        match e.state.compare_exchange_weak(s, n, Ordering::AcqRel, Ordering::Relaxed) {
             Ok(_) => return true,
             Err(now) => s = now,
         }
@@ -346,17 +305,15 @@ pub fn set_flags(e: &TripEntry, generation_: u32, mask: u32, on: bool) -> bool {
 
 /// Test the fired bit of `index` (no system call).
 pub fn test_bit(table: &TripTable<'_>, index: u32) -> bool {
-    table
-        .bitmap
-        .get(index as usize / 64)
-        .is_some_and(|w| w.load(Ordering::Acquire) & (1u64 << (index % 64)) != 0)
+    table.bitmap.get(index as usize / 64).is_some_and(|w| w.load(Ordering::Acquire) & (1u64 << (index % 64)) != 0)
 }
 
 /// Clear the fired bit of `index`; returns whether it was set.
 pub fn clear_bit(table: &TripTable<'_>, index: u32) -> bool {
-    table.bitmap.get(index as usize / 64).is_some_and(|w| {
-        w.fetch_and(!(1u64 << (index % 64)), Ordering::AcqRel) & (1u64 << (index % 64)) != 0
-    })
+    table
+        .bitmap
+        .get(index as usize / 64)
+        .is_some_and(|w| w.fetch_and(!(1u64 << (index % 64)), Ordering::AcqRel) & (1u64 << (index % 64)) != 0)
 }
 
 /// Sleep on `seq` until `ready()` holds or `deadline` passes, spinning on `ready` for `spin`

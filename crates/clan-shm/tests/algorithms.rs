@@ -8,20 +8,13 @@ use clan_shm::eq::{CamModel, EqModel, EqParams};
 use clan_shm::ring::{Consumer, Producer, Taken};
 use clan_shm::snoop::{self, Sink, Watch};
 use clan_shm::sync::SharedFutex;
-use clan_shm::trip::{
-    self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, Access, ON_READ, ON_WRITE, ONCE, WIDE,
-};
+use clan_shm::trip::{self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, Access, ON_READ, ON_WRITE, ONCE, WIDE};
 use proptest::prelude::*;
 
 const TAG: u64 = 0xfeed;
 
 fn params() -> EqParams {
-    EqParams {
-        nrings: 4,
-        ring_cap: 8,
-        trip_cap: 256,
-        tripset_cap: 8,
-    }
+    EqParams { nrings: 4, ring_cap: 8, trip_cap: 256, tripset_cap: 8 }
 }
 
 struct RecSink<'a> {
@@ -32,11 +25,7 @@ struct RecSink<'a> {
 
 impl<'a> RecSink<'a> {
     fn new(on_post: impl Fn(u32) + 'a) -> Self {
-        RecSink {
-            futex: SharedFutex,
-            posted: RefCell::new(Vec::new()),
-            on_post: Box::new(on_post),
-        }
+        RecSink { futex: SharedFutex, posted: RefCell::new(Vec::new()), on_post: Box::new(on_post) }
     }
 }
 
@@ -52,25 +41,10 @@ impl Sink for RecSink<'_> {
 }
 
 /// Create tripwire `index` (generation 1) over `[start, end)` and index it.
-fn add(
-    eq: &EqModel,
-    cam: &CamModel,
-    owner: &mut CamOwner,
-    index: u32,
-    start: u64,
-    end: u64,
-    fl: u32,
-) {
+fn add(eq: &EqModel, cam: &CamModel, owner: &mut CamOwner, index: u32, start: u64, end: u64, fl: u32) {
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
-    trip::publish(
-        &v.table.entries[index as usize],
-        1,
-        fl | wide,
-        start,
-        end,
-        TAG,
-    );
+    trip::publish(&v.table.entries[index as usize], 1, fl | wide, start, end, TAG);
     owner.insert(&cam.view(), &v.table, index, start, end);
 }
 
@@ -82,16 +56,10 @@ fn ring_round_robin_overflow_and_arm() {
     let mut p0 = Producer::new(0);
     let mut p2 = Producer::new(2);
     let mut c = Consumer::new(4);
-    assert!(
-        clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX),
-        "empty queue may sleep"
-    );
+    assert!(clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX), "empty queue may sleep");
     let posted = p0.post(&rings, [1, 0, 0, 0], &SharedFutex);
     assert!(posted.stored);
-    assert!(
-        !clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX),
-        "pending event: must not sleep"
-    );
+    assert!(!clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FUTEX), "pending event: must not sleep");
     p2.post(&rings, [2, 0, 0, 0], &SharedFutex);
     p0.post(&rings, [3, 0, 0, 0], &SharedFutex);
     let mut got = Vec::new();
@@ -132,17 +100,9 @@ fn ring_corrupt_head_is_reported_not_followed() {
     let rings = v.rings();
     let mut c = Consumer::new(4);
     // A hostile producer claims a billion events and sets its summary bit.
-    v.ring_headers[1]
-        .head
-        .store(1_000_000_000, std::sync::atomic::Ordering::Relaxed);
+    v.ring_headers[1].head.store(1_000_000_000, std::sync::atomic::Ordering::Relaxed);
     rings.words.summary[0].fetch_or(0b10, std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(
-        c.take(&rings),
-        Some(Taken::Corrupt {
-            ring: 1,
-            skipped: 1_000_000_000
-        })
-    );
+    assert_eq!(c.take(&rings), Some(Taken::Corrupt { ring: 1, skipped: 1_000_000_000 }));
     assert_eq!(c.take(&rings), None);
 }
 
@@ -152,24 +112,8 @@ fn watched_bytes_are_visible_first_then_the_rest() {
     let cam_m = CamModel::new(4096);
     let mut owner = CamOwner::new();
     // Tripwires on bytes [64, 72) and [1000, 1008); a 4 KiB write covering both.
-    add(
-        &eq,
-        &cam_m,
-        &mut owner,
-        3,
-        64,
-        72,
-        ARMED | ON_WRITE | ACT_EVENT,
-    );
-    add(
-        &eq,
-        &cam_m,
-        &mut owner,
-        9,
-        1000,
-        1008,
-        ARMED | ON_WRITE | ACT_EVENT,
-    );
+    add(&eq, &cam_m, &mut owner, 3, 64, 72, ARMED | ON_WRITE | ACT_EVENT);
+    add(&eq, &cam_m, &mut owner, 9, 1000, 1008, ARMED | ON_WRITE | ACT_EVENT);
     let mem = RefCell::new(vec![0u8; 4096]);
     let observed = RefCell::new(Vec::new());
     let sink = RecSink::new(|index| {
@@ -180,24 +124,12 @@ fn watched_bytes_are_visible_first_then_the_rest() {
     });
     let v = eq.view();
     let cam_v = cam_m.view();
-    let watch = Watch {
-        cam: &cam_v,
-        table: &v.table,
-        tag: TAG,
-    };
+    let watch = Watch { cam: &cam_v, table: &v.table, tag: TAG };
     let mut scratch = Vec::new();
-    let fired = snoop::transfer(
-        Access::Write,
-        &watch,
-        &sink,
-        0,
-        4096,
-        &mut scratch,
-        |off, len| {
-            mem.borrow_mut()[off as usize..(off + len) as usize].fill(0xab);
-            Ok::<(), ()>(())
-        },
-    )
+    let fired = snoop::transfer(Access::Write, &watch, &sink, 0, 4096, &mut scratch, |off, len| {
+        mem.borrow_mut()[off as usize..(off + len) as usize].fill(0xab);
+        Ok::<(), ()>(())
+    })
     .unwrap();
     assert_eq!(fired, 2);
     // Tripwire 3 fired when exactly bytes [0, 72) were written, tripwire 9 at [0, 1008).
@@ -210,61 +142,19 @@ fn once_only_counter_bitmap_and_access_kinds() {
     let eq = EqModel::new(params());
     let cam_m = CamModel::new(8192);
     let mut owner = CamOwner::new();
-    add(
-        &eq,
-        &cam_m,
-        &mut owner,
-        1,
-        0,
-        8,
-        ARMED | ONCE | ON_WRITE | ACT_BITMAP | ACT_COUNTER,
-    );
-    add(
-        &eq,
-        &cam_m,
-        &mut owner,
-        2,
-        0,
-        8,
-        ARMED | ON_READ | ACT_COUNTER,
-    );
-    add(
-        &eq,
-        &cam_m,
-        &mut owner,
-        5,
-        0,
-        8192,
-        ARMED | ON_WRITE | ON_READ | ACT_COUNTER,
-    ); // wide
+    add(&eq, &cam_m, &mut owner, 1, 0, 8, ARMED | ONCE | ON_WRITE | ACT_BITMAP | ACT_COUNTER);
+    add(&eq, &cam_m, &mut owner, 2, 0, 8, ARMED | ON_READ | ACT_COUNTER);
+    add(&eq, &cam_m, &mut owner, 5, 0, 8192, ARMED | ON_WRITE | ON_READ | ACT_COUNTER); // wide
     let v = eq.view();
     let cam_v = cam_m.view();
-    let watch = Watch {
-        cam: &cam_v,
-        table: &v.table,
-        tag: TAG,
-    };
+    let watch = Watch { cam: &cam_v, table: &v.table, tag: TAG };
     let sink = RecSink::new(|_| {});
     let mut scratch = Vec::new();
     let nop = |_: u64, _: u64| Ok::<(), ()>(());
-    assert_eq!(
-        snoop::transfer(Access::Write, &watch, &sink, 4, 2, &mut scratch, nop).unwrap(),
-        2
-    );
-    assert_eq!(
-        snoop::transfer(Access::Write, &watch, &sink, 4, 2, &mut scratch, nop).unwrap(),
-        1,
-        "once-only"
-    );
-    assert_eq!(
-        snoop::transfer(Access::Read, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(),
-        2
-    );
-    assert_eq!(
-        snoop::transfer(Access::Write, &watch, &sink, 8000, 8, &mut scratch, nop).unwrap(),
-        1,
-        "wide only"
-    );
+    assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 4, 2, &mut scratch, nop).unwrap(), 2);
+    assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 4, 2, &mut scratch, nop).unwrap(), 1, "once-only");
+    assert_eq!(snoop::transfer(Access::Read, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(), 2);
+    assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 8000, 8, &mut scratch, nop).unwrap(), 1, "wide only");
     let e = &v.table.entries;
     let count = |i: usize| e[i].count.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!((count(1), count(2), count(5)), (1, 1, 4));
@@ -274,10 +164,7 @@ fn once_only_counter_bitmap_and_access_kinds() {
     assert!(!trip::test_bit(&v.table, 2), "no bitmap action");
     // Re-arm the once-only tripwire.
     assert!(trip::set_armed(&e[1], 1, true));
-    assert_eq!(
-        snoop::transfer(Access::Write, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(),
-        2
-    );
+    assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(), 2);
     // Stale generation cannot arm.
     assert!(!trip::set_armed(&e[1], 2, true));
 }
@@ -303,11 +190,7 @@ fn corrupted_index_costs_time_not_safety() {
     let consistent = cv.collect(&v.table, TAG, 0, 4096, Access::Write, &mut out);
     assert!(!consistent);
     let idx: Vec<u32> = out.iter().map(|c| c.index).collect();
-    assert_eq!(
-        idx,
-        vec![0, 1],
-        "each real entry reported once despite the cycle"
-    );
+    assert_eq!(idx, vec![0, 1], "each real entry reported once despite the cycle");
 }
 
 #[derive(Debug, Clone)]
@@ -319,18 +202,8 @@ struct Tw {
 }
 
 fn tw_strategy(size: u64) -> impl Strategy<Value = Tw> {
-    (
-        0..size,
-        prop_oneof![1u64..16, 1u64..600, 1u64..3000],
-        any::<bool>(),
-        any::<bool>(),
-    )
-        .prop_map(move |(start, len, armed, write)| Tw {
-            start,
-            len: len.min(size - start).max(1),
-            armed,
-            write,
-        })
+    (0..size, prop_oneof![1u64..16, 1u64..600, 1u64..3000], any::<bool>(), any::<bool>())
+        .prop_map(move |(start, len, armed, write)| Tw { start, len: len.min(size - start).max(1), armed, write })
 }
 
 proptest! {

@@ -25,12 +25,7 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 }
 
 fn tiny() -> EqParams {
-    EqParams {
-        nrings: 2,
-        ring_cap: 4,
-        trip_cap: 4,
-        tripset_cap: 1,
-    }
+    EqParams { nrings: 2, ring_cap: 4, trip_cap: 4, tripset_cap: 1 }
 }
 
 struct LoomSink {
@@ -40,10 +35,7 @@ struct LoomSink {
 
 impl LoomSink {
     fn new() -> Self {
-        LoomSink {
-            futex: ModelFutex::default(),
-            posts: AtomicU32::new(0),
-        }
+        LoomSink { futex: ModelFutex::default(), posts: AtomicU32::new(0) }
     }
 }
 
@@ -57,25 +49,10 @@ impl Sink for LoomSink {
     }
 }
 
-fn add(
-    eq: &EqModel,
-    cam_m: &CamModel,
-    owner: &mut CamOwner,
-    index: u32,
-    start: u64,
-    end: u64,
-    fl: u32,
-) {
+fn add(eq: &EqModel, cam_m: &CamModel, owner: &mut CamOwner, index: u32, start: u64, end: u64, fl: u32) {
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
-    trip::publish(
-        &v.table.entries[index as usize],
-        1,
-        fl | wide,
-        start,
-        end,
-        TAG,
-    );
+    trip::publish(&v.table.entries[index as usize], 1, fl | wide, start, end, TAG);
     owner.insert(&cam_m.view(), &v.table, index, start, end);
 }
 
@@ -154,29 +131,16 @@ fn ring_same_ring_order() {
 fn once_only_fires_exactly_once() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        trip::publish(
-            &eq.view().table.entries[0],
-            1,
-            ARMED | ONCE | ON_WRITE | ACT_COUNTER,
-            0,
-            8,
-            TAG,
-        );
+        trip::publish(&eq.view().table.entries[0], 1, ARMED | ONCE | ON_WRITE | ACT_COUNTER, 0, 8, TAG);
         let futex = Arc::new(ModelFutex::default());
         let ts: Vec<_> = (0..2)
             .map(|_| {
                 let eq = eq.clone();
                 let futex = futex.clone();
-                thread::spawn(move || {
-                    trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex) != trip::Fired::No
-                })
+                thread::spawn(move || trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex) != trip::Fired::No)
             })
             .collect();
-        let wins = ts
-            .into_iter()
-            .map(|t| t.join().unwrap())
-            .filter(|&w| w)
-            .count();
+        let wins = ts.into_iter().map(|t| t.join().unwrap()).filter(|&w| w).count();
         assert_eq!(wins, 1);
         assert_eq!(eq.view().table.entries[0].count.load(Ordering::Relaxed), 1);
     });
@@ -196,11 +160,7 @@ fn arm_by_insert_vs_write() {
             thread::spawn(move || {
                 let v = eq.view();
                 let cv = cam_m.view();
-                let watch = Watch {
-                    cam: &cv,
-                    table: &v.table,
-                    tag: TAG,
-                };
+                let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
                 let mut scratch = Vec::new();
                 snoop::transfer(Access::Write, &watch, &*sink, 0, 8, &mut scratch, |_, _| {
                     data.store(1, Ordering::Relaxed);
@@ -210,22 +170,11 @@ fn arm_by_insert_vs_write() {
             })
         };
         let mut owner = CamOwner::new();
-        add(
-            &eq,
-            &cam_m,
-            &mut owner,
-            0,
-            0,
-            8,
-            ARMED | ON_WRITE | ACT_COUNTER,
-        );
+        add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER);
         // `insert` ends with the epoch bump and fence: now re-check the data.
         let saw = data.load(Ordering::Relaxed) == 1;
         let fired = writer.join().unwrap();
-        assert!(
-            fired == 1 || saw,
-            "lost wake-up: tripwire not fired and data not seen"
-        );
+        assert!(fired == 1 || saw, "lost wake-up: tripwire not fired and data not seen");
     });
 }
 
@@ -244,11 +193,7 @@ fn arm_by_enable_vs_write() {
             thread::spawn(move || {
                 let v = eq.view();
                 let cv = cam_m.view();
-                let watch = Watch {
-                    cam: &cv,
-                    table: &v.table,
-                    tag: TAG,
-                };
+                let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
                 let mut scratch = Vec::new();
                 snoop::transfer(Access::Write, &watch, &*sink, 0, 8, &mut scratch, |_, _| {
                     data.store(1, Ordering::Relaxed);
@@ -279,14 +224,9 @@ fn tripwire_wait_no_lost_wakeup() {
         };
         let v = eq.view();
         let e = &v.table.entries[0];
-        let ok = trip::wait_until(
-            &e.seq,
-            &e.waiters,
-            std::time::Duration::ZERO,
-            None,
-            &*futex,
-            || e.seq.load(Ordering::Acquire) != 0,
-        );
+        let ok = trip::wait_until(&e.seq, &e.waiters, std::time::Duration::ZERO, None, &*futex, || {
+            e.seq.load(Ordering::Acquire) != 0
+        });
         assert!(ok);
         firer.join().unwrap();
     });
@@ -310,14 +250,9 @@ fn tripset_link_vs_fire() {
         let ts = &v.table.tripsets[0];
         // Link the member and record its sequence, then wait on the set's word.
         e.tripset.store(1, Ordering::Relaxed);
-        let ok = trip::wait_until(
-            &ts.seq,
-            &ts.waiters,
-            std::time::Duration::ZERO,
-            None,
-            &*futex,
-            || e.seq.load(Ordering::Acquire) != 0,
-        );
+        let ok = trip::wait_until(&ts.seq, &ts.waiters, std::time::Duration::ZERO, None, &*futex, || {
+            e.seq.load(Ordering::Acquire) != 0
+        });
         assert!(ok);
         firer.join().unwrap();
     });
@@ -332,40 +267,17 @@ fn relink_under_walker_still_fires() {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(2048));
         let mut owner = CamOwner::new();
-        add(
-            &eq,
-            &cam_m,
-            &mut owner,
-            1,
-            8,
-            16,
-            ARMED | ON_WRITE | ACT_COUNTER,
-        ); // B
-        add(
-            &eq,
-            &cam_m,
-            &mut owner,
-            0,
-            0,
-            8,
-            ARMED | ON_WRITE | ACT_COUNTER,
-        ); // A, head
+        add(&eq, &cam_m, &mut owner, 1, 8, 16, ARMED | ON_WRITE | ACT_COUNTER); // B
+        add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER); // A, head
         let sink = Arc::new(LoomSink::new());
         let writer = {
             let (eq, cam_m, sink) = (eq.clone(), cam_m.clone(), sink.clone());
             thread::spawn(move || {
                 let v = eq.view();
                 let cv = cam_m.view();
-                let watch = Watch {
-                    cam: &cv,
-                    table: &v.table,
-                    tag: TAG,
-                };
+                let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
                 let mut scratch = Vec::new();
-                snoop::transfer(Access::Write, &watch, &*sink, 8, 8, &mut scratch, |_, _| {
-                    Ok::<(), ()>(())
-                })
-                .unwrap();
+                snoop::transfer(Access::Write, &watch, &*sink, 8, 8, &mut scratch, |_, _| Ok::<(), ()>(())).unwrap();
             })
         };
         let v = eq.view();
@@ -375,11 +287,7 @@ fn relink_under_walker_still_fires() {
         trip::publish(a, 2, ARMED | ON_WRITE, 1024, 1032, TAG);
         owner.insert(&cam_m.view(), &v.table, 0, 1024, 1032);
         writer.join().unwrap();
-        assert_eq!(
-            v.table.entries[1].count.load(Ordering::Relaxed),
-            1,
-            "B must fire exactly once"
-        );
+        assert_eq!(v.table.entries[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
     });
 }
 
@@ -396,26 +304,14 @@ fn arm_by_insert_vs_word_store_commit() {
             thread::spawn(move || {
                 let v = eq.view();
                 let cv = cam_m.view();
-                let watch = Watch {
-                    cam: &cv,
-                    table: &v.table,
-                    tag: TAG,
-                };
+                let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
                 let mut scratch = Vec::new();
                 data.store(1, Ordering::Relaxed);
                 snoop::commit(Access::Write, &watch, &*sink, 0, 8, &mut scratch)
             })
         };
         let mut owner = CamOwner::new();
-        add(
-            &eq,
-            &cam_m,
-            &mut owner,
-            0,
-            0,
-            8,
-            ARMED | ON_WRITE | ACT_COUNTER,
-        );
+        add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER);
         let saw = data.load(Ordering::Relaxed) == 1;
         let fired = writer.join().unwrap();
         assert!(fired == 1 || saw, "lost wake-up");

@@ -89,7 +89,11 @@ fn small() -> impl Strategy<Value = SmallFrame> {
             SmallFrame::Hello(Hello { version: frame::VERSION, flags, nic, nonce, credit })
         }),
         any::<[u8; 32]>().prop_map(SmallFrame::Auth),
-        (any::<u64>(), target(), 0u32..1 << 20).prop_map(|(id, from, len)| SmallFrame::ReadReq(ReadReq { id, from, len })),
+        (any::<u64>(), target(), 0u32..1 << 20).prop_map(|(id, from, len)| SmallFrame::ReadReq(ReadReq {
+            id,
+            from,
+            len
+        })),
         (any::<u64>(), addr(), any::<u32>(), any::<u32>(), any::<[u8; 32]>()).prop_map(|(id, n, fp, tp, p)| {
             let mut payload = [0u8; OOB_PAYLOAD];
             payload[..32].copy_from_slice(&p);
@@ -106,8 +110,11 @@ fn small() -> impl Strategy<Value = SmallFrame> {
         any::<u64>().prop_map(SmallFrame::Unimport),
         (any::<u64>(), any::<u64>()).prop_map(|(w, b)| SmallFrame::Ack(Ack { writes: w, bytes: b })),
         any::<u64>().prop_map(SmallFrame::Credit),
-        (status(), any::<u64>(), any::<u64>())
-            .prop_map(|(status, key, offset)| SmallFrame::Refused(Refused { status, key, offset })),
+        (status(), any::<u64>(), any::<u64>()).prop_map(|(status, key, offset)| SmallFrame::Refused(Refused {
+            status,
+            key,
+            offset
+        })),
         any::<u64>().prop_map(SmallFrame::Ping),
         any::<u64>().prop_map(SmallFrame::Pong),
         status().prop_map(SmallFrame::Close),
@@ -135,6 +142,9 @@ fn encode_all(frames: &[Owned]) -> Vec<u8> {
     out
 }
 
+/// Appends bytes moved "directly" to the item they belong to.
+type Push = Box<dyn Fn(&mut Vec<Owned>, &[u8])>;
+
 /// Decode `stream` fed in chunks of the given sizes; when `direct` says so, move pending
 /// payload bytes "ourselves" (as a receiver reading straight into an aperture would).
 fn decode_chunked(stream: &[u8], chunks: &[usize], direct: &[bool]) -> Result<Vec<Owned>, WireError> {
@@ -156,16 +166,28 @@ fn decode_chunked(stream: &[u8], chunks: &[usize], direct: &[bool]) -> Result<Ve
             if let Some(p) = dec.pending_payload() {
                 if direct.get(di).copied().unwrap_or(false) && !buf.is_empty() {
                     di += 1;
-                    let (rem, push): (u64, Box<dyn Fn(&mut Vec<Owned>, &[u8])>) = match p {
-                        Pending::Write { to, remaining } => (remaining, Box::new(move |o: &mut Vec<Owned>, d: &[u8]| {
-                            let Some(Owned::Write(t, data)) = o.last_mut() else { panic!("no burst open") };
-                            assert_eq!(t.advance(data.len() as u64), to, "direct bytes land where the burst continues");
-                            data.extend_from_slice(d);
-                        })),
-                        Pending::ReadResp { remaining, .. } => (remaining, Box::new(|o: &mut Vec<Owned>, d: &[u8]| {
-                            let Some(Owned::ReadResp(_, _, data)) = o.last_mut() else { panic!("no response open") };
-                            data.extend_from_slice(d);
-                        })),
+                    let (rem, push): (u64, Push) = match p {
+                        Pending::Write { to, remaining } => (
+                            remaining,
+                            Box::new(move |o: &mut Vec<Owned>, d: &[u8]| {
+                                let Some(Owned::Write(t, data)) = o.last_mut() else { panic!("no burst open") };
+                                assert_eq!(
+                                    t.advance(data.len() as u64),
+                                    to,
+                                    "direct bytes land where the burst continues"
+                                );
+                                data.extend_from_slice(d);
+                            }),
+                        ),
+                        Pending::ReadResp { remaining, .. } => (
+                            remaining,
+                            Box::new(|o: &mut Vec<Owned>, d: &[u8]| {
+                                let Some(Owned::ReadResp(_, _, data)) = o.last_mut() else {
+                                    panic!("no response open")
+                                };
+                                data.extend_from_slice(d);
+                            }),
+                        ),
                     };
                     let n = (rem as usize).min(buf.len()).min(5);
                     push(&mut out, &buf[..n]);
@@ -364,7 +386,8 @@ fn malformed_frames_are_errors() {
 #[test]
 fn keepalive_with_a_virtual_clock() {
     let t0 = Instant::now();
-    let cfg = LinkConfig { credit: 1 << 20, keepalive: Duration::from_millis(100), dead_after: Duration::from_millis(500) };
+    let cfg =
+        LinkConfig { credit: 1 << 20, keepalive: Duration::from_millis(100), dead_after: Duration::from_millis(500) };
     let mut s = LinkState::new(cfg, t0);
     assert_eq!(s.handle_timeout(t0 + Duration::from_millis(50)), Timeout::None);
     assert_eq!(s.poll_timeout(), t0 + Duration::from_millis(100));
@@ -389,17 +412,48 @@ fn seed_corpus() {
         let samples: Vec<(&str, Vec<u8>)> = vec![
             ("hello", enc(Frame::Hello(Hello { version: 1, flags: 0, nic, nonce: [7; 16], credit: 8 << 20 }))),
             ("auth", enc(Frame::Auth([9; 32]))),
-            ("write_small", { let mut b = Vec::new(); frame::encode_write(&t, &[1, 2, 3, 4, 5, 6, 7, 8], &mut b); b }),
-            ("write_page", { let mut b = Vec::new(); frame::encode_write(&t, &[0xab; 4096], &mut b); b }),
+            ("write_small", {
+                let mut b = Vec::new();
+                frame::encode_write(&t, &[1, 2, 3, 4, 5, 6, 7, 8], &mut b);
+                b
+            }),
+            ("write_page", {
+                let mut b = Vec::new();
+                frame::encode_write(&t, &[0xab; 4096], &mut b);
+                b
+            }),
             ("read_req", enc(Frame::ReadReq(ReadReq { id: 1, from: t, len: 64 }))),
-            ("read_resp", { let mut b = Vec::new(); frame::encode_read_resp(1, Status::Ok, &[5; 64], &mut b); b }),
+            ("read_resp", {
+                let mut b = Vec::new();
+                frame::encode_read_resp(1, Status::Ok, &[5; 64], &mut b);
+                b
+            }),
             ("oob", enc(Frame::Oob(Oob { id: 2, from_nic: nic, from_port: 1, to_port: 2, payload: [3; 40] }))),
-            ("import", enc(Frame::Import(Import { id: 3, importer_nic: nic, importer_port: 4, desc: &[0x43, 0x31, 0, 0] }))),
-            ("import_reply", enc(Frame::ImportReply(ImportReply { id: 3, status: Status::Ok, key: 5, aperture_len: 8192, offset: 0, len: 8192, rights: 3 }))),
+            (
+                "import",
+                enc(Frame::Import(Import { id: 3, importer_nic: nic, importer_port: 4, desc: &[0x43, 0x31, 0, 0] })),
+            ),
+            (
+                "import_reply",
+                enc(Frame::ImportReply(ImportReply {
+                    id: 3,
+                    status: Status::Ok,
+                    key: 5,
+                    aperture_len: 8192,
+                    offset: 0,
+                    len: 8192,
+                    rights: 3,
+                })),
+            ),
             ("ack", enc(Frame::Ack(Ack { writes: 10, bytes: 4096 }))),
             ("credit", enc(Frame::Credit { bytes: 1 << 20 })),
             ("refused", enc(Frame::Refused(Refused { status: Status::OutOfBounds, key: 5, offset: 9000 }))),
-            ("ping_pong_close", { let mut b = enc(Frame::Ping { token: 1 }); b.extend(enc(Frame::Pong { token: 1 })); b.extend(enc(Frame::Close { status: Status::Shutdown })); b }),
+            ("ping_pong_close", {
+                let mut b = enc(Frame::Ping { token: 1 });
+                b.extend(enc(Frame::Pong { token: 1 }));
+                b.extend(enc(Frame::Close { status: Status::Shutdown }));
+                b
+            }),
         ];
         for (name, bytes) in samples {
             std::fs::write(dir.join(name), bytes).unwrap();

@@ -23,10 +23,7 @@ impl NicAddr {
 
     /// `127.0.0.1:port`.
     pub const fn localhost(port: u16) -> NicAddr {
-        NicAddr {
-            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            port,
-        }
+        NicAddr { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), port }
     }
 
     /// Host address.
@@ -75,10 +72,7 @@ impl FromStr for NicAddr {
     fn from_str(s: &str) -> Result<NicAddr, AddrParseError> {
         SocketAddr::from_str(s)
             .map(NicAddr::from)
-            .map_err(|_| AddrParseError {
-                input: s.to_owned(),
-                expected: "ip:port, e.g. 127.0.0.1:7000 or [::1]:7000",
-            })
+            .map_err(|_| AddrParseError { input: s.to_owned(), expected: "ip:port, e.g. 127.0.0.1:7000 or [::1]:7000" })
     }
 }
 
@@ -107,15 +101,9 @@ impl fmt::Display for EndpointAddr {
 impl FromStr for EndpointAddr {
     type Err = AddrParseError;
     fn from_str(s: &str) -> Result<EndpointAddr, AddrParseError> {
-        let err = || AddrParseError {
-            input: s.to_owned(),
-            expected: "ip:port/endpoint, e.g. 127.0.0.1:7000/3",
-        };
+        let err = || AddrParseError { input: s.to_owned(), expected: "ip:port/endpoint, e.g. 127.0.0.1:7000/3" };
         let (nic, port) = s.rsplit_once('/').ok_or_else(err)?;
-        Ok(EndpointAddr {
-            nic: nic.parse().map_err(|_| err())?,
-            port: port.parse().map_err(|_| err())?,
-        })
+        Ok(EndpointAddr { nic: nic.parse().map_err(|_| err())?, port: port.parse().map_err(|_| err())? })
     }
 }
 

@@ -53,29 +53,16 @@ impl ApertureMem {
     pub fn create(cap: u64) -> Result<ApertureMem, ExportError> {
         let index_len = segment::page_align(CamLayout::new(cap).size) as u64;
         let total = cap + index_len;
-        let memfd = Memfd::create("clan-aperture", total)
-            .map_err(|e| fd_or_io(e, "creating the aperture memfd"))?;
+        let memfd = Memfd::create("clan-aperture", total).map_err(|e| fd_or_io(e, "creating the aperture memfd"))?;
         let seg = Arc::new(
-            Segment::map(&memfd, 0, total as usize, SegAccess::ReadWrite).map_err(|source| {
-                ExportError::Io {
-                    context: "mapping the aperture",
-                    source,
-                }
-            })?,
+            Segment::map(&memfd, 0, total as usize, SegAccess::ReadWrite)
+                .map_err(|source| ExportError::Io { context: "mapping the aperture", source })?,
         );
-        let cam =
-            Arc::new(
-                CamMap::new(seg.clone(), cap as usize, cap).map_err(|e| ExportError::Io {
-                    context: "laying out the aperture index",
-                    source: std::io::Error::other(e),
-                })?,
-            );
-        Ok(ApertureMem {
-            memfd,
-            seg,
-            cam,
-            cap,
-        })
+        let cam = Arc::new(CamMap::new(seg.clone(), cap as usize, cap).map_err(|e| ExportError::Io {
+            context: "laying out the aperture index",
+            source: std::io::Error::other(e),
+        })?);
+        Ok(ApertureMem { memfd, seg, cam, cap })
     }
 
     /// Zero data and index (returns the pages to the system).
@@ -104,9 +91,7 @@ pub(crate) fn fd_or_io(e: std::io::Error, context: &'static str) -> ExportError 
     if e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error())
         || e.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error())
     {
-        ExportError::FdLimit {
-            limit: crate::nic::fd_limit(),
-        }
+        ExportError::FdLimit { limit: crate::nic::fd_limit() }
     } else {
         ExportError::Io { context, source: e }
     }
@@ -135,9 +120,7 @@ pub(crate) struct ApertureInner {
 
 impl ApertureInner {
     pub fn mem(&self) -> &Arc<ApertureMem> {
-        self.mem
-            .as_ref()
-            .expect("aperture memory present until drop")
+        self.mem.as_ref().expect("aperture memory present until drop")
     }
 
     pub fn unexport(&self) {
@@ -203,9 +186,7 @@ impl Aperture {
 
     /// Mappings of this aperture currently held by other processes.
     pub fn remote_imports(&self) -> u32 {
-        self.inner
-            .nic
-            .remote_refs(self.inner.id, self.inner.generation)
+        self.inner.nic.remote_refs(self.inner.id, self.inner.generation)
     }
 
     fn seg(&self) -> &Segment {
@@ -215,36 +196,25 @@ impl Aperture {
     /// Copy `src` into the aperture at `off` (a local store: fires no tripwire).
     pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
         check_range(off, src.len() as u64, self.inner.len)?;
-        self.seg()
-            .write(off as usize, src)
-            .map_err(|_| AccessError::NotWritable)
+        self.seg().write(off as usize, src).map_err(|_| AccessError::NotWritable)
     }
 
     /// Copy from the aperture at `off` into `dst` (a local load).
     pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
         check_range(off, dst.len() as u64, self.inner.len)?;
-        self.seg()
-            .read(off as usize, dst)
-            .map_err(|_| AccessError::NotReadable)
+        self.seg().read(off as usize, dst).map_err(|_| AccessError::NotReadable)
     }
 
     /// Fill `len` bytes at `off` with `byte`.
     pub fn fill(&self, off: u64, len: u64, byte: u8) -> Result<(), AccessError> {
         check_range(off, len, self.inner.len)?;
-        self.seg()
-            .fill(off as usize, len as usize, byte)
-            .map_err(|_| AccessError::NotWritable)
+        self.seg().fill(off as usize, len as usize, byte).map_err(|_| AccessError::NotWritable)
     }
 
     fn word<T: segment::Shared>(&self, off: u64, size: u64) -> Result<&T, AccessError> {
         check_range(off, size, self.inner.len)?;
         check_align(off, size)?;
-        self.seg()
-            .view::<T>(off as usize)
-            .map_err(|_| AccessError::Misaligned {
-                offset: off,
-                align: size,
-            })
+        self.seg().view::<T>(off as usize).map_err(|_| AccessError::Misaligned { offset: off, align: size })
     }
 
     /// Atomic load (Acquire) of the aligned word at `off`: the way to poll a flag or counter

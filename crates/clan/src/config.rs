@@ -70,10 +70,7 @@ impl Default for NicConfig {
         NicConfig {
             ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: 0,
-            default_queue: EventQueueConfig {
-                tripwires: 1 << 20,
-                ..EventQueueConfig::default()
-            },
+            default_queue: EventQueueConfig { tripwires: 1 << 20, ..EventQueueConfig::default() },
             request_timeout: Duration::from_secs(5),
             reuse_imported_apertures: true,
             cache_bytes: 256 << 20,
@@ -91,11 +88,7 @@ impl Default for NicConfig {
 impl NicConfig {
     /// Default configuration at `ip:port`.
     pub fn at(ip: IpAddr, port: u16) -> NicConfig {
-        NicConfig {
-            ip,
-            port,
-            ..NicConfig::default()
-        }
+        NicConfig { ip, port, ..NicConfig::default() }
     }
 }
 

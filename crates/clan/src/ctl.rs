@@ -20,19 +20,11 @@ pub enum Request {
     /// First message on a connection.
     Hello { nic: NicAddr, pid: u32 },
     /// Import a descriptor (binary form). `want_eq`: send the event queue's fds.
-    Import {
-        importer: EndpointAddr,
-        want_eq: bool,
-        desc: Vec<u8>,
-    },
+    Import { importer: EndpointAddr, want_eq: bool, desc: Vec<u8> },
     /// Release an import (no reply).
     Unimport { import_id: u64 },
     /// Deliver an out-of-band message.
-    Oob {
-        from: EndpointAddr,
-        to_port: u32,
-        payload: [u8; OOB_PAYLOAD],
-    },
+    Oob { from: EndpointAddr, to_port: u32, payload: [u8; OOB_PAYLOAD] },
 }
 
 /// What an import grants.
@@ -158,19 +150,13 @@ impl<'a> R<'a> {
         Ok(self.take(1)?[0])
     }
     fn u16(&mut self) -> Result<u16, Malformed> {
-        Ok(u16::from_le_bytes(
-            self.take(2)?.try_into().map_err(|_| Malformed)?,
-        ))
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().map_err(|_| Malformed)?))
     }
     fn u32(&mut self) -> Result<u32, Malformed> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().map_err(|_| Malformed)?,
-        ))
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().map_err(|_| Malformed)?))
     }
     fn u64(&mut self) -> Result<u64, Malformed> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().map_err(|_| Malformed)?,
-        ))
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().map_err(|_| Malformed)?))
     }
     fn bool(&mut self) -> Result<bool, Malformed> {
         match self.u8()? {
@@ -194,11 +180,7 @@ impl<'a> R<'a> {
         Ok(EndpointAddr::new(self.nic()?, self.u32()?))
     }
     fn end(self) -> Result<(), Malformed> {
-        if self.0.is_empty() {
-            Ok(())
-        } else {
-            Err(Malformed)
-        }
+        if self.0.is_empty() { Ok(()) } else { Err(Malformed) }
     }
 }
 
@@ -210,25 +192,13 @@ impl Request {
             Request::Hello { nic, pid } => {
                 w.u8(1).nic(*nic).u32(*pid);
             }
-            Request::Import {
-                importer,
-                want_eq,
-                desc,
-            } => {
-                w.u8(2)
-                    .ep(*importer)
-                    .u8(u8::from(*want_eq))
-                    .u16(desc.len() as u16)
-                    .bytes(desc);
+            Request::Import { importer, want_eq, desc } => {
+                w.u8(2).ep(*importer).u8(u8::from(*want_eq)).u16(desc.len() as u16).bytes(desc);
             }
             Request::Unimport { import_id } => {
                 w.u8(3).u64(*import_id);
             }
-            Request::Oob {
-                from,
-                to_port,
-                payload,
-            } => {
+            Request::Oob { from, to_port, payload } => {
                 w.u8(4).ep(*from).u32(*to_port).bytes(payload);
             }
         }
@@ -239,10 +209,7 @@ impl Request {
     pub fn decode(b: &[u8]) -> Result<Request, Malformed> {
         let mut r = R(b);
         let req = match r.u8()? {
-            1 => Request::Hello {
-                nic: r.nic()?,
-                pid: r.u32()?,
-            },
+            1 => Request::Hello { nic: r.nic()?, pid: r.u32()? },
             2 => {
                 let importer = r.ep()?;
                 let want_eq = r.bool()?;
@@ -250,24 +217,14 @@ impl Request {
                 if n > crate::descriptor::MAX_BYTES {
                     return Err(Malformed);
                 }
-                Request::Import {
-                    importer,
-                    want_eq,
-                    desc: r.take(n)?.to_vec(),
-                }
+                Request::Import { importer, want_eq, desc: r.take(n)?.to_vec() }
             }
-            3 => Request::Unimport {
-                import_id: r.u64()?,
-            },
+            3 => Request::Unimport { import_id: r.u64()? },
             4 => {
                 let from = r.ep()?;
                 let to_port = r.u32()?;
                 let payload = r.take(OOB_PAYLOAD)?.try_into().map_err(|_| Malformed)?;
-                Request::Oob {
-                    from,
-                    to_port,
-                    payload,
-                }
+                Request::Oob { from, to_port, payload }
             }
             _ => return Err(Malformed),
         };
@@ -354,23 +311,10 @@ mod tests {
     fn round_trips() {
         let ep = EndpointAddr::new("10.77.0.1:7000".parse().unwrap(), 9);
         let reqs = [
-            Request::Hello {
-                nic: "[::1]:5".parse().unwrap(),
-                pid: 42,
-            },
-            Request::Import {
-                importer: ep,
-                want_eq: true,
-                desc: vec![1, 2, 3],
-            },
-            Request::Unimport {
-                import_id: u64::MAX,
-            },
-            Request::Oob {
-                from: ep,
-                to_port: 3,
-                payload: [7; 40],
-            },
+            Request::Hello { nic: "[::1]:5".parse().unwrap(), pid: 42 },
+            Request::Import { importer: ep, want_eq: true, desc: vec![1, 2, 3] },
+            Request::Unimport { import_id: u64::MAX },
+            Request::Oob { from: ep, to_port: 3, payload: [7; 40] },
         ];
         for q in reqs {
             assert_eq!(Request::decode(&q.encode()).unwrap(), q);
@@ -394,10 +338,7 @@ mod tests {
             Reply::HelloOk { nic: ep.nic },
             Reply::ImportOk(g),
             Reply::Ok,
-            Reply::Err {
-                code: Code::BadKey,
-                detail: "x".into(),
-            },
+            Reply::Err { code: Code::BadKey, detail: "x".into() },
         ] {
             assert_eq!(Reply::decode(&p.encode()).unwrap(), p);
         }

@@ -150,38 +150,19 @@ pub(crate) fn aperture_key(nic_secret: &[u8; 32], aperture: u32, generation: u32
 
 impl Descriptor {
     /// The root descriptor of an aperture (whole range, read-write), made by its exporter.
-    pub(crate) fn root(
-        nic: NicAddr,
-        aperture: u32,
-        generation: u32,
-        len: u64,
-        key: &[u8; 32],
-    ) -> Descriptor {
+    pub(crate) fn root(nic: NicAddr, aperture: u32, generation: u32, len: u64, key: &[u8; 32]) -> Descriptor {
         let tag = mac(key, &root_bytes(aperture, generation, len));
-        Descriptor {
-            nic,
-            aperture,
-            generation,
-            aperture_len: len,
-            caveats: Vec::new(),
-            tag,
-        }
+        Descriptor { nic, aperture, generation, aperture_len: len, caveats: Vec::new(), tag }
     }
 
     /// Whether the tag chain verifies against the aperture key (the exporter's check).
     pub(crate) fn verify(&self, key: &[u8; 32]) -> bool {
-        let mut tag = mac(
-            key,
-            &root_bytes(self.aperture, self.generation, self.aperture_len),
-        );
+        let mut tag = mac(key, &root_bytes(self.aperture, self.generation, self.aperture_len));
         for c in &self.caveats {
             tag = mac(&chain_key(&tag), &c.bytes());
         }
         // Constant-time comparison.
-        tag.iter()
-            .zip(self.tag.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+        tag.iter().zip(self.tag.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
 
     /// Exporting NIC.
@@ -219,18 +200,9 @@ impl Descriptor {
 
     /// A narrower descriptor: `len` bytes at `offset` *relative to this descriptor's range*,
     /// with `rights` (a subset of this descriptor's). Needs no contact with the exporter.
-    pub fn derive(
-        &self,
-        offset: u64,
-        len: u64,
-        rights: Rights,
-    ) -> Result<Descriptor, DescriptorError> {
+    pub fn derive(&self, offset: u64, len: u64, rights: Rights) -> Result<Descriptor, DescriptorError> {
         if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.len()) {
-            return Err(DescriptorError::NotWithin {
-                offset,
-                len,
-                parent_len: self.len(),
-            });
+            return Err(DescriptorError::NotWithin { offset, len, parent_len: self.len() });
         }
         if !self.rights().contains(rights) {
             return Err(DescriptorError::RightsEscalation);
@@ -238,11 +210,7 @@ impl Descriptor {
         if self.caveats.len() >= MAX_CAVEATS {
             return Err(DescriptorError::TooDeep(MAX_CAVEATS));
         }
-        let c = Caveat {
-            offset: self.offset() + offset,
-            len,
-            rights,
-        };
+        let c = Caveat { offset: self.offset() + offset, len, rights };
         let mut d = self.clone();
         d.tag = mac(&chain_key(&self.tag), &c.bytes());
         d.caveats.push(c);
@@ -296,9 +264,7 @@ impl Descriptor {
             s
         };
         let family = take(1)[0];
-        let octets: [u8; 16] = take(16)
-            .try_into()
-            .map_err(|_| DescriptorError::BadLength)?;
+        let octets: [u8; 16] = take(16).try_into().map_err(|_| DescriptorError::BadLength)?;
         let v6 = Ipv6Addr::from(octets);
         let ip = match family {
             4 => IpAddr::V4(v6.to_ipv4_mapped().ok_or(DescriptorError::BadField)?),
@@ -322,54 +288,33 @@ impl Descriptor {
                 rights: Rights::from_bits(s[16]).ok_or(DescriptorError::BadField)?,
             };
             // Each caveat must narrow the previous one.
-            let end = c
-                .offset
-                .checked_add(c.len)
-                .ok_or(DescriptorError::BadField)?;
+            let end = c.offset.checked_add(c.len).ok_or(DescriptorError::BadField)?;
             if c.len == 0 || c.offset < lo || end > hi || !rights.contains(c.rights) {
                 return Err(DescriptorError::BadField);
             }
             (lo, hi, rights) = (c.offset, end, c.rights);
             caveats.push(c);
         }
-        let tag: [u8; 16] = take(16)
-            .try_into()
-            .map_err(|_| DescriptorError::BadLength)?;
+        let tag: [u8; 16] = take(16).try_into().map_err(|_| DescriptorError::BadLength)?;
         if aperture_len == 0 {
             return Err(DescriptorError::BadField);
         }
         let _ = Ipv4Addr::UNSPECIFIED;
-        Ok(Descriptor {
-            nic: NicAddr::new(ip, port),
-            aperture,
-            generation,
-            aperture_len,
-            caveats,
-            tag,
-        })
+        Ok(Descriptor { nic: NicAddr::new(ip, port), aperture, generation, aperture_len, caveats, tag })
     }
 }
 
 impl fmt::Display for Descriptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{TEXT_PREFIX}{}",
-            data_encoding::BASE64URL_NOPAD.encode(&self.to_bytes())
-        )
+        write!(f, "{TEXT_PREFIX}{}", data_encoding::BASE64URL_NOPAD.encode(&self.to_bytes()))
     }
 }
 
 impl FromStr for Descriptor {
     type Err = DescriptorError;
     fn from_str(s: &str) -> Result<Descriptor, DescriptorError> {
-        let body = s
-            .trim()
-            .strip_prefix(TEXT_PREFIX)
-            .ok_or(DescriptorError::BadText)?;
-        let bytes = data_encoding::BASE64URL_NOPAD
-            .decode(body.as_bytes())
-            .map_err(|_| DescriptorError::BadText)?;
+        let body = s.trim().strip_prefix(TEXT_PREFIX).ok_or(DescriptorError::BadText)?;
+        let bytes = data_encoding::BASE64URL_NOPAD.decode(body.as_bytes()).map_err(|_| DescriptorError::BadText)?;
         Descriptor::from_bytes(&bytes)
     }
 }
@@ -391,51 +336,31 @@ mod tests {
     fn root_verifies_and_round_trips() {
         let d = root();
         assert!(d.verify(&key()));
-        assert!(
-            !d.verify(&aperture_key(&[7u8; 32], 3, 10)),
-            "other generation"
-        );
+        assert!(!d.verify(&aperture_key(&[7u8; 32], 3, 10)), "other generation");
         let b = Descriptor::from_bytes(&d.to_bytes()).unwrap();
         assert_eq!(b, d);
         let s = d.to_string();
         assert!(s.starts_with("clan1."));
         assert_eq!(s.parse::<Descriptor>().unwrap(), d);
-        assert_eq!(
-            (d.offset(), d.len(), d.rights()),
-            (0, 1 << 20, Rights::READ_WRITE)
-        );
+        assert_eq!((d.offset(), d.len(), d.rights()), (0, 1 << 20, Rights::READ_WRITE));
     }
 
     #[test]
     fn derive_narrows_and_verifies() {
         let d = root().derive(4096, 8192, Rights::READ).unwrap();
-        assert_eq!(
-            (d.offset(), d.len(), d.rights()),
-            (4096, 8192, Rights::READ)
-        );
+        assert_eq!((d.offset(), d.len(), d.rights()), (4096, 8192, Rights::READ));
         assert!(d.verify(&key()));
         let dd = d.derive(100, 50, Rights::READ).unwrap();
         assert_eq!(dd.offset(), 4196);
         assert!(dd.verify(&key()));
         assert_eq!(
             d.derive(0, 8193, Rights::READ),
-            Err(DescriptorError::NotWithin {
-                offset: 0,
-                len: 8193,
-                parent_len: 8192
-            })
+            Err(DescriptorError::NotWithin { offset: 0, len: 8193, parent_len: 8192 })
         );
-        assert_eq!(
-            d.derive(0, 1, Rights::READ_WRITE),
-            Err(DescriptorError::RightsEscalation)
-        );
+        assert_eq!(d.derive(0, 1, Rights::READ_WRITE), Err(DescriptorError::RightsEscalation));
         assert_eq!(
             d.derive(0, 0, Rights::READ).unwrap_err(),
-            DescriptorError::NotWithin {
-                offset: 0,
-                len: 0,
-                parent_len: 8192
-            }
+            DescriptorError::NotWithin { offset: 0, len: 0, parent_len: 8192 }
         );
     }
 
@@ -463,19 +388,10 @@ mod tests {
     #[test]
     fn malformed_inputs_are_errors() {
         assert_eq!(Descriptor::from_bytes(b""), Err(DescriptorError::BadMagic));
-        assert_eq!(
-            Descriptor::from_bytes(b"XX\0\0"),
-            Err(DescriptorError::BadMagic)
-        );
+        assert_eq!(Descriptor::from_bytes(b"XX\0\0"), Err(DescriptorError::BadMagic));
         let b = root().to_bytes();
-        assert_eq!(
-            Descriptor::from_bytes(&b[..b.len() - 1]),
-            Err(DescriptorError::BadLength)
-        );
-        assert_eq!(
-            "clan1.!!".parse::<Descriptor>(),
-            Err(DescriptorError::BadText)
-        );
+        assert_eq!(Descriptor::from_bytes(&b[..b.len() - 1]), Err(DescriptorError::BadLength));
+        assert_eq!("clan1.!!".parse::<Descriptor>(), Err(DescriptorError::BadText));
         assert_eq!("nope".parse::<Descriptor>(), Err(DescriptorError::BadText));
     }
 

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use crate::addr::EndpointAddr;
 use crate::aperture::{Aperture, ApertureInner};
 use crate::config::ExportConfig;
-use crate::ctl::{self, Code, Reply, Request};
-use crate::descriptor::{Descriptor, Rights};
+use crate::ctl::{self, Code};
+use crate::descriptor::Descriptor;
 use crate::error::{Denial, ExportError, ImportError, OobError, TripwireError};
 use crate::event_queue::{EVENT_OOB, EventQueue};
 use crate::mapping::{Keep, Mapping, MappingInner};
@@ -47,6 +47,7 @@ pub(crate) struct EndpointInner {
     oob_cv: Condvar,
     closed: AtomicBool,
     apertures: Mutex<Vec<Weak<ApertureInner>>>,
+    pub conns: crate::conn::EndpointConns,
 }
 
 impl EndpointInner {
@@ -59,6 +60,7 @@ impl EndpointInner {
             oob_cv: Condvar::new(),
             closed: AtomicBool::new(false),
             apertures: Mutex::new(Vec::new()),
+            conns: Default::default(),
         }
     }
 
@@ -66,6 +68,11 @@ impl EndpointInner {
     pub fn deliver_oob(&self, msg: OobMessage) -> Result<(), Code> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Code::NoSuchEndpoint);
+        }
+        if crate::conn::is_handshake(&msg.payload) {
+            crate::conn::on_message(self, msg);
+            self.queue.inner.post_local(EVENT_OOB, u64::from(self.addr.port), 0);
+            return Ok(());
         }
         {
             let mut q = self.oob.lock().unwrap_or_else(|e| e.into_inner());
@@ -75,9 +82,7 @@ impl EndpointInner {
             q.push_back(msg);
         }
         self.oob_cv.notify_all();
-        self.queue
-            .inner
-            .post_local(EVENT_OOB, u64::from(self.addr.port), 0);
+        self.queue.inner.post_local(EVENT_OOB, u64::from(self.addr.port), 0);
         Ok(())
     }
 
@@ -135,11 +140,7 @@ impl Endpoint {
             return Err(ExportError::EndpointClosed);
         }
         let ap = self.inner.nic.export(&self.inner, len, cfg)?;
-        let mut aps = self
-            .inner
-            .apertures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut aps = self.inner.apertures.lock().unwrap_or_else(|e| e.into_inner());
         aps.retain(|w| w.strong_count() > 0);
         aps.push(Arc::downgrade(&ap.inner));
         Ok(ap)
@@ -155,18 +156,19 @@ impl Endpoint {
         if desc.nic() == nic.addr {
             return self.import_local(desc);
         }
-        crate::peer::import_remote(&self.inner, desc)
+        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory {
+            match crate::peer::import_remote(&self.inner, desc) {
+                Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
+                r => return r,
+            }
+        }
+        crate::remote::import_over_link(&self.inner, desc)
     }
 
     fn import_local(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
         let nic = &self.inner.nic;
-        let revoked = || ImportError::Revoked {
-            aperture: desc.aperture(),
-            generation: desc.generation(),
-        };
-        let ap = nic
-            .live_aperture(desc.aperture(), desc.generation())
-            .ok_or_else(revoked)?;
+        let revoked = || ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() };
+        let ap = nic.live_aperture(desc.aperture(), desc.generation()).ok_or_else(revoked)?;
         if !desc.verify(&ap.key) {
             return Err(ImportError::BadKey);
         }
@@ -193,10 +195,9 @@ impl Endpoint {
             live: w.live,
             port: w.port.clone(),
         };
-        let _ = Rights::READ;
         Ok(Mapping {
             inner: Arc::new(MappingInner {
-                window,
+                via: crate::mapping::Via::Local(window),
                 desc: desc.clone(),
                 off: desc.offset(),
                 len: desc.len(),
@@ -233,40 +234,23 @@ impl Endpoint {
                 Err(c) => c,
             }
         } else {
-            let peer = nic.peer(to.nic).map_err(|e| oob_peer_error(to, e))?;
-            match peer.request(&Request::Oob {
-                from: self.inner.addr,
-                to_port: to.port,
-                payload: p,
-            }) {
-                Ok((Reply::Ok, _)) => return Ok(()),
-                Ok((Reply::Err { code, .. }, _)) => code,
-                Ok((other, _)) => {
-                    return Err(OobError::Protocol {
-                        peer: to.nic,
-                        detail: format!("unexpected reply {other:?}"),
-                    });
-                }
-                Err(e) => return Err(oob_peer_error(to, e)),
+            match nic.send_oob_host(self.inner.addr, to, p) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(HostOob::Code(c))) => c,
+                Some(Err(HostOob::Failed(e))) => return Err(e),
+                None => return crate::remote::oob_over_link(nic, self.inner.addr, to, p, true),
             }
         };
         Err(match code {
             Code::NoSuchEndpoint => OobError::NoSuchEndpoint(to),
             Code::QueueFull => OobError::QueueFull(to),
-            other => OobError::Protocol {
-                peer: to.nic,
-                detail: format!("{other:?}"),
-            },
+            other => OobError::Protocol { peer: to.nic, detail: format!("{other:?}") },
         })
     }
 
     /// Take one out-of-band message, if any (no system call).
     pub fn recv_oob(&self) -> Option<OobMessage> {
-        self.inner
-            .oob
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop_front()
+        self.inner.oob.lock().unwrap_or_else(|e| e.into_inner()).pop_front()
     }
 
     /// Wait for an out-of-band message.
@@ -287,11 +271,7 @@ impl Endpoint {
                     if left.is_zero() {
                         return Err(OobError::Timeout);
                     }
-                    self.inner
-                        .oob_cv
-                        .wait_timeout(q, left)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
+                    self.inner.oob_cv.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0
                 }
             };
         }
@@ -303,20 +283,21 @@ impl Endpoint {
     }
 }
 
-fn oob_peer_error(to: EndpointAddr, e: crate::peer::PeerError) -> OobError {
+/// Why a host-local out-of-band send failed.
+pub(crate) enum HostOob {
+    /// The destination NIC answered with this code.
+    Code(Code),
+    /// It could not be reached or answered nonsense.
+    Failed(OobError),
+}
+
+pub(crate) fn oob_peer_error(to: EndpointAddr, e: crate::peer::PeerError) -> OobError {
     match e {
         crate::peer::PeerError::Unreachable => OobError::Unreachable(to.nic),
-        crate::peer::PeerError::Timeout(t) => OobError::Protocol {
-            peer: to.nic,
-            detail: format!("no answer within {t:?}"),
-        },
-        crate::peer::PeerError::Protocol(d) => OobError::Protocol {
-            peer: to.nic,
-            detail: d,
-        },
-        crate::peer::PeerError::Io(e) => OobError::Protocol {
-            peer: to.nic,
-            detail: e.to_string(),
-        },
+        crate::peer::PeerError::Timeout(t) => {
+            OobError::Protocol { peer: to.nic, detail: format!("no answer within {t:?}") }
+        }
+        crate::peer::PeerError::Protocol(d) => OobError::Protocol { peer: to.nic, detail: d },
+        crate::peer::PeerError::Io(e) => OobError::Protocol { peer: to.nic, detail: e.to_string() },
     }
 }

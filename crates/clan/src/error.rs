@@ -11,9 +11,7 @@ use crate::addr::{EndpointAddr, NicAddr};
 #[non_exhaustive]
 pub enum NicError {
     /// Another NIC on this host already uses the address.
-    #[error(
-        "NIC address {0} is already in use on this host; choose another port or let clan pick one (port 0)"
-    )]
+    #[error("NIC address {0} is already in use on this host; choose another port or let clan pick one (port 0)")]
     AddrInUse(NicAddr),
     /// No free port was found for an automatically numbered NIC.
     #[error("no free NIC port found on this host")]
@@ -100,6 +98,9 @@ pub enum Denial {
     Pid,
     /// The importing endpoint is not allowed.
     Endpoint,
+    /// The exporter's policy excludes this importer (reported from another host, where user
+    /// and process ids cannot be verified, so such restrictions always deny).
+    Policy,
 }
 
 /// Importing descriptors.
@@ -192,6 +193,12 @@ pub enum AccessError {
     /// The aperture was unexported.
     #[error("the aperture was unexported; the mapping is stale")]
     Revoked,
+    /// The link to the exporter's host broke, or its process went away: import again.
+    #[error("the link to the exporter is down; import the descriptor again")]
+    Disconnected,
+    /// The exporter did not answer in time.
+    #[error("the exporter did not answer in time")]
+    Timeout,
 }
 
 /// Tripwires and tripsets.
@@ -212,9 +219,7 @@ pub enum TripwireError {
         size: u64,
     },
     /// The event queue's tripwire table is full.
-    #[error(
-        "the event queue's tripwire table is full ({capacity} entries): raise EventQueueConfig::tripwires"
-    )]
+    #[error("the event queue's tripwire table is full ({capacity} entries): raise EventQueueConfig::tripwires")]
     TableFull {
         /// Capacity of the table.
         capacity: u32,
@@ -226,9 +231,7 @@ pub enum TripwireError {
     #[error("the tripwire is already a member of a tripset")]
     InTripset,
     /// No more tripsets in the queue.
-    #[error(
-        "the event queue has no free tripset ({capacity} in use): raise EventQueueConfig::tripsets"
-    )]
+    #[error("the event queue has no free tripset ({capacity} in use): raise EventQueueConfig::tripsets")]
     TripsetsFull {
         /// Capacity.
         capacity: u32,

@@ -53,6 +53,7 @@ const KIND_TRIP: u64 = 1;
 const KIND_OOB: u64 = 2;
 const KIND_DISCONNECT: u64 = 3;
 const KIND_USER: u64 = 4;
+const KIND_READ: u64 = 5;
 
 /// Something that happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +84,11 @@ pub enum Event {
     },
     /// Posted with [`EventQueue::post_user`].
     User(u64),
+    /// An asynchronous read ([`crate::Mapping::read_async`]) completed.
+    ReadComplete {
+        /// The token given when starting it.
+        token: u64,
+    },
     /// Events were lost: a producer's ring overflowed (or was found corrupt). Re-check
     /// everything this queue watches.
     Overflow {
@@ -150,12 +156,7 @@ impl Sink for PortSink<'_> {
             Access::Read => 1,
             Access::Write => 2,
         };
-        self.port.post([
-            KIND_TRIP | (a << 8),
-            u64::from(index) | (u64::from(generation) << 32),
-            0,
-            0,
-        ]);
+        self.port.post([KIND_TRIP | (a << 8), u64::from(index) | (u64::from(generation) << 32), 0, 0]);
     }
 }
 
@@ -205,10 +206,7 @@ pub(crate) struct EqInner {
 
 impl std::fmt::Debug for EqInner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EventQueue")
-            .field("id", &self.id)
-            .field("layout", &self.layout)
-            .finish_non_exhaustive()
+        f.debug_struct("EventQueue").field("id", &self.id).field("layout", &self.layout).finish_non_exhaustive()
     }
 }
 
@@ -236,11 +234,9 @@ impl EqInner {
         let params = params_of(&config)?;
         let layout = EqLayout::new(params);
         let io = |context: &'static str| move |source| EventQueueError::Io { context, source };
-        let memfd = Memfd::create("clan-eq", layout.size as u64)
-            .map_err(io("creating the event queue memfd"))?;
+        let memfd = Memfd::create("clan-eq", layout.size as u64).map_err(io("creating the event queue memfd"))?;
         let seg = Arc::new(
-            Segment::map(&memfd, 0, layout.size, SegAccess::ReadWrite)
-                .map_err(io("mapping the event queue"))?,
+            Segment::map(&memfd, 0, layout.size, SegAccess::ReadWrite).map_err(io("mapping the event queue"))?,
         );
         let map = EqMap::new(seg, layout).map_err(|e| EventQueueError::Io {
             context: "laying out the event queue",
@@ -255,11 +251,7 @@ impl EqInner {
             h.magic.store(EQ_MAGIC, Ordering::Release);
         }
         let eventfd = Arc::new(EventFd::new().map_err(io("creating the event queue eventfd"))?);
-        let port = Arc::new(EqPort {
-            map,
-            producer: Mutex::new(Producer::new(0)),
-            eventfd,
-        });
+        let port = Arc::new(EqPort { map, producer: Mutex::new(Producer::new(0)), eventfd });
         let mut owner = vec![0u64; params.nrings as usize];
         owner[0] = u64::MAX;
         Ok(Arc::new(EqInner {
@@ -272,10 +264,7 @@ impl EqInner {
             consumer: Mutex::new(Consumer::new(params.nrings as usize)),
             trips: Mutex::new(TripAlloc::default()),
             meta: RwLock::new(Vec::new()),
-            rings: Mutex::new(RingAlloc {
-                owner,
-                retired: Vec::new(),
-            }),
+            rings: Mutex::new(RingAlloc { owner, retired: Vec::new() }),
             delivered: AtomicU64::new(0),
             lost: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
@@ -313,20 +302,11 @@ impl EqInner {
 
     /// Return an entry (already retired and unlinked).
     pub fn free_trip(&self, index: u32) {
-        if let Some(m) = self
-            .meta
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(index as usize)
-        {
+        if let Some(m) = self.meta.write().unwrap_or_else(|e| e.into_inner()).get_mut(index as usize) {
             m.live = false;
             m.registered = false;
         }
-        self.trips
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free
-            .push_back(index);
+        self.trips.lock().unwrap_or_else(|e| e.into_inner()).free.push_back(index);
     }
 
     pub fn set_registration(&self, index: u32, generation: u32, cookie: Option<u64>) -> bool {
@@ -359,11 +339,7 @@ impl EqInner {
     }
 
     pub fn free_tripset(&self, slot: u32) {
-        self.trips
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .tripsets_free
-            .push(slot);
+        self.trips.lock().unwrap_or_else(|e| e.into_inner()).tripsets_free.push(slot);
     }
 
     /// Give producer `conn` a ring: its existing one, a free one, or a retired one (reset).
@@ -425,18 +401,12 @@ impl EqInner {
                 let generation = (w[1] >> 32) as u32;
                 let meta = self.meta.read().unwrap_or_else(|e| e.into_inner());
                 match meta.get(index as usize) {
-                    Some(m) if m.live && m.registered && m.generation == generation => {
-                        Some(Event::Tripwire {
-                            id: TripwireId {
-                                queue: self.id,
-                                index,
-                                generation,
-                            },
-                            cookie: m.cookie,
-                            endpoint: m.endpoint,
-                            access,
-                        })
-                    }
+                    Some(m) if m.live && m.registered && m.generation == generation => Some(Event::Tripwire {
+                        id: TripwireId { queue: self.id, index, generation },
+                        cookie: m.cookie,
+                        endpoint: m.endpoint,
+                        access,
+                    }),
                     Some(_) => {
                         self.stale.fetch_add(1, Ordering::Relaxed);
                         None
@@ -448,14 +418,10 @@ impl EqInner {
                 }
             }
             // Only our own process posts these, on ring 0.
-            KIND_OOB if ring == 0 => Some(Event::Oob {
-                endpoint: w[1] as u32,
-            }),
-            KIND_DISCONNECT if ring == 0 => Some(Event::Disconnect {
-                endpoint: w[1] as u32,
-                token: w[2],
-            }),
+            KIND_OOB if ring == 0 => Some(Event::Oob { endpoint: w[1] as u32 }),
+            KIND_DISCONNECT if ring == 0 => Some(Event::Disconnect { endpoint: w[1] as u32, token: w[2] }),
             KIND_USER if ring == 0 => Some(Event::User(w[1])),
+            KIND_READ if ring == 0 => Some(Event::ReadComplete { token: w[1] }),
             _ => {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
                 None
@@ -495,10 +461,7 @@ impl EqInner {
         if ring::arm(&rings, mode) {
             return true;
         }
-        self.consumer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .settle(&rings);
+        self.consumer.lock().unwrap_or_else(|e| e.into_inner()).settle(&rings);
         !ring::maybe_nonempty(&rings)
     }
 
@@ -542,11 +505,7 @@ impl EventQueue {
     }
 
     /// [`EventQueue::wait`] with an explicit spin time.
-    pub fn wait_spin(
-        &self,
-        spin: Duration,
-        timeout: Option<Duration>,
-    ) -> Result<Event, EventQueueError> {
+    pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<Event, EventQueueError> {
         if let Some(ev) = self.try_take() {
             return Ok(ev);
         }
@@ -621,11 +580,7 @@ impl EventQueue {
 
     /// Register interest in `tripwire`: its firings are posted here as [`Event::Tripwire`]
     /// carrying `cookie`. The tripwire must belong to an endpoint using this queue.
-    pub fn register(
-        &self,
-        tripwire: &crate::Tripwire,
-        cookie: u64,
-    ) -> Result<(), crate::TripwireError> {
+    pub fn register(&self, tripwire: &crate::Tripwire, cookie: u64) -> Result<(), crate::TripwireError> {
         tripwire.set_registration(self, Some(cookie))
     }
 
@@ -675,3 +630,5 @@ impl mio::event::Source for EventQueue {
 }
 
 pub(crate) const EVENT_OOB: u64 = KIND_OOB;
+pub(crate) const EVENT_DISCONNECT: u64 = KIND_DISCONNECT;
+pub(crate) const EVENT_READ: u64 = KIND_READ;

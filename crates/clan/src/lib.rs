@@ -57,15 +57,18 @@
 mod addr;
 mod aperture;
 mod config;
+mod conn;
 mod ctl;
 mod descriptor;
 mod endpoint;
 mod engine;
 mod error;
 mod event_queue;
+mod link;
 mod mapping;
 mod nic;
 mod peer;
+mod remote;
 mod tripset;
 mod tripwire;
 mod window;
@@ -73,15 +76,16 @@ mod window;
 pub use addr::{AddrParseError, EndpointAddr, NicAddr};
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;
-pub use config::{EventQueueConfig, ExportConfig, ImportPolicy, NicConfig};
+pub use config::{EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport, NicConfig, Progress};
+pub use conn::{ConnectError, ConnectRequest, Connection};
 pub use descriptor::{Descriptor, MAX_CAVEATS, Rights};
 pub use endpoint::{Endpoint, EndpointConfig, OOB_QUEUE, OobMessage};
 pub use error::{
-    AccessError, Denial, DescriptorError, EndpointError, EventQueueError, ExportError, ImportError,
-    NicError, OobError, TripwireError,
+    AccessError, Denial, DescriptorError, EndpointError, EventQueueError, ExportError, ImportError, NicError, OobError,
+    TripwireError,
 };
 pub use event_queue::{Event, EventQueue, EventQueueStats};
-pub use mapping::Mapping;
+pub use mapping::{Mapping, PendingRead};
 pub use nic::{Nic, NicStats, fd_limit};
 pub use tripset::Tripset;
 pub use tripwire::{Access, Actions, Tripwire, TripwireConfig, TripwireId};

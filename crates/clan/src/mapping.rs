@@ -14,6 +14,8 @@
 //!
 //! Writes from one mapping are applied in program order; [`Mapping::barrier`] orders them
 //! with the caller's later accesses to other memory (PRAM consistency, as in the paper).
+//! Across hosts (`crate::remote`) writes become bursts on the link, sent from the caller's
+//! memory, and `barrier` waits until the exporter has applied every earlier write.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
@@ -35,12 +37,23 @@ use crate::window::{Window, check_align, check_range, with_scratch};
 pub(crate) enum Keep {
     Local(#[allow(dead_code)] Arc<crate::aperture::ApertureInner>),
     Remote(#[allow(dead_code)] crate::peer::ImportGuard),
+    /// Over a link: the target unimports itself.
+    None,
+}
+
+/// How a mapping reaches its aperture.
+#[derive(Debug)]
+pub(crate) enum Via {
+    /// Mapped memory (this process or this host).
+    Local(Window),
+    /// Over a link to another host.
+    Link(crate::remote::LinkTarget),
 }
 
 #[derive(Debug)]
 pub(crate) struct MappingInner {
-    // Field order matters: `window` (the mappings) drops before `_keep` (the unimport).
-    pub window: Window,
+    // Field order matters: `via` (the mappings) drops before `_keep` (the unimport).
+    pub via: Via,
     pub desc: Descriptor,
     pub off: u64,
     pub len: u64,
@@ -80,23 +93,32 @@ impl Mapping {
         self.inner.rights
     }
 
-    /// Whether the export is still live (a plain memory load).
+    /// Whether the export is still live, as far as this side knows (a plain memory load;
+    /// across hosts, an unexport becomes known with the exporter's next refusal).
     pub fn is_live(&self) -> bool {
-        self.inner.window.check_live().is_ok()
+        self.check_live().is_ok()
+    }
+
+    /// Whether the exporter is on another host (the mapping goes through a link).
+    pub fn is_remote(&self) -> bool {
+        matches!(self.inner.via, Via::Link(_))
+    }
+
+    fn check_live(&self) -> Result<(), AccessError> {
+        match &self.inner.via {
+            Via::Local(w) => w.check_live(),
+            Via::Link(t) => t.check_live(),
+        }
     }
 
     #[inline]
     fn check(&self, off: u64, len: u64, need: Rights) -> Result<u64, AccessError> {
         let i = &self.inner;
         if !i.rights.contains(need) {
-            return Err(if need == Rights::WRITE {
-                AccessError::NotWritable
-            } else {
-                AccessError::NotReadable
-            });
+            return Err(if need == Rights::WRITE { AccessError::NotWritable } else { AccessError::NotReadable });
         }
         check_range(off, len, i.len)?;
-        i.window.check_live()?;
+        self.check_live()?;
         Ok(i.off + off)
     }
 
@@ -110,7 +132,12 @@ impl Mapping {
     /// Write `src` at `off` (programmed I/O).
     pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
-        self.inner.window.write(abs, src)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                w.write(abs, src)?;
+            }
+            Via::Link(t) => t.write(abs, src)?,
+        }
         self.outgoing(Access::Write, off, src.len() as u64);
         Ok(())
     }
@@ -118,7 +145,12 @@ impl Mapping {
     /// Read into `dst` from `off` (costs more than a write across hosts: protocols avoid it).
     pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
         let abs = self.check(off, dst.len() as u64, Rights::READ)?;
-        self.inner.window.read(abs, dst)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                w.read(abs, dst)?;
+            }
+            Via::Link(t) => t.read(abs, dst)?,
+        }
         self.outgoing(Access::Read, off, dst.len() as u64);
         Ok(())
     }
@@ -127,7 +159,12 @@ impl Mapping {
     pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {
         check_align(off, 8)?;
         let abs = self.check(off, 8, Rights::WRITE)?;
-        self.inner.window.store_u64(abs, v)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                w.store_u64(abs, v)?;
+            }
+            Via::Link(t) => t.write(abs, &v.to_le_bytes())?,
+        }
         self.outgoing(Access::Write, off, 8);
         Ok(())
     }
@@ -136,7 +173,12 @@ impl Mapping {
     pub fn store_u32(&self, off: u64, v: u32) -> Result<(), AccessError> {
         check_align(off, 4)?;
         let abs = self.check(off, 4, Rights::WRITE)?;
-        self.inner.window.store_u32(abs, v)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                w.store_u32(abs, v)?;
+            }
+            Via::Link(t) => t.write(abs, &v.to_le_bytes())?,
+        }
         self.outgoing(Access::Write, off, 4);
         Ok(())
     }
@@ -145,7 +187,14 @@ impl Mapping {
     pub fn load_u64(&self, off: u64) -> Result<u64, AccessError> {
         check_align(off, 8)?;
         let abs = self.check(off, 8, Rights::READ)?;
-        let v = self.inner.window.load_u64(abs)?;
+        let v = match &self.inner.via {
+            Via::Local(w) => w.load_u64(abs)?,
+            Via::Link(t) => {
+                let mut b = [0u8; 8];
+                t.read(abs, &mut b)?;
+                u64::from_le_bytes(b)
+            }
+        };
         self.outgoing(Access::Read, off, 8);
         Ok(v)
     }
@@ -154,7 +203,14 @@ impl Mapping {
     pub fn load_u32(&self, off: u64) -> Result<u32, AccessError> {
         check_align(off, 4)?;
         let abs = self.check(off, 4, Rights::READ)?;
-        let v = self.inner.window.load_u32(abs)?;
+        let v = match &self.inner.via {
+            Via::Local(w) => w.load_u32(abs)?,
+            Via::Link(t) => {
+                let mut b = [0u8; 4];
+                t.read(abs, &mut b)?;
+                u32::from_le_bytes(b)
+            }
+        };
         self.outgoing(Access::Read, off, 4);
         Ok(v)
     }
@@ -162,30 +218,79 @@ impl Mapping {
     /// A raw window onto `len` bytes at `off` for zero-copy access (for instance, serialise
     /// a message directly into remote memory). Stores through it are invisible to the NIC
     /// until [`Mapping::commit`] of the range fires its tripwires. Writable only with write
-    /// rights ([`clan_shm::segment::RawRegion::is_writable`]).
+    /// rights ([`clan_shm::segment::RawRegion::is_writable`]). Across hosts, the window is a
+    /// local staging area that `commit` sends (reading it shows what was staged, not the
+    /// remote memory).
     pub fn raw(&self, off: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
-        let need = if self.inner.rights.contains(Rights::WRITE) {
-            Rights::WRITE
-        } else {
-            Rights::READ
-        };
+        let need = if self.inner.rights.contains(Rights::WRITE) { Rights::WRITE } else { Rights::READ };
         let abs = self.check(off, len, need)?;
-        self.inner.window.raw(abs, len)
+        match &self.inner.via {
+            Via::Local(w) => w.raw(abs, len),
+            Via::Link(t) => t.shadow()?.raw(off as usize, len as usize).map_err(|_| AccessError::OutOfBounds {
+                offset: off,
+                len,
+                size: self.inner.len,
+            }),
+        }
     }
 
     /// Publish raw stores to `[off, off+len)`: fence, then fire the tripwires the range
-    /// touches, as a write through the NIC would have. Returns how many fired.
+    /// touches, as a write through the NIC would have (across hosts: send the staged bytes).
+    /// Returns how many tripwires fired locally (0 across hosts: they fire at the exporter).
     pub fn commit(&self, off: u64, len: u64) -> Result<u32, AccessError> {
         let abs = self.check(off, len, Rights::WRITE)?;
-        let n = self.inner.window.commit(abs, len, Access::Write);
+        let n = match &self.inner.via {
+            Via::Local(w) => w.commit(abs, len, Access::Write),
+            Via::Link(t) => {
+                t.commit(off, abs, len)?;
+                0
+            }
+        };
         self.outgoing(Access::Write, off, len);
         Ok(n)
     }
 
-    /// Order all earlier accesses through this mapping before all later memory accesses of
-    /// the caller (a full fence within a host).
-    pub fn barrier(&self) {
+    /// Order all earlier writes through this mapping before all later memory accesses of the
+    /// caller: a full fence within a host; across hosts, returns once the exporter has
+    /// applied every earlier write of this NIC (an error if the link went down).
+    pub fn barrier(&self) -> Result<(), AccessError> {
         std::sync::atomic::fence(Ordering::SeqCst);
+        match &self.inner.via {
+            Via::Local(_) => Ok(()),
+            Via::Link(t) => t.barrier(),
+        }
+    }
+
+    /// Start reading `len` bytes at `off` without waiting. Within a host the read completes
+    /// at once; across hosts the request goes out now and the data comes back later. If
+    /// `notify` is given, [`crate::Event::ReadComplete`] with that token is posted to the
+    /// queue when the data is there.
+    pub fn read_async(
+        &self,
+        off: u64,
+        len: u64,
+        notify: Option<(&crate::EventQueue, u64)>,
+    ) -> Result<PendingRead, AccessError> {
+        let abs = self.check(off, len, Rights::READ)?;
+        match &self.inner.via {
+            Via::Local(_) => {
+                let mut data = vec![0u8; len as usize];
+                self.read(off, &mut data)?;
+                if let Some((q, token)) = notify {
+                    q.inner.post_local(crate::event_queue::EVENT_READ, token, 0);
+                }
+                Ok(PendingRead { mapping: self.clone(), off, state: ReadState::Done(Some(data)) })
+            }
+            Via::Link(t) => {
+                if len > u64::from(crate::link::MAX_READ) {
+                    return Err(AccessError::OutOfBounds { offset: off, len, size: u64::from(crate::link::MAX_READ) });
+                }
+                let to = clan_wire::Target { aperture: t.aperture, generation: t.generation, key: t.key, offset: abs };
+                let n = notify.map(|(q, token)| (q.inner.clone(), token));
+                let id = t.link.start_read(&t.nic, to, len as u32, n).map_err(crate::remote::link_error)?;
+                Ok(PendingRead { mapping: self.clone(), off, state: ReadState::Link(id, len) })
+            }
+        }
     }
 
     /// Set a tripwire on this node's own traffic through the mapping: it fires once a write
@@ -197,26 +302,59 @@ impl Mapping {
             Some(o) => o.clone(),
             None => {
                 let layout = CamLayout::new(i.len);
-                let seg = Segment::anonymous(segment::page_align(layout.size)).map_err(|_| {
-                    TripwireError::TableFull {
-                        capacity: i.importer_eq.layout.params.trip_cap,
-                    }
-                })?;
+                let seg = Segment::anonymous(segment::page_align(layout.size))
+                    .map_err(|_| TripwireError::TableFull { capacity: i.importer_eq.layout.params.trip_cap })?;
                 let cam = CamMap::new(Arc::new(seg), 0, i.len).map_err(|_| TripwireError::Stale)?;
                 let tag = (1u64 << 63) | i.serial;
-                let o = Arc::new(WatchOwner::new(
-                    i.importer_eq.clone(),
-                    Arc::new(cam),
-                    tag,
-                    i.len,
-                    0,
-                    i.importer_port,
-                ));
+                let o = Arc::new(WatchOwner::new(i.importer_eq.clone(), Arc::new(cam), tag, i.len, 0, i.importer_port));
                 let _ = i.outgoing.set(o);
                 i.outgoing.get().cloned().ok_or(TripwireError::Stale)?
             }
         };
         owner.add(&cfg)
+    }
+}
+
+#[derive(Debug)]
+enum ReadState {
+    Done(Option<Vec<u8>>),
+    Link(u64, u64),
+}
+
+/// A read in flight ([`Mapping::read_async`]).
+#[derive(Debug)]
+pub struct PendingRead {
+    mapping: Mapping,
+    off: u64,
+    state: ReadState,
+}
+
+impl PendingRead {
+    /// Whether the data has arrived (never blocks).
+    pub fn is_done(&self) -> bool {
+        match (&self.state, &self.mapping.inner.via) {
+            (ReadState::Done(_), _) => true,
+            (ReadState::Link(id, _), Via::Link(t)) => t.link.read_done(*id),
+            _ => true,
+        }
+    }
+
+    /// Wait for the data.
+    pub fn wait(mut self, timeout: Option<std::time::Duration>) -> Result<Vec<u8>, AccessError> {
+        match std::mem::replace(&mut self.state, ReadState::Done(None)) {
+            ReadState::Done(d) => d.ok_or(AccessError::Disconnected),
+            ReadState::Link(id, len) => {
+                let Via::Link(t) = &self.mapping.inner.via else { return Err(AccessError::Disconnected) };
+                let deadline = std::time::Instant::now() + timeout.unwrap_or(t.link.timeout);
+                let (status, data) = t.link.finish_read(&t.nic, id, deadline).map_err(crate::remote::link_error)?;
+                crate::remote::check_status(status, &t.state)?;
+                if data.len() as u64 != len {
+                    return Err(AccessError::Disconnected);
+                }
+                self.mapping.outgoing(Access::Read, self.off, len);
+                Ok(data)
+            }
+        }
     }
 }
 
@@ -232,11 +370,7 @@ impl WatchOwner {
     /// Fire this (outgoing) index's tripwires over `[off, off+len)`, after completion.
     pub(crate) fn fire_range(&self, access: Access, off: u64, len: u64) -> u32 {
         let v = self.eq.view();
-        let watch = clan_shm::snoop::Watch {
-            cam: self.cam.view(),
-            table: &v.table,
-            tag: self.tag,
-        };
+        let watch = clan_shm::snoop::Watch { cam: self.cam.view(), table: &v.table, tag: self.tag };
         let sink = self.eq.port.sink();
         with_scratch(|s| clan_shm::snoop::commit(access, &watch, &sink, off + self.base, len, s))
     }

@@ -2,9 +2,13 @@
 //! event queues, the connections to other NICs and the engine thread.
 
 use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, RwLockReadGuard, Weak};
+use std::time::Instant;
+
+use clan_wire::{ImportReply, Status};
 
 use clan_shm::cam::live_state;
 use clan_shm::seqpacket::{PeerCred, SeqPacket};
@@ -18,6 +22,7 @@ use crate::endpoint::{Endpoint, EndpointConfig, EndpointInner, OobMessage};
 use crate::engine::{Conn, Engine};
 use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
 use crate::event_queue::{EqInner, EventQueue};
+use crate::link::{ExportRec, Link, LinkError};
 use crate::peer::{PeerConn, PeerError};
 use crate::tripwire::WatchOwner;
 use crate::window::Window;
@@ -37,6 +42,72 @@ pub(crate) fn own_cred() -> PeerCred {
         uid: rustix::process::getuid().as_raw(),
         gid: rustix::process::getgid().as_raw(),
     })
+}
+
+/// A request to the engine.
+#[derive(Debug)]
+pub(crate) enum Cmd {
+    /// Dial the NIC at this address.
+    Connect(NicAddr),
+}
+
+#[derive(Debug)]
+enum Slot {
+    Connecting,
+    Ready(Arc<Link>),
+    Failed(String, Instant),
+}
+
+/// The links of a NIC, by peer.
+#[derive(Debug, Default)]
+pub(crate) struct LinkTable {
+    map: Mutex<HashMap<NicAddr, Slot>>,
+    cv: Condvar,
+    list: RwLock<Vec<Arc<Link>>>,
+}
+
+impl LinkTable {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<NicAddr, Slot>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The open link to `peer`, if any.
+    pub fn ready(&self, peer: NicAddr) -> Option<Arc<Link>> {
+        match self.map().get(&peer) {
+            Some(Slot::Ready(l)) if !l.is_closed() => Some(l.clone()),
+            _ => None,
+        }
+    }
+
+    /// A link to `peer` is open.
+    pub fn ready_now(&self, peer: NicAddr, link: Arc<Link>) {
+        self.list.write().unwrap_or_else(|e| e.into_inner()).push(link.clone());
+        self.map().insert(peer, Slot::Ready(link));
+        self.cv.notify_all();
+    }
+
+    /// Dialling `peer` failed.
+    pub fn fail(&self, peer: NicAddr, reason: String) {
+        let mut m = self.map();
+        if matches!(m.get(&peer), Some(Slot::Connecting) | None) {
+            m.insert(peer, Slot::Failed(reason, Instant::now()));
+        }
+        self.cv.notify_all();
+    }
+
+    fn remove(&self, link: &Arc<Link>) {
+        self.list.write().unwrap_or_else(|e| e.into_inner()).retain(|l| !Arc::ptr_eq(l, link));
+        let mut m = self.map();
+        if matches!(m.get(&link.peer), Some(Slot::Ready(l)) if Arc::ptr_eq(l, link)) {
+            m.remove(&link.peer);
+        }
+        self.cv.notify_all();
+    }
+
+    /// All open links.
+    pub fn all(&self) -> RwLockReadGuard<'_, Vec<Arc<Link>>> {
+        self.list.read().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -93,6 +164,11 @@ pub(crate) struct NicInner {
     /// Queues by id (those handed to other processes must be found when a connection ends).
     queues: Mutex<HashMap<u32, Weak<EqInner>>>,
     peers: Mutex<HashMap<NicAddr, Arc<PeerConn>>>,
+    pub links: LinkTable,
+    pub conns: crate::conn::ConnRegistry,
+    outbox: Mutex<Vec<(EndpointAddr, EndpointAddr, [u8; OOB_PAYLOAD])>>,
+    cmds: Mutex<Vec<Cmd>>,
+    waker: OnceLock<Arc<mio::Waker>>,
     cache: Mutex<Cache>,
     engine: Mutex<Option<Engine>>,
     exports_fresh: AtomicU64,
@@ -103,31 +179,47 @@ pub(crate) struct NicInner {
 
 impl std::fmt::Debug for NicInner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Nic")
-            .field("addr", &self.addr)
-            .finish_non_exhaustive()
+        f.debug_struct("Nic").field("addr", &self.addr).finish_non_exhaustive()
     }
 }
 
 impl Drop for NicInner {
     fn drop(&mut self) {
-        if let Some(mut e) = self
-            .engine
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(mut e) = self.engine.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             e.stop();
         }
     }
 }
 
-fn bind(config: &NicConfig) -> Result<(NicAddr, SeqPacket), NicError> {
+type Bound = (NicAddr, SeqPacket, Option<std::net::TcpListener>);
+
+fn bind(config: &NicConfig) -> Result<Bound, NicError> {
     let io = |context| move |source| NicError::Io { context, source };
+    if config.tcp {
+        // The TCP port decides (port 0: the kernel picks); the host channel takes the same.
+        for _ in 0..64 {
+            let tcp = match std::net::TcpListener::bind(SocketAddr::new(config.ip, config.port)) {
+                Ok(l) => l,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                    return Err(NicError::AddrInUse(NicAddr::new(config.ip, config.port)));
+                }
+                Err(e) => return Err(io("binding the NIC's TCP listener")(e)),
+            };
+            let port = tcp.local_addr().map_err(io("reading the TCP listener's address"))?.port();
+            let addr = NicAddr::new(config.ip, port);
+            match SeqPacket::listen_abstract(&addr.abstract_name()) {
+                Ok(l) => return Ok((addr, l, Some(tcp))),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && config.port == 0 => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => return Err(NicError::AddrInUse(addr)),
+                Err(e) => return Err(io("binding the NIC's control socket")(e)),
+            }
+        }
+        return Err(NicError::NoFreePort);
+    }
     if config.port != 0 {
         let addr = NicAddr::new(config.ip, config.port);
         return match SeqPacket::listen_abstract(&addr.abstract_name()) {
-            Ok(l) => Ok((addr, l)),
+            Ok(l) => Ok((addr, l, None)),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(NicError::AddrInUse(addr)),
             Err(e) => Err(io("binding the NIC's control socket")(e)),
         };
@@ -139,7 +231,7 @@ fn bind(config: &NicConfig) -> Result<(NicAddr, SeqPacket), NicError> {
         let port = (20000 + (start - 20000 + i) % 40000) as u16;
         let addr = NicAddr::new(config.ip, port);
         match SeqPacket::listen_abstract(&addr.abstract_name()) {
-            Ok(l) => return Ok((addr, l)),
+            Ok(l) => return Ok((addr, l, None)),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
             Err(e) => return Err(io("binding the NIC's control socket")(e)),
         }
@@ -148,6 +240,134 @@ fn bind(config: &NicConfig) -> Result<(NicAddr, SeqPacket), NicError> {
 }
 
 impl NicInner {
+    pub fn manual_progress(&self) -> bool {
+        self.config.progress == crate::config::Progress::Manual
+    }
+
+    pub fn take_commands(&self) -> Vec<Cmd> {
+        std::mem::take(&mut *self.cmds.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Where to dial `peer`.
+    pub fn route(&self, peer: NicAddr) -> SocketAddr {
+        self.config.routes.iter().find(|(n, _)| *n == peer).map_or(peer.socket_addr(), |(_, s)| *s)
+    }
+
+    /// The link to `peer`, dialled on demand.
+    pub fn link(&self, peer: NicAddr) -> Result<Arc<Link>, LinkError> {
+        if !self.config.tcp {
+            return Err(LinkError::Down("links are disabled on this NIC (NicConfig::tcp)".into()));
+        }
+        let start = Instant::now();
+        let deadline = start + self.config.request_timeout;
+        let mut m = self.links.map();
+        loop {
+            match m.get(&peer) {
+                Some(Slot::Ready(l)) if !l.is_closed() => return Ok(l.clone()),
+                Some(Slot::Connecting) => {}
+                Some(Slot::Failed(r, at)) if *at >= start => return Err(LinkError::Down(r.clone())),
+                _ => {
+                    m.insert(peer, Slot::Connecting);
+                    self.cmds.lock().unwrap_or_else(|e| e.into_inner()).push(Cmd::Connect(peer));
+                    if let Some(w) = self.waker.get() {
+                        let _ = w.wake();
+                    }
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                if matches!(m.get(&peer), Some(Slot::Connecting)) {
+                    m.insert(peer, Slot::Failed("timed out".into(), Instant::now()));
+                }
+                return Err(LinkError::Timeout);
+            }
+            m = self.links.cv.wait_timeout(m, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Process incoming link traffic in this thread (see [`crate::Nic::progress`]).
+    pub fn progress(&self) -> bool {
+        let mut did = false;
+        for l in self.links.all().iter() {
+            did |= l.progress(self);
+        }
+        did
+    }
+
+    /// A link closed: forget it and tell the endpoints that had connections over it.
+    pub fn link_closed(&self, link: &Arc<Link>) {
+        self.links.remove(link);
+        link.exports.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.peer_gone(link.peer);
+    }
+
+    /// Another NIC went away (its process died, or the link to it broke).
+    pub fn peer_gone(&self, peer: NicAddr) {
+        crate::conn::peer_gone(self, peer);
+    }
+
+    /// Serve an import request that arrived over `link`.
+    pub fn grant_link_import(&self, link: &Link, importer: EndpointAddr, desc: &[u8], id: u64) -> ImportReply {
+        let refuse = |status| ImportReply { id, status, key: 0, aperture_len: 0, offset: 0, len: 0, rights: 0 };
+        let r = (|| {
+            let desc = Descriptor::from_bytes(desc).map_err(|_| Status::Malformed)?;
+            if desc.nic() != self.addr {
+                return Err(Status::NotOurs);
+            }
+            let ap = self.live_aperture(desc.aperture(), desc.generation()).ok_or(Status::Revoked)?;
+            if !desc.verify(&ap.key) {
+                return Err(Status::BadKey);
+            }
+            let p = &ap.policy;
+            // Process credentials cannot be verified across hosts: such restrictions deny.
+            if !p.uids.is_empty() || !p.pids.is_empty() {
+                return Err(Status::Denied);
+            }
+            if !p.endpoints.is_empty() && (importer.nic != link.peer || !p.endpoints.contains(&importer)) {
+                return Err(Status::Denied);
+            }
+            let mut exports = link.exports.lock().unwrap_or_else(|e| e.into_inner());
+            let key = loop {
+                let mut b = [0u8; 8];
+                let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+                let k = u64::from_le_bytes(b);
+                if k != 0 && !exports.contains_key(&k) {
+                    break k;
+                }
+            };
+            exports.insert(
+                key,
+                Arc::new(ExportRec {
+                    ap: Arc::downgrade(&ap),
+                    aperture: ap.id,
+                    generation: ap.generation,
+                    lo: desc.offset(),
+                    hi: desc.offset() + desc.len(),
+                    rights: desc.rights(),
+                }),
+            );
+            Ok(ImportReply {
+                id,
+                status: Status::Ok,
+                key,
+                aperture_len: ap.len,
+                offset: desc.offset(),
+                len: desc.len(),
+                rights: desc.rights().bits(),
+            })
+        })();
+        match r {
+            Ok(g) => {
+                self.imports_granted.fetch_add(1, Ordering::Relaxed);
+                g
+            }
+            Err(status) => {
+                self.imports_refused.fetch_add(1, Ordering::Relaxed);
+                refuse(status)
+            }
+        }
+    }
+
     pub fn next_serial(&self) -> u64 {
         self.serial.fetch_add(1, Ordering::Relaxed)
     }
@@ -159,11 +379,7 @@ impl NicInner {
                 return Ok(p.clone());
             }
         }
-        let p = Arc::new(PeerConn::connect(
-            self.addr,
-            addr,
-            self.config.request_timeout,
-        )?);
+        let p = Arc::new(PeerConn::connect(self.addr, addr, self.config.request_timeout)?);
         peers.insert(addr, p.clone());
         Ok(p)
     }
@@ -177,36 +393,73 @@ impl NicInner {
         }
     }
 
-    pub fn deliver_oob(
+    pub fn deliver_oob(&self, from: EndpointAddr, port: u32, payload: [u8; OOB_PAYLOAD]) -> Result<(), Code> {
+        self.endpoint(port).ok_or(Code::NoSuchEndpoint)?.deliver_oob(OobMessage { from, payload })
+    }
+
+    /// The open endpoint with this port.
+    pub fn endpoint(&self, port: u32) -> Option<Arc<EndpointInner>> {
+        let eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        eps.0.get(&port).and_then(Weak::upgrade)
+    }
+
+    /// Send an out-of-band message through the host channel if `to` is on this host:
+    /// `None` if it is not (or this NIC reaches its host's NICs through links).
+    pub fn send_oob_host(
         &self,
         from: EndpointAddr,
-        port: u32,
+        to: EndpointAddr,
         payload: [u8; OOB_PAYLOAD],
-    ) -> Result<(), Code> {
-        let ep = {
-            let eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
-            eps.0.get(&port).and_then(Weak::upgrade)
+    ) -> Option<Result<(), crate::endpoint::HostOob>> {
+        use crate::endpoint::{HostOob, oob_peer_error};
+        if self.config.local_transport != crate::config::LocalTransport::SharedMemory {
+            return None;
+        }
+        let peer = match self.peer(to.nic) {
+            Ok(p) => p,
+            Err(PeerError::Unreachable) => return None,
+            Err(e) => return Some(Err(HostOob::Failed(oob_peer_error(to, e)))),
         };
-        ep.ok_or(Code::NoSuchEndpoint)?
-            .deliver_oob(OobMessage { from, payload })
+        Some(match peer.request(&crate::ctl::Request::Oob { from, to_port: to.port, payload }) {
+            Ok((crate::ctl::Reply::Ok, _)) => Ok(()),
+            Ok((crate::ctl::Reply::Err { code, .. }, _)) => Err(HostOob::Code(code)),
+            Ok((other, _)) => Err(HostOob::Failed(crate::error::OobError::Protocol {
+                peer: to.nic,
+                detail: format!("unexpected reply {other:?}"),
+            })),
+            Err(e) => Err(HostOob::Failed(oob_peer_error(to, e))),
+        })
+    }
+
+    /// Queue an out-of-band message to be sent by the engine (from contexts that must not
+    /// block: a receive path, a destructor). Delivery is best effort.
+    pub fn outbox(&self, from: EndpointAddr, to: EndpointAddr, payload: [u8; OOB_PAYLOAD]) {
+        self.outbox.lock().unwrap_or_else(|e| e.into_inner()).push((from, to, payload));
+        if let Some(w) = self.waker.get() {
+            let _ = w.wake();
+        }
+    }
+
+    /// Send what the outbox holds (the engine calls this).
+    pub fn flush_outbox(&self) {
+        let msgs = std::mem::take(&mut *self.outbox.lock().unwrap_or_else(|e| e.into_inner()));
+        for (from, to, payload) in msgs {
+            if to.nic == self.addr {
+                let _ = self.deliver_oob(from, to.port, payload);
+            } else if self.send_oob_host(from, to, payload).is_none() {
+                let _ = crate::remote::oob_over_link(self, from, to, payload, false);
+            }
+        }
     }
 
     // ---- apertures -------------------------------------------------------------------
 
-    pub fn export(
-        self: &Arc<Self>,
-        ep: &EndpointInner,
-        len: u64,
-        cfg: ExportConfig,
-    ) -> Result<Aperture, ExportError> {
+    pub fn export(self: &Arc<Self>, ep: &EndpointInner, len: u64, cfg: ExportConfig) -> Result<Aperture, ExportError> {
         if len == 0 {
             return Err(ExportError::Empty);
         }
         if len > MAX_APERTURE {
-            return Err(ExportError::TooLarge {
-                len,
-                max: MAX_APERTURE,
-            });
+            return Err(ExportError::TooLarge { len, max: MAX_APERTURE });
         }
         let cap = clan_shm::segment::page_align(len as usize) as u64;
         let cached = {
@@ -250,14 +503,7 @@ impl NicInner {
         let tag = aperture_tag(id, generation);
         mem.init(generation, tag);
         let eq = ep.queue.inner.clone();
-        let watch = Arc::new(WatchOwner::new(
-            eq.clone(),
-            mem.cam.clone(),
-            tag,
-            len,
-            0,
-            ep.addr.port,
-        ));
+        let watch = Arc::new(WatchOwner::new(eq.clone(), mem.cam.clone(), tag, len, 0, ep.addr.port));
         let window = Window {
             data: mem.seg.clone(),
             data_base: 0,
@@ -298,29 +544,18 @@ impl NicInner {
 
     pub fn aperture_unexported(&self, id: u32, generation: u32) {
         let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = t
-            .slots
-            .get_mut(id as usize)
-            .filter(|s| s.generation == generation)
-        {
+        if let Some(s) = t.slots.get_mut(id as usize).filter(|s| s.generation == generation) {
             s.exported = false;
         }
     }
 
     pub fn remote_refs(&self, id: u32, generation: u32) -> u32 {
         let t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
-        t.slots
-            .get(id as usize)
-            .filter(|s| s.generation == generation)
-            .map_or(0, |s| s.remote.values().sum())
+        t.slots.get(id as usize).filter(|s| s.generation == generation).map_or(0, |s| s.remote.values().sum())
     }
 
     fn releasable(&self, s: &ApSlot) -> bool {
-        if self.config.reuse_imported_apertures {
-            s.remote.values().all(|&n| n == 0)
-        } else {
-            s.holders.is_empty()
-        }
+        if self.config.reuse_imported_apertures { s.remote.values().all(|&n| n == 0) } else { s.holders.is_empty() }
     }
 
     /// The last local reference to an aperture is gone: recycle its memory, or park it until
@@ -328,11 +563,7 @@ impl NicInner {
     pub fn aperture_released(&self, id: u32, generation: u32, mem: Arc<ApertureMem>) {
         let recycle = {
             let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(s) = t
-                .slots
-                .get_mut(id as usize)
-                .filter(|s| s.generation == generation)
-            else {
+            let Some(s) = t.slots.get_mut(id as usize).filter(|s| s.generation == generation) else {
                 return;
             };
             s.live = Weak::new();
@@ -379,11 +610,7 @@ impl NicInner {
     pub fn remote_unref(&self, id: u32, generation: u32, conn: u64) {
         let m = {
             let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(s) = t
-                .slots
-                .get_mut(id as usize)
-                .filter(|s| s.generation == generation)
-            else {
+            let Some(s) = t.slots.get_mut(id as usize).filter(|s| s.generation == generation) else {
                 return;
             };
             if let Some(n) = s.remote.get_mut(&conn) {
@@ -400,6 +627,17 @@ impl NicInner {
     }
 
     pub fn connection_closed(&self, c: Conn) {
+        // The peer NIC's control channel to us closed: if its process is gone (its listener
+        // no longer answers as that process), its endpoint connections end.
+        if let Some(peer) = c.hello {
+            let alive = SeqPacket::connect_abstract(&peer.abstract_name())
+                .and_then(|s| s.peer_cred())
+                .is_ok_and(|cred| cred.pid == c.cred.pid);
+            if !alive {
+                self.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer);
+                self.peer_gone(peer);
+            }
+        }
         let mut recycle = Vec::new();
         {
             let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
@@ -424,9 +662,7 @@ impl NicInner {
 
     fn all_queues(&self, ids: &HashSet<u32>) -> Vec<Arc<EqInner>> {
         let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        ids.iter()
-            .filter_map(|id| q.get(id).and_then(Weak::upgrade))
-            .collect()
+        ids.iter().filter_map(|id| q.get(id).and_then(Weak::upgrade)).collect()
     }
 
     /// Serve an import request from connection `c`.
@@ -486,16 +722,10 @@ impl NicInner {
         let mem = ap.mem();
         let read_only = !desc.rights().contains(Rights::WRITE);
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
-        let ap_fd = if read_only {
-            mem.memfd.reopen_read_only()
-        } else {
-            mem.memfd.try_clone_fd()
-        }
-        .map_err(internal)?;
+        let ap_fd =
+            if read_only { mem.memfd.reopen_read_only() } else { mem.memfd.try_clone_fd() }.map_err(internal)?;
         let eq = ap.watch.eq.clone();
-        let ring = eq
-            .ring_for(c.id)
-            .ok_or((Code::TooManyProducers, String::new()))?;
+        let ring = eq.ring_for(c.id).ok_or((Code::TooManyProducers, String::new()))?;
         let eq_fds = want_eq || !c.eqs.contains(&eq.id);
         let mut fds = vec![ap_fd];
         if eq_fds {
@@ -508,11 +738,7 @@ impl NicInner {
         c.imports.insert(import_id, (ap.id, ap.generation));
         {
             let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(s) = t
-                .slots
-                .get_mut(ap.id as usize)
-                .filter(|s| s.generation == ap.generation)
-            {
+            if let Some(s) = t.slots.get_mut(ap.id as usize).filter(|s| s.generation == ap.generation) {
                 *s.remote.entry(c.id).or_insert(0) += 1;
                 s.holders.insert(c.id);
             }
@@ -548,10 +774,7 @@ impl NicInner {
         self.default_queue.get().expect("set when the NIC opens")
     }
 
-    pub fn new_queue(
-        self: &Arc<Self>,
-        config: EventQueueConfig,
-    ) -> Result<EventQueue, EventQueueError> {
+    pub fn new_queue(self: &Arc<Self>, config: EventQueueConfig) -> Result<EventQueue, EventQueueError> {
         let id = self.next_queue.fetch_add(1, Ordering::Relaxed);
         let inner = EqInner::create(id, Arc::downgrade(self), config)?;
         self.remember_queue(&inner);
@@ -573,16 +796,11 @@ impl Nic {
     /// holds one memfd).
     pub fn open(config: NicConfig) -> Result<Nic, NicError> {
         FD_LIMIT.store(clan_shm::memfd::raise_fd_limit(), Ordering::Relaxed);
-        let (addr, listener) = bind(&config)?;
+        let (addr, listener, tcp) = bind(&config)?;
         let mut secret = [0u8; 32];
-        rustix::rand::getrandom(&mut secret, rustix::rand::GetRandomFlags::empty()).map_err(
-            |e| NicError::Io {
-                context: "reading random bytes for the NIC secret",
-                source: e.into(),
-            },
-        )?;
-        crate::event_queue::params_of(&config.default_queue)
-            .map_err(|e| NicError::Config(e.to_string()))?;
+        rustix::rand::getrandom(&mut secret, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| NicError::Io { context: "reading random bytes for the NIC secret", source: e.into() })?;
+        crate::event_queue::params_of(&config.default_queue).map_err(|e| NicError::Config(e.to_string()))?;
         let default_config = config.default_queue.clone();
         let inner = Arc::new(NicInner {
             addr,
@@ -595,6 +813,11 @@ impl Nic {
             default_queue: OnceLock::new(),
             queues: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            links: LinkTable::default(),
+            conns: Default::default(),
+            outbox: Mutex::new(Vec::new()),
+            cmds: Mutex::new(Vec::new()),
+            waker: OnceLock::new(),
             cache: Mutex::new(Cache::default()),
             engine: Mutex::new(None),
             exports_fresh: AtomicU64::new(0),
@@ -606,11 +829,9 @@ impl Nic {
             .map_err(|e| NicError::Config(format!("default event queue: {e}")))?;
         inner.remember_queue(&q);
         let _ = inner.default_queue.set(EventQueue { inner: q });
-        let engine =
-            Engine::start(Arc::downgrade(&inner), listener).map_err(|source| NicError::Io {
-                context: "starting the NIC engine",
-                source,
-            })?;
+        let (engine, waker) = Engine::start(Arc::downgrade(&inner), listener, tcp, inner.config.engine_cpu)
+            .map_err(|source| NicError::Io { context: "starting the NIC engine", source })?;
+        let _ = inner.waker.set(waker);
         *inner.engine.lock().unwrap_or_else(|e| e.into_inner()) = Some(engine);
         Ok(Nic { inner })
     }
@@ -647,22 +868,11 @@ impl Nic {
 
     /// A new endpoint.
     pub fn endpoint_with(&self, cfg: EndpointConfig) -> Result<Endpoint, EndpointError> {
-        let queue = cfg
-            .queue
-            .unwrap_or_else(|| self.inner.default_queue().clone());
-        if queue
-            .inner
-            .nic
-            .upgrade()
-            .is_none_or(|n| !Arc::ptr_eq(&n, &self.inner))
-        {
+        let queue = cfg.queue.unwrap_or_else(|| self.inner.default_queue().clone());
+        if queue.inner.nic.upgrade().is_none_or(|n| !Arc::ptr_eq(&n, &self.inner)) {
             return Err(EndpointError::ForeignQueue);
         }
-        let mut eps = self
-            .inner
-            .endpoints
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut eps = self.inner.endpoints.lock().unwrap_or_else(|e| e.into_inner());
         let port = match cfg.port {
             Some(0) => return Err(EndpointError::ReservedPort),
             Some(p) => {
@@ -679,13 +889,16 @@ impl Nic {
                 }
             },
         };
-        let inner = Arc::new(EndpointInner::new(
-            self.inner.clone(),
-            EndpointAddr::new(self.inner.addr, port),
-            queue,
-        ));
+        let inner = Arc::new(EndpointInner::new(self.inner.clone(), EndpointAddr::new(self.inner.addr, port), queue));
         eps.0.insert(port, Arc::downgrade(&inner));
         Ok(Endpoint { inner })
+    }
+
+    /// Process incoming link traffic in the calling thread; returns whether there was any.
+    /// Required with [`crate::Progress::Manual`] (call it wherever the thread spins); harmless
+    /// otherwise (it only does what the engine would have done a little later).
+    pub fn progress(&self) -> bool {
+        self.inner.progress()
     }
 
     /// Counters.

@@ -49,34 +49,19 @@ pub(crate) struct PeerConn {
 }
 
 impl PeerConn {
-    pub fn connect(
-        local: NicAddr,
-        addr: NicAddr,
-        timeout: Duration,
-    ) -> Result<PeerConn, PeerError> {
+    pub fn connect(local: NicAddr, addr: NicAddr, timeout: Duration) -> Result<PeerConn, PeerError> {
         let sock = SeqPacket::connect_abstract(&addr.abstract_name()).map_err(|e| {
             match rustix::io::Errno::from_io_error(&e) {
-                Some(rustix::io::Errno::CONNREFUSED) | Some(rustix::io::Errno::NOENT) => {
-                    PeerError::Unreachable
-                }
+                Some(rustix::io::Errno::CONNREFUSED) | Some(rustix::io::Errno::NOENT) => PeerError::Unreachable,
                 _ => PeerError::Io(e),
             }
         })?;
         sock.set_timeouts(timeout).map_err(PeerError::Io)?;
-        let conn = PeerConn {
-            sock: Mutex::new(sock),
-            broken: AtomicBool::new(false),
-            timeout,
-            eqs: Default::default(),
-        };
-        match conn.request(&Request::Hello {
-            nic: local,
-            pid: std::process::id(),
-        })? {
+        let conn =
+            PeerConn { sock: Mutex::new(sock), broken: AtomicBool::new(false), timeout, eqs: Default::default() };
+        match conn.request(&Request::Hello { nic: local, pid: std::process::id() })? {
             (Reply::HelloOk { nic }, _) if nic == addr => Ok(conn),
-            (other, _) => Err(PeerError::Protocol(format!(
-                "unexpected answer to hello: {other:?}"
-            ))),
+            (other, _) => Err(PeerError::Protocol(format!("unexpected answer to hello: {other:?}"))),
         }
     }
 
@@ -87,9 +72,7 @@ impl PeerConn {
     fn fail(&self, e: std::io::Error) -> PeerError {
         self.broken.store(true, Ordering::Release);
         match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                PeerError::Timeout(self.timeout)
-            }
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => PeerError::Timeout(self.timeout),
             _ => PeerError::Io(e),
         }
     }
@@ -109,9 +92,7 @@ impl PeerConn {
         }
         if got.truncated {
             self.broken.store(true, Ordering::Release);
-            return Err(PeerError::Protocol(
-                "reply or its descriptors truncated (out of file descriptors?)".into(),
-            ));
+            return Err(PeerError::Protocol("reply or its descriptors truncated (out of file descriptors?)".into()));
         }
         let reply = Reply::decode(&buf[..got.len]).map_err(|_| {
             self.broken.store(true, Ordering::Release);
@@ -138,17 +119,12 @@ pub(crate) struct ImportGuard {
 
 impl Drop for ImportGuard {
     fn drop(&mut self) {
-        self.peer.notify(&Request::Unimport {
-            import_id: self.import_id,
-        });
+        self.peer.notify(&Request::Unimport { import_id: self.import_id });
     }
 }
 
 fn protocol(peer: NicAddr, detail: impl Into<String>) -> ImportError {
-    ImportError::Protocol {
-        peer,
-        detail: detail.into(),
-    }
+    ImportError::Protocol { peer, detail: detail.into() }
 }
 
 pub(crate) fn peer_error(peer: NicAddr, e: PeerError) -> ImportError {
@@ -156,10 +132,7 @@ pub(crate) fn peer_error(peer: NicAddr, e: PeerError) -> ImportError {
         PeerError::Unreachable => ImportError::Unreachable(peer),
         PeerError::Timeout(timeout) => ImportError::Timeout { peer, timeout },
         PeerError::Protocol(d) => ImportError::Protocol { peer, detail: d },
-        PeerError::Io(source) => ImportError::Io {
-            context: "talking to the exporting NIC",
-            source,
-        },
+        PeerError::Io(source) => ImportError::Io { context: "talking to the exporting NIC", source },
     }
 }
 
@@ -172,28 +145,16 @@ fn fd_err(e: std::io::Error, context: &'static str) -> ImportError {
 }
 
 /// Import `desc`, exported by another NIC of this host, for endpoint `ep`.
-pub(crate) fn import_remote(
-    ep: &Arc<EndpointInner>,
-    desc: &Descriptor,
-) -> Result<Mapping, ImportError> {
+pub(crate) fn import_remote(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
     let nic = &ep.nic;
-    let peer = nic
-        .peer(desc.nic())
-        .map_err(|e| peer_error(desc.nic(), e))?;
-    let req = Request::Import {
-        importer: ep.addr,
-        want_eq: false,
-        desc: desc.to_bytes(),
-    };
+    let peer = nic.peer(desc.nic()).map_err(|e| peer_error(desc.nic(), e))?;
+    let req = Request::Import { importer: ep.addr, want_eq: false, desc: desc.to_bytes() };
     let (reply, mut fds) = peer.request(&req).map_err(|e| peer_error(desc.nic(), e))?;
     let g = match reply {
         Reply::ImportOk(g) => g,
         Reply::Err { code, detail } => {
             return Err(match code {
-                Code::Revoked => ImportError::Revoked {
-                    aperture: desc.aperture(),
-                    generation: desc.generation(),
-                },
+                Code::Revoked => ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() },
                 Code::BadKey => ImportError::BadKey,
                 Code::DeniedUid => ImportError::Denied(Denial::Uid),
                 Code::DeniedPid => ImportError::Denied(Denial::Pid),
@@ -205,16 +166,10 @@ pub(crate) fn import_remote(
         other => return Err(protocol(desc.nic(), format!("unexpected reply {other:?}"))),
     };
     // From here on the exporter counts the import: release it on every error path.
-    let guard = ImportGuard {
-        peer: peer.clone(),
-        import_id: g.import_id,
-    };
+    let guard = ImportGuard { peer: peer.clone(), import_id: g.import_id };
     let want_fds = if g.eq_fds { 3 } else { 1 };
     if fds.len() != want_fds {
-        return Err(protocol(
-            desc.nic(),
-            format!("{} descriptors received, {want_fds} expected", fds.len()),
-        ));
+        return Err(protocol(desc.nic(), format!("{} descriptors received, {want_fds} expected", fds.len())));
     }
     check_grant(desc, &g).map_err(|d| protocol(desc.nic(), d))?;
     let port = if g.eq_fds {
@@ -224,56 +179,33 @@ pub(crate) fn import_remote(
             MapErr::Io(e, ctx) => fd_err(e, ctx),
             MapErr::Bad(d) => protocol(desc.nic(), d),
         })?);
-        peer.eqs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(g.eq_id, port.clone());
+        peer.eqs.lock().unwrap_or_else(|e| e.into_inner()).insert(g.eq_id, port.clone());
         port
     } else {
         let eqs = peer.eqs.lock().unwrap_or_else(|e| e.into_inner());
-        eqs.get(&g.eq_id)
-            .cloned()
-            .ok_or_else(|| protocol(desc.nic(), "event queue descriptors missing"))?
+        eqs.get(&g.eq_id).cloned().ok_or_else(|| protocol(desc.nic(), "event queue descriptors missing"))?
     };
-    if port
-        .producer
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .ring()
-        != g.ring as usize
-    {
+    if port.producer.lock().unwrap_or_else(|e| e.into_inner()).ring() != g.ring as usize {
         return Err(protocol(desc.nic(), "producer ring changed"));
     }
     let ap_fd = fds.pop().expect("checked count");
     let index_len = segment::page_align(CamLayout::new(g.cap).size) as u64;
-    let memfd = Memfd::adopt(ap_fd, g.cap + index_len)
-        .map_err(|e| protocol(desc.nic(), format!("aperture memfd: {e}")))?;
+    let memfd =
+        Memfd::adopt(ap_fd, g.cap + index_len).map_err(|e| protocol(desc.nic(), format!("aperture memfd: {e}")))?;
     let page = segment::page_size() as u64;
     let start = desc.offset() / page * page;
     let end = (desc.offset() + desc.len()).div_ceil(page) * page;
-    let access = if g.read_only {
-        SegAccess::ReadOnly
-    } else {
-        SegAccess::ReadWrite
-    };
-    let data = Segment::map(&memfd, start, (end - start) as usize, access)
-        .map_err(|e| fd_err(e, "mapping the aperture"))?;
+    let access = if g.read_only { SegAccess::ReadOnly } else { SegAccess::ReadWrite };
+    let data =
+        Segment::map(&memfd, start, (end - start) as usize, access).map_err(|e| fd_err(e, "mapping the aperture"))?;
     let cam_seg = Segment::map(&memfd, g.cap, index_len as usize, SegAccess::ReadOnly)
         .map_err(|e| fd_err(e, "mapping the aperture index"))?;
-    let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap)
-        .map_err(|e| protocol(desc.nic(), e.to_string()))?;
+    let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap).map_err(|e| protocol(desc.nic(), e.to_string()))?;
     drop(memfd); // the mappings keep the memory; the descriptor is no longer needed
-    let window = Window {
-        data: Arc::new(data),
-        data_base: start,
-        cam: Arc::new(cam),
-        tag: g.tag,
-        live: g.live,
-        port,
-    };
+    let window = Window { data: Arc::new(data), data_base: start, cam: Arc::new(cam), tag: g.tag, live: g.live, port };
     Ok(Mapping {
         inner: Arc::new(MappingInner {
-            window,
+            via: crate::mapping::Via::Local(window),
             desc: desc.clone(),
             off: desc.offset(),
             len: desc.len(),
@@ -298,12 +230,7 @@ fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {
     if g.read_only == desc.rights().contains(Rights::WRITE) {
         return Err("granted access does not match the descriptor's rights".into());
     }
-    let params = EqParams {
-        nrings: g.nrings,
-        ring_cap: g.ring_cap,
-        trip_cap: g.trip_cap,
-        tripset_cap: g.tripset_cap,
-    };
+    let params = EqParams { nrings: g.nrings, ring_cap: g.ring_cap, trip_cap: g.trip_cap, tripset_cap: g.tripset_cap };
     if !params.is_valid() || g.ring == 0 || g.ring >= g.nrings {
         return Err("bad event queue geometry".into());
     }
@@ -316,23 +243,15 @@ enum MapErr {
 }
 
 fn map_eq(g: &ImportGrant, eq_fd: OwnedFd, eventfd: OwnedFd) -> Result<EqPort, MapErr> {
-    let params = EqParams {
-        nrings: g.nrings,
-        ring_cap: g.ring_cap,
-        trip_cap: g.trip_cap,
-        tripset_cap: g.tripset_cap,
-    };
+    let params = EqParams { nrings: g.nrings, ring_cap: g.ring_cap, trip_cap: g.trip_cap, tripset_cap: g.tripset_cap };
     let layout = EqLayout::new(params);
-    let memfd = Memfd::adopt(eq_fd, layout.size as u64)
-        .map_err(|e| MapErr::Bad(format!("event queue memfd: {e}")))?;
+    let memfd = Memfd::adopt(eq_fd, layout.size as u64).map_err(|e| MapErr::Bad(format!("event queue memfd: {e}")))?;
     let seg = Segment::map(memfd.as_fd(), 0, layout.size, SegAccess::ReadWrite)
         .map_err(|e| MapErr::Io(e, "mapping the event queue"))?;
     let map = EqMap::new(Arc::new(seg), layout).map_err(|e| MapErr::Bad(e.to_string()))?;
     // Resume after whatever this process posted on the ring before (the ring is ours for the
     // life of the connection); a fresh ring reads 0.
-    let head = map.view().ring_headers[g.ring as usize]
-        .head
-        .load(Ordering::Acquire);
+    let head = map.view().ring_headers[g.ring as usize].head.load(Ordering::Acquire);
     Ok(EqPort {
         map,
         producer: Mutex::new(Producer::resume(g.ring as usize, head)),

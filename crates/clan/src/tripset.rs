@@ -33,15 +33,8 @@ pub struct Tripset {
 
 impl Tripset {
     pub(crate) fn new(eq: Arc<EqInner>, endpoint: u32) -> Result<Tripset, TripwireError> {
-        let slot = eq.alloc_tripset().ok_or(TripwireError::TripsetsFull {
-            capacity: eq.layout.params.tripset_cap,
-        })?;
-        Ok(Tripset {
-            eq,
-            endpoint,
-            slot,
-            members: Mutex::new(Vec::new()),
-        })
+        let slot = eq.alloc_tripset().ok_or(TripwireError::TripsetsFull { capacity: eq.layout.params.tripset_cap })?;
+        Ok(Tripset { eq, endpoint, slot, members: Mutex::new(Vec::new()) })
     }
 
     /// Add a tripwire of the same endpoint. A tripwire belongs to at most one tripset.
@@ -58,10 +51,7 @@ impl Tripset {
         // Linking before the waiters' fence: see `clan_shm::trip::fire` (reads the link after
         // its own fence), model-checked by `tripset_link_vs_fire`.
         e.tripset.store(self.slot + 1, Ordering::Relaxed);
-        m.push(Member {
-            id: tw.id,
-            last_seen,
-        });
+        m.push(Member { id: tw.id, last_seen });
         Ok(())
     }
 
@@ -73,9 +63,7 @@ impl Tripset {
         };
         m.remove(p);
         let e = tw.entry();
-        let _ = e
-            .tripset
-            .compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+        let _ = e.tripset.compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
         true
     }
 
@@ -96,16 +84,10 @@ impl Tripset {
         let mut out = Vec::new();
         // Members destroyed since they were added are dropped from the set.
         m.retain(|x| {
-            trip::generation(
-                table.entries[x.id.index as usize]
-                    .state
-                    .load(Ordering::Acquire),
-            ) == x.id.generation
+            trip::generation(table.entries[x.id.index as usize].state.load(Ordering::Acquire)) == x.id.generation
         });
         for x in m.iter_mut() {
-            let now = table.entries[x.id.index as usize]
-                .seq
-                .load(Ordering::Acquire);
+            let now = table.entries[x.id.index as usize].seq.load(Ordering::Acquire);
             if now != x.last_seen {
                 x.last_seen = now;
                 out.push(x.id);
@@ -121,22 +103,10 @@ impl Tripset {
         let v = self.eq.view();
         let w = &v.table.tripsets[self.slot as usize];
         loop {
-            let ready = trip::wait_until(
-                &w.seq,
-                &w.waiters,
-                self.eq.config.spin,
-                deadline,
-                &SharedFutex,
-                || {
-                    let m = self.members.lock().unwrap_or_else(|e| e.into_inner());
-                    m.iter().any(|x| {
-                        v.table.entries[x.id.index as usize]
-                            .seq
-                            .load(Ordering::Acquire)
-                            != x.last_seen
-                    })
-                },
-            );
+            let ready = trip::wait_until(&w.seq, &w.waiters, self.eq.config.spin, deadline, &SharedFutex, || {
+                let m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+                m.iter().any(|x| v.table.entries[x.id.index as usize].seq.load(Ordering::Acquire) != x.last_seen)
+            });
             if !ready {
                 return Err(TripwireError::Timeout);
             }

@@ -45,9 +45,7 @@ use std::time::{Duration, Instant};
 use clan_shm::cam::{self, CamOwner};
 use clan_shm::eq::CamMap;
 use clan_shm::sync::SharedFutex;
-use clan_shm::trip::{
-    self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, ON_WRITE, ONCE, WIDE,
-};
+use clan_shm::trip::{self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, ON_WRITE, ONCE, WIDE};
 
 use crate::error::TripwireError;
 use crate::event_queue::{EqInner, EventQueue};
@@ -102,28 +100,15 @@ pub struct TripwireConfig {
 impl TripwireConfig {
     /// Fire on writes to `range`.
     pub fn writes(range: Range<u64>) -> Self {
-        TripwireConfig {
-            range,
-            on: ON_WRITE,
-            once: false,
-            armed: true,
-            actions: Actions::default(),
-            cookie: None,
-        }
+        TripwireConfig { range, on: ON_WRITE, once: false, armed: true, actions: Actions::default(), cookie: None }
     }
     /// Fire on reads of `range`.
     pub fn reads(range: Range<u64>) -> Self {
-        TripwireConfig {
-            on: ON_READ,
-            ..Self::writes(range)
-        }
+        TripwireConfig { on: ON_READ, ..Self::writes(range) }
     }
     /// Fire on reads and writes of `range`.
     pub fn accesses(range: Range<u64>) -> Self {
-        TripwireConfig {
-            on: ON_READ | ON_WRITE,
-            ..Self::writes(range)
-        }
+        TripwireConfig { on: ON_READ | ON_WRITE, ..Self::writes(range) }
     }
     /// Disarm on the first firing (re-arm with [`Tripwire::arm`]).
     pub fn once(mut self) -> Self {
@@ -195,23 +180,8 @@ pub(crate) struct WatchOwner {
 }
 
 impl WatchOwner {
-    pub fn new(
-        eq: Arc<EqInner>,
-        cam: Arc<CamMap>,
-        tag: u64,
-        len: u64,
-        base: u64,
-        endpoint: u32,
-    ) -> WatchOwner {
-        WatchOwner {
-            eq,
-            cam,
-            tag,
-            len,
-            base,
-            endpoint,
-            state: Mutex::new(OwnerState::default()),
-        }
+    pub fn new(eq: Arc<EqInner>, cam: Arc<CamMap>, tag: u64, len: u64, base: u64, endpoint: u32) -> WatchOwner {
+        WatchOwner { eq, cam, tag, len, base, endpoint, state: Mutex::new(OwnerState::default()) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
@@ -225,23 +195,17 @@ impl WatchOwner {
             return Err(TripwireError::EmptyRange);
         }
         if e > self.len {
-            return Err(TripwireError::OutOfBounds {
-                start: s,
-                end: e,
-                size: self.len,
-            });
+            return Err(TripwireError::OutOfBounds { start: s, end: e, size: self.len });
         }
         let (start, end) = (s + self.base, e + self.base);
         let mut st = self.lock();
         if st.dead {
             return Err(TripwireError::Stale);
         }
-        let (index, generation) =
-            self.eq
-                .alloc_trip(self.endpoint)
-                .ok_or(TripwireError::TableFull {
-                    capacity: self.eq.layout.params.trip_cap,
-                })?;
+        let (index, generation) = self
+            .eq
+            .alloc_trip(self.endpoint)
+            .ok_or(TripwireError::TableFull { capacity: self.eq.layout.params.trip_cap })?;
         let mut flags = cfg.on | cfg.actions.0;
         if cfg.once {
             flags |= ONCE;
@@ -260,22 +224,11 @@ impl WatchOwner {
         trip::clear_bit(&v.table, index);
         trip::publish(entry, generation, flags, start, end, self.tag);
         st.cam.insert(self.cam.view(), &v.table, index, start, end);
-        st.trips.insert(
-            index,
-            TripRecord {
-                generation,
-                start,
-                end,
-            },
-        );
+        st.trips.insert(index, TripRecord { generation, start, end });
         drop(st);
         let tw = Tripwire {
             owner: self.clone(),
-            id: crate::TripwireId {
-                queue: self.eq.id,
-                index,
-                generation,
-            },
+            id: crate::TripwireId { queue: self.eq.id, index, generation },
             range: cfg.range.clone(),
             last_seen: AtomicU32::new(seq),
         };
@@ -286,18 +239,12 @@ impl WatchOwner {
     }
 
     fn remove_locked(&self, st: &mut OwnerState, index: u32, generation: u32) {
-        if let Some(r) = st
-            .trips
-            .get(&index)
-            .copied()
-            .filter(|r| r.generation == generation)
-        {
+        if let Some(r) = st.trips.get(&index).copied().filter(|r| r.generation == generation) {
             st.trips.remove(&index);
             let v = self.eq.view();
             // Order: retire, unlink (epoch bump), free; the next `publish` fences (trip.rs).
             trip::retire(&v.table.entries[index as usize]);
-            st.cam
-                .remove(self.cam.view(), &v.table, index, r.start, r.end);
+            st.cam.remove(self.cam.view(), &v.table, index, r.start, r.end);
             self.eq.free_trip(index);
         }
     }
@@ -318,10 +265,7 @@ impl WatchOwner {
     }
 
     fn is_current(&self, index: u32, generation: u32) -> bool {
-        self.lock()
-            .trips
-            .get(&index)
-            .is_some_and(|r| r.generation == generation)
+        self.lock().trips.get(&index).is_some_and(|r| r.generation == generation)
     }
 }
 
@@ -351,11 +295,7 @@ impl Tripwire {
     }
 
     fn check(&self) -> Result<(), TripwireError> {
-        if self.owner.is_current(self.id.index, self.id.generation) {
-            Ok(())
-        } else {
-            Err(TripwireError::Stale)
-        }
+        if self.owner.is_current(self.id.index, self.id.generation) { Ok(()) } else { Err(TripwireError::Stale) }
     }
 
     /// Arm: the tripwire fires on traffic that starts from now on. Afterwards, re-check the
@@ -364,23 +304,14 @@ impl Tripwire {
     pub fn arm(&self) -> Result<(), TripwireError> {
         self.check()?;
         let e = self.entry();
-        self.last_seen
-            .store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
-        if trip::set_armed(e, self.id.generation, true) {
-            Ok(())
-        } else {
-            Err(TripwireError::Stale)
-        }
+        self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
+        if trip::set_armed(e, self.id.generation, true) { Ok(()) } else { Err(TripwireError::Stale) }
     }
 
     /// Disarm.
     pub fn disarm(&self) -> Result<(), TripwireError> {
         self.check()?;
-        if trip::set_armed(self.entry(), self.id.generation, false) {
-            Ok(())
-        } else {
-            Err(TripwireError::Stale)
-        }
+        if trip::set_armed(self.entry(), self.id.generation, false) { Ok(()) } else { Err(TripwireError::Stale) }
     }
 
     /// Whether it is armed (a once-only tripwire disarms when it fires).
@@ -425,28 +356,19 @@ impl Tripwire {
             e.seq.load(Ordering::Acquire) != seen
         });
         if ok {
-            self.last_seen
-                .store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
+            self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
             Ok(())
         } else {
             Err(TripwireError::Timeout)
         }
     }
 
-    pub(crate) fn set_registration(
-        &self,
-        queue: &EventQueue,
-        cookie: Option<u64>,
-    ) -> Result<(), TripwireError> {
+    pub(crate) fn set_registration(&self, queue: &EventQueue, cookie: Option<u64>) -> Result<(), TripwireError> {
         if !Arc::ptr_eq(&queue.inner, &self.owner.eq) {
             return Err(TripwireError::Foreign);
         }
         self.check()?;
-        if self
-            .owner
-            .eq
-            .set_registration(self.id.index, self.id.generation, cookie)
-        {
+        if self.owner.eq.set_registration(self.id.index, self.id.generation, cookie) {
             Ok(())
         } else {
             Err(TripwireError::Stale)

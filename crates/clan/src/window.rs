@@ -50,16 +50,11 @@ pub(crate) struct Window {
 fn seg_err(e: clan_shm::segment::SegmentError) -> AccessError {
     match e {
         clan_shm::segment::SegmentError::OutOfBounds { offset, len, size } => {
-            AccessError::OutOfBounds {
-                offset: offset as u64,
-                len: len as u64,
-                size: size as u64,
-            }
+            AccessError::OutOfBounds { offset: offset as u64, len: len as u64, size: size as u64 }
         }
-        clan_shm::segment::SegmentError::Misaligned { offset, align } => AccessError::Misaligned {
-            offset: offset as u64,
-            align: align as u64,
-        },
+        clan_shm::segment::SegmentError::Misaligned { offset, align } => {
+            AccessError::Misaligned { offset: offset as u64, align: align as u64 }
+        }
         clan_shm::segment::SegmentError::ReadOnly => AccessError::NotWritable,
     }
 }
@@ -83,11 +78,7 @@ impl Window {
 
     fn with_watch<R>(&self, f: impl FnOnce(&Watch<'_>) -> R) -> R {
         let v = self.port.view();
-        let watch = Watch {
-            cam: self.cam.view(),
-            table: &v.table,
-            tag: self.tag,
-        };
+        let watch = Watch { cam: self.cam.view(), table: &v.table, tag: self.tag };
         f(&watch)
     }
 
@@ -98,9 +89,7 @@ impl Window {
             with_scratch(|s| {
                 snoop::transfer(Access::Write, w, &sink, abs, src.len() as u64, s, |o, l| {
                     let from = (o - abs) as usize;
-                    self.data
-                        .write(self.rel(o), &src[from..from + l as usize])
-                        .map_err(seg_err)
+                    self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
                 })
             })
         })
@@ -114,9 +103,7 @@ impl Window {
             with_scratch(|s| {
                 snoop::transfer(Access::Read, w, &sink, abs, len, s, |o, l| {
                     let from = (o - abs) as usize;
-                    self.data
-                        .read(self.rel(o), &mut dst[from..from + l as usize])
-                        .map_err(seg_err)
+                    self.data.read(self.rel(o), &mut dst[from..from + l as usize]).map_err(seg_err)
                 })
             })
         })
@@ -130,40 +117,26 @@ impl Window {
 
     /// Atomic word store (Release), then fire.
     pub fn store_u64(&self, abs: u64, v: u64) -> Result<u32, AccessError> {
-        self.data
-            .view::<AtomicU64>(self.rel(abs))
-            .map_err(seg_err)?
-            .store(v, Ordering::Release);
+        self.data.view::<AtomicU64>(self.rel(abs)).map_err(seg_err)?.store(v, Ordering::Release);
         Ok(self.commit(abs, 8, Access::Write))
     }
 
     /// Atomic word store (Release), then fire.
     pub fn store_u32(&self, abs: u64, v: u32) -> Result<u32, AccessError> {
-        self.data
-            .view::<AtomicU32>(self.rel(abs))
-            .map_err(seg_err)?
-            .store(v, Ordering::Release);
+        self.data.view::<AtomicU32>(self.rel(abs)).map_err(seg_err)?.store(v, Ordering::Release);
         Ok(self.commit(abs, 4, Access::Write))
     }
 
     /// Atomic word load (Acquire), then fire read tripwires.
     pub fn load_u64(&self, abs: u64) -> Result<u64, AccessError> {
-        let v = self
-            .data
-            .view::<AtomicU64>(self.rel(abs))
-            .map_err(seg_err)?
-            .load(Ordering::Acquire);
+        let v = self.data.view::<AtomicU64>(self.rel(abs)).map_err(seg_err)?.load(Ordering::Acquire);
         self.commit(abs, 8, Access::Read);
         Ok(v)
     }
 
     /// Atomic word load (Acquire), then fire read tripwires.
     pub fn load_u32(&self, abs: u64) -> Result<u32, AccessError> {
-        let v = self
-            .data
-            .view::<AtomicU32>(self.rel(abs))
-            .map_err(seg_err)?
-            .load(Ordering::Acquire);
+        let v = self.data.view::<AtomicU32>(self.rel(abs)).map_err(seg_err)?.load(Ordering::Acquire);
         self.commit(abs, 4, Access::Read);
         Ok(v)
     }
@@ -179,20 +152,12 @@ impl Window {
 pub(crate) fn check_range(off: u64, len: u64, size: u64) -> Result<(), AccessError> {
     match off.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(AccessError::OutOfBounds {
-            offset: off,
-            len,
-            size,
-        }),
+        _ => Err(AccessError::OutOfBounds { offset: off, len, size }),
     }
 }
 
 /// Check word alignment.
 #[inline]
 pub(crate) fn check_align(off: u64, align: u64) -> Result<(), AccessError> {
-    if off % align == 0 {
-        Ok(())
-    } else {
-        Err(AccessError::Misaligned { offset: off, align })
-    }
+    if off % align == 0 { Ok(()) } else { Err(AccessError::Misaligned { offset: off, align }) }
 }

@@ -1,8 +1,8 @@
 //! Apertures, descriptors and mappings within one process.
 
 use clan::{
-    AccessError, Denial, Descriptor, EndpointConfig, ExportConfig, ExportError, ImportError,
-    ImportPolicy, Nic, NicConfig, Rights,
+    AccessError, Denial, Descriptor, EndpointConfig, ExportConfig, ExportError, ImportError, ImportPolicy, Nic,
+    NicConfig, Rights,
 };
 
 fn nic() -> Nic {
@@ -44,46 +44,13 @@ fn out_of_range_and_misaligned_accesses_are_errors() {
     let ep = nic.endpoint().unwrap();
     let ap = ep.export(4096).unwrap();
     // A narrowed descriptor: 100 bytes at 1000.
-    let d = ap
-        .descriptor()
-        .derive(1000, 100, Rights::READ_WRITE)
-        .unwrap();
+    let d = ap.descriptor().derive(1000, 100, Rights::READ_WRITE).unwrap();
     let m = ep.import(&d).unwrap();
-    assert_eq!(
-        m.write(95, &[0; 6]),
-        Err(AccessError::OutOfBounds {
-            offset: 95,
-            len: 6,
-            size: 100
-        })
-    );
-    assert_eq!(
-        m.write(u64::MAX, &[0; 2]),
-        Err(AccessError::OutOfBounds {
-            offset: u64::MAX,
-            len: 2,
-            size: 100
-        })
-    );
-    assert_eq!(
-        m.read(100, &mut [0; 1]),
-        Err(AccessError::OutOfBounds {
-            offset: 100,
-            len: 1,
-            size: 100
-        })
-    );
-    assert_eq!(
-        m.store_u64(4, 1),
-        Err(AccessError::Misaligned {
-            offset: 4,
-            align: 8
-        })
-    );
-    assert!(matches!(
-        m.raw(50, 51),
-        Err(AccessError::OutOfBounds { .. })
-    ));
+    assert_eq!(m.write(95, &[0; 6]), Err(AccessError::OutOfBounds { offset: 95, len: 6, size: 100 }));
+    assert_eq!(m.write(u64::MAX, &[0; 2]), Err(AccessError::OutOfBounds { offset: u64::MAX, len: 2, size: 100 }));
+    assert_eq!(m.read(100, &mut [0; 1]), Err(AccessError::OutOfBounds { offset: 100, len: 1, size: 100 }));
+    assert_eq!(m.store_u64(4, 1), Err(AccessError::Misaligned { offset: 4, align: 8 }));
+    assert!(matches!(m.raw(50, 51), Err(AccessError::OutOfBounds { .. })));
     // Nothing outside [1000, 1100) was touched by the in-range writes.
     m.write(0, &[0xff; 100]).unwrap();
     let mut before = [0u8; 1000];
@@ -96,10 +63,7 @@ fn out_of_range_and_misaligned_accesses_are_errors() {
     ap.read(1000, &mut inside).unwrap();
     assert!(inside.iter().all(|&b| b == 0xff));
     // Local access to the aperture is bounded by its length too.
-    assert!(matches!(
-        ap.write(4090, &[0; 7]),
-        Err(AccessError::OutOfBounds { .. })
-    ));
+    assert!(matches!(ap.write(4090, &[0; 7]), Err(AccessError::OutOfBounds { .. })));
 }
 
 #[test]
@@ -107,9 +71,7 @@ fn rights_are_enforced() {
     let nic = nic();
     let ep = nic.endpoint().unwrap();
     let ap = ep.export(4096).unwrap();
-    let ro = ep
-        .import(&ap.descriptor().derive(0, 4096, Rights::READ).unwrap())
-        .unwrap();
+    let ro = ep.import(&ap.descriptor().derive(0, 4096, Rights::READ).unwrap()).unwrap();
     assert_eq!(ro.write(0, b"x"), Err(AccessError::NotWritable));
     assert_eq!(ro.store_u64(0, 1), Err(AccessError::NotWritable));
     assert_eq!(ro.commit(0, 8), Err(AccessError::NotWritable));
@@ -117,9 +79,7 @@ fn rights_are_enforced() {
     let mut b = [0u8; 7];
     ro.read(0, &mut b).unwrap();
     assert_eq!(&b, b"visible");
-    let wo = ep
-        .import(&ap.descriptor().derive(0, 4096, Rights::WRITE).unwrap())
-        .unwrap();
+    let wo = ep.import(&ap.descriptor().derive(0, 4096, Rights::WRITE).unwrap()).unwrap();
     assert_eq!(wo.read(0, &mut b), Err(AccessError::NotReadable));
     assert_eq!(wo.load_u64(0), Err(AccessError::NotReadable));
     wo.write(0, b"W").unwrap();
@@ -145,10 +105,7 @@ fn stale_and_forged_descriptors_are_refused() {
     assert_eq!(m.write(0, b"late"), Err(AccessError::Revoked));
     assert!(!m.is_live());
     match ep.import(&desc) {
-        Err(ImportError::Revoked {
-            aperture,
-            generation: g,
-        }) => assert_eq!((aperture, g), (id, generation)),
+        Err(ImportError::Revoked { aperture, generation: g }) => assert_eq!((aperture, g), (id, generation)),
         other => panic!("expected Revoked, got {other:?}"),
     }
     // A new export reusing the id has a new generation; the old descriptor stays dead.
@@ -164,39 +121,12 @@ fn restricting_importers_by_endpoint() {
     let owner = nic.endpoint().unwrap();
     let friend = nic.endpoint().unwrap();
     let stranger = nic.endpoint().unwrap();
-    let ap = owner
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().endpoint(friend.addr()),
-            },
-        )
-        .unwrap();
+    let ap = owner.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().endpoint(friend.addr()) }).unwrap();
     assert!(friend.import(&ap.descriptor()).is_ok());
-    assert!(matches!(
-        stranger.import(&ap.descriptor()),
-        Err(ImportError::Denied(Denial::Endpoint))
-    ));
-    let ap = owner
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().uid(0xfffe),
-            },
-        )
-        .unwrap();
-    assert!(matches!(
-        friend.import(&ap.descriptor()),
-        Err(ImportError::Denied(Denial::Uid))
-    ));
-    let ap = owner
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().pid(std::process::id()),
-            },
-        )
-        .unwrap();
+    assert!(matches!(stranger.import(&ap.descriptor()), Err(ImportError::Denied(Denial::Endpoint))));
+    let ap = owner.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(0xfffe) }).unwrap();
+    assert!(matches!(friend.import(&ap.descriptor()), Err(ImportError::Denied(Denial::Uid))));
+    let ap = owner.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().pid(std::process::id()) }).unwrap();
     assert!(friend.import(&ap.descriptor()).is_ok());
 }
 
@@ -211,11 +141,7 @@ fn memory_is_reused_only_when_no_mapping_can_reach_it() {
     drop(ap);
     // A mapping still exists: the memory must not be handed out again.
     let other = ep.export(64 * 1024).unwrap();
-    assert_eq!(
-        nic.stats().exports_fresh,
-        fresh + 1,
-        "memory reachable by a stale mapping was reused"
-    );
+    assert_eq!(nic.stats().exports_fresh, fresh + 1, "memory reachable by a stale mapping was reused");
     drop(m);
     drop(other);
     // Now both are released: the next export of that size comes from the cache, zeroed.
@@ -230,34 +156,18 @@ fn memory_is_reused_only_when_no_mapping_can_reach_it() {
 #[test]
 fn closing_an_endpoint_unexports_its_apertures_and_frees_its_port() {
     let nic = nic();
-    let ep = nic
-        .endpoint_with(EndpointConfig {
-            port: Some(4242),
-            queue: None,
-        })
-        .unwrap();
+    let ep = nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None }).unwrap();
     let other = nic.endpoint().unwrap();
     let ap = ep.export(4096).unwrap();
     let m = other.import(&ap.descriptor()).unwrap();
     assert!(matches!(
-        nic.endpoint_with(EndpointConfig {
-            port: Some(4242),
-            queue: None
-        }),
+        nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None }),
         Err(clan::EndpointError::PortInUse(4242))
     ));
     ep.close();
     assert_eq!(m.write(0, b"x"), Err(AccessError::Revoked));
-    assert!(matches!(
-        ap.tripwire(clan::TripwireConfig::writes(0..8)),
-        Err(clan::TripwireError::Stale)
-    ));
-    let again = nic
-        .endpoint_with(EndpointConfig {
-            port: Some(4242),
-            queue: None,
-        })
-        .unwrap();
+    assert!(matches!(ap.tripwire(clan::TripwireConfig::writes(0..8)), Err(clan::TripwireError::Stale)));
+    let again = nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None }).unwrap();
     assert_eq!(again.port(), 4242);
 }
 
@@ -266,10 +176,7 @@ fn bad_export_arguments() {
     let nic = nic();
     let ep = nic.endpoint().unwrap();
     assert!(matches!(ep.export(0), Err(ExportError::Empty)));
-    assert!(matches!(
-        ep.export(clan::MAX_APERTURE + 1),
-        Err(ExportError::TooLarge { .. })
-    ));
+    assert!(matches!(ep.export(clan::MAX_APERTURE + 1), Err(ExportError::TooLarge { .. })));
 }
 
 #[test]
@@ -286,10 +193,7 @@ fn raw_access_then_commit() {
         let s = unsafe { r.as_mut_slice() };
         s[64..72].copy_from_slice(&9u64.to_le_bytes());
     }
-    assert!(
-        !tw.take_fired(),
-        "raw stores are invisible to the NIC until committed"
-    );
+    assert!(!tw.take_fired(), "raw stores are invisible to the NIC until committed");
     assert_eq!(m.commit(0, 128).unwrap(), 1);
     assert!(tw.take_fired());
     assert_eq!(ap.load_u64(64).unwrap(), 9);
@@ -312,10 +216,7 @@ fn two_nics_in_one_process_talk_like_two_processes() {
     drop(m);
     let w = std::time::Instant::now();
     while ap.remote_imports() != 0 {
-        assert!(
-            w.elapsed() < std::time::Duration::from_secs(10),
-            "unimport never arrived"
-        );
+        assert!(w.elapsed() < std::time::Duration::from_secs(10), "unimport never arrived");
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }

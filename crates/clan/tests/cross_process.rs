@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clan::{
-    AccessError, Descriptor, EndpointAddr, Event, EventQueueConfig, ExportConfig, ImportError,
-    ImportPolicy, Nic, NicConfig, Rights, TripwireConfig,
+    AccessError, Descriptor, EndpointAddr, Event, EventQueueConfig, ExportConfig, ImportError, ImportPolicy, Nic,
+    NicConfig, Rights, TripwireConfig,
 };
 use util::{Peer, Watchdog, hear, say};
 
@@ -99,8 +99,7 @@ fn child() {
             for i in 1..=rounds {
                 tw.arm().unwrap();
                 while mine.load_u64(0).unwrap() < i {
-                    tw.wait(Some(Duration::from_secs(60)))
-                        .expect("lost wake-up in the child");
+                    tw.wait(Some(Duration::from_secs(60))).expect("lost wake-up in the child");
                 }
                 theirs.store_u64(0, i).unwrap();
             }
@@ -130,10 +129,7 @@ fn child() {
 fn scribble(pid: &str, time: Duration) {
     use clan_shm::segment::{Access, Segment};
     let mut segs = Vec::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .flatten()
-    {
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
         let Ok(link) = std::fs::read_link(e.path()) else {
             continue;
         };
@@ -141,11 +137,7 @@ fn scribble(pid: &str, time: Duration) {
         if !(l.contains("memfd:clan-eq") || l.contains("memfd:clan-aperture")) {
             continue;
         }
-        let Ok(f) = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(e.path())
-        else {
+        let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open(e.path()) else {
             continue;
         };
         let len = f.metadata().unwrap().len() as usize;
@@ -165,11 +157,7 @@ fn scribble(pid: &str, time: Duration) {
                 // Event queues: anywhere. Apertures: only the index (the tail), data is data.
                 let lo = if *is_eq { 0 } else { s.len() / 2 };
                 let off = (lo + (x as usize % (s.len() - lo - 8))) & !7;
-                let v = if x & 3 == 0 {
-                    u64::MAX
-                } else {
-                    x.rotate_left(17)
-                };
+                let v = if x & 3 == 0 { u64::MAX } else { x.rotate_left(17) };
                 let _ = s.write(off, &v.to_le_bytes());
             }
         }
@@ -187,17 +175,12 @@ fn import_from_another_process_and_wake_on_its_write() {
     let mut child = Peer::spawn(ENTRY, "import_write", &[]);
     child.send(&ap.descriptor().to_string());
     while ap.load_u64(0).unwrap() == 0 {
-        tw.wait(Some(Duration::from_secs(60)))
-            .expect("tripwire wake-up from the other process");
+        tw.wait(Some(Duration::from_secs(60))).expect("tripwire wake-up from the other process");
     }
     let mut b = [0u8; 20];
     ap.read(64, &mut b).unwrap();
     assert_eq!(&b, b"written by the child");
-    match ep
-        .event_queue()
-        .wait(Some(Duration::from_secs(60)))
-        .unwrap()
-    {
+    match ep.event_queue().wait(Some(Duration::from_secs(60))).unwrap() {
         Event::Tripwire { cookie: 42, id, .. } => assert_eq!(id, tw.id()),
         other => panic!("unexpected {other:?}"),
     }
@@ -220,45 +203,18 @@ fn import_restrictions_by_pid_uid_and_endpoint() {
     let _wd = Watchdog::new("restrictions", Duration::from_secs(120));
     let nic = nic();
     let ep = nic.endpoint().unwrap();
-    let only_me = ep
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().pid(std::process::id()),
-            },
-        )
-        .unwrap();
+    let only_me =
+        ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().pid(std::process::id()) }).unwrap();
     assert_eq!(try_import(&only_me.descriptor()), "Denied(Pid)");
-    let other_uid = ep
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().uid(54321),
-            },
-        )
-        .unwrap();
+    let other_uid = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(54321) }).unwrap();
     assert_eq!(try_import(&other_uid.descriptor()), "Denied(Uid)");
     let my_uid = rustix::process::getuid().as_raw();
-    let same_uid = ep
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().uid(my_uid),
-            },
-        )
-        .unwrap();
+    let same_uid = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(my_uid) }).unwrap();
     assert_eq!(try_import(&same_uid.descriptor()), "ok");
     // Endpoint: only the endpoint the first child announces.
     let mut friend = Peer::spawn(ENTRY, "endpoint_import", &[]);
     let friend_ep: EndpointAddr = friend.expect("endpoint").parse().unwrap();
-    let ap = ep
-        .export_with(
-            4096,
-            ExportConfig {
-                policy: ImportPolicy::anyone().endpoint(friend_ep),
-            },
-        )
-        .unwrap();
+    let ap = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().endpoint(friend_ep) }).unwrap();
     friend.send(&ap.descriptor().to_string());
     assert_eq!(friend.expect("result"), "ok");
     friend.wait_ok();
@@ -287,21 +243,9 @@ fn read_only_descriptors_map_read_only() {
     let ap = ep.export(4096).unwrap();
     ap.write(0, b"hello").unwrap();
     let mut c = Peer::spawn(ENTRY, "read_only", &[]);
-    c.send(
-        &ap.descriptor()
-            .derive(0, 4096, Rights::READ)
-            .unwrap()
-            .to_string(),
-    );
-    assert_eq!(
-        c.expect("write result"),
-        format!("{:?}", Err::<(), _>(AccessError::NotWritable))
-    );
-    assert_eq!(
-        c.expect("raw writable"),
-        "false",
-        "the kernel mapping itself is read-only"
-    );
+    c.send(&ap.descriptor().derive(0, 4096, Rights::READ).unwrap().to_string());
+    assert_eq!(c.expect("write result"), format!("{:?}", Err::<(), _>(AccessError::NotWritable)));
+    assert_eq!(c.expect("raw writable"), "false", "the kernel mapping itself is read-only");
     assert_eq!(c.expect("content"), "hello");
     c.wait_ok();
 }
@@ -322,10 +266,7 @@ fn unexport_revokes_remote_mappings_and_memory_waits_for_them() {
     let other = ep.export(16384).unwrap();
     assert_eq!(nic.stats().exports_fresh, fresh + 1);
     c.send("unexported");
-    assert_eq!(
-        c.expect("write after unexport"),
-        format!("{:?}", Err::<(), _>(AccessError::Revoked))
-    );
+    assert_eq!(c.expect("write after unexport"), format!("{:?}", Err::<(), _>(AccessError::Revoked)));
     assert_eq!(c.expect("re-import"), "Revoked");
     assert_eq!(c.expect("dropped"), "dropped");
     drop(other);
@@ -336,10 +277,7 @@ fn unexport_revokes_remote_mappings_and_memory_waits_for_them() {
         if cached >= 2 * 16384 {
             break;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "memory never recycled ({cached} bytes cached)"
-        );
+        assert!(start.elapsed() < Duration::from_secs(30), "memory never recycled ({cached} bytes cached)");
         std::thread::sleep(Duration::from_millis(5));
     }
     c.wait_ok();
@@ -358,10 +296,7 @@ fn a_killed_importer_releases_its_imports() {
     c.kill();
     let start = Instant::now();
     while ap.remote_imports() != 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "import of a dead process never released"
-        );
+        assert!(start.elapsed() < Duration::from_secs(30), "import of a dead process never released");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -384,8 +319,7 @@ fn pingpong_stress_never_loses_a_wakeup() {
         tw.arm().unwrap();
         theirs.store_u64(0, i).unwrap();
         while mine.load_u64(0).unwrap() < i {
-            tw.wait(Some(Duration::from_secs(60)))
-                .expect("lost wake-up in the parent");
+            tw.wait(Some(Duration::from_secs(60))).expect("lost wake-up in the parent");
         }
     }
     assert_eq!(c.expect("finished"), "finished");
@@ -397,18 +331,8 @@ fn pingpong_stress_never_loses_a_wakeup() {
 fn producers_killed_at_random_points() {
     let _wd = Watchdog::new("SIGKILL producers", Duration::from_secs(600));
     let nic = nic();
-    let q = nic
-        .event_queue(EventQueueConfig {
-            ring_capacity: 64,
-            ..EventQueueConfig::default()
-        })
-        .unwrap();
-    let ep = nic
-        .endpoint_with(clan::EndpointConfig {
-            port: None,
-            queue: Some(q.clone()),
-        })
-        .unwrap();
+    let q = nic.event_queue(EventQueueConfig { ring_capacity: 64, ..EventQueueConfig::default() }).unwrap();
+    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
     let ap = ep.export(4096).unwrap();
     let _tw = ap.tripwire(TripwireConfig::writes(0..8).event(7)).unwrap();
     let mine = ep.import(&ap.descriptor()).unwrap();
@@ -443,20 +367,13 @@ fn producers_killed_at_random_points() {
         let start = Instant::now();
         mine.store_u64(0, round).unwrap();
         while seen.load(Ordering::Relaxed) == before {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "queue stalled after a producer was killed"
-            );
+            assert!(start.elapsed() < Duration::from_secs(30), "queue stalled after a producer was killed");
             std::thread::sleep(Duration::from_millis(1));
         }
     }
     stop.store(true, Ordering::Release);
     consumer.join().unwrap();
-    assert_eq!(
-        q.stats().malformed,
-        0,
-        "killed producers never produce garbage"
-    );
+    assert_eq!(q.stats().malformed, 0, "killed producers never produce garbage");
     assert!(seen.load(Ordering::Relaxed) >= 25);
 }
 
@@ -467,20 +384,11 @@ fn hostile_process_cannot_crash_or_hang_us() {
     let _wd = Watchdog::new("hostile scribbler", Duration::from_secs(300));
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig::default()).unwrap();
-    let ep = nic
-        .endpoint_with(clan::EndpointConfig {
-            port: None,
-            queue: Some(q.clone()),
-        })
-        .unwrap();
+    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
     let ap = ep.export(1 << 16).unwrap();
     let mine = ep.import(&ap.descriptor()).unwrap();
-    let tws: Vec<_> = (0..64)
-        .map(|i| {
-            ap.tripwire(TripwireConfig::writes(i * 512..i * 512 + 64).event(i))
-                .unwrap()
-        })
-        .collect();
+    let tws: Vec<_> =
+        (0..64).map(|i| ap.tripwire(TripwireConfig::writes(i * 512..i * 512 + 64).event(i)).unwrap()).collect();
     let mut c = Peer::spawn(ENTRY, "scribble", &[]);
     c.send(&std::process::id().to_string());
     c.send("1500");
@@ -500,22 +408,11 @@ fn hostile_process_cannot_crash_or_hang_us() {
     c.wait_ok();
     // Fresh resources still work normally.
     let q2 = nic.event_queue(EventQueueConfig::default()).unwrap();
-    let ep2 = nic
-        .endpoint_with(clan::EndpointConfig {
-            port: None,
-            queue: Some(q2.clone()),
-        })
-        .unwrap();
+    let ep2 = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q2.clone()) }).unwrap();
     let ap2 = ep2.export(4096).unwrap();
     let tw2 = ap2.tripwire(TripwireConfig::writes(0..8).event(3)).unwrap();
-    ep2.import(&ap2.descriptor())
-        .unwrap()
-        .store_u64(0, 1)
-        .unwrap();
-    assert!(matches!(
-        q2.wait(Some(Duration::from_secs(10))),
-        Ok(Event::Tripwire { cookie: 3, .. })
-    ));
+    ep2.import(&ap2.descriptor()).unwrap().store_u64(0, 1).unwrap();
+    assert!(matches!(q2.wait(Some(Duration::from_secs(10))), Ok(Event::Tripwire { cookie: 3, .. })));
     assert_eq!(tw2.count(), 1);
     assert!(ops > 10);
 }

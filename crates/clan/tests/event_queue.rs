@@ -6,8 +6,7 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use clan::{
-    EndpointAddr, EndpointConfig, Event, EventQueueConfig, EventQueueError, Nic, NicConfig,
-    OobError, TripwireConfig,
+    EndpointAddr, EndpointConfig, Event, EventQueueConfig, EventQueueError, Nic, NicConfig, OobError, TripwireConfig,
 };
 use util::Watchdog;
 
@@ -17,15 +16,7 @@ fn nic() -> Nic {
 
 fn readable(q: &impl AsFd) -> bool {
     let mut fds = [rustix::event::PollFd::new(q, rustix::event::PollFlags::IN)];
-    rustix::event::poll(
-        &mut fds,
-        Some(&rustix::time::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        }),
-    )
-    .unwrap()
-        > 0
+    rustix::event::poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() > 0
 }
 
 #[test]
@@ -39,37 +30,21 @@ fn take_poll_and_wait() {
     let mut v = Vec::new();
     assert_eq!(q.poll(&mut v, 8), 1);
     assert_eq!(v, vec![Event::User(2)]);
-    assert!(matches!(
-        q.wait(Some(Duration::from_millis(5))),
-        Err(EventQueueError::Timeout)
-    ));
+    assert!(matches!(q.wait(Some(Duration::from_millis(5))), Err(EventQueueError::Timeout)));
     let q2 = q.clone();
     let t = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(20));
         q2.post_user(3);
     });
-    assert_eq!(
-        q.wait(Some(Duration::from_secs(30))).unwrap(),
-        Event::User(3)
-    );
+    assert_eq!(q.wait(Some(Duration::from_secs(30))).unwrap(), Event::User(3));
     t.join().unwrap();
 }
 
 #[test]
 fn overflow_is_reported_never_silent() {
     let nic = nic();
-    let q = nic
-        .event_queue(EventQueueConfig {
-            ring_capacity: 4,
-            ..EventQueueConfig::default()
-        })
-        .unwrap();
-    let ep = nic
-        .endpoint_with(EndpointConfig {
-            port: None,
-            queue: Some(q.clone()),
-        })
-        .unwrap();
+    let q = nic.event_queue(EventQueueConfig { ring_capacity: 4, ..EventQueueConfig::default() }).unwrap();
+    let ep = nic.endpoint_with(EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let tw = ap.tripwire(TripwireConfig::writes(0..8).event(5)).unwrap();
@@ -87,11 +62,7 @@ fn overflow_is_reported_never_silent() {
     }
     assert_eq!((tripwire_events, lost), (4, 6));
     assert_eq!(q.stats().lost, 6);
-    assert_eq!(
-        tw.count(),
-        10,
-        "the counter action is not subject to the ring"
-    );
+    assert_eq!(tw.count(), 10, "the counter action is not subject to the ring");
 }
 
 #[test]
@@ -120,9 +91,7 @@ fn works_in_a_mio_loop() {
     let nic = nic();
     let mut q = nic.event_queue(EventQueueConfig::default()).unwrap();
     let mut poll = mio::Poll::new().unwrap();
-    poll.registry()
-        .register(&mut q, mio::Token(7), mio::Interest::READABLE)
-        .unwrap();
+    poll.registry().register(&mut q, mio::Token(7), mio::Interest::READABLE).unwrap();
     let q2 = q.clone();
     let t = std::thread::spawn(move || {
         for i in 0..100 {
@@ -136,12 +105,8 @@ fn works_in_a_mio_loop() {
     let mut got = Vec::new();
     while got.len() < 100 {
         if q.arm() {
-            poll.poll(&mut events, Some(Duration::from_secs(30)))
-                .unwrap();
-            assert!(
-                events.iter().any(|e| e.token() == mio::Token(7)),
-                "poll timed out with events outstanding"
-            );
+            poll.poll(&mut events, Some(Duration::from_secs(30))).unwrap();
+            assert!(events.iter().any(|e| e.token() == mio::Token(7)), "poll timed out with events outstanding");
         }
         while let Some(Event::User(v)) = q.try_take() {
             got.push(v);
@@ -155,12 +120,7 @@ fn works_in_a_mio_loop() {
 fn many_threads_consume_one_queue() {
     let _wd = Watchdog::new("many consumers", Duration::from_secs(60));
     let nic = nic();
-    let q = nic
-        .event_queue(EventQueueConfig {
-            ring_capacity: 1 << 16,
-            ..EventQueueConfig::default()
-        })
-        .unwrap();
+    let q = nic.event_queue(EventQueueConfig { ring_capacity: 1 << 16, ..EventQueueConfig::default() }).unwrap();
     let consumers: Vec<_> = (0..3)
         .map(|_| {
             let q = q.clone();
@@ -182,16 +142,9 @@ fn many_threads_consume_one_queue() {
     for _ in 0..3 {
         q.post_user(u64::MAX);
     }
-    let mut all: Vec<u64> = consumers
-        .into_iter()
-        .flat_map(|c| c.join().unwrap())
-        .collect();
+    let mut all: Vec<u64> = consumers.into_iter().flat_map(|c| c.join().unwrap()).collect();
     all.sort();
-    assert_eq!(
-        all,
-        (0..30_000).collect::<Vec<_>>(),
-        "every event exactly once"
-    );
+    assert_eq!(all, (0..30_000).collect::<Vec<_>>(), "every event exactly once");
 }
 
 #[test]
@@ -201,31 +154,20 @@ fn out_of_band_messages() {
     let a = nic.endpoint().unwrap();
     let b = nic.endpoint().unwrap();
     a.send_oob(b.addr(), b"connect please").unwrap();
-    assert!(
-        matches!(b.event_queue().try_take(), Some(Event::Oob { endpoint }) if endpoint == b.port())
-    );
+    assert!(matches!(b.event_queue().try_take(), Some(Event::Oob { endpoint }) if endpoint == b.port()));
     let msg = b.recv_oob().unwrap();
     assert_eq!(msg.from, a.addr());
     assert_eq!(&msg.payload[..14], b"connect please");
     assert!(msg.payload[14..].iter().all(|&x| x == 0));
     assert_eq!(b.recv_oob(), None);
-    assert!(matches!(
-        a.send_oob(b.addr(), &[0; 41]),
-        Err(OobError::TooLong(41))
-    ));
+    assert!(matches!(a.send_oob(b.addr(), &[0; 41]), Err(OobError::TooLong(41))));
     let nobody = EndpointAddr::new(nic.addr(), 999_999);
     assert!(matches!(a.send_oob(nobody, b"x"), Err(OobError::NoSuchEndpoint(e)) if e == nobody));
-    assert!(matches!(
-        b.wait_oob(Some(Duration::from_millis(5))),
-        Err(OobError::Timeout)
-    ));
+    assert!(matches!(b.wait_oob(Some(Duration::from_millis(5))), Err(OobError::Timeout)));
     for i in 0..clan::OOB_QUEUE {
         a.send_oob(b.addr(), &[i as u8]).unwrap();
     }
-    assert!(matches!(
-        a.send_oob(b.addr(), b"one too many"),
-        Err(OobError::QueueFull(_))
-    ));
+    assert!(matches!(a.send_oob(b.addr(), b"one too many"), Err(OobError::QueueFull(_))));
     assert_eq!(b.wait_oob(None).unwrap().payload[0], 0);
     // Across two NICs (the host control channel).
     let other = Nic::open(NicConfig::default()).unwrap();
@@ -234,29 +176,17 @@ fn out_of_band_messages() {
     let m = a.wait_oob(Some(Duration::from_secs(30))).unwrap();
     assert_eq!(m.from, c.addr());
     let gone = EndpointAddr::new(other.addr(), 12345);
-    assert!(matches!(
-        a.send_oob(gone, b"x"),
-        Err(OobError::NoSuchEndpoint(_))
-    ));
+    assert!(matches!(a.send_oob(gone, b"x"), Err(OobError::NoSuchEndpoint(_))));
     drop((c, other));
     let dead = EndpointAddr::new("127.0.0.1:1".parse().unwrap(), 1);
-    assert!(matches!(
-        a.send_oob(dead, b"x"),
-        Err(OobError::Unreachable(_))
-    ));
+    assert!(matches!(a.send_oob(dead, b"x"), Err(OobError::Unreachable(_))));
 }
 
 #[test]
 fn bad_queue_geometry_is_a_clear_error() {
     let nic = nic();
-    let r = nic.event_queue(EventQueueConfig {
-        ring_capacity: 1000,
-        ..EventQueueConfig::default()
-    });
+    let r = nic.event_queue(EventQueueConfig { ring_capacity: 1000, ..EventQueueConfig::default() });
     assert!(matches!(r, Err(EventQueueError::Config(_))));
-    let r = nic.event_queue(EventQueueConfig {
-        producers: 0,
-        ..EventQueueConfig::default()
-    });
+    let r = nic.event_queue(EventQueueConfig { producers: 0, ..EventQueueConfig::default() });
     assert!(matches!(r, Err(EventQueueError::Config(_))));
 }

@@ -5,9 +5,7 @@ mod util;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clan::{
-    Access, Actions, Event, EventQueueConfig, Nic, NicConfig, TripwireConfig, TripwireError,
-};
+use clan::{Access, Actions, Event, EventQueueConfig, Nic, NicConfig, TripwireConfig, TripwireError};
 use util::Watchdog;
 
 fn nic() -> Nic {
@@ -60,9 +58,7 @@ fn once_only_disarm_and_rearm() {
     tw.arm().unwrap();
     m.store_u64(0, 3).unwrap();
     assert_eq!(tw.count(), 2);
-    let tw2 = ap
-        .tripwire(TripwireConfig::writes(0..8).disarmed())
-        .unwrap();
+    let tw2 = ap.tripwire(TripwireConfig::writes(0..8).disarmed()).unwrap();
     m.store_u64(0, 4).unwrap();
     assert_eq!(tw2.count(), 0);
     tw2.arm().unwrap();
@@ -81,10 +77,7 @@ fn wait_wakes_on_a_write_from_another_thread() {
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let tw = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
-    assert_eq!(
-        tw.wait(Some(Duration::from_millis(20))),
-        Err(TripwireError::Timeout)
-    );
+    assert_eq!(tw.wait(Some(Duration::from_millis(20))), Err(TripwireError::Timeout));
     for round in 1..=200u64 {
         tw.arm().unwrap();
         let m2 = m.clone();
@@ -102,51 +95,28 @@ fn mapping_tripwires_fire_after_outgoing_traffic_completes() {
     let nic = nic();
     let ep = nic.endpoint().unwrap();
     let ap = ep.export(8192).unwrap();
-    let m = ep
-        .import(
-            &ap.descriptor()
-                .derive(4096, 4096, clan::Rights::READ_WRITE)
-                .unwrap(),
-        )
-        .unwrap();
-    let out = m
-        .tripwire(TripwireConfig::writes(0..4096).event(99))
-        .unwrap();
+    let m = ep.import(&ap.descriptor().derive(4096, 4096, clan::Rights::READ_WRITE).unwrap()).unwrap();
+    let out = m.tripwire(TripwireConfig::writes(0..4096).event(99)).unwrap();
     let inc = ap.tripwire(TripwireConfig::writes(4096..4104)).unwrap();
     m.write(0, &[3; 64]).unwrap();
     assert_eq!(out.count(), 1);
     assert_eq!(inc.count(), 1, "mapping offset 0 is aperture offset 4096");
     match ep.event_queue().try_take() {
-        Some(Event::Tripwire {
-            cookie: 99,
-            access: Access::Write,
-            id,
-            ..
-        }) => assert_eq!(id, out.id()),
+        Some(Event::Tripwire { cookie: 99, access: Access::Write, id, .. }) => assert_eq!(id, out.id()),
         other => panic!("expected the outgoing tripwire's event, got {other:?}"),
     }
-    assert!(matches!(
-        m.tripwire(TripwireConfig::writes(0..4097)),
-        Err(TripwireError::OutOfBounds { .. })
-    ));
+    assert!(matches!(m.tripwire(TripwireConfig::writes(0..4097)), Err(TripwireError::OutOfBounds { .. })));
 }
 
 #[test]
 fn events_are_delivered_with_their_cookie_and_can_be_unregistered() {
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig::default()).unwrap();
-    let ep = nic
-        .endpoint_with(clan::EndpointConfig {
-            port: None,
-            queue: Some(q.clone()),
-        })
-        .unwrap();
+    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let a = ap.tripwire(TripwireConfig::writes(0..8).event(1)).unwrap();
-    let b = ap
-        .tripwire(TripwireConfig::writes(8..16).actions(Actions::NONE))
-        .unwrap();
+    let b = ap.tripwire(TripwireConfig::writes(8..16).actions(Actions::NONE)).unwrap();
     q.register(&b, 2).unwrap();
     m.write(0, &[1; 16]).unwrap();
     let mut got = Vec::new();
@@ -154,9 +124,7 @@ fn events_are_delivered_with_their_cookie_and_can_be_unregistered() {
     let cookies: Vec<u64> = got
         .iter()
         .map(|e| match e {
-            Event::Tripwire {
-                cookie, endpoint, ..
-            } => {
+            Event::Tripwire { cookie, endpoint, .. } => {
                 assert_eq!(*endpoint, ep.port());
                 *cookie
             }
@@ -170,10 +138,7 @@ fn events_are_delivered_with_their_cookie_and_can_be_unregistered() {
     q.poll(&mut got, 10);
     assert_eq!(got.len(), 1);
     // A tripwire can only be registered with its own endpoint's queue.
-    assert_eq!(
-        nic.default_queue().register(&a, 5),
-        Err(TripwireError::Foreign)
-    );
+    assert_eq!(nic.default_queue().register(&a, 5), Err(TripwireError::Foreign));
     assert!(q.stats().delivered >= 3);
 }
 
@@ -184,21 +149,13 @@ fn a_write_spanning_tripwires_fires_them_in_address_order() {
     let ap = ep.export(1 << 20).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let header = ap.tripwire(TripwireConfig::writes(0..8).event(1)).unwrap();
-    let body = ap
-        .tripwire(TripwireConfig::writes((1 << 20) - 8..1 << 20).event(2))
-        .unwrap();
+    let body = ap.tripwire(TripwireConfig::writes((1 << 20) - 8..1 << 20).event(2)).unwrap();
     m.write(0, &vec![5u8; 1 << 20]).unwrap();
     let q = ep.event_queue();
     let first = q.try_take();
     let second = q.try_take();
-    assert!(
-        matches!(first, Some(Event::Tripwire { cookie: 1, .. })),
-        "{first:?}"
-    );
-    assert!(
-        matches!(second, Some(Event::Tripwire { cookie: 2, .. })),
-        "{second:?}"
-    );
+    assert!(matches!(first, Some(Event::Tripwire { cookie: 1, .. })), "{first:?}");
+    assert!(matches!(second, Some(Event::Tripwire { cookie: 2, .. })), "{second:?}");
     drop((header, body));
 }
 
@@ -209,21 +166,13 @@ fn tripset_waits_for_any_member() {
     let ep = nic.endpoint().unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
-    let tws: Vec<_> = (0..4)
-        .map(|i| {
-            ap.tripwire(TripwireConfig::writes(i * 64..i * 64 + 8))
-                .unwrap()
-        })
-        .collect();
+    let tws: Vec<_> = (0..4).map(|i| ap.tripwire(TripwireConfig::writes(i * 64..i * 64 + 8)).unwrap()).collect();
     let set = Arc::new(ep.tripset().unwrap());
     for t in &tws {
         set.add(t).unwrap();
     }
     assert_eq!(set.add(&tws[0]), Err(TripwireError::InTripset));
-    assert_eq!(
-        set.wait(Some(Duration::from_millis(10))),
-        Err(TripwireError::Timeout)
-    );
+    assert_eq!(set.wait(Some(Duration::from_millis(10))), Err(TripwireError::Timeout));
     for round in 0..100u64 {
         let which = (round % 4) as usize;
         let m2 = m.clone();
@@ -245,48 +194,22 @@ fn tripset_waits_for_any_member() {
 #[test]
 fn destroyed_tripwires_stop_firing_and_free_their_entry() {
     let nic = nic();
-    let q = nic
-        .event_queue(EventQueueConfig {
-            tripwires: 4,
-            ..EventQueueConfig::default()
-        })
-        .unwrap();
-    let ep = nic
-        .endpoint_with(clan::EndpointConfig {
-            port: None,
-            queue: Some(q.clone()),
-        })
-        .unwrap();
+    let q = nic.event_queue(EventQueueConfig { tripwires: 4, ..EventQueueConfig::default() }).unwrap();
+    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
-    let mut tws: Vec<_> = (0..4)
-        .map(|i| {
-            ap.tripwire(TripwireConfig::writes(i * 8..i * 8 + 8).event(i))
-                .unwrap()
-        })
-        .collect();
-    assert!(matches!(
-        ap.tripwire(TripwireConfig::writes(0..1)),
-        Err(TripwireError::TableFull { capacity: 4 })
-    ));
+    let mut tws: Vec<_> =
+        (0..4).map(|i| ap.tripwire(TripwireConfig::writes(i * 8..i * 8 + 8).event(i)).unwrap()).collect();
+    assert!(matches!(ap.tripwire(TripwireConfig::writes(0..1)), Err(TripwireError::TableFull { capacity: 4 })));
     let gone = tws.remove(0);
     drop(gone);
     m.write(0, &[1; 8]).unwrap();
     assert_eq!(q.try_take(), None, "a destroyed tripwire must not report");
     let again = ap.tripwire(TripwireConfig::writes(0..8).event(7)).unwrap();
     m.write(0, &[1; 8]).unwrap();
-    assert!(matches!(
-        q.try_take(),
-        Some(Event::Tripwire { cookie: 7, .. })
-    ));
-    assert!(matches!(
-        ap.tripwire(TripwireConfig::writes(8..8)),
-        Err(TripwireError::EmptyRange)
-    ));
-    assert!(matches!(
-        ap.tripwire(TripwireConfig::writes(4090..4097)),
-        Err(TripwireError::OutOfBounds { .. })
-    ));
+    assert!(matches!(q.try_take(), Some(Event::Tripwire { cookie: 7, .. })));
+    assert!(matches!(ap.tripwire(TripwireConfig::writes(8..8)), Err(TripwireError::EmptyRange)));
+    assert!(matches!(ap.tripwire(TripwireConfig::writes(4090..4097)), Err(TripwireError::OutOfBounds { .. })));
     drop(again);
 }
 
@@ -299,12 +222,7 @@ fn one_million_tripwires() {
     const N: u64 = 1_000_000;
     let ap = ep.export(N * 8).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
-    let tws: Vec<_> = (0..N)
-        .map(|i| {
-            ap.tripwire(TripwireConfig::writes(i * 8..i * 8 + 8))
-                .unwrap()
-        })
-        .collect();
+    let tws: Vec<_> = (0..N).map(|i| ap.tripwire(TripwireConfig::writes(i * 8..i * 8 + 8)).unwrap()).collect();
     for &i in &[0u64, 1, 4242, 500_000, N - 1] {
         m.store_u64(i * 8, 1).unwrap();
         assert_eq!(tws[i as usize].count(), 1);

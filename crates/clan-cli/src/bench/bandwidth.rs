@@ -73,11 +73,7 @@ fn mbit(bytes: u64, d: Duration) -> f64 {
 
 /// Time `iters` messages written by `put(offset)` into a ring, in batches: returns the
 /// total time and per-message samples.
-fn run_ring(
-    size: usize,
-    iters: u64,
-    mut put: impl FnMut(usize) -> Result<()>,
-) -> Result<(Duration, Samples)> {
+fn run_ring(size: usize, iters: u64, mut put: impl FnMut(usize) -> Result<()>) -> Result<(Duration, Samples)> {
     let ring = ring_bytes(size);
     let slots = ring / size;
     // Warm the ring up: one pass.
@@ -126,10 +122,7 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
     // clan: PIO into the peer's aperture.
     let nic = Nic::open(NicConfig::default())?;
     let ep = nic.endpoint()?;
-    let mut peer = PeerProc::spawn(
-        "bw-clan",
-        &[format!("size={}", a.size), "cpu=1".to_string()],
-    )?;
+    let mut peer = PeerProc::spawn("bw-clan", &[format!("size={}", a.size), "cpu=1".to_string()])?;
     let m = ep.import(&peer.recv()?.parse()?)?;
     let (t, s) = run_ring(a.size, iters, |off| {
         m.write(off as u64, &src)?;
@@ -172,21 +165,14 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
             ring >> 10
         );
         println!("placement: {}", r.placement);
-        println!(
-            "machine: {} × {}, Linux {}",
-            r.machine.cpus, r.machine.model, r.machine.kernel
-        );
+        println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
         println!(
             "clan PIO : {:>10.0} Mbit/s  (per message p50 {}, p99 {})",
             r.mbit_s,
             ns(r.msg_p50_ns),
             ns(r.msg_p99_ns)
         );
-        println!(
-            "memcpy   : {:>10.0} Mbit/s  (per message p50 {})",
-            r.baseline_mbit_s,
-            ns(r.baseline_msg_p50_ns)
-        );
+        println!("memcpy   : {:>10.0} Mbit/s  (per message p50 {})", r.baseline_mbit_s, ns(r.baseline_msg_p50_ns));
         println!("ratio clan/memcpy: {:.2}", r.ratio);
     });
     Ok(())
@@ -205,21 +191,14 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
     let ap = ep.export(ring as u64 + 8)?;
     Link::say(ap.descriptor());
     let line = Link::hear()?;
-    let iters: u64 = line
-        .strip_prefix("check ")
-        .ok_or("expected check")?
-        .parse()?;
+    let iters: u64 = line.strip_prefix("check ").ok_or("expected check")?.parse()?;
     let seq = ap.load_u64(ring as u64)?;
     let slots = ring / size;
     let last = ((iters - 1) as usize % slots) * size;
     let mut got = vec![0u8; size];
     ap.read(last as u64, &mut got)?;
     let ok = seq == iters && got.iter().enumerate().all(|(i, &b)| b == (i * 7 + 3) as u8);
-    Link::say(if ok {
-        "ok".to_string()
-    } else {
-        format!("seq {seq}, expected {iters}")
-    });
+    Link::say(if ok { "ok".to_string() } else { format!("seq {seq}, expected {iters}") });
     let _ = Link::hear();
     Ok(())
 }

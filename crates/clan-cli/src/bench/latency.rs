@@ -118,11 +118,7 @@ pub fn run(a: &LatencyArgs) -> Result<()> {
         pinned.map_or("-".into(), |c| c.to_string()),
         cpu_peer,
         sys::machine().cpus,
-        if a.sync == SyncMode::Spin {
-            "; both sides spin"
-        } else {
-            "; both sides sleep"
-        }
+        if a.sync == SyncMode::Spin { "; both sides spin" } else { "; both sides sleep" }
     );
     let rounds = a.rounds.max(1);
     let per_round = a.iters.div_ceil(u64::from(rounds));
@@ -171,14 +167,8 @@ pub fn run(a: &LatencyArgs) -> Result<()> {
             r.sync, r.size, r.iters, rounds
         );
         println!("placement: {}", r.placement);
-        println!(
-            "machine: {} × {}, Linux {}",
-            r.machine.cpus, r.machine.model, r.machine.kernel
-        );
-        println!(
-            "{:<10} {:>10} {:>10} {:>10} {:>10} {:>10}",
-            "", "p50", "p90", "p99", "p99.9", "mean"
-        );
+        println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
+        println!("{:<10} {:>10} {:>10} {:>10} {:>10} {:>10}", "", "p50", "p90", "p99", "p99.9", "mean");
         for (name, s) in [("clan", o), (baseline, b)] {
             println!(
                 "{:<10} {:>10} {:>10} {:>10} {:>10} {:>10}",
@@ -215,8 +205,7 @@ fn wait_for(ap: &Aperture, v: u64, block: Option<&EventQueue>) -> Result<()> {
         }
         Some(q) => {
             while ap.load_u64(0)? != v {
-                q.wait_spin(Duration::ZERO, Some(LIMIT))
-                    .map_err(|_| "peer stopped answering")?;
+                q.wait_spin(Duration::ZERO, Some(LIMIT)).map_err(|_| "peer stopped answering")?;
             }
             while q.try_take().is_some() {}
         }
@@ -240,36 +229,15 @@ fn side(sync: SyncMode, size: usize) -> Result<Side> {
         SyncMode::Block => Some(ap.tripwire(TripwireConfig::writes(0..8).event(1))?),
         SyncMode::Spin => None,
     };
-    Ok(Side {
-        queue: ep.event_queue().clone(),
-        _nic: nic,
-        ap,
-        _tw: tw,
-        ep,
-    })
+    Ok(Side { queue: ep.event_queue().clone(), _nic: nic, ap, _tw: tw, ep })
 }
 
-fn clan_pingpong(
-    sync: SyncMode,
-    size: usize,
-    total: u64,
-    warmup: u64,
-    cpu_peer: usize,
-) -> Result<Samples> {
+fn clan_pingpong(sync: SyncMode, size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
     let me = side(sync, size)?;
-    let mode = if sync == SyncMode::Spin {
-        "spin"
-    } else {
-        "block"
-    };
+    let mode = if sync == SyncMode::Spin { "spin" } else { "block" };
     let mut peer = PeerProc::spawn(
         "lat-clan",
-        &[
-            format!("sync={mode}"),
-            format!("size={size}"),
-            format!("iters={total}"),
-            format!("cpu={cpu_peer}"),
-        ],
+        &[format!("sync={mode}"), format!("size={size}"), format!("iters={total}"), format!("cpu={cpu_peer}")],
     )?;
     let theirs = me.ep.import(&peer.recv()?.parse()?)?;
     peer.send(me.ap.descriptor())?;
@@ -304,12 +272,7 @@ fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samp
     let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
     let mut peer = PeerProc::spawn(
         "lat-raw",
-        &[
-            format!("path={path}"),
-            format!("size={size}"),
-            format!("iters={total}"),
-            format!("cpu={cpu_peer}"),
-        ],
+        &[format!("path={path}"), format!("size={size}"), format!("iters={total}"), format!("cpu={cpu_peer}")],
     )?;
     if peer.recv()? != "ready" {
         return Err("peer not ready".into());
@@ -352,12 +315,7 @@ fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples
     let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
     let peer = PeerProc::spawn(
         "lat-unix",
-        &[
-            format!("name={name}"),
-            format!("size={size}"),
-            format!("iters={total}"),
-            format!("cpu={cpu_peer}"),
-        ],
+        &[format!("name={name}"), format!("size={size}"), format!("iters={total}"), format!("cpu={cpu_peer}")],
     )?;
     let (mut sock, _) = listener.accept()?;
     sock.set_read_timeout(Some(LIMIT))?;
@@ -393,11 +351,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
     sys::pin(arg(args, "cpu")?);
     match role {
         "lat-clan" => {
-            let sync = if arg::<String>(args, "sync")? == "block" {
-                SyncMode::Block
-            } else {
-                SyncMode::Spin
-            };
+            let sync = if arg::<String>(args, "sync")? == "block" { SyncMode::Block } else { SyncMode::Spin };
             let me = side(sync, size)?;
             Link::say(me.ap.descriptor());
             let theirs = me.ep.import(&Link::hear()?.parse()?)?;
@@ -416,10 +370,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
         }
         "lat-raw" => {
             let path: String = arg(args, "path")?;
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(path)?;
+            let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
             let region = clan_shm::segment::page_align(size.max(64));
             let seg = Segment::map(&f, 0, 2 * region, Access::ReadWrite)?;
             let (theirs, mine) = (seg.view::<AtomicU64>(0)?, seg.view::<AtomicU64>(region)?);
@@ -437,8 +388,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             use std::os::linux::net::SocketAddrExt;
             use std::os::unix::net::{SocketAddr, UnixStream};
             let name: String = arg(args, "name")?;
-            let mut sock =
-                UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+            let mut sock = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
             sock.set_read_timeout(Some(LIMIT))?;
             let mut buf = vec![0u8; size];
             for _ in 0..iters {

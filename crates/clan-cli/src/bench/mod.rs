@@ -31,11 +31,7 @@ impl PeerProc {
             .spawn()?;
         let input = child.stdin.take();
         let output = BufReader::new(child.stdout.take().ok_or("no stdout")?);
-        Ok(PeerProc {
-            child,
-            input,
-            output,
-        })
+        Ok(PeerProc { child, input, output })
     }
 
     pub fn send(&mut self, line: impl std::fmt::Display) -> Result<()> {

@@ -19,9 +19,7 @@ impl Default for Samples {
 
 impl Samples {
     pub fn new() -> Samples {
-        Samples {
-            h: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds"),
-        }
+        Samples { h: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds") }
     }
     pub fn record(&mut self, d: Duration) {
         let _ = self.h.record((d.as_nanos() as u64).max(1));
@@ -75,10 +73,7 @@ pub fn ratio(a: f64, b: f64) -> f64 {
 /// Print a report as pretty JSON or as text lines.
 pub fn emit<T: Serialize>(json: bool, value: &T, text: impl FnOnce()) {
     if json {
-        println!(
-            "{}",
-            serde_json::to_string(value).expect("serialisable report")
-        );
+        println!("{}", serde_json::to_string(value).expect("serialisable report"));
     } else {
         text();
     }

@@ -75,9 +75,7 @@ pub fn run(a: &TripwiresArgs) -> Result<()> {
     let src = vec![0x33u8; a.size];
     let slots = len / a.size.max(64) as u64;
     let word = |m: &clan::Mapping, i: u64| -> Result<()> { Ok(m.store_u64((i % 1024) * 64, i)?) };
-    let bulk = |m: &clan::Mapping, i: u64| -> Result<()> {
-        Ok(m.write((i % slots) * a.size as u64, &src)?)
-    };
+    let bulk = |m: &clan::Mapping, i: u64| -> Result<()> { Ok(m.write((i % slots) * a.size as u64, &src)?) };
 
     // Baseline: the same stores into the same memory, without the NIC.
     let base_word = per_op(a.iters, |i| {
@@ -131,30 +129,11 @@ pub fn run(a: &TripwiresArgs) -> Result<()> {
             "clan bench tripwires: {} tripwires on another aperture, {}-byte writes, {} writes each",
             r.count, r.size, r.iters
         );
-        println!(
-            "{:<44} {:>12} {:>12}",
-            "",
-            "8-byte word",
-            format!("{} B write", r.size)
-        );
-        println!(
-            "{:<44} {:>9.1} ns {:>9.1} ns",
-            "raw store (no NIC)", r.baseline_word_ns, r.baseline_write_ns
-        );
-        println!(
-            "{:<44} {:>9.1} ns {:>9.1} ns",
-            "through a mapping, no tripwires", w0, b0
-        );
-        println!(
-            "{:<44} {:>9.1} ns {:>9.1} ns",
-            format!("… with {} tripwires on another aperture", r.count),
-            w1,
-            b1
-        );
-        println!(
-            "{:<44} {:>9.1} ns {:>9.1} ns",
-            "… with a tripwire over the written range", w2, b2
-        );
+        println!("{:<44} {:>12} {:>12}", "", "8-byte word", format!("{} B write", r.size));
+        println!("{:<44} {:>9.1} ns {:>9.1} ns", "raw store (no NIC)", r.baseline_word_ns, r.baseline_write_ns);
+        println!("{:<44} {:>9.1} ns {:>9.1} ns", "through a mapping, no tripwires", w0, b0);
+        println!("{:<44} {:>9.1} ns {:>9.1} ns", format!("… with {} tripwires on another aperture", r.count), w1, b1);
+        println!("{:<44} {:>9.1} ns {:>9.1} ns", "… with a tripwire over the written range", w2, b2);
         println!(
             "growth with the other aperture's tripwires: {:.2}× (word), {:.2}× (write)",
             r.growth_word, r.growth_write

@@ -60,28 +60,18 @@ pub struct Peer {
 impl Peer {
     pub fn spawn(entry: &str, role: &str, env: &[(&str, String)]) -> Peer {
         let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
-        cmd.args([
-            entry,
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "--include-ignored",
-        ])
-        .env(ROLE, role)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        cmd.args([entry, "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
+            .env(ROLE, role)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         for (k, v) in env {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().expect("spawn child");
         let input = child.stdin.take().expect("stdin");
         let output = BufReader::new(child.stdout.take().expect("stdout"));
-        Peer {
-            child,
-            input: Some(input),
-            output,
-        }
+        Peer { child, input: Some(input), output }
     }
 
     pub fn pid(&self) -> u32 {
@@ -113,8 +103,7 @@ impl Peer {
     }
 
     pub fn expect(&mut self, what: &str) -> String {
-        self.recv()
-            .unwrap_or_else(|| panic!("child ended before sending {what}"))
+        self.recv().unwrap_or_else(|| panic!("child ended before sending {what}"))
     }
 
     pub fn kill(&mut self) {
@@ -155,11 +144,7 @@ pub fn hear() -> Option<String> {
 pub fn die_with_parent() {
     std::thread::spawn(|| {
         let mut s = String::new();
-        while std::io::stdin()
-            .read_line(&mut s)
-            .map(|n| n > 0)
-            .unwrap_or(false)
-        {
+        while std::io::stdin().read_line(&mut s).map(|n| n > 0).unwrap_or(false) {
             s.clear();
         }
         std::process::exit(0);

@@ -1,0 +1,989 @@
+//! Links: connections between NICs of different hosts (TCP by default), carrying
+//! `clan_wire` frames.
+//!
+//! ## Sending
+//!
+//! A thread that writes through a remote mapping sends its burst itself: header and payload
+//! in one vectored write straight from the caller's memory (no copy), under the link's send
+//! lock, so bursts from one NIC to another stay in order (PRAM). It first waits for room in
+//! the window of unacknowledged bytes the peer granted. Control frames produced while
+//! receiving (acknowledgements, replies, refusals) never block: they are queued and flushed by
+//! whoever holds the send lock next, or by the engine when the socket becomes writable. A
+//! thread blocked on a full socket keeps receiving meanwhile, so two NICs that both send can
+//! never deadlock on each other's full buffers.
+//!
+//! ## Receiving
+//!
+//! The engine thread (or, in manual progress, the application through
+//! [`crate::Nic::progress`]; or a thread waiting for a reply on the link) decodes frames. A
+//! write burst is validated from its header before any byte of it touches memory (import key,
+//! aperture and generation, rights, bounds, revocation); refused bursts are discarded,
+//! counted and reported to the peer with `Refused`, and a peer that keeps sending bad frames is
+//! disconnected. Accepted payload goes straight from the socket into the aperture when the
+//! receive buffer is empty, in pieces cut where tripwires' watched ranges end, so the exporter's
+//! tripwires fire exactly as for a local write.
+
+use std::collections::HashMap;
+use std::io::{IoSlice, Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use clan_shm::cam::Candidate;
+use clan_shm::segment::Segment;
+use clan_shm::snoop::{self, Watch};
+use clan_shm::trip::Access;
+use clan_wire::frame::{self, MAX_DATA};
+use clan_wire::{Decoder, Frame, Item, LinkState, Pending, ReadReq, Refused, Status, Target, Timeout};
+
+use crate::addr::NicAddr;
+use crate::aperture::ApertureInner;
+use crate::descriptor::Rights;
+use crate::event_queue::EqInner;
+use crate::nic::NicInner;
+
+/// Bad frames tolerated from a peer before it is disconnected.
+pub const MAX_BAD_FRAMES: u32 = 16;
+/// Bytes of the receive buffer.
+const RX_BUF: usize = 64 << 10;
+/// Read at most this much into the buffer when a burst's payload could go straight to memory.
+const RX_CHUNK: usize = 16 << 10;
+/// Bytes a peer may ask to read at once.
+pub const MAX_READ: u32 = 1 << 20;
+
+/// Why a link operation failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum LinkError {
+    /// The link is closed (peer closed, died, path broke, protocol violation).
+    Down(String),
+    /// No answer in time.
+    Timeout,
+}
+
+/// An import the peer holds from us (exporter side).
+#[derive(Debug)]
+pub(crate) struct ExportRec {
+    pub ap: Weak<ApertureInner>,
+    pub aperture: u32,
+    pub generation: u32,
+    pub lo: u64,
+    pub hi: u64,
+    pub rights: Rights,
+}
+
+/// Importer side: the state of a mapping through this link, for refusals to reach it.
+#[derive(Debug, Default)]
+pub(crate) struct TargetState {
+    pub revoked: AtomicBool,
+    pub refused: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(crate) struct ReadSlot {
+    pub data: Vec<u8>,
+    pub status: Option<Status>,
+    pub done: bool,
+    pub notify: Option<(Arc<EqInner>, u64)>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Waits {
+    next_id: u64,
+    pub imports: HashMap<u64, Option<clan_wire::ImportReply>>,
+    pub reads: HashMap<u64, ReadSlot>,
+    pub oobs: HashMap<u64, Option<Status>>,
+    pub pongs: HashMap<u64, bool>,
+}
+
+impl Waits {
+    pub fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+}
+
+/// Counters of a link.
+#[derive(Debug, Default)]
+pub(crate) struct LinkStats {
+    pub bursts_in: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bursts_out: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub refused_in: AtomicU64,
+    pub refused_out: AtomicU64,
+}
+
+#[derive(Debug)]
+struct BurstCtx {
+    key: u64,
+    end: u64,
+    ap: Option<Arc<ApertureInner>>,
+}
+
+pub(crate) struct Rx {
+    dec: Decoder,
+    buf: Box<[u8]>,
+    head: usize,
+    tail: usize,
+    burst: Option<BurstCtx>,
+    bad: u32,
+    scratch: Vec<Candidate>,
+}
+
+impl std::fmt::Debug for Rx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rx").field("buffered", &(self.tail - self.head)).finish_non_exhaustive()
+    }
+}
+
+/// One link to a peer NIC.
+pub(crate) struct Link {
+    pub peer: NicAddr,
+    pub id: u64,
+    /// Whether we dialled it (the tie-break between simultaneous connections needs to know).
+    pub dialled: bool,
+    pub sock: mio::net::TcpStream,
+    state: Mutex<LinkState>,
+    tx: Mutex<()>,
+    overflow: Mutex<Vec<u8>>,
+    rx: Mutex<Rx>,
+    closed: AtomicBool,
+    reason: Mutex<String>,
+    pub waits: Mutex<Waits>,
+    pub cv: Condvar,
+    pub exports: Mutex<HashMap<u64, Arc<ExportRec>>>,
+    pub targets: Mutex<HashMap<u64, Weak<TargetState>>>,
+    pub stats: LinkStats,
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("peer", &self.peer).field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+/// Where a burst's payload comes from.
+pub(crate) enum Payload<'a> {
+    /// Caller's memory.
+    Bytes(&'a [u8]),
+    /// A segment (a mapping's staging area).
+    Seg(&'a Segment, usize),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Link {
+    pub fn new(
+        peer: NicAddr,
+        id: u64,
+        dialled: bool,
+        sock: mio::net::TcpStream,
+        state: LinkState,
+        timeout: Duration,
+    ) -> Link {
+        Link {
+            peer,
+            id,
+            dialled,
+            sock,
+            state: Mutex::new(state),
+            tx: Mutex::new(()),
+            overflow: Mutex::new(Vec::new()),
+            rx: Mutex::new(Rx {
+                dec: Decoder::new(),
+                buf: vec![0u8; RX_BUF].into_boxed_slice(),
+                head: 0,
+                tail: 0,
+                burst: None,
+                bad: 0,
+                scratch: Vec::new(),
+            }),
+            closed: AtomicBool::new(false),
+            reason: Mutex::new(String::new()),
+            waits: Mutex::new(Waits::default()),
+            cv: Condvar::new(),
+            exports: Mutex::new(HashMap::new()),
+            targets: Mutex::new(HashMap::new()),
+            stats: LinkStats::default(),
+            timeout,
+        }
+    }
+
+    /// Bytes that arrived behind the handshake, to be processed first.
+    pub fn preload(&self, bytes: &[u8]) {
+        let mut rx = lock(&self.rx);
+        let n = bytes.len().min(rx.buf.len());
+        rx.buf[..n].copy_from_slice(&bytes[..n]);
+        rx.head = 0;
+        rx.tail = n;
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub fn reason(&self) -> String {
+        lock(&self.reason).clone()
+    }
+
+    fn down(&self) -> LinkError {
+        LinkError::Down(self.reason())
+    }
+
+    /// Close the link (idempotent): tell the peer if we can, fail every waiter.
+    pub fn close(&self, status: Status, why: impl Into<String>) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        *lock(&self.reason) = why.into();
+        let mut b = Vec::new();
+        Frame::Close { status }.encode(&mut b);
+        let _ = (&self.sock).write(&b);
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        let _g = lock(&self.waits);
+        self.cv.notify_all();
+    }
+
+    // ---- sending ----------------------------------------------------------------------
+
+    /// Queue a control frame and flush what can be flushed without blocking.
+    pub fn send_control(&self, f: &Frame<'_>) {
+        f.encode(&mut lock(&self.overflow));
+        self.try_flush();
+    }
+
+    /// Queue raw frame bytes (e.g. a read response) and flush without blocking.
+    fn send_control_bytes(&self, b: &[u8]) {
+        lock(&self.overflow).extend_from_slice(b);
+        self.try_flush();
+    }
+
+    /// Flush queued control frames without blocking; returns whether all went out.
+    pub fn try_flush(&self) -> bool {
+        let Ok(_tx) = self.tx.try_lock() else { return false };
+        self.flush_overflow_nonblocking()
+    }
+
+    fn flush_overflow_nonblocking(&self) -> bool {
+        let mut q = lock(&self.overflow);
+        while !q.is_empty() {
+            match (&self.sock).write(&q) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    q.drain(..n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    drop(q);
+                    self.close(Status::Other, format!("send failed: {e}"));
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Wait until the socket can take more bytes, receiving meanwhile.
+    fn wait_writable(&self, nic: &NicInner, deadline: Instant) -> Result<(), LinkError> {
+        use rustix::event::{PollFd, PollFlags, poll};
+        loop {
+            if self.is_closed() {
+                return Err(self.down());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                self.close(Status::Other, "peer did not read its socket in time");
+                return Err(LinkError::Timeout);
+            }
+            let mut fds = [PollFd::new(&self.sock, PollFlags::OUT | PollFlags::IN)];
+            let ts =
+                rustix::time::Timespec { tv_sec: 0, tv_nsec: left.min(Duration::from_millis(100)).as_nanos() as i64 };
+            let _ = poll(&mut fds, Some(&ts));
+            let r = fds[0].revents();
+            if r.contains(PollFlags::IN) {
+                // Keep the other direction flowing (its acknowledgements free our window).
+                self.progress(nic);
+            }
+            if r.contains(PollFlags::OUT) || r.intersects(PollFlags::ERR | PollFlags::HUP) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Write all of `bufs` (blocking with the link's timeout). Caller holds the send lock.
+    fn write_all_locked(
+        &self,
+        nic: &NicInner,
+        head: &[u8],
+        payload: &Payload<'_>,
+        len: usize,
+    ) -> Result<(), LinkError> {
+        let deadline = Instant::now() + self.timeout;
+        // Queued control frames first (frames never interleave: they are whole).
+        loop {
+            if self.flush_overflow_nonblocking() {
+                break;
+            }
+            if self.is_closed() {
+                return Err(self.down());
+            }
+            self.wait_writable(nic, deadline)?;
+        }
+        let total = head.len() + len;
+        let mut done = 0usize;
+        while done < total {
+            let r = if done < head.len() {
+                match payload {
+                    Payload::Bytes(d) => {
+                        let iov = [IoSlice::new(&head[done..]), IoSlice::new(&d[..len])];
+                        (&self.sock).write_vectored(&iov)
+                    }
+                    Payload::Seg(s, off) => s.write_to(&self.sock, &head[done..], *off, len),
+                }
+            } else {
+                let at = done - head.len();
+                match payload {
+                    Payload::Bytes(d) => (&self.sock).write(&d[at..len]),
+                    Payload::Seg(s, off) => s.write_to(&self.sock, &[], off + at, len - at),
+                }
+            };
+            match r {
+                Ok(0) => {
+                    self.close(Status::Other, "connection closed while sending");
+                    return Err(self.down());
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable(nic, deadline)?,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.close(Status::Other, format!("send failed: {e}"));
+                    return Err(self.down());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Send one frame's bytes (and optional payload), blocking.
+    fn send_blocking(&self, nic: &NicInner, head: &[u8], payload: Payload<'_>, len: usize) -> Result<(), LinkError> {
+        if self.is_closed() {
+            return Err(self.down());
+        }
+        let _tx = lock(&self.tx);
+        self.write_all_locked(nic, head, &payload, len)?;
+        // Control frames queued while we were sending.
+        self.flush_overflow_nonblocking();
+        Ok(())
+    }
+
+    /// Send a control frame, blocking until it is written.
+    pub fn send_frame_blocking(&self, nic: &NicInner, f: &Frame<'_>) -> Result<(), LinkError> {
+        let mut b = Vec::with_capacity(128);
+        f.encode(&mut b);
+        self.send_blocking(nic, &b, Payload::Bytes(&[]), 0)
+    }
+
+    /// Wait for room in the window for `bytes`.
+    fn wait_window(&self, nic: &NicInner, bytes: u64) -> Result<(), LinkError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if lock(&self.state).window_allows(bytes) {
+                return Ok(());
+            }
+            self.wait_until(nic, deadline, |_| None::<()>, true).ok();
+            if self.is_closed() {
+                return Err(self.down());
+            }
+            if Instant::now() >= deadline {
+                return Err(LinkError::Timeout);
+            }
+        }
+    }
+
+    /// Send a write burst of `len` bytes to `to` (split into bursts of at most [`MAX_DATA`]).
+    pub fn send_write(&self, nic: &NicInner, to: Target, payload: Payload<'_>, len: usize) -> Result<(), LinkError> {
+        let mut done = 0usize;
+        while done < len {
+            let n = (len - done).min(MAX_DATA as usize);
+            self.wait_window(nic, n as u64)?;
+            let t = to.advance(done as u64);
+            let head = frame::write_header(&t, n);
+            let p = match payload {
+                Payload::Bytes(d) => Payload::Bytes(&d[done..done + n]),
+                Payload::Seg(s, off) => Payload::Seg(s, off + done),
+            };
+            self.send_blocking(nic, &head, p, n)?;
+            lock(&self.state).on_write_sent(n as u64);
+            self.stats.bursts_out.fetch_add(1, Ordering::Relaxed);
+            self.stats.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
+            done += n;
+        }
+        Ok(())
+    }
+
+    // ---- waiting for replies ------------------------------------------------------------
+
+    /// Wait until `check` finds what it waits for, processing the link ourselves when we can
+    /// (no engine hop) and sleeping on the condition variable otherwise.
+    pub fn wait_until<T>(
+        &self,
+        nic: &NicInner,
+        deadline: Instant,
+        mut check: impl FnMut(&mut Waits) -> Option<T>,
+        window: bool,
+    ) -> Result<T, LinkError> {
+        let manual = nic.manual_progress();
+        loop {
+            {
+                let mut w = lock(&self.waits);
+                if let Some(t) = check(&mut w) {
+                    return Ok(t);
+                }
+                if window && lock(&self.state).window_allows(1) {
+                    // Used by `wait_window`: any acknowledgement is worth a re-check.
+                    return Err(LinkError::Timeout);
+                }
+                if self.is_closed() {
+                    return Err(self.down());
+                }
+                if Instant::now() >= deadline {
+                    return Err(LinkError::Timeout);
+                }
+            }
+            if self.progress(nic) {
+                continue;
+            }
+            let w = lock(&self.waits);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if manual {
+                drop(w);
+                // Nobody else reads the link: sleep on the socket itself.
+                use rustix::event::{PollFd, PollFlags, poll};
+                let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
+                let ts = rustix::time::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: left.min(Duration::from_millis(50)).as_nanos() as i64,
+                };
+                let _ = poll(&mut fds, Some(&ts));
+            } else {
+                let _ = self.cv.wait_timeout(w, left.min(Duration::from_millis(50)));
+            }
+        }
+    }
+
+    /// Ask for an ordering barrier: returns once every write sent before has been applied.
+    pub fn barrier(&self, nic: &NicInner) -> Result<(), LinkError> {
+        let token = lock(&self.state).next_token();
+        lock(&self.waits).pongs.insert(token, false);
+        self.send_frame_blocking(nic, &Frame::Ping { token })?;
+        let deadline = Instant::now() + self.timeout;
+        self.wait_until(nic, deadline, |w| (w.pongs.get(&token) == Some(&true)).then(|| w.pongs.remove(&token)), false)
+            .map(|_| ())
+    }
+
+    /// Start a read of `len` bytes at `from`; returns its id.
+    pub fn start_read(
+        &self,
+        nic: &NicInner,
+        from: Target,
+        len: u32,
+        notify: Option<(Arc<EqInner>, u64)>,
+    ) -> Result<u64, LinkError> {
+        let id = {
+            let mut w = lock(&self.waits);
+            let id = w.id();
+            w.reads.insert(id, ReadSlot { data: Vec::new(), status: None, done: false, notify });
+            id
+        };
+        self.send_frame_blocking(nic, &Frame::ReadReq(ReadReq { id, from, len }))?;
+        Ok(id)
+    }
+
+    /// Wait for read `id`.
+    pub fn finish_read(&self, nic: &NicInner, id: u64, deadline: Instant) -> Result<(Status, Vec<u8>), LinkError> {
+        let r = self.wait_until(
+            nic,
+            deadline,
+            |w| match w.reads.get(&id) {
+                Some(s) if s.done => w.reads.remove(&id).map(|s| (s.status.unwrap_or(Status::Other), s.data)),
+                _ => None,
+            },
+            false,
+        );
+        if r.is_err() {
+            lock(&self.waits).reads.remove(&id);
+        }
+        r
+    }
+
+    /// Whether read `id` has completed (without waiting).
+    pub fn read_done(&self, id: u64) -> bool {
+        lock(&self.waits).reads.get(&id).is_none_or(|s| s.done)
+    }
+
+    // ---- receiving ----------------------------------------------------------------------
+
+    /// Process what has arrived, if no other thread is doing it. Returns whether anything
+    /// was processed.
+    pub fn progress(&self, nic: &NicInner) -> bool {
+        if self.is_closed() {
+            return false;
+        }
+        match self.rx.try_lock() {
+            Ok(mut rx) => {
+                let did = self.receive(nic, &mut rx, usize::MAX);
+                drop(rx);
+                self.try_flush();
+                did
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The engine's entry: wait for the receive lock, process at most `budget` bytes.
+    /// Returns whether the budget ran out (more may be pending).
+    pub fn engine_receive(&self, nic: &NicInner, budget: usize) -> bool {
+        if self.is_closed() {
+            return false;
+        }
+        let more = {
+            let mut rx = lock(&self.rx);
+            let before = self.stats.bytes_in.load(Ordering::Relaxed);
+            self.receive(nic, &mut rx, budget);
+            self.stats.bytes_in.load(Ordering::Relaxed) - before >= budget as u64
+        };
+        self.try_flush();
+        more
+    }
+
+    /// Receive loop: decode buffered bytes, read more (straight into an aperture when inside
+    /// an accepted burst), until the socket is drained or `budget` bytes were taken.
+    fn receive(&self, nic: &NicInner, rx: &mut Rx, budget: usize) -> bool {
+        let mut did = false;
+        let mut taken = 0usize;
+        loop {
+            if let Err(e) = self.decode_buffered(nic, rx) {
+                self.close(Status::Malformed, format!("protocol error from {}: {e}", self.peer));
+                return true;
+            }
+            if self.is_closed() {
+                return did;
+            }
+            if taken >= budget {
+                break;
+            }
+            // Straight into place: inside an accepted burst, nothing buffered.
+            if rx.head == rx.tail {
+                rx.head = 0;
+                rx.tail = 0;
+                if let Some(Pending::Write { to, remaining }) = rx.dec.pending_payload() {
+                    if remaining >= 1024 && rx.burst.as_ref().is_some_and(|b| b.ap.is_some()) {
+                        match self.receive_direct(rx, to, remaining) {
+                            Ok(0) => {
+                                self.close(Status::Other, "connection closed by the peer");
+                                return true;
+                            }
+                            Ok(n) => {
+                                taken += n;
+                                did = true;
+                                continue;
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                            Err(e) => {
+                                self.close(Status::Other, format!("receive failed: {e}"));
+                                return true;
+                            }
+                        }
+                    }
+                }
+            } else if rx.tail == rx.buf.len() {
+                rx.buf.copy_within(rx.head..rx.tail, 0);
+                rx.tail -= rx.head;
+                rx.head = 0;
+            }
+            let want = if rx.dec.pending_payload().is_some() { RX_CHUNK } else { rx.buf.len() - rx.tail };
+            let end = (rx.tail + want).min(rx.buf.len());
+            let tail = rx.tail;
+            match (&self.sock).read(&mut rx.buf[tail..end]) {
+                Ok(0) => {
+                    self.close(Status::Other, "connection closed by the peer");
+                    return true;
+                }
+                Ok(n) => {
+                    rx.tail += n;
+                    taken += n;
+                    did = true;
+                    lock(&self.state).on_heard(Instant::now());
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.close(Status::Other, format!("receive failed: {e}"));
+                    return true;
+                }
+            }
+        }
+        if let Some(a) = lock(&self.state).poll_ack(false) {
+            self.send_control(&Frame::Ack(a));
+        }
+        did
+    }
+
+    /// Read burst payload from the socket straight into the aperture, stopping where a
+    /// tripwire's watched range ends, then fire what completed.
+    fn receive_direct(&self, rx: &mut Rx, to: Target, remaining: u64) -> std::io::Result<usize> {
+        let ctx = rx.burst.as_ref().expect("checked by the caller");
+        let ap = ctx.ap.as_ref().expect("checked by the caller").clone();
+        let end = ctx.end;
+        let w = &ap.window;
+        let v = w.port.view();
+        let watch = Watch { cam: w.cam.view(), table: &v.table, tag: w.tag };
+        let stop = snoop::next_stop(Access::Write, &watch, to.offset, to.offset + remaining, end, &mut rx.scratch);
+        let n = w.data.read_from(&self.sock, (to.offset - w.data_base) as usize, (stop - to.offset) as usize)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        rx.dec.consume_payload(n as u64).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let sink = w.port.sink();
+        snoop::commit_piece(Access::Write, &watch, &sink, to.offset, n as u64, end, &mut rx.scratch);
+        lock(&self.state).on_write_applied(false, n as u64);
+        self.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+        lock(&self.state).on_heard(Instant::now());
+        if n as u64 == remaining {
+            rx.burst = None;
+        }
+        Ok(n)
+    }
+
+    fn decode_buffered(&self, nic: &NicInner, rx: &mut Rx) -> Result<(), clan_wire::WireError> {
+        while rx.head < rx.tail {
+            let (item, used) = {
+                let Some((item, used)) = rx.dec.next(&rx.buf[rx.head..rx.tail])? else { break };
+                (owned_item(item), used)
+            };
+            let data_at = rx.head + used - item.data_len();
+            rx.head += used;
+            self.handle(nic, rx, item, data_at)?;
+        }
+        Ok(())
+    }
+
+    fn refuse(&self, rx: &mut Rx, status: Status, key: u64, offset: u64) {
+        self.stats.refused_in.fetch_add(1, Ordering::Relaxed);
+        rx.bad += 1;
+        self.send_control(&Frame::Refused(Refused { status, key, offset }));
+        if rx.bad > MAX_BAD_FRAMES {
+            self.close(Status::TooManyErrors, format!("{} sent too many bad frames", self.peer));
+        }
+    }
+
+    /// Validate an access through import `key` before anything is touched.
+    fn check_access(&self, to: &Target, len: u64, need: Rights) -> Result<Arc<ApertureInner>, Status> {
+        let rec = lock(&self.exports).get(&to.key).cloned().ok_or(Status::BadKey)?;
+        if rec.aperture != to.aperture || rec.generation != to.generation {
+            return Err(Status::BadKey);
+        }
+        if !rec.rights.contains(need) {
+            return Err(Status::NoRights);
+        }
+        let end = to.offset.checked_add(len).ok_or(Status::OutOfBounds)?;
+        if to.offset < rec.lo || end > rec.hi {
+            return Err(Status::OutOfBounds);
+        }
+        let ap = rec.ap.upgrade().ok_or(Status::Revoked)?;
+        if ap.window.check_live().is_err() {
+            return Err(Status::Revoked);
+        }
+        Ok(ap)
+    }
+
+    fn handle(&self, nic: &NicInner, rx: &mut Rx, item: OwnedItem, data_at: usize) -> Result<(), clan_wire::WireError> {
+        match item {
+            OwnedItem::WriteBegin { to, len } => {
+                self.stats.bursts_in.fetch_add(1, Ordering::Relaxed);
+                lock(&self.state).on_write_applied(true, 0);
+                let ap = match self.check_access(&to, len, Rights::WRITE) {
+                    Ok(ap) => Some(ap),
+                    Err(status) => {
+                        self.refuse(rx, status, to.key, to.offset);
+                        None
+                    }
+                };
+                rx.burst = Some(BurstCtx { key: to.key, end: to.offset + len, ap });
+            }
+            OwnedItem::WriteData { to, len, last } => {
+                let data = &rx.buf[data_at..data_at + len];
+                if let Some(ctx) = rx.burst.as_ref() {
+                    if let Some(ap) = &ctx.ap {
+                        let w = &ap.window;
+                        let whole = to.offset + len as u64 == ctx.end && len as u64 == ctx.end - to.offset;
+                        if whole && (len == 8 || len == 4) && to.offset % len as u64 == 0 && last {
+                            // A whole aligned word: stored atomically, as a local word store.
+                            let _ = if len == 8 {
+                                w.store_u64(to.offset, u64::from_le_bytes(data.try_into().unwrap_or([0; 8])))
+                            } else {
+                                w.store_u32(to.offset, u32::from_le_bytes(data.try_into().unwrap_or([0; 4])))
+                            };
+                        } else {
+                            let v = w.port.view();
+                            let watch = Watch { cam: w.cam.view(), table: &v.table, tag: w.tag };
+                            let sink = w.port.sink();
+                            let _ = snoop::transfer_piece(
+                                Access::Write,
+                                &watch,
+                                &sink,
+                                to.offset,
+                                len as u64,
+                                ctx.end,
+                                &mut rx.scratch,
+                                |o, l| {
+                                    let from = (o - to.offset) as usize;
+                                    w.data.write((o - w.data_base) as usize, &data[from..from + l as usize])
+                                },
+                            );
+                        }
+                    }
+                    let _ = ctx.key;
+                }
+                lock(&self.state).on_write_applied(false, len as u64);
+                self.stats.bytes_in.fetch_add(len as u64, Ordering::Relaxed);
+                if last {
+                    rx.burst = None;
+                }
+            }
+            OwnedItem::ReadRespBegin { id, status, len } => {
+                let mut w = lock(&self.waits);
+                if let Some(s) = w.reads.get_mut(&id) {
+                    s.status = Some(status);
+                    s.data.reserve(len as usize);
+                    if len == 0 {
+                        s.done = true;
+                        if let Some((eq, token)) = s.notify.take() {
+                            eq.post_local(crate::event_queue::EVENT_READ, token, 0);
+                        }
+                        self.cv.notify_all();
+                    }
+                }
+            }
+            OwnedItem::ReadRespData { id, len, last } => {
+                let data = &rx.buf[data_at..data_at + len];
+                let mut w = lock(&self.waits);
+                if let Some(s) = w.reads.get_mut(&id) {
+                    s.data.extend_from_slice(data);
+                    if last {
+                        s.done = true;
+                        if let Some((eq, token)) = s.notify.take() {
+                            eq.post_local(crate::event_queue::EVENT_READ, token, 0);
+                        }
+                        self.cv.notify_all();
+                    }
+                }
+            }
+            OwnedItem::Frame(f) => self.handle_frame(nic, rx, f, data_at)?,
+        }
+        Ok(())
+    }
+
+    fn handle_frame(
+        &self,
+        nic: &NicInner,
+        rx: &mut Rx,
+        f: OwnedFrame,
+        data_at: usize,
+    ) -> Result<(), clan_wire::WireError> {
+        match f {
+            OwnedFrame::ReadReq(r) => match self.check_access(&r.from, u64::from(r.len), Rights::READ) {
+                Ok(ap) => {
+                    if r.len > MAX_READ {
+                        self.refuse(rx, Status::TooLarge, r.from.key, r.from.offset);
+                        let mut b = Vec::new();
+                        frame::encode_read_resp(r.id, Status::TooLarge, &[], &mut b);
+                        self.send_control_bytes(&b);
+                        return Ok(());
+                    }
+                    let mut data = vec![0u8; r.len as usize];
+                    let w = &ap.window;
+                    let ok = if r.len == 8 && r.from.offset % 8 == 0 {
+                        w.load_u64(r.from.offset).map(|v| data.copy_from_slice(&v.to_le_bytes()))
+                    } else {
+                        w.read(r.from.offset, &mut data).map(|_| ())
+                    };
+                    let mut b = Vec::with_capacity(data.len() + 32);
+                    let status = if ok.is_ok() { Status::Ok } else { Status::Revoked };
+                    frame::encode_read_resp(r.id, status, if ok.is_ok() { &data } else { &[] }, &mut b);
+                    self.send_control_bytes(&b);
+                }
+                Err(status) => {
+                    self.refuse(rx, status, r.from.key, r.from.offset);
+                    let mut b = Vec::new();
+                    frame::encode_read_resp(r.id, status, &[], &mut b);
+                    self.send_control_bytes(&b);
+                }
+            },
+            OwnedFrame::Import { id, importer_nic, importer_port, desc } => {
+                let desc_bytes = &rx.buf[data_at..data_at + desc];
+                let importer = crate::addr::EndpointAddr::new(NicAddr::from(importer_nic), importer_port);
+                let reply = nic.grant_link_import(self, importer, desc_bytes, id);
+                if reply.status != Status::Ok {
+                    self.stats.refused_in.fetch_add(1, Ordering::Relaxed);
+                }
+                self.send_control(&Frame::ImportReply(reply));
+            }
+            OwnedFrame::Other(fr) => match fr {
+                SmallOwned::ImportReply(r) => {
+                    let mut w = lock(&self.waits);
+                    if let Some(slot) = w.imports.get_mut(&r.id) {
+                        *slot = Some(r);
+                        self.cv.notify_all();
+                    }
+                }
+                SmallOwned::Unimport { key } => {
+                    lock(&self.exports).remove(&key);
+                }
+                SmallOwned::Ack(a) => {
+                    lock(&self.state).on_ack(a)?;
+                    let _g = lock(&self.waits);
+                    self.cv.notify_all();
+                }
+                SmallOwned::Credit { bytes } => lock(&self.state).on_credit(bytes),
+                SmallOwned::Refused(r) => {
+                    self.stats.refused_out.fetch_add(1, Ordering::Relaxed);
+                    if let Some(t) = lock(&self.targets).get(&r.key).and_then(Weak::upgrade) {
+                        t.refused.fetch_add(1, Ordering::Relaxed);
+                        if r.status == Status::Revoked || r.status == Status::BadKey {
+                            t.revoked.store(true, Ordering::Release);
+                        }
+                    }
+                }
+                SmallOwned::Ping { token } => self.send_control(&Frame::Pong { token }),
+                SmallOwned::Pong { token } => {
+                    lock(&self.state).on_pong(token, Instant::now());
+                    let mut w = lock(&self.waits);
+                    if let Some(p) = w.pongs.get_mut(&token) {
+                        *p = true;
+                        self.cv.notify_all();
+                    }
+                }
+                SmallOwned::Oob(o) => {
+                    let from = crate::addr::EndpointAddr::new(NicAddr::from(o.from_nic), o.from_port);
+                    let status = if NicAddr::from(o.from_nic) != self.peer {
+                        Status::Denied
+                    } else {
+                        match nic.deliver_oob(from, o.to_port, o.payload) {
+                            Ok(()) => Status::Ok,
+                            Err(crate::ctl::Code::QueueFull) => Status::QueueFull,
+                            Err(_) => Status::NoSuchEndpoint,
+                        }
+                    };
+                    self.send_control(&Frame::OobResult { id: o.id, status });
+                }
+                SmallOwned::OobResult { id, status } => {
+                    let mut w = lock(&self.waits);
+                    if let Some(slot) = w.oobs.get_mut(&id) {
+                        *slot = Some(status);
+                        self.cv.notify_all();
+                    }
+                }
+                SmallOwned::Close { status } => {
+                    self.close(status, format!("closed by {} ({status:?})", self.peer));
+                }
+                SmallOwned::Hello | SmallOwned::Auth => {
+                    self.refuse(rx, Status::Malformed, 0, 0);
+                }
+            },
+        }
+        Ok(())
+    }
+
+    /// Keepalive: called by the engine with the time.
+    pub fn handle_timeout(&self, now: Instant) -> Instant {
+        let t = lock(&self.state).handle_timeout(now);
+        match t {
+            Timeout::None => {}
+            Timeout::Ping(token) => self.send_control(&Frame::Ping { token }),
+            Timeout::Dead => self.close(Status::Other, format!("{} silent for too long", self.peer)),
+        }
+        lock(&self.state).poll_timeout()
+    }
+
+    pub fn next_id(&self) -> u64 {
+        lock(&self.waits).id()
+    }
+}
+
+/// Decoded items with the data referred to by position (so the receive buffer can be
+/// borrowed again while handling them).
+enum OwnedItem {
+    Frame(OwnedFrame),
+    WriteBegin { to: Target, len: u64 },
+    WriteData { to: Target, len: usize, last: bool },
+    ReadRespBegin { id: u64, status: Status, len: u64 },
+    ReadRespData { id: u64, len: usize, last: bool },
+}
+
+impl OwnedItem {
+    /// Bytes at the end of the consumed input that are data (to find them in the buffer).
+    fn data_len(&self) -> usize {
+        match self {
+            OwnedItem::WriteData { len, .. } | OwnedItem::ReadRespData { len, .. } => *len,
+            OwnedItem::Frame(OwnedFrame::Import { desc, .. }) => *desc,
+            _ => 0,
+        }
+    }
+}
+
+enum OwnedFrame {
+    ReadReq(ReadReq),
+    Import { id: u64, importer_nic: std::net::SocketAddr, importer_port: u32, desc: usize },
+    Other(SmallOwned),
+}
+
+enum SmallOwned {
+    ImportReply(clan_wire::ImportReply),
+    Unimport { key: u64 },
+    Ack(clan_wire::Ack),
+    Credit { bytes: u64 },
+    Refused(Refused),
+    Ping { token: u64 },
+    Pong { token: u64 },
+    Oob(clan_wire::Oob),
+    OobResult { id: u64, status: Status },
+    Close { status: Status },
+    Hello,
+    Auth,
+}
+
+fn owned_item(i: Item<'_>) -> OwnedItem {
+    match i {
+        Item::WriteBegin { to, len } => OwnedItem::WriteBegin { to, len },
+        Item::WriteData { to, data, last } => OwnedItem::WriteData { to, len: data.len(), last },
+        Item::ReadRespBegin { id, status, len } => OwnedItem::ReadRespBegin { id, status, len },
+        Item::ReadRespData { id, data, last, .. } => OwnedItem::ReadRespData { id, len: data.len(), last },
+        Item::Frame(f) => OwnedItem::Frame(match f {
+            Frame::ReadReq(r) => OwnedFrame::ReadReq(r),
+            Frame::Import(i) => OwnedFrame::Import {
+                id: i.id,
+                importer_nic: i.importer_nic,
+                importer_port: i.importer_port,
+                desc: i.desc.len(),
+            },
+            Frame::ImportReply(r) => OwnedFrame::Other(SmallOwned::ImportReply(r)),
+            Frame::Unimport { key } => OwnedFrame::Other(SmallOwned::Unimport { key }),
+            Frame::Ack(a) => OwnedFrame::Other(SmallOwned::Ack(a)),
+            Frame::Credit { bytes } => OwnedFrame::Other(SmallOwned::Credit { bytes }),
+            Frame::Refused(r) => OwnedFrame::Other(SmallOwned::Refused(r)),
+            Frame::Ping { token } => OwnedFrame::Other(SmallOwned::Ping { token }),
+            Frame::Pong { token } => OwnedFrame::Other(SmallOwned::Pong { token }),
+            Frame::Oob(o) => OwnedFrame::Other(SmallOwned::Oob(o)),
+            Frame::OobResult { id, status } => OwnedFrame::Other(SmallOwned::OobResult { id, status }),
+            Frame::Close { status } => OwnedFrame::Other(SmallOwned::Close { status }),
+            Frame::Hello(_) => OwnedFrame::Other(SmallOwned::Hello),
+            Frame::Auth(_) => OwnedFrame::Other(SmallOwned::Auth),
+        }),
+    }
+}

@@ -1,0 +1,253 @@
+//! Mappings of apertures on other hosts, through a link.
+//!
+//! Same API as a mapping within a host. A write becomes a write burst sent by the calling
+//! thread straight from its memory; a read becomes a read request answered by the exporter;
+//! word stores are 8- or 4-byte bursts the exporter applies atomically. Raw access works on a
+//! local staging area (sparse: only touched pages cost memory) that [`crate::Mapping::commit`]
+//! sends. Writes are asynchronous: one the exporter refuses (because the aperture was just
+//! unexported) is reported back, and every later access through the mapping fails.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use clan_shm::segment::{self, Segment};
+use clan_wire::{Frame, Import, Status, Target};
+
+use crate::addr::EndpointAddr;
+use crate::descriptor::{Descriptor, Rights};
+use crate::endpoint::EndpointInner;
+use crate::error::{AccessError, Denial, ImportError, OobError};
+use crate::link::{Link, LinkError, Payload, TargetState};
+use crate::mapping::{Keep, Mapping, MappingInner, Via};
+use crate::nic::NicInner;
+
+/// A mapping's route to an aperture on another host.
+#[derive(Debug)]
+pub(crate) struct LinkTarget {
+    pub link: Arc<Link>,
+    pub nic: Arc<NicInner>,
+    pub aperture: u32,
+    pub generation: u32,
+    pub key: u64,
+    pub state: Arc<TargetState>,
+    pub shadow: OnceLock<Segment>,
+    pub len: u64,
+}
+
+impl Drop for LinkTarget {
+    fn drop(&mut self) {
+        self.link.targets.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+        if !self.link.is_closed() {
+            self.link.send_control(&Frame::Unimport { key: self.key });
+        }
+    }
+}
+
+pub(crate) fn link_error(e: LinkError) -> AccessError {
+    match e {
+        LinkError::Down(_) => AccessError::Disconnected,
+        LinkError::Timeout => AccessError::Timeout,
+    }
+}
+
+impl LinkTarget {
+    fn to(&self, abs: u64) -> Target {
+        Target { aperture: self.aperture, generation: self.generation, key: self.key, offset: abs }
+    }
+
+    pub fn check_live(&self) -> Result<(), AccessError> {
+        if self.state.revoked.load(Ordering::Acquire) {
+            return Err(AccessError::Revoked);
+        }
+        if self.link.is_closed() {
+            return Err(AccessError::Disconnected);
+        }
+        Ok(())
+    }
+
+    pub fn write(&self, abs: u64, src: &[u8]) -> Result<(), AccessError> {
+        self.link.send_write(&self.nic, self.to(abs), Payload::Bytes(src), src.len()).map_err(link_error)
+    }
+
+    pub fn read(&self, abs: u64, dst: &mut [u8]) -> Result<(), AccessError> {
+        let mut done = 0usize;
+        while done < dst.len() {
+            let n = (dst.len() - done).min(crate::link::MAX_READ as usize);
+            let id = self.link.start_read(&self.nic, self.to(abs + done as u64), n as u32, None).map_err(link_error)?;
+            let deadline = Instant::now() + self.link.timeout;
+            let (status, data) = self.link.finish_read(&self.nic, id, deadline).map_err(link_error)?;
+            check_status(status, &self.state)?;
+            if data.len() != n {
+                return Err(AccessError::Disconnected);
+            }
+            dst[done..done + n].copy_from_slice(&data);
+            done += n;
+        }
+        Ok(())
+    }
+
+    pub fn shadow(&self) -> Result<&Segment, AccessError> {
+        if let Some(s) = self.shadow.get() {
+            return Ok(s);
+        }
+        let s = Segment::anonymous(segment::page_align(self.len as usize).max(segment::page_size()))
+            .map_err(|_| AccessError::Disconnected)?;
+        let _ = self.shadow.set(s);
+        self.shadow.get().ok_or(AccessError::Disconnected)
+    }
+
+    /// Send `len` bytes of the staging area at mapping offset `off` (aperture offset `abs`).
+    pub fn commit(&self, off: u64, abs: u64, len: u64) -> Result<(), AccessError> {
+        let s = self.shadow()?;
+        self.link.send_write(&self.nic, self.to(abs), Payload::Seg(s, off as usize), len as usize).map_err(link_error)
+    }
+
+    pub fn barrier(&self) -> Result<(), AccessError> {
+        self.link.barrier(&self.nic).map_err(link_error)
+    }
+}
+
+pub(crate) fn check_status(status: Status, state: &TargetState) -> Result<(), AccessError> {
+    match status {
+        Status::Ok => Ok(()),
+        Status::Revoked | Status::BadKey => {
+            state.revoked.store(true, Ordering::Release);
+            Err(AccessError::Revoked)
+        }
+        Status::NoRights => Err(AccessError::NotReadable),
+        _ => Err(AccessError::Disconnected),
+    }
+}
+
+fn import_error(peer: crate::addr::NicAddr, e: LinkError) -> ImportError {
+    match e {
+        LinkError::Down(d) => {
+            if d.contains("connect") || d.contains("refused") || d.contains("timed out") {
+                ImportError::Unreachable(peer)
+            } else {
+                ImportError::Protocol { peer, detail: d }
+            }
+        }
+        LinkError::Timeout => ImportError::Timeout { peer, timeout: std::time::Duration::from_secs(0) },
+    }
+}
+
+/// Import `desc` (exported on another host) over a link, set up on demand.
+pub(crate) fn import_over_link(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
+    let nic = &ep.nic;
+    let peer = desc.nic();
+    let link = nic.link(peer).map_err(|e| import_error(peer, e))?;
+    let id = link.next_id();
+    link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.insert(id, None);
+    let bytes = desc.to_bytes();
+    let req = Frame::Import(Import {
+        id,
+        importer_nic: ep.addr.nic.socket_addr(),
+        importer_port: ep.addr.port,
+        desc: &bytes,
+    });
+    if let Err(e) = link.send_frame_blocking(nic, &req) {
+        link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.remove(&id);
+        return Err(import_error(peer, e));
+    }
+    let deadline = Instant::now() + link.timeout;
+    let reply = link.wait_until(nic, deadline, |w| w.imports.get(&id).copied().flatten(), false);
+    link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.remove(&id);
+    let reply = reply.map_err(|e| match e {
+        LinkError::Timeout => ImportError::Timeout { peer, timeout: link.timeout },
+        e => import_error(peer, e),
+    })?;
+    match reply.status {
+        Status::Ok => {}
+        Status::Revoked => {
+            return Err(ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() });
+        }
+        Status::BadKey => return Err(ImportError::BadKey),
+        Status::Denied => return Err(ImportError::Denied(Denial::Policy)),
+        other => return Err(ImportError::Protocol { peer, detail: format!("import refused: {other:?}") }),
+    }
+    let rights_ok = Rights::READ_WRITE.contains(desc.rights()) && reply.rights == desc.rights().bits();
+    if reply.offset != desc.offset()
+        || reply.len != desc.len()
+        || reply.aperture_len != desc.aperture_len()
+        || !rights_ok
+    {
+        link.send_control(&Frame::Unimport { key: reply.key });
+        return Err(ImportError::Protocol { peer, detail: "import reply does not match the descriptor".into() });
+    }
+    let state = Arc::new(TargetState::default());
+    link.targets.lock().unwrap_or_else(|e| e.into_inner()).insert(reply.key, Arc::downgrade(&state));
+    let target = LinkTarget {
+        link,
+        nic: nic.clone(),
+        aperture: desc.aperture(),
+        generation: desc.generation(),
+        key: reply.key,
+        state,
+        shadow: OnceLock::new(),
+        len: desc.len(),
+    };
+    Ok(Mapping {
+        inner: Arc::new(MappingInner {
+            via: Via::Link(target),
+            desc: desc.clone(),
+            off: desc.offset(),
+            len: desc.len(),
+            rights: desc.rights(),
+            importer_eq: ep.queue.inner.clone(),
+            importer_port: ep.addr.port,
+            outgoing: OnceLock::new(),
+            serial: nic.next_serial(),
+            _keep: Keep::None,
+        }),
+    })
+}
+
+/// Send an out-of-band message over a link and wait for its delivery result.
+pub(crate) fn oob_over_link(
+    nic: &NicInner,
+    from: EndpointAddr,
+    to: EndpointAddr,
+    payload: [u8; 40],
+    wait: bool,
+) -> Result<(), OobError> {
+    let link = nic.link(to.nic).map_err(|e| match e {
+        LinkError::Down(_) => OobError::Unreachable(to.nic),
+        LinkError::Timeout => OobError::Unreachable(to.nic),
+    })?;
+    let id = link.next_id();
+    if wait {
+        link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.insert(id, None);
+    }
+    let f = Frame::Oob(clan_wire::Oob {
+        id,
+        from_nic: from.nic.socket_addr(),
+        from_port: from.port,
+        to_port: to.port,
+        payload,
+    });
+    if !wait {
+        link.send_control(&f);
+        return Ok(());
+    }
+    let down = |d: String| OobError::Protocol { peer: to.nic, detail: d };
+    if let Err(e) = link.send_frame_blocking(nic, &f) {
+        link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.remove(&id);
+        return Err(match e {
+            LinkError::Down(d) => down(d),
+            LinkError::Timeout => down("timed out".into()),
+        });
+    }
+    let deadline = Instant::now() + link.timeout;
+    let r = link.wait_until(nic, deadline, |w| w.oobs.get(&id).copied().flatten(), false);
+    link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.remove(&id);
+    match r {
+        Ok(Status::Ok) => Ok(()),
+        Ok(Status::QueueFull) => Err(OobError::QueueFull(to)),
+        Ok(Status::NoSuchEndpoint) => Err(OobError::NoSuchEndpoint(to)),
+        Ok(s) => Err(down(format!("{s:?}"))),
+        Err(LinkError::Down(d)) => Err(down(d)),
+        Err(LinkError::Timeout) => Err(down("no answer in time".into())),
+    }
+}
