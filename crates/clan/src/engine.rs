@@ -65,6 +65,10 @@ struct Handshake {
     auth_ok: bool,
     deadline: Instant,
     dead: Option<String>,
+    /// Acceptor: the tie-break kept this connection (our hello may go out).
+    accepted: bool,
+    /// Refused as a duplicate by the peer: the winning connection is coming the other way.
+    duplicate: bool,
 }
 
 enum Entry {
@@ -265,7 +269,9 @@ impl Run {
                 let _ = self.poll.registry().deregister(&mut h.sock);
                 if let Some(x) = h.out {
                     let reason = h.dead.take().unwrap_or_else(|| why.to_string());
-                    if !self.handshaking_with(x) {
+                    // Refused as a duplicate: the winning connection comes the other way, and
+                    // waiters keep waiting for it (within their own deadline).
+                    if !h.duplicate && !self.handshaking_with(x) {
                         nic.links.fail(x, reason);
                     }
                 }
@@ -385,6 +391,7 @@ impl Run {
             Nothing,
             Close(&'static str),
             More,
+            Decide(NicAddr),
             Ready(NicAddr, Hello, Vec<u8>),
         }
         let next = match self.entries.get_mut(&t) {
@@ -411,6 +418,7 @@ impl Run {
             }
             Some(Entry::Handshake(h)) => match h.step(nic) {
                 HsStep::Pending => Next::Nothing,
+                HsStep::Decide => Next::Decide(NicAddr::from(h.peer.expect("decide implies hello").nic)),
                 HsStep::Failed => Next::Close("handshake failed"),
                 HsStep::Ready => {
                     let hello = h.peer.expect("ready implies hello");
@@ -425,48 +433,78 @@ impl Run {
                 self.drop_entry(nic, t, why);
                 false
             }
+            Next::Decide(peer) => {
+                if self.accept_link(nic, t, peer) {
+                    // Our hello goes out now; the rest of the handshake continues.
+                    self.service(nic, t, true, true)
+                } else {
+                    false
+                }
+            }
             Next::Ready(peer, hello, rest) => self.handshake_done(nic, t, peer, hello, rest),
         }
     }
 
-    fn handshake_done(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr, hello: Hello, rest: Vec<u8>) -> bool {
-        let Some(Entry::Handshake(h)) = self.entries.remove(&t) else { return false };
-        let Handshake { mut sock, out, .. } = h;
-        // One link per pair of NICs: settle duplicates.
-        if out.is_none() {
-            if let Some(existing) = nic.links.ready(peer) {
-                if existing.dialled && nic.addr < peer {
-                    // Our connection won the tie-break; the peer will use it.
-                    let mut b = Vec::new();
-                    Frame::Close { status: Status::Duplicate }.encode(&mut b);
-                    let _ = sock.write(&b);
-                    let _ = self.poll.registry().deregister(&mut sock);
-                    return false;
-                }
-                // The peer dialled again: it no longer trusts the old link (it restarted).
-                existing.close(Status::Duplicate, "replaced by a new connection from the peer");
-                nic.link_closed(&existing);
-            } else if self
-                .entries
-                .values()
-                .any(|e| matches!(e, Entry::Handshake(o) if o.out == Some(peer) && o.dead.is_none()))
-            {
+    /// The tie-break, decided by the acceptor before it answers: one link per pair of NICs.
+    /// Returns whether the incoming connection from `peer` is kept.
+    fn accept_link(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr) -> bool {
+        let ours_dialling = self
+            .entries
+            .iter()
+            .any(|(k, e)| *k != t && matches!(e, Entry::Handshake(o) if o.out == Some(peer) && o.dead.is_none()));
+        let keep = match nic.links.ready(peer) {
+            // We dialled a link that the peer accepted, and we win the tie-break: keep ours.
+            Some(l) if l.dialled && nic.addr < peer => false,
+            // The peer dialled again while a link exists: it no longer trusts the old one (it
+            // restarted, or the old one broke on its side).
+            Some(l) => {
+                l.close(Status::Duplicate, "replaced by a new connection from the peer");
+                nic.link_closed(&l);
+                true
+            }
+            None if ours_dialling => {
                 if peer < nic.addr {
                     // Their connection wins; ours will be refused by them.
                     for e in self.entries.values_mut() {
                         if let Entry::Handshake(o) = e {
                             if o.out == Some(peer) {
                                 o.dead = Some("superseded by the peer's connection".into());
+                                o.duplicate = true;
                             }
                         }
                     }
+                    true
                 } else {
-                    let mut b = Vec::new();
-                    Frame::Close { status: Status::Duplicate }.encode(&mut b);
-                    let _ = sock.write(&b);
-                    let _ = self.poll.registry().deregister(&mut sock);
-                    return false;
+                    false
                 }
+            }
+            None => true,
+        };
+        match self.entries.get_mut(&t) {
+            Some(Entry::Handshake(h)) if keep => {
+                h.accepted = true;
+                true
+            }
+            Some(Entry::Handshake(h)) => {
+                let mut b = Vec::new();
+                Frame::Close { status: Status::Duplicate }.encode(&mut b);
+                let _ = h.sock.write(&b);
+                h.dead = Some("duplicate".into());
+                self.drop_entry(nic, t, "duplicate");
+                false
+            }
+            _ => false,
+        }
+    }
+
+    fn handshake_done(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr, hello: Hello, rest: Vec<u8>) -> bool {
+        let Some(Entry::Handshake(h)) = self.entries.remove(&t) else { return false };
+        let Handshake { mut sock, out, .. } = h;
+        if out.is_some() {
+            // A link we dialled is up; a stale one (the peer restarted) goes.
+            if let Some(old) = nic.links.ready(peer) {
+                old.close(Status::Duplicate, "replaced by a new connection");
+                nic.link_closed(&old);
             }
         }
         let _ = self.poll.registry().deregister(&mut sock);
@@ -489,6 +527,8 @@ impl Run {
 
 enum HsStep {
     Pending,
+    /// Acceptor: the peer said hello; keep the connection or refuse it.
+    Decide,
     Ready,
     Failed,
 }
@@ -507,6 +547,8 @@ impl Handshake {
             auth_ok: nic.config.cluster_key.is_none(),
             deadline: Instant::now() + nic.config.request_timeout,
             dead: None,
+            accepted: false,
+            duplicate: false,
         }
     }
 
@@ -530,7 +572,10 @@ impl Handshake {
             }
         }
         let auth = nic.config.cluster_key;
-        if !self.sent_hello {
+        // The dialler speaks first; the acceptor answers only once it has decided to keep the
+        // connection (`Run::accept_link`), so a dialler never starts using a connection that
+        // loses the tie-break.
+        if !self.sent_hello && (self.out.is_some() || self.accepted) {
             let mut b = Vec::new();
             Frame::Hello(Hello {
                 version: clan_wire::frame::VERSION,
@@ -562,7 +607,10 @@ impl Handshake {
         }
         let mut dec = Decoder::new();
         loop {
-            if self.peer.is_some() && self.auth_ok {
+            if self.peer.is_some() && self.out.is_none() && !self.accepted {
+                return HsStep::Decide;
+            }
+            if self.peer.is_some() && self.auth_ok && self.sent_hello {
                 return HsStep::Ready;
             }
             let (frame, used) = match dec.next(&self.buf) {
@@ -591,7 +639,10 @@ impl Handshake {
                     }
                     _ => Err("authentication failed".into()),
                 },
-                Frame::Close { status } => Err(format!("refused by the peer: {status:?}")),
+                Frame::Close { status } => {
+                    self.duplicate = status == Status::Duplicate;
+                    Err(format!("refused by the peer: {status:?}"))
+                }
                 _ => Err("unexpected frame during the handshake".into()),
             };
             self.buf.drain(..used);

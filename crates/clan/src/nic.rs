@@ -150,6 +150,8 @@ pub struct NicStats {
     pub cached_bytes: u64,
     /// Open endpoints.
     pub endpoints: u64,
+    /// Open links to NICs of other hosts.
+    pub links: u64,
 }
 
 pub(crate) struct NicInner {
@@ -910,6 +912,7 @@ impl Nic {
             imports_granted: i.imports_granted.load(Ordering::Relaxed),
             imports_refused: i.imports_refused.load(Ordering::Relaxed),
             cached_bytes: i.cache.lock().unwrap_or_else(|e| e.into_inner()).bytes,
+            links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
             endpoints: i
                 .endpoints
                 .lock()

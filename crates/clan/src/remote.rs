@@ -133,11 +133,37 @@ fn import_error(peer: crate::addr::NicAddr, e: LinkError) -> ImportError {
     }
 }
 
-/// Import `desc` (exported on another host) over a link, set up on demand.
+/// Import `desc` (exported on another host) over a link, set up on demand. If the link the
+/// request went out on dies before any answer (a link that broke just before, whose end had
+/// not been noticed yet), the request is repeated once on a fresh link: importing is safe to
+/// repeat (the dead link took any half-made import with it).
 pub(crate) fn import_over_link(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
+    match import_once(ep, desc) {
+        Err(Retry::Again(_)) => match import_once(ep, desc) {
+            Err(Retry::Again(e)) | Err(Retry::Final(e)) => Err(e),
+            Ok(m) => Ok(m),
+        },
+        Err(Retry::Final(e)) => Err(e),
+        Ok(m) => Ok(m),
+    }
+}
+
+enum Retry {
+    Again(ImportError),
+    Final(ImportError),
+}
+
+fn import_once(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, Retry> {
     let nic = &ep.nic;
     let peer = desc.nic();
-    let link = nic.link(peer).map_err(|e| import_error(peer, e))?;
+    let link = nic.link(peer).map_err(|e| Retry::Final(import_error(peer, e)))?;
+    let again = |e: LinkError| {
+        if matches!(e, LinkError::Down(_)) {
+            Retry::Again(import_error(peer, e))
+        } else {
+            Retry::Final(import_error(peer, e))
+        }
+    };
     let id = link.next_id();
     link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.insert(id, None);
     let bytes = desc.to_bytes();
@@ -149,15 +175,26 @@ pub(crate) fn import_over_link(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Re
     });
     if let Err(e) = link.send_frame_blocking(nic, &req) {
         link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.remove(&id);
-        return Err(import_error(peer, e));
+        return Err(again(e));
     }
     let deadline = Instant::now() + link.timeout;
     let reply = link.wait_until(nic, deadline, |w| w.imports.get(&id).copied().flatten(), false);
     link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.remove(&id);
     let reply = reply.map_err(|e| match e {
-        LinkError::Timeout => ImportError::Timeout { peer, timeout: link.timeout },
-        e => import_error(peer, e),
+        LinkError::Timeout => Retry::Final(ImportError::Timeout { peer, timeout: link.timeout }),
+        e => again(e),
     })?;
+    finish_import(ep, desc, link, reply).map_err(Retry::Final)
+}
+
+fn finish_import(
+    ep: &Arc<EndpointInner>,
+    desc: &Descriptor,
+    link: Arc<Link>,
+    reply: clan_wire::ImportReply,
+) -> Result<Mapping, ImportError> {
+    let nic = &ep.nic;
+    let peer = desc.nic();
     match reply.status {
         Status::Ok => {}
         Status::Revoked => {
@@ -204,7 +241,8 @@ pub(crate) fn import_over_link(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Re
     })
 }
 
-/// Send an out-of-band message over a link and wait for its delivery result.
+/// Send an out-of-band message over a link and wait for its delivery result (repeated once
+/// on a fresh link if the link dies before the message went out).
 pub(crate) fn oob_over_link(
     nic: &NicInner,
     from: EndpointAddr,
@@ -212,10 +250,21 @@ pub(crate) fn oob_over_link(
     payload: [u8; 40],
     wait: bool,
 ) -> Result<(), OobError> {
-    let link = nic.link(to.nic).map_err(|e| match e {
-        LinkError::Down(_) => OobError::Unreachable(to.nic),
-        LinkError::Timeout => OobError::Unreachable(to.nic),
-    })?;
+    match oob_once(nic, from, to, payload, wait) {
+        Err((true, _)) => oob_once(nic, from, to, payload, wait).map_err(|(_, e)| e),
+        r => r.map_err(|(_, e)| e),
+    }
+}
+
+/// One attempt; the flag says whether repeating it is safe (the message did not go out).
+fn oob_once(
+    nic: &NicInner,
+    from: EndpointAddr,
+    to: EndpointAddr,
+    payload: [u8; 40],
+    wait: bool,
+) -> Result<(), (bool, OobError)> {
+    let link = nic.link(to.nic).map_err(|_| (false, OobError::Unreachable(to.nic)))?;
     let id = link.next_id();
     if wait {
         link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.insert(id, None);
@@ -235,19 +284,20 @@ pub(crate) fn oob_over_link(
     if let Err(e) = link.send_frame_blocking(nic, &f) {
         link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.remove(&id);
         return Err(match e {
-            LinkError::Down(d) => down(d),
-            LinkError::Timeout => down("timed out".into()),
+            LinkError::Down(d) => (true, down(d)),
+            LinkError::Timeout => (false, down("timed out".into())),
         });
     }
     let deadline = Instant::now() + link.timeout;
     let r = link.wait_until(nic, deadline, |w| w.oobs.get(&id).copied().flatten(), false);
     link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.remove(&id);
+    // Once sent, it may have been delivered: never repeated (no duplicates).
     match r {
         Ok(Status::Ok) => Ok(()),
-        Ok(Status::QueueFull) => Err(OobError::QueueFull(to)),
-        Ok(Status::NoSuchEndpoint) => Err(OobError::NoSuchEndpoint(to)),
-        Ok(s) => Err(down(format!("{s:?}"))),
-        Err(LinkError::Down(d)) => Err(down(d)),
-        Err(LinkError::Timeout) => Err(down("no answer in time".into())),
+        Ok(Status::QueueFull) => Err((false, OobError::QueueFull(to))),
+        Ok(Status::NoSuchEndpoint) => Err((false, OobError::NoSuchEndpoint(to))),
+        Ok(s) => Err((false, down(format!("{s:?}")))),
+        Err(LinkError::Down(d)) => Err((false, down(d))),
+        Err(LinkError::Timeout) => Err((false, down("no answer in time".into()))),
     }
 }
