@@ -248,7 +248,7 @@ impl Run {
         if let Some(nic) = self.nic.upgrade() {
             for (_, e) in self.entries.drain() {
                 match e {
-                    Entry::Host(c) => nic.connection_closed(c),
+                    Entry::Host(c) => nic.connection_closed(c, false),
                     Entry::Link(l) => {
                         l.close(Status::Shutdown, "NIC closing");
                         nic.link_closed(&l);
@@ -263,7 +263,10 @@ impl Run {
         match self.entries.remove(&t) {
             Some(Entry::Host(c)) => {
                 let _ = self.poll.registry().deregister(&mut SourceFd(&c.sock.as_raw_fd()));
-                nic.connection_closed(c);
+                let still = self.entries.values().any(|e| {
+                    matches!(e, Entry::Host(o) if o.hello.is_some() && o.hello == c.hello && o.cred.pid == c.cred.pid)
+                });
+                nic.connection_closed(c, still);
             }
             Some(Entry::Handshake(mut h)) => {
                 let _ = self.poll.registry().deregister(&mut h.sock);

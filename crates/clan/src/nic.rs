@@ -628,17 +628,13 @@ impl NicInner {
         }
     }
 
-    pub fn connection_closed(&self, c: Conn) {
-        // The peer NIC's control channel to us closed: if its process is gone (its listener
-        // no longer answers as that process), its endpoint connections end.
-        if let Some(peer) = c.hello {
-            let alive = SeqPacket::connect_abstract(&peer.abstract_name())
-                .and_then(|s| s.peer_cred())
-                .is_ok_and(|cred| cred.pid == c.cred.pid);
-            if !alive {
-                self.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer);
-                self.peer_gone(peer);
-            }
+    pub fn connection_closed(&self, c: Conn, still_connected: bool) {
+        // The peer NIC's control channel to us closed: the NIC closed or its process died
+        // (connections are kept for the NIC's life), unless the engine saw another channel
+        // from the same NIC and process still open (`still_connected`).
+        if let (Some(peer), false) = (c.hello, still_connected) {
+            self.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer);
+            self.peer_gone(peer);
         }
         let mut recycle = Vec::new();
         {

@@ -59,7 +59,11 @@ pub struct Peer {
 
 impl Peer {
     pub fn spawn(entry: &str, role: &str, env: &[(&str, String)]) -> Peer {
-        let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
+        Peer::spawn_via(Command::new(std::env::current_exe().expect("test binary path")), entry, role, env)
+    }
+
+    /// Spawn through a prepared command (e.g. `ip netns exec NS <this binary>`).
+    pub fn spawn_via(mut cmd: Command, entry: &str, role: &str, env: &[(&str, String)]) -> Peer {
         cmd.args([entry, "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
             .env(ROLE, role)
             .stdin(Stdio::piped())
