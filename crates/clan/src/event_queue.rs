@@ -505,8 +505,20 @@ impl EventQueue {
     }
 
     /// [`EventQueue::wait`] with an explicit spin time.
+    ///
+    /// With [`crate::Progress::Manual`], the waiting thread drives its NIC's links: it
+    /// processes their traffic while it spins, and sleeps on the links' sockets and the
+    /// queue's descriptor together, so that traffic from another host wakes it directly (no
+    /// second thread in between).
     pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<Event, EventQueueError> {
-        if let Some(ev) = self.try_take() {
+        let nic = self.inner.nic.upgrade().filter(|n| n.manual_progress());
+        let take = || {
+            if let Some(n) = &nic {
+                n.progress();
+            }
+            self.try_take()
+        };
+        if let Some(ev) = take() {
             return Ok(ev);
         }
         let start = Instant::now();
@@ -515,7 +527,7 @@ impl EventQueue {
             let until = start + spin.min(timeout.unwrap_or(spin));
             while Instant::now() < until {
                 std::hint::spin_loop();
-                if let Some(ev) = self.try_take() {
+                if let Some(ev) = take() {
                     return Ok(ev);
                 }
             }
@@ -531,8 +543,16 @@ impl EventQueue {
                 }
                 None => None,
             };
-            ring::sleep(&self.inner.view().rings(), &SharedFutex, left);
-            if let Some(ev) = self.try_take() {
+            let slept = match &nic {
+                // Sleep on the links and the queue's descriptor together.
+                Some(n) if self.arm() => n.wait_links(Some(self.as_fd()), left),
+                Some(_) => true, // events already pending
+                None => false,
+            };
+            if !slept {
+                ring::sleep(&self.inner.view().rings(), &SharedFutex, left);
+            }
+            if let Some(ev) = take() {
                 return Ok(ev);
             }
         }

@@ -287,6 +287,27 @@ impl NicInner {
         }
     }
 
+    /// With manual progress and open links: sleep until a link or `extra` is readable, at most
+    /// `timeout` (the waits of threads that drive progress themselves). Returns false (at
+    /// once) if there is no link to wait on.
+    pub fn wait_links(&self, extra: Option<std::os::fd::BorrowedFd<'_>>, timeout: Option<std::time::Duration>) -> bool {
+        use rustix::event::{PollFd, PollFlags, poll};
+        let links = self.links.all().clone();
+        if links.is_empty() {
+            return false;
+        }
+        let mut fds: Vec<PollFd<'_>> = links.iter().map(|l| PollFd::new(&l.sock, PollFlags::IN)).collect();
+        if let Some(e) = &extra {
+            fds.push(PollFd::from_borrowed_fd(*e, PollFlags::IN));
+        }
+        let ts = timeout.map(|d| rustix::time::Timespec {
+            tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
+            tv_nsec: d.subsec_nanos().into(),
+        });
+        let _ = poll(&mut fds, ts.as_ref());
+        true
+    }
+
     /// Process incoming link traffic in this thread (see [`crate::Nic::progress`]).
     pub fn progress(&self) -> bool {
         let mut did = false;

@@ -352,6 +352,25 @@ impl Tripwire {
         let seen = self.last_seen.load(Ordering::Relaxed);
         let deadline = timeout.map(|t| Instant::now() + t);
         let spin = self.owner.eq.config.spin;
+        if let Some(nic) = self.owner.eq.nic.upgrade().filter(|n| n.manual_progress()) {
+            // Manual progress: drive the links while waiting (see `EventQueue::wait_spin`).
+            // Firings by processes of this host are seen within a millisecond.
+            loop {
+                nic.progress();
+                if e.seq.load(Ordering::Acquire) != seen {
+                    self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
+                    return Ok(());
+                }
+                let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                if left.is_some_and(|l| l.is_zero()) {
+                    return Err(TripwireError::Timeout);
+                }
+                let nap = left.unwrap_or(Duration::from_millis(1)).min(Duration::from_millis(1));
+                if !nic.wait_links(None, Some(nap)) {
+                    break; // no links: wait as usual
+                }
+            }
+        }
         let ok = trip::wait_until(&e.seq, &e.waiters, spin, deadline, &SharedFutex, || {
             e.seq.load(Ordering::Acquire) != seen
         });

@@ -103,6 +103,9 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
     if a.size == 0 {
         return Err("--size must be positive".into());
     }
+    if a.transport == super::latency::Transport::Tcp {
+        return run_tcp(a);
+    }
     let iters = a.iters.unwrap_or(((1u64 << 30) / a.size as u64).max(1000));
     let pinned = sys::pin(0);
     let ring = ring_bytes(a.size);
@@ -174,6 +177,58 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
         );
         println!("memcpy   : {:>10.0} Mbit/s  (per message p50 {})", r.baseline_mbit_s, ns(r.baseline_msg_p50_ns));
         println!("ratio clan/memcpy: {:.2}", r.ratio);
+    });
+    Ok(())
+}
+
+/// `--transport tcp`: PIO bursts over a link against a raw TCP stream, in alternating rounds.
+fn run_tcp(a: &BandwidthArgs) -> Result<()> {
+    let iters = a.iters.unwrap_or(((512u64 << 20) / a.size as u64).max(1000));
+    let hosts = super::tcp::Hosts::new();
+    let rounds = 3u32;
+    let per = iters.div_ceil(u64::from(rounds));
+    let (mut t, mut bt) = (Duration::ZERO, Duration::ZERO);
+    let (mut s, mut bs) = (Samples::new(), Samples::new());
+    for _ in 0..rounds {
+        let (d, x) = super::tcp::raw_stream(&hosts, a.size, per)?;
+        bt += d;
+        bs.merge(&x);
+        let (d, x) = super::tcp::clan_stream(&hosts, a.size, per)?;
+        t += d;
+        s.merge(&x);
+    }
+    let bytes = per * u64::from(rounds) * a.size as u64;
+    let r = BandwidthReport {
+        bench: "bandwidth",
+        transport: "tcp",
+        mode: "pio",
+        size: a.size,
+        iters: per * u64::from(rounds),
+        ring_bytes: 0,
+        mbit_s: mbit(bytes, t),
+        msg_p50_ns: s.p(0.5),
+        msg_p99_ns: s.p(0.99),
+        baseline: "tcp-stream",
+        baseline_mbit_s: mbit(bytes, bt),
+        baseline_msg_p50_ns: bs.p(0.5),
+        ratio: ratio(mbit(bytes, t), mbit(bytes, bt)),
+        placement: format!(
+            "{}; sender on CPU 0, receiver (and its NIC's engine) on CPU 1; {rounds} alternating rounds",
+            hosts.describe()
+        ),
+        machine: sys::machine(),
+    };
+    emit(a.json, &r, || {
+        println!("clan bench bandwidth: transport tcp, mode pio, {} bytes × {} messages", r.size, r.iters);
+        println!("placement: {}", r.placement);
+        println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
+        println!("clan PIO over a link: {:>10.0} Mbit/s  (per message p50 {})", r.mbit_s, ns(r.msg_p50_ns));
+        println!(
+            "raw TCP stream      : {:>10.0} Mbit/s  (per message p50 {})",
+            r.baseline_mbit_s,
+            ns(r.baseline_msg_p50_ns)
+        );
+        println!("ratio clan/tcp-stream: {:.2}", r.ratio);
     });
     Ok(())
 }

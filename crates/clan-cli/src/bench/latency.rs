@@ -28,6 +28,9 @@ use crate::sys;
 pub enum Transport {
     /// Processes of this host, through shared memory.
     Shm,
+    /// Processes of two hosts, through a TCP link (test hosts in network namespaces when
+    /// root, else two loopback NICs forced onto links).
+    Tcp,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,23 +127,42 @@ pub fn run(a: &LatencyArgs) -> Result<()> {
     let per_round = a.iters.div_ceil(u64::from(rounds));
     let warmup = (per_round / 10).max(100);
     let total = per_round + warmup;
-    let baseline = match a.sync {
-        SyncMode::Spin => "shm-raw",
-        SyncMode::Block => "unix",
+    let hosts = (a.transport == Transport::Tcp).then(super::tcp::Hosts::new);
+    let baseline = match (a.transport, a.sync) {
+        (Transport::Tcp, _) => "tcp",
+        (_, SyncMode::Spin) => "shm-raw",
+        (_, SyncMode::Block) => "unix",
     };
     let (mut base, mut ours) = (Samples::new(), Samples::new());
+    let spin = a.sync == SyncMode::Spin;
     for _ in 0..rounds {
-        let b = match a.sync {
-            SyncMode::Spin => raw_shm(a.size, total, warmup, cpu_peer)?,
-            SyncMode::Block => unix(a.size, total, warmup, cpu_peer)?,
-        };
-        base.merge(&b);
-        ours.merge(&clan_pingpong(a.sync, a.size, total, warmup, cpu_peer)?);
+        match &hosts {
+            Some(h) => {
+                base.merge(&super::tcp::raw_round(h, spin, a.size, total, warmup)?);
+                ours.merge(&super::tcp::clan_round(h, spin, a.size, total, warmup)?);
+            }
+            None => {
+                let b = match a.sync {
+                    SyncMode::Spin => raw_shm(a.size, total, warmup, cpu_peer)?,
+                    SyncMode::Block => unix(a.size, total, warmup, cpu_peer)?,
+                };
+                base.merge(&b);
+                ours.merge(&clan_pingpong(a.sync, a.size, total, warmup, cpu_peer)?);
+            }
+        }
     }
+    let placement = match &hosts {
+        Some(h) => format!(
+            "{}; pinger on CPU 0, ponger on CPU 1, each NIC's engine on its process's CPU; {}",
+            h.describe(),
+            if spin { "both sides busy-poll (clan: manual progress)" } else { "both sides sleep" }
+        ),
+        None => placement,
+    };
     let (o, b) = (ours.summary(), base.summary());
     let r = LatencyReport {
         bench: "latency",
-        transport: "shm",
+        transport: if a.transport == Transport::Tcp { "tcp" } else { "shm" },
         sync: match a.sync {
             SyncMode::Spin => "spin",
             SyncMode::Block => "block",
@@ -163,8 +185,8 @@ pub fn run(a: &LatencyArgs) -> Result<()> {
     };
     emit(a.json, &r, || {
         println!(
-            "clan bench latency: transport shm, sync {}, {} bytes, {} round trips in {} interleaved rounds",
-            r.sync, r.size, r.iters, rounds
+            "clan bench latency: transport {}, sync {}, {} bytes, {} round trips in {} interleaved rounds",
+            r.transport, r.sync, r.size, r.iters, rounds
         );
         println!("placement: {}", r.placement);
         println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);

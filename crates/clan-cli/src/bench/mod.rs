@@ -4,6 +4,7 @@
 pub mod bandwidth;
 pub mod latency;
 pub mod report;
+pub mod tcp;
 pub mod tripwires;
 
 use std::io::{BufRead, BufReader, Write};
@@ -21,7 +22,12 @@ pub struct PeerProc {
 
 impl PeerProc {
     pub fn spawn(role: &str, args: &[String]) -> Result<PeerProc> {
-        let mut child = Command::new(std::env::current_exe()?)
+        PeerProc::spawn_via(Command::new(std::env::current_exe()?), role, args)
+    }
+
+    /// Spawn through a prepared command (e.g. `ip netns exec NS <this executable>`).
+    pub fn spawn_via(mut cmd: Command, role: &str, args: &[String]) -> Result<PeerProc> {
+        let mut child = cmd
             .arg("__peer")
             .arg(role)
             .args(args)
@@ -90,6 +96,8 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
     // Die with the benchmark that started us.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
     match role {
+        r if r.starts_with("lat-link") || r.starts_with("lat-tcp") => tcp::latency_peer(r, args),
+        r if r.starts_with("bw-link") || r.starts_with("bw-tcp") => tcp::bandwidth_peer(r, args),
         r if r.starts_with("lat-") => latency::peer(r, args),
         r if r.starts_with("bw-") => bandwidth::peer(r, args),
         other => Err(format!("unknown peer role {other}").into()),

@@ -24,6 +24,28 @@ impl Samples {
     pub fn record(&mut self, d: Duration) {
         let _ = self.h.record((d.as_nanos() as u64).max(1));
     }
+    /// A compact text form (`value:count,...`) to send a histogram over a pipe.
+    pub fn to_line(&self) -> String {
+        let mut out = String::new();
+        for v in self.h.iter_recorded() {
+            if !out.is_empty() {
+                out.push(',');
+            }
+            out.push_str(&format!("{}:{}", v.value_iterated_to(), v.count_at_value()));
+        }
+        out
+    }
+
+    /// Parse [`Samples::to_line`].
+    pub fn from_line(line: &str) -> Option<Samples> {
+        let mut s = Samples::new();
+        for part in line.split(',').filter(|p| !p.is_empty()) {
+            let (v, c) = part.split_once(':')?;
+            s.h.record_n(v.parse().ok()?, c.parse().ok()?).ok()?;
+        }
+        Some(s)
+    }
+
     pub fn merge(&mut self, o: &Samples) {
         let _ = self.h.add(&o.h);
     }
