@@ -1,6 +1,6 @@
 //! One protocol-level suite, two transports.
 //!
-//! Every scenario runs between two child processes: over shared memory (`shm::*`: processes
+//! Every scenario runs between two child processes (`three`: three): over shared memory (`shm::*`: processes
 //! of one host), and over TCP links (`tcp::*`: each process on its own test host — a network
 //! namespace joined to the other by a veth pair — or, without root, two loopback NICs forced
 //! onto links, which is said on stderr).
@@ -41,6 +41,7 @@ fn child() {
     match (side, scenario) {
         ("server", s) => server(&nic, s),
         ("client", s) => client(&nic, s),
+        ("third", "three") => third(&nic),
         other => panic!("unknown role {other:?}"),
     }
     // Stay until the parent is done with us: exiting at once could cut our own NIC off in
@@ -140,8 +141,48 @@ fn server(nic: &Nic, scenario: &str) {
             say("pass");
             let _ = hear();
         }
+        "three" => {
+            // Words 0 and 64 are flags set by the client and by a third process it passed a
+            // narrowed descriptor to; the bodies are at 8 and 72.
+            let ap = ep.export(4096).unwrap();
+            let from_client = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
+            let from_third = ap.tripwire(TripwireConfig::writes(64..72)).unwrap();
+            let _conn = ep.accept(Some(LIMIT)).unwrap().accept(&ep, &ap.descriptor()).unwrap();
+            wait_word(&ap, &from_client, 0, 1);
+            assert_eq!(ap.load_u64(8).unwrap(), 0xC11E);
+            wait_word(&ap, &from_third, 64, 1);
+            assert_eq!(ap.load_u64(72).unwrap(), 0x7E1D);
+            say("pass");
+            let _ = hear();
+        }
         other => panic!("unknown scenario {other}"),
     }
+}
+
+/// The third process of `three`: imports a descriptor it got second-hand from the client
+/// (across hosts: from a NIC it has no link to yet, so the link is set up on demand).
+fn third(nic: &Nic) {
+    let ep = nic.endpoint().unwrap();
+    let d: clan::Descriptor = hear().unwrap().parse().unwrap();
+    assert_eq!((d.offset(), d.len(), d.rights()), (64, 64, clan::Rights::WRITE));
+    let m = ep.import(&d).unwrap();
+    // The narrowed range and rights hold, whatever the transport.
+    assert!(matches!(m.write(64, &[1]), Err(AccessError::OutOfBounds { .. })));
+    assert!(matches!(m.read(0, &mut [0u8; 8]), Err(AccessError::NotReadable)));
+    // The same descriptor widened by hand (its last caveat, before the 16-byte tag: length
+    // and rights) is refused by the exporter.
+    let mut forged = d.to_bytes();
+    let n = forged.len();
+    forged[n - 25..n - 17].copy_from_slice(&4032u64.to_le_bytes());
+    forged[n - 17] = 3;
+    let forged = clan::Descriptor::from_bytes(&forged).unwrap();
+    assert_eq!((forged.len(), forged.rights()), (4032, clan::Rights::READ_WRITE));
+    assert!(matches!(ep.import(&forged), Err(ImportError::BadKey)), "a forged descriptor was accepted");
+    m.write(8, &0x7E1Du64.to_le_bytes()).unwrap();
+    m.store_u64(0, 1).unwrap();
+    m.barrier().unwrap();
+    say("pass");
+    let _ = hear();
 }
 
 fn checksum(b: &[u8]) -> u64 {
@@ -220,6 +261,15 @@ fn client(nic: &Nic, scenario: &str) {
             assert!(matches!(ep.import(conn.peer_descriptor()), Err(ImportError::Revoked { .. })));
             say("pass");
         }
+        "three" => {
+            // Hand a narrowed descriptor (write-only, the second 64 bytes) to a third process.
+            let d = conn.peer_descriptor().derive(64, 64, clan::Rights::WRITE).unwrap();
+            say(d);
+            m.write(8, &0xC11Eu64.to_le_bytes()).unwrap();
+            m.store_u64(0, 1).unwrap();
+            m.barrier().unwrap();
+            say("pass");
+        }
         "restrict" => {
             let other = nic.endpoint().unwrap();
             match other.import(conn.peer_descriptor()) {
@@ -239,10 +289,10 @@ struct Setup {
 }
 
 impl Setup {
-    fn new(transport: Transport) -> Setup {
+    fn new(transport: Transport, hosts: usize) -> Setup {
         let net = match transport {
             Transport::Shm => None,
-            Transport::Tcp => match TestNet::new(2) {
+            Transport::Tcp => match TestNet::new(hosts) {
                 Ok(n) => Some(n),
                 Err(why) => {
                     eprintln!("tcp suite: {why}; running over loopback links instead of test hosts");
@@ -274,7 +324,7 @@ impl Setup {
 
 fn run(transport: Transport, scenario: &str) {
     let _wd = Watchdog::new("suite scenario", Duration::from_secs(240));
-    let setup = Setup::new(transport);
+    let setup = Setup::new(transport, if scenario == "three" { 3 } else { 2 });
     let mut server = setup.spawn(0, &format!("server:{scenario}"));
     let addr = server.expect("server address");
     let spawn_client = || {
@@ -303,6 +353,18 @@ fn run(transport: Transport, scenario: &str) {
             assert_eq!(server.expect("pass"), "pass");
             server.send("done");
         }
+        "three" => {
+            let mut c = spawn_client();
+            let desc = c.expect("narrowed descriptor");
+            let mut third = setup.spawn(2, "third:three");
+            third.send(&desc);
+            assert_eq!(c.expect("client pass"), "pass");
+            assert_eq!(third.expect("third pass"), "pass");
+            assert_eq!(server.expect("server pass"), "pass");
+            for p in [&mut c, &mut third, &mut server] {
+                p.send("done");
+            }
+        }
         _ => {
             let mut c = spawn_client();
             assert_eq!(c.expect("client pass"), "pass");
@@ -324,4 +386,4 @@ macro_rules! suite {
     };
 }
 
-suite!(rpc, bulk, kill, close, revoke, restrict);
+suite!(rpc, bulk, kill, close, revoke, restrict, three);
