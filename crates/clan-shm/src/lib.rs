@@ -15,6 +15,7 @@
 //! | [`cam`] | the per-aperture index from addresses to tripwires (the software CAM) |
 //! | [`snoop`] | the data path: move bytes, fire the tripwires they touch, in the right order |
 //! | [`eq`] | the layout of an event queue's segment |
+//! | [`doorbell`] | request queues that wake their service only when they were idle (the DMA doorbell) |
 //!
 //! ## Guarantees
 //!
@@ -22,7 +23,7 @@
 //!   raw copies, control words are atomics ([`segment::Shared`]). Every offset, length and
 //!   index read from shared memory is validated before use: memory written by another process
 //!   is untrusted input.
-//! - The lock-free algorithms ([`ring`], [`trip`], [`cam`], [`snoop`]) are written against
+//! - The lock-free algorithms ([`ring`], [`trip`], [`cam`], [`snoop`], [`doorbell`]) are written against
 //!   the [`sync`] facade and model-checked with loom (`tests/loom.rs`,
 //!   `RUSTFLAGS="--cfg loom" cargo test -p clan-shm --release --test loom`). Their fence
 //!   protocols are documented where they live; every Release/Acquire pair is marked
@@ -35,6 +36,7 @@
 #![warn(missing_docs)]
 
 pub mod cam;
+pub mod doorbell;
 pub mod eq;
 pub mod ring;
 pub mod snoop;

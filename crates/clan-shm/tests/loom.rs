@@ -363,3 +363,62 @@ fn settle_then_sleep_no_lost_wakeup() {
         producer.join().unwrap();
     });
 }
+
+/// DMA doorbell: a producer publishes two requests and rings only when it finds the queue
+/// idle; the engine services until empty, then goes idle and sleeps on its bell. No request
+/// is ever left in an idle queue (the engine would sleep forever: loom reports the
+/// deadlock), and the queue is never owned twice (on the list and/or being serviced).
+#[test]
+fn doorbell_no_lost_request() {
+    use clan_shm::doorbell::{Bell, Schedule};
+    struct S {
+        sched: Schedule,
+        tail: AtomicU64,
+        tokens: AtomicU32,
+        owners: AtomicU32,
+        bell: Bell,
+        futex: ModelFutex,
+    }
+    model(|| {
+        let s = Arc::new(S {
+            sched: Schedule::new(),
+            tail: AtomicU64::new(0),
+            tokens: AtomicU32::new(0),
+            owners: AtomicU32::new(0),
+            bell: Bell::new(),
+            futex: ModelFutex::default(),
+        });
+        let p = {
+            let s = s.clone();
+            thread::spawn(move || {
+                for _ in 0..2 {
+                    // SYNC POINT: publishes the request to the engine's Acquire load of `tail`.
+                    s.tail.fetch_add(1, Ordering::Release);
+                    if s.sched.after_publish() {
+                        assert_eq!(s.owners.fetch_add(1, Ordering::SeqCst), 0, "queue scheduled twice");
+                        s.tokens.fetch_add(1, Ordering::SeqCst);
+                        s.bell.ring(&s.futex);
+                    }
+                }
+            })
+        };
+        let mut head = 0u64;
+        while head < 2 {
+            trip::wait_until(&s.bell.count, &s.bell.sleepers, std::time::Duration::ZERO, None, &s.futex, || {
+                s.tokens.load(Ordering::SeqCst) > 0
+            });
+            s.tokens.fetch_sub(1, Ordering::SeqCst);
+            loop {
+                while head < s.tail.load(Ordering::Acquire) {
+                    head += 1;
+                }
+                s.owners.fetch_sub(1, Ordering::SeqCst);
+                if !s.sched.on_empty(|| head == s.tail.load(Ordering::Acquire)) {
+                    break;
+                }
+                assert_eq!(s.owners.fetch_add(1, Ordering::SeqCst), 0, "queue scheduled twice");
+            }
+        }
+        p.join().unwrap();
+    });
+}

@@ -23,6 +23,7 @@
 //! 14    Ping         token u64
 //! 15    Pong         token u64
 //! 16    Close        status u8
+//! 17    Notify       Target, len u64                  (after a write: tell the exporter it landed)
 //! ```
 //!
 //! A nic addr is `family u8 (4 or 6), address [16] (IPv4 mapped), port u16`.
@@ -65,6 +66,7 @@ pub mod kind {
     pub const PING: u8 = 14;
     pub const PONG: u8 = 15;
     pub const CLOSE: u8 = 16;
+    pub const NOTIFY: u8 = 17;
 }
 
 /// Result codes carried by replies, refusals and `Close`.
@@ -310,6 +312,14 @@ pub enum Frame<'a> {
         /// Why.
         status: Status,
     },
+    /// A notification attached to the writes before it (VMMC): `len` bytes at `to` have
+    /// landed; the exporter posts an event to the aperture's owner.
+    Notify {
+        /// Where the message landed (checked like a write of `len` bytes).
+        to: Target,
+        /// Its length.
+        len: u64,
+    },
 }
 
 pub(crate) struct Reader<'a>(pub &'a [u8]);
@@ -503,6 +513,11 @@ impl Frame<'_> {
                 at = begin(out, kind::CLOSE);
                 out.push(*status as u8);
             }
+            Frame::Notify { to, len } => {
+                at = begin(out, kind::NOTIFY);
+                to.put(out);
+                out.extend_from_slice(&len.to_le_bytes());
+            }
         }
         finish(out, at);
     }
@@ -560,6 +575,7 @@ pub(crate) fn decode_small(kind_: u8, body: &[u8]) -> Result<Frame<'_>, WireErro
         kind::PING => Frame::Ping { token: r.u64()? },
         kind::PONG => Frame::Pong { token: r.u64()? },
         kind::CLOSE => Frame::Close { status: Status::from_u8(r.u8()?) },
+        kind::NOTIFY => Frame::Notify { to: Target::get(&mut r)?, len: r.u64()? },
         other => return Err(WireError::UnknownKind(other)),
     };
     r.done()?;

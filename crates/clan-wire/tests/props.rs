@@ -36,6 +36,7 @@ enum SmallFrame {
     Ping(u64),
     Pong(u64),
     Close(Status),
+    Notify(Target, u64),
 }
 
 impl SmallFrame {
@@ -57,6 +58,7 @@ impl SmallFrame {
             SmallFrame::Ping(t) => Frame::Ping { token: *t },
             SmallFrame::Pong(t) => Frame::Pong { token: *t },
             SmallFrame::Close(s) => Frame::Close { status: *s },
+            SmallFrame::Notify(t, l) => Frame::Notify { to: *t, len: *l },
         }
     }
 }
@@ -118,6 +120,7 @@ fn small() -> impl Strategy<Value = SmallFrame> {
         any::<u64>().prop_map(SmallFrame::Ping),
         any::<u64>().prop_map(SmallFrame::Pong),
         status().prop_map(SmallFrame::Close),
+        (target(), any::<u64>()).prop_map(|(t, l)| SmallFrame::Notify(t, l)),
     ]
 }
 
@@ -215,6 +218,7 @@ fn decode_chunked(stream: &[u8], chunks: &[usize], direct: &[bool]) -> Result<Ve
                         Frame::Ping { token } => SmallFrame::Ping(token),
                         Frame::Pong { token } => SmallFrame::Pong(token),
                         Frame::Close { status } => SmallFrame::Close(status),
+                        Frame::Notify { to, len } => SmallFrame::Notify(to, len),
                     };
                     out.push(Owned::Small(s));
                 }
@@ -448,6 +452,7 @@ fn seed_corpus() {
             ("ack", enc(Frame::Ack(Ack { writes: 10, bytes: 4096 }))),
             ("credit", enc(Frame::Credit { bytes: 1 << 20 })),
             ("refused", enc(Frame::Refused(Refused { status: Status::OutOfBounds, key: 5, offset: 9000 }))),
+            ("notify", enc(Frame::Notify { to: t, len: 4096 })),
             ("ping_pong_close", {
                 let mut b = enc(Frame::Ping { token: 1 });
                 b.extend(enc(Frame::Pong { token: 1 }));

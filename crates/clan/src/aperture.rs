@@ -135,6 +135,12 @@ impl ApertureInner {
     pub fn descriptor(&self) -> Descriptor {
         Descriptor::root(self.nic.addr, self.id, self.generation, self.len, &self.key)
     }
+
+    /// Post a notification for `len` bytes at `offset` to the owner's event queue.
+    pub fn post_notification(&self, offset: u64, len: u64) {
+        let id = u64::from(self.id) | (u64::from(self.generation) << 32);
+        self.window.port.post([crate::event_queue::EVENT_NOTIFY, id, offset, len]);
+    }
 }
 
 impl Drop for ApertureInner {

@@ -63,6 +63,27 @@ pub struct NicConfig {
     pub routes: Vec<(NicAddr, SocketAddr)>,
     /// Pin the engine thread to this CPU (e.g. the CPU of the thread it wakes).
     pub engine_cpu: Option<usize>,
+    /// The DMA engine.
+    pub dma: DmaConfig,
+}
+
+/// The DMA engine of a NIC (a thread started with the first DMA request).
+#[derive(Debug, Clone)]
+pub struct DmaConfig {
+    /// How long the engine polls for new requests after the last one before it sleeps
+    /// (a request posted meanwhile starts without a wake-up).
+    pub spin: Duration,
+    /// Bytes moved for one queue before the engine turns to the next non-empty queue
+    /// (round-robin: the unit of fairness between endpoints).
+    pub quantum: u64,
+    /// Pin the engine thread to this CPU.
+    pub cpu: Option<usize>,
+}
+
+impl Default for DmaConfig {
+    fn default() -> Self {
+        DmaConfig { spin: Duration::from_micros(20), quantum: 64 << 10, cpu: None }
+    }
 }
 
 impl Default for NicConfig {
@@ -81,6 +102,7 @@ impl Default for NicConfig {
             cluster_key: None,
             routes: Vec::new(),
             engine_cpu: None,
+            dma: DmaConfig::default(),
         }
     }
 }

@@ -11,7 +11,8 @@ use crate::aperture::{Aperture, ApertureInner};
 use crate::config::ExportConfig;
 use crate::ctl::{self, Code};
 use crate::descriptor::Descriptor;
-use crate::error::{Denial, ExportError, ImportError, OobError, TripwireError};
+use crate::dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaQueue, DmaRequest, DmaStats, DmaTicket};
+use crate::error::{Denial, DmaError, ExportError, ImportError, OobError, TripwireError};
 use crate::event_queue::{EVENT_OOB, EventQueue};
 use crate::mapping::{Keep, Mapping, MappingInner};
 use crate::nic::NicInner;
@@ -36,6 +37,8 @@ pub struct EndpointConfig {
     pub port: Option<u32>,
     /// Event queue; None uses the NIC's default queue.
     pub queue: Option<EventQueue>,
+    /// Requests the endpoint's DMA queue holds (0: [`crate::DEFAULT_DMA_QUEUE`]).
+    pub dma_queue: usize,
 }
 
 #[derive(Debug)]
@@ -48,10 +51,12 @@ pub(crate) struct EndpointInner {
     closed: AtomicBool,
     apertures: Mutex<Vec<Weak<ApertureInner>>>,
     pub conns: crate::conn::EndpointConns,
+    dma: OnceLock<Arc<DmaQueue>>,
+    dma_capacity: usize,
 }
 
 impl EndpointInner {
-    pub fn new(nic: Arc<NicInner>, addr: EndpointAddr, queue: EventQueue) -> EndpointInner {
+    pub fn new(nic: Arc<NicInner>, addr: EndpointAddr, queue: EventQueue, dma_capacity: usize) -> EndpointInner {
         EndpointInner {
             nic,
             addr,
@@ -61,7 +66,26 @@ impl EndpointInner {
             closed: AtomicBool::new(false),
             apertures: Mutex::new(Vec::new()),
             conns: Default::default(),
+            dma: OnceLock::new(),
+            dma_capacity: if dma_capacity == 0 { DEFAULT_DMA_QUEUE } else { dma_capacity },
         }
+    }
+
+    /// The DMA queue, made (and the NIC's DMA engine started) on first use.
+    fn dma_queue(&self) -> Result<&Arc<DmaQueue>, DmaError> {
+        if let Some(q) = self.dma.get() {
+            return Ok(q);
+        }
+        let engine = self.nic.dma_engine().map_err(|e| DmaError::Engine(e.to_string()))?;
+        let q = Arc::new(DmaQueue::new(engine, self.addr.port, self.queue.clone(), self.dma_capacity));
+        let _ = self.dma.set(q);
+        if self.closed.load(Ordering::Acquire) {
+            if let Some(q) = self.dma.get() {
+                q.close();
+            }
+            return Err(DmaError::EndpointClosed);
+        }
+        self.dma.get().ok_or(DmaError::EndpointClosed)
     }
 
     /// Queue an out-of-band message and post its event.
@@ -93,6 +117,9 @@ impl EndpointInner {
         let aps = std::mem::take(&mut *self.apertures.lock().unwrap_or_else(|e| e.into_inner()));
         for a in aps.iter().filter_map(Weak::upgrade) {
             a.unexport();
+        }
+        if let Some(q) = self.dma.get() {
+            q.close();
         }
         self.nic.endpoint_closed(self.addr.port);
         self.oob_cv.notify_all();
@@ -275,6 +302,50 @@ impl Endpoint {
                 }
             };
         }
+    }
+
+    /// Queue a DMA write of `len` bytes of `src` (an aperture of this process) at `src_off`
+    /// to `dst` at `dst_off`; returns at once. The range, rights and liveness are checked
+    /// now; the engine moves the data (see [`crate::DmaTicket`] for completion).
+    pub fn dma_write(
+        &self,
+        src: &Aperture,
+        src_off: u64,
+        dst: &Mapping,
+        dst_off: u64,
+        len: u64,
+        opts: DmaOptions,
+    ) -> Result<DmaTicket, DmaError> {
+        let req = DmaRequest::write(src, src_off, dst, dst_off, len)?;
+        self.inner.dma_queue()?.post(vec![req], opts)
+    }
+
+    /// Queue a DMA read (a remote fetch) of `len` bytes of `src` at `src_off` into `dst` (an
+    /// aperture of this process) at `dst_off`; returns at once. `dst`'s write tripwires fire
+    /// as the data lands.
+    pub fn dma_read(
+        &self,
+        src: &Mapping,
+        src_off: u64,
+        dst: &Aperture,
+        dst_off: u64,
+        len: u64,
+        opts: DmaOptions,
+    ) -> Result<DmaTicket, DmaError> {
+        let req = DmaRequest::read(src, src_off, dst, dst_off, len)?;
+        self.inner.dma_queue()?.post(vec![req], opts)
+    }
+
+    /// Queue a chain: requests run in order, back to back, and complete together (one
+    /// ticket, one event with `opts`); if one fails, the rest are not run and the chain
+    /// reports the first failure. Posting a chain rings the doorbell at most once.
+    pub fn dma_chain(&self, reqs: Vec<DmaRequest>, opts: DmaOptions) -> Result<DmaTicket, DmaError> {
+        self.inner.dma_queue()?.post(reqs, opts)
+    }
+
+    /// Counters of the endpoint's DMA queue.
+    pub fn dma_stats(&self) -> DmaStats {
+        self.inner.dma.get().map(|q| q.stats()).unwrap_or_default()
     }
 
     /// Close the endpoint now (dropping does the same).

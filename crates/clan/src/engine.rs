@@ -300,6 +300,16 @@ impl Run {
         for cmd in nic.take_commands() {
             match cmd {
                 Cmd::Connect(x) => {
+                    // A connection from `x` is already up or being set up (it dialled us
+                    // first): waiters get that one when its handshake completes. Dialling
+                    // too would replace it and break what was sent over it.
+                    if nic.links.ready(x).is_some() {
+                        nic.links.notify();
+                        continue;
+                    }
+                    if self.handshaking_with(x) {
+                        continue;
+                    }
                     let to = nic.route(x);
                     match mio::net::TcpStream::connect(to) {
                         Ok(mut sock) => {
@@ -594,9 +604,15 @@ impl Handshake {
             self.sent_hello = true;
         }
         let mut tmp = [0u8; 1024];
+        // End of stream is acted on only after what came before it is decoded: a refusal
+        // (`Close`) is usually followed at once by the end of the connection.
+        let mut eof = false;
         loop {
             match self.sock.read(&mut tmp) {
-                Ok(0) => return self.fail("connection closed during handshake".into()),
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
                 Ok(n) => {
                     if self.buf.len() + n > 64 << 10 {
                         return self.fail("handshake flood".into());
@@ -619,6 +635,7 @@ impl Handshake {
             let (frame, used) = match dec.next(&self.buf) {
                 Ok(Some((Item::Frame(f), used))) => (f, used),
                 Ok(Some(_)) => return self.fail("data before the handshake finished".into()),
+                Ok(None) if eof => return self.fail("connection closed during handshake".into()),
                 Ok(None) => return HsStep::Pending,
                 Err(e) => return self.fail(format!("bad handshake frame: {e}")),
             };

@@ -330,3 +330,61 @@ pub enum DescriptorError {
     #[error("a descriptor can be narrowed at most {0} times")]
     TooDeep(usize),
 }
+
+/// How a DMA request that was accepted failed (reported by [`crate::DmaTicket`] and in
+/// [`crate::Event::DmaComplete`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum DmaFailure {
+    /// Its endpoint was closed before it ran (or while it ran: part of the data may have
+    /// been moved).
+    #[error("cancelled: the endpoint was closed before the request completed")]
+    Cancelled,
+    /// The remote aperture was unexported, or the local one was dropped.
+    #[error("an aperture of the request was unexported")]
+    Revoked,
+    /// The link to the other host broke.
+    #[error("the link to the other host went down")]
+    Disconnected,
+    /// The other host did not answer in time.
+    #[error("the other host did not answer in time")]
+    Timeout,
+    /// An earlier request of its chain failed, so it was not run.
+    #[error("an earlier request of the chain failed")]
+    ChainAborted,
+    /// The NIC was closed.
+    #[error("the NIC was closed")]
+    NicClosed,
+}
+
+/// DMA: posting requests and waiting for them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DmaError {
+    /// The request is invalid: out of range, missing rights, or an aperture already revoked.
+    #[error("invalid DMA request: {0}")]
+    Access(#[from] AccessError),
+    /// The endpoint was closed.
+    #[error("the endpoint is closed")]
+    EndpointClosed,
+    /// A chain without requests.
+    #[error("a DMA chain must hold at least one request")]
+    EmptyChain,
+    /// A chain longer than the queue can hold at once.
+    #[error("a chain of {len} requests does not fit in the endpoint's DMA queue of {capacity}")]
+    ChainTooLong {
+        /// Requests in the chain.
+        len: usize,
+        /// Queue capacity.
+        capacity: usize,
+    },
+    /// The request ran and failed.
+    #[error("the DMA failed: {0}")]
+    Failed(DmaFailure),
+    /// The wait timed out (the request is still pending).
+    #[error("timed out waiting for the DMA")]
+    Timeout,
+    /// The NIC could not start its DMA engine thread.
+    #[error("could not start the DMA engine: {0}")]
+    Engine(String),
+}

@@ -54,6 +54,8 @@ const KIND_OOB: u64 = 2;
 const KIND_DISCONNECT: u64 = 3;
 const KIND_USER: u64 = 4;
 const KIND_READ: u64 = 5;
+const KIND_DMA: u64 = 6;
+const KIND_NOTIFY: u64 = 7;
 
 /// Something that happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +90,30 @@ pub enum Event {
     ReadComplete {
         /// The token given when starting it.
         token: u64,
+    },
+    /// A DMA request posted with an event tag completed ([`crate::DmaOptions::event`]).
+    DmaComplete {
+        /// Port of the endpoint whose DMA queue ran it.
+        endpoint: u32,
+        /// The tag given when posting it.
+        tag: u64,
+        /// How it ended.
+        result: Result<(), crate::DmaFailure>,
+    },
+    /// A sender says a message landed in an aperture of this queue's endpoints
+    /// ([`crate::Mapping::notify`], VMMC notifications): posted after the message's bytes, so
+    /// they are in place when this event is taken. The claim comes from the writer (another
+    /// process or host): the range is checked against the aperture's size by whoever
+    /// serves it, and, as for every event, memory is the truth.
+    Notification {
+        /// Aperture id.
+        aperture: u32,
+        /// Aperture generation.
+        generation: u32,
+        /// Offset of the message in the aperture.
+        offset: u64,
+        /// Length of the message.
+        len: u64,
     },
     /// Events were lost: a producer's ring overflowed (or was found corrupt). Re-check
     /// everything this queue watches.
@@ -422,6 +448,21 @@ impl EqInner {
             KIND_DISCONNECT if ring == 0 => Some(Event::Disconnect { endpoint: w[1] as u32, token: w[2] }),
             KIND_USER if ring == 0 => Some(Event::User(w[1])),
             KIND_READ if ring == 0 => Some(Event::ReadComplete { token: w[1] }),
+            KIND_DMA if ring == 0 => {
+                let result = match crate::dma::failure_from_code((w[0] >> 8) as u8) {
+                    Some(f) => Err(f),
+                    None => Ok(()),
+                };
+                Some(Event::DmaComplete { endpoint: w[1] as u32, tag: w[2], result })
+            }
+            // Any producer may post these (a writer in another process): plain numbers,
+            // checked by the consumer against its apertures.
+            KIND_NOTIFY => Some(Event::Notification {
+                aperture: w[1] as u32,
+                generation: (w[1] >> 32) as u32,
+                offset: w[2],
+                len: w[3],
+            }),
             _ => {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
                 None
@@ -652,3 +693,5 @@ impl mio::event::Source for EventQueue {
 pub(crate) const EVENT_OOB: u64 = KIND_OOB;
 pub(crate) const EVENT_DISCONNECT: u64 = KIND_DISCONNECT;
 pub(crate) const EVENT_READ: u64 = KIND_READ;
+pub(crate) const EVENT_DMA: u64 = KIND_DMA;
+pub(crate) const EVENT_NOTIFY: u64 = KIND_NOTIFY;

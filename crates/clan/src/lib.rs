@@ -60,6 +60,7 @@ mod config;
 mod conn;
 mod ctl;
 mod descriptor;
+mod dma;
 mod endpoint;
 mod engine;
 mod error;
@@ -76,13 +77,16 @@ mod window;
 pub use addr::{AddrParseError, EndpointAddr, NicAddr};
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;
-pub use config::{EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport, NicConfig, Progress};
+pub use config::{
+    DmaConfig, EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport, NicConfig, Progress,
+};
 pub use conn::{ConnectError, ConnectRequest, Connection};
 pub use descriptor::{Descriptor, MAX_CAVEATS, Rights};
+pub use dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaRequest, DmaStats, DmaTicket};
 pub use endpoint::{Endpoint, EndpointConfig, OOB_QUEUE, OobMessage};
 pub use error::{
-    AccessError, Denial, DescriptorError, EndpointError, EventQueueError, ExportError, ImportError, NicError, OobError,
-    TripwireError,
+    AccessError, Denial, DescriptorError, DmaError, DmaFailure, EndpointError, EventQueueError, ExportError,
+    ImportError, NicError, OobError, TripwireError,
 };
 pub use event_queue::{Event, EventQueue, EventQueueStats};
 pub use mapping::{Mapping, PendingRead};

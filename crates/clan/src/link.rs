@@ -87,6 +87,27 @@ pub(crate) struct ReadSlot {
     pub status: Option<Status>,
     pub done: bool,
     pub notify: Option<(Arc<EqInner>, u64)>,
+    /// The answer goes straight into a local aperture (DMA) instead of `data`.
+    pub into: Option<ReadInto>,
+}
+
+/// Where a read's answer lands when it goes straight into a local aperture.
+pub(crate) struct ReadInto {
+    pub ap: Arc<ApertureInner>,
+    /// Aperture offset of the answer's first byte.
+    pub abs: u64,
+    /// Bytes asked for: a longer answer is not written past them.
+    pub want: u64,
+    /// Bytes in place so far.
+    pub got: u64,
+    /// Runs once, on the receiving thread, when the answer is complete (or the link died).
+    pub done: Box<dyn FnOnce(Result<u64, Status>) + Send>,
+}
+
+impl std::fmt::Debug for ReadInto {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadInto").field("abs", &self.abs).field("want", &self.want).field("got", &self.got).finish()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -246,8 +267,31 @@ impl Link {
         Frame::Close { status }.encode(&mut b);
         let _ = (&self.sock).write(&b);
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
-        let _g = lock(&self.waits);
-        self.cv.notify_all();
+        // Reads that will never be answered: complete them (waiters see the link closed;
+        // notifications and callbacks must still come).
+        let (intos, notes) = {
+            let mut w = lock(&self.waits);
+            let ids: Vec<u64> = w.reads.iter().filter(|(_, s)| !s.done).map(|(id, _)| *id).collect();
+            let mut intos = Vec::new();
+            let mut notes = Vec::new();
+            for id in ids {
+                if w.reads.get(&id).is_some_and(|s| s.into.is_some()) {
+                    intos.extend(w.reads.remove(&id).and_then(|s| s.into));
+                } else if let Some(s) = w.reads.get_mut(&id) {
+                    s.status.get_or_insert(Status::Other);
+                    s.done = true;
+                    notes.extend(s.notify.take());
+                }
+            }
+            self.cv.notify_all();
+            (intos, notes)
+        };
+        for into in intos {
+            (into.done)(Err(Status::Other));
+        }
+        for (eq, token) in notes {
+            eq.post_local(crate::event_queue::EVENT_READ, token, 0);
+        }
     }
 
     // ---- sending ----------------------------------------------------------------------
@@ -526,11 +570,30 @@ impl Link {
         let id = {
             let mut w = lock(&self.waits);
             let id = w.id();
-            w.reads.insert(id, ReadSlot { data: Vec::new(), status: None, done: false, notify });
+            w.reads.insert(id, ReadSlot { data: Vec::new(), status: None, done: false, notify, into: None });
             id
         };
         self.send_frame_blocking(nic, &Frame::ReadReq(ReadReq { id, from, len }))?;
         Ok(id)
+    }
+
+    /// Start a read of `len` bytes at `from` whose answer goes straight into `into.ap`.
+    pub fn start_read_into(&self, nic: &NicInner, from: Target, len: u32, into: ReadInto) -> Result<(), LinkError> {
+        let id = {
+            let mut w = lock(&self.waits);
+            let id = w.id();
+            w.reads
+                .insert(id, ReadSlot { data: Vec::new(), status: None, done: false, notify: None, into: Some(into) });
+            id
+        };
+        if let Err(e) = self.send_frame_blocking(nic, &Frame::ReadReq(ReadReq { id, from, len })) {
+            // Not sent: nobody will answer. (If the link closed meanwhile, `close` may have
+            // run the callback already; then the slot is gone.)
+            let slot = lock(&self.waits).reads.remove(&id);
+            drop(slot);
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Wait for read `id`.
@@ -799,6 +862,16 @@ impl Link {
             }
             OwnedItem::ReadRespBegin { id, status, len } => {
                 let mut w = lock(&self.waits);
+                if w.reads.get(&id).is_some_and(|s| s.into.is_some()) {
+                    if status != Status::Ok || len == 0 {
+                        let slot = w.reads.remove(&id);
+                        drop(w);
+                        if let Some(into) = slot.and_then(|s| s.into) {
+                            (into.done)(if status == Status::Ok && into.want == 0 { Ok(0) } else { Err(status) });
+                        }
+                    }
+                    return Ok(());
+                }
                 if let Some(s) = w.reads.get_mut(&id) {
                     s.status = Some(status);
                     s.data.reserve(len as usize);
@@ -814,6 +887,26 @@ impl Link {
             OwnedItem::ReadRespData { id, len, last } => {
                 let data = &rx.buf[data_at..data_at + len];
                 let mut w = lock(&self.waits);
+                if let Some(into) = w.reads.get_mut(&id).and_then(|s| s.into.as_mut()) {
+                    // Straight into the aperture (its write tripwires fire as for any
+                    // incoming write), never past what was asked for.
+                    let room = into.want - into.got;
+                    let k = (len as u64).min(room) as usize;
+                    if k > 0 {
+                        let _ = into.ap.window.write(into.abs + into.got, &data[..k]);
+                        into.got += k as u64;
+                    }
+                    let overlong = len as u64 > room;
+                    if last || overlong {
+                        let slot = w.reads.remove(&id);
+                        drop(w);
+                        if let Some(into) = slot.and_then(|s| s.into) {
+                            let ok = !overlong && into.got == into.want;
+                            (into.done)(if ok { Ok(into.got) } else { Err(Status::Malformed) });
+                        }
+                    }
+                    return Ok(());
+                }
                 if let Some(s) = w.reads.get_mut(&id) {
                     s.data.extend_from_slice(data);
                     if last {
@@ -933,6 +1026,11 @@ impl Link {
                 SmallOwned::Close { status } => {
                     self.close(status, format!("closed by {} ({status:?})", self.peer));
                 }
+                SmallOwned::Notify { to, len } => match self.check_access(&to, len, Rights::WRITE) {
+                    // Behind the writes it follows (frames are applied in order): they landed.
+                    Ok(ap) => ap.post_notification(to.offset, len),
+                    Err(status) => self.refuse(rx, status, to.key, to.offset),
+                },
                 SmallOwned::Hello | SmallOwned::Auth => {
                     self.refuse(rx, Status::Malformed, 0, 0);
                 }
@@ -995,6 +1093,7 @@ enum SmallOwned {
     Oob(clan_wire::Oob),
     OobResult { id: u64, status: Status },
     Close { status: Status },
+    Notify { to: Target, len: u64 },
     Hello,
     Auth,
 }
@@ -1023,6 +1122,7 @@ fn owned_item(i: Item<'_>) -> OwnedItem {
             Frame::Oob(o) => OwnedFrame::Other(SmallOwned::Oob(o)),
             Frame::OobResult { id, status } => OwnedFrame::Other(SmallOwned::OobResult { id, status }),
             Frame::Close { status } => OwnedFrame::Other(SmallOwned::Close { status }),
+            Frame::Notify { to, len } => OwnedFrame::Other(SmallOwned::Notify { to, len }),
             Frame::Hello(_) => OwnedFrame::Other(SmallOwned::Hello),
             Frame::Auth(_) => OwnedFrame::Other(SmallOwned::Auth),
         }),

@@ -293,6 +293,92 @@ impl Mapping {
         }
     }
 
+    /// Tell the exporter that a message of `len` bytes at `off` has landed: its endpoint's
+    /// event queue gets [`crate::Event::Notification`] (VMMC notifications). Call it after
+    /// writing the message: the notification is ordered after every earlier write through
+    /// this NIC to that exporter (within a host, the writes are already in place; across
+    /// hosts, the notification travels behind them on the link).
+    pub fn notify(&self, off: u64, len: u64) -> Result<(), AccessError> {
+        let abs = self.check(off, len, Rights::WRITE)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                let d = &self.inner.desc;
+                let id = u64::from(d.aperture()) | (u64::from(d.generation()) << 32);
+                w.port.post([crate::event_queue::EVENT_NOTIFY, id, abs, len]);
+                Ok(())
+            }
+            Via::Link(t) => t.notify(abs, len),
+        }
+    }
+
+    /// Bounds, rights and liveness of an access; its aperture offset.
+    pub(crate) fn check_access(&self, off: u64, len: u64, need: Rights) -> Result<u64, AccessError> {
+        self.check(off, len, need)
+    }
+
+    /// Fire this mapping's outgoing tripwires for a completed access.
+    pub(crate) fn fire_outgoing(&self, access: Access, off: u64, len: u64) {
+        self.outgoing(access, off, len);
+    }
+
+    /// Write `len` bytes of `src` (a segment of this process) at `src_off` to `off` (DMA).
+    pub(crate) fn write_from_segment(
+        &self,
+        off: u64,
+        src: &Segment,
+        src_off: u64,
+        len: u64,
+    ) -> Result<(), AccessError> {
+        let abs = self.check(off, len, Rights::WRITE)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                w.write_from(abs, src, src_off, len)?;
+            }
+            Via::Link(t) => t.write_from(abs, src, src_off, len)?,
+        }
+        self.outgoing(Access::Write, off, len);
+        Ok(())
+    }
+
+    /// Read `len` bytes at `off` into aperture `dst` at `dst_off` (DMA within a host): the
+    /// destination's write tripwires fire as for incoming traffic, the exporter's read
+    /// tripwires and this mapping's outgoing ones after.
+    pub(crate) fn read_into_aperture(
+        &self,
+        off: u64,
+        dst: &crate::aperture::ApertureInner,
+        dst_off: u64,
+        len: u64,
+    ) -> Result<(), AccessError> {
+        let abs = self.check(off, len, Rights::READ)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                dst.window.write_from(dst_off, &w.data, abs - w.data_base, len)?;
+                w.commit(abs, len, Access::Read);
+            }
+            Via::Link(_) => return Err(AccessError::Disconnected),
+        }
+        self.outgoing(Access::Read, off, len);
+        Ok(())
+    }
+
+    /// Start reading `len` bytes at `off` over the link into aperture `dst` at `dst_off`;
+    /// `done` runs (on whichever thread receives the answer) with the bytes read.
+    pub(crate) fn read_into_aperture_async(
+        &self,
+        off: u64,
+        dst: std::sync::Arc<crate::aperture::ApertureInner>,
+        dst_off: u64,
+        len: u64,
+        done: Box<dyn FnOnce(Result<u64, AccessError>) + Send>,
+    ) -> Result<(), AccessError> {
+        let abs = self.check(off, len, Rights::READ)?;
+        match &self.inner.via {
+            Via::Link(t) => t.read_into(abs, dst, dst_off, len, done),
+            Via::Local(_) => Err(AccessError::Disconnected),
+        }
+    }
+
     /// Set a tripwire on this node's own traffic through the mapping: it fires once a write
     /// (or read) through the mapping that touches `cfg`'s range (relative to the mapping) has
     /// completed. It reports to the importing endpoint's event queue.

@@ -86,6 +86,12 @@ impl LinkTable {
         self.cv.notify_all();
     }
 
+    /// Wake the threads waiting for a link.
+    pub fn notify(&self) {
+        let _m = self.map();
+        self.cv.notify_all();
+    }
+
     /// Dialling `peer` failed.
     pub fn fail(&self, peer: NicAddr, reason: String) {
         let mut m = self.map();
@@ -173,6 +179,7 @@ pub(crate) struct NicInner {
     waker: OnceLock<Arc<mio::Waker>>,
     cache: Mutex<Cache>,
     engine: Mutex<Option<Engine>>,
+    dma: Mutex<Option<crate::dma::DmaEngine>>,
     exports_fresh: AtomicU64,
     exports_cached: AtomicU64,
     imports_granted: AtomicU64,
@@ -187,6 +194,9 @@ impl std::fmt::Debug for NicInner {
 
 impl Drop for NicInner {
     fn drop(&mut self) {
+        if let Some(mut d) = self.dma.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            d.stop();
+        }
         if let Some(mut e) = self.engine.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             e.stop();
         }
@@ -242,6 +252,18 @@ fn bind(config: &NicConfig) -> Result<Bound, NicError> {
 }
 
 impl NicInner {
+    /// The DMA engine, started on first use.
+    pub fn dma_engine(&self) -> std::io::Result<Arc<crate::dma::Shared>> {
+        let mut d = self.dma.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = d.as_ref() {
+            return Ok(e.shared.clone());
+        }
+        let e = crate::dma::DmaEngine::start(&self.config.dma)?;
+        let s = e.shared.clone();
+        *d = Some(e);
+        Ok(s)
+    }
+
     pub fn manual_progress(&self) -> bool {
         self.config.progress == crate::config::Progress::Manual
     }
@@ -839,6 +861,7 @@ impl Nic {
             waker: OnceLock::new(),
             cache: Mutex::new(Cache::default()),
             engine: Mutex::new(None),
+            dma: Mutex::new(None),
             exports_fresh: AtomicU64::new(0),
             exports_cached: AtomicU64::new(0),
             imports_granted: AtomicU64::new(0),
@@ -908,7 +931,12 @@ impl Nic {
                 }
             },
         };
-        let inner = Arc::new(EndpointInner::new(self.inner.clone(), EndpointAddr::new(self.inner.addr, port), queue));
+        let inner = Arc::new(EndpointInner::new(
+            self.inner.clone(),
+            EndpointAddr::new(self.inner.addr, port),
+            queue,
+            cfg.dma_queue,
+        ));
         eps.0.insert(port, Arc::downgrade(&inner));
         Ok(Endpoint { inner })
     }

@@ -106,6 +106,46 @@ impl LinkTarget {
     pub fn barrier(&self) -> Result<(), AccessError> {
         self.link.barrier(&self.nic).map_err(link_error)
     }
+
+    /// Send `len` bytes of `src` at `src_off` (no copy: the burst goes from that memory).
+    pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<(), AccessError> {
+        self.check_live()?;
+        self.link
+            .send_write(&self.nic, self.to(abs), Payload::Seg(src, src_off as usize), len as usize)
+            .map_err(link_error)
+    }
+
+    /// A notification behind the writes sent so far.
+    pub fn notify(&self, abs: u64, len: u64) -> Result<(), AccessError> {
+        self.check_live()?;
+        self.link.send_frame_blocking(&self.nic, &Frame::Notify { to: self.to(abs), len }).map_err(link_error)
+    }
+
+    /// Read into a local aperture; `done` runs when the answer is in place.
+    pub fn read_into(
+        &self,
+        abs: u64,
+        dst: Arc<crate::aperture::ApertureInner>,
+        dst_off: u64,
+        len: u64,
+        done: Box<dyn FnOnce(Result<u64, AccessError>) + Send>,
+    ) -> Result<(), AccessError> {
+        self.check_live()?;
+        let state = self.state.clone();
+        let into = crate::link::ReadInto {
+            ap: dst,
+            abs: dst_off,
+            want: len,
+            got: 0,
+            done: Box::new(move |r: Result<u64, Status>| {
+                done(r.map_err(|s| match check_status(s, &state) {
+                    Err(e) => e,
+                    Ok(()) => AccessError::Disconnected,
+                }))
+            }),
+        };
+        self.link.start_read_into(&self.nic, self.to(abs), len as u32, into).map_err(link_error)
+    }
 }
 
 pub(crate) fn check_status(status: Status, state: &TargetState) -> Result<(), AccessError> {

@@ -95,6 +95,20 @@ impl Window {
         })
     }
 
+    /// Copy `len` bytes of segment `src` at `src_off` to aperture offset `abs`, snooped
+    /// like [`Window::write`] (the DMA engine's copy: one pass, no intermediate buffer).
+    pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<u32, AccessError> {
+        let sink = self.port.sink();
+        self.with_watch(|w| {
+            with_scratch(|s| {
+                snoop::transfer(Access::Write, w, &sink, abs, len, s, |o, l| {
+                    let from = src_off + (o - abs);
+                    self.data.copy_from(self.rel(o), src, from as usize, l as usize).map_err(seg_err)
+                })
+            })
+        })
+    }
+
     /// Read into `dst` from aperture offset `abs`.
     pub fn read(&self, abs: u64, dst: &mut [u8]) -> Result<u32, AccessError> {
         let sink = self.port.sink();

@@ -156,18 +156,18 @@ fn memory_is_reused_only_when_no_mapping_can_reach_it() {
 #[test]
 fn closing_an_endpoint_unexports_its_apertures_and_frees_its_port() {
     let nic = nic();
-    let ep = nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None }).unwrap();
+    let ep = nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None, ..Default::default() }).unwrap();
     let other = nic.endpoint().unwrap();
     let ap = ep.export(4096).unwrap();
     let m = other.import(&ap.descriptor()).unwrap();
     assert!(matches!(
-        nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None }),
+        nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None, ..Default::default() }),
         Err(clan::EndpointError::PortInUse(4242))
     ));
     ep.close();
     assert_eq!(m.write(0, b"x"), Err(AccessError::Revoked));
     assert!(matches!(ap.tripwire(clan::TripwireConfig::writes(0..8)), Err(clan::TripwireError::Stale)));
-    let again = nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None }).unwrap();
+    let again = nic.endpoint_with(EndpointConfig { port: Some(4242), queue: None, ..Default::default() }).unwrap();
     assert_eq!(again.port(), 4242);
 }
 

@@ -332,7 +332,8 @@ fn producers_killed_at_random_points() {
     let _wd = Watchdog::new("SIGKILL producers", Duration::from_secs(600));
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig { ring_capacity: 64, ..EventQueueConfig::default() }).unwrap();
-    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
+    let ep =
+        nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()), ..Default::default() }).unwrap();
     let ap = ep.export(4096).unwrap();
     let _tw = ap.tripwire(TripwireConfig::writes(0..8).event(7)).unwrap();
     let mine = ep.import(&ap.descriptor()).unwrap();
@@ -384,7 +385,8 @@ fn hostile_process_cannot_crash_or_hang_us() {
     let _wd = Watchdog::new("hostile scribbler", Duration::from_secs(300));
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig::default()).unwrap();
-    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
+    let ep =
+        nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()), ..Default::default() }).unwrap();
     let ap = ep.export(1 << 16).unwrap();
     let mine = ep.import(&ap.descriptor()).unwrap();
     let tws: Vec<_> =
@@ -408,7 +410,8 @@ fn hostile_process_cannot_crash_or_hang_us() {
     c.wait_ok();
     // Fresh resources still work normally.
     let q2 = nic.event_queue(EventQueueConfig::default()).unwrap();
-    let ep2 = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q2.clone()) }).unwrap();
+    let ep2 =
+        nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q2.clone()), ..Default::default() }).unwrap();
     let ap2 = ep2.export(4096).unwrap();
     let tw2 = ap2.tripwire(TripwireConfig::writes(0..8).event(3)).unwrap();
     ep2.import(&ap2.descriptor()).unwrap().store_u64(0, 1).unwrap();

@@ -44,7 +44,7 @@ fn take_poll_and_wait() {
 fn overflow_is_reported_never_silent() {
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig { ring_capacity: 4, ..EventQueueConfig::default() }).unwrap();
-    let ep = nic.endpoint_with(EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
+    let ep = nic.endpoint_with(EndpointConfig { queue: Some(q.clone()), ..Default::default() }).unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let tw = ap.tripwire(TripwireConfig::writes(0..8).event(5)).unwrap();

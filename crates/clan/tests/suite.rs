@@ -141,6 +141,27 @@ fn server(nic: &Nic, scenario: &str) {
             say("pass");
             let _ = hear();
         }
+        "dma" => {
+            // The client DMAs 4 MiB with a notification; we are told when it has landed.
+            let ap = ep.export(4 << 20).unwrap();
+            let _conn = ep.accept(Some(LIMIT)).unwrap().accept(&ep, &ap.descriptor()).unwrap();
+            let start = Instant::now();
+            loop {
+                match ep.event_queue().wait(Some(Duration::from_millis(200))) {
+                    Ok(Event::Notification { aperture, generation, offset: 0, len }) => {
+                        assert_eq!((aperture, generation, len), (ap.id(), ap.generation(), 4 << 20));
+                        break;
+                    }
+                    _ => assert!(start.elapsed() < LIMIT, "no notification"),
+                }
+            }
+            let msg = ep.wait_oob(Some(LIMIT)).unwrap();
+            let mut all = vec![0u8; 4 << 20];
+            ap.read(0, &mut all).unwrap();
+            assert_eq!(checksum(&all), u64::from_le_bytes(msg.payload[..8].try_into().unwrap()), "DMA data differs");
+            say("pass");
+            let _ = hear();
+        }
         "three" => {
             // Words 0 and 64 are flags set by the client and by a third process it passed a
             // narrowed descriptor to; the bodies are at 8 and 72.
@@ -259,6 +280,21 @@ fn client(nic: &Nic, scenario: &str) {
                 }
             }
             assert!(matches!(ep.import(conn.peer_descriptor()), Err(ImportError::Revoked { .. })));
+            say("pass");
+        }
+        "dma" => {
+            let src = ep.export(4 << 20).unwrap();
+            let data: Vec<u8> = (0..4u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+            src.write(0, &data).unwrap();
+            let t = ep.dma_write(&src, 0, &m, 0, 4 << 20, clan::DmaOptions::new().notify().event(1)).unwrap();
+            t.wait(Some(LIMIT)).unwrap();
+            ep.send_oob(conn.peer(), &checksum(&data).to_le_bytes()).unwrap();
+            // Fetch it back.
+            let back = ep.export(4 << 20).unwrap();
+            ep.dma_read(&m, 0, &back, 0, 4 << 20, clan::DmaOptions::new()).unwrap().wait(Some(LIMIT)).unwrap();
+            let mut got = vec![0u8; 4 << 20];
+            back.read(0, &mut got).unwrap();
+            assert!(got == data, "fetched data differs");
             say("pass");
         }
         "three" => {
@@ -386,4 +422,4 @@ macro_rules! suite {
     };
 }
 
-suite!(rpc, bulk, kill, close, revoke, restrict, three);
+suite!(rpc, bulk, kill, close, revoke, restrict, three, dma);

@@ -112,7 +112,8 @@ fn mapping_tripwires_fire_after_outgoing_traffic_completes() {
 fn events_are_delivered_with_their_cookie_and_can_be_unregistered() {
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig::default()).unwrap();
-    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
+    let ep =
+        nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()), ..Default::default() }).unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let a = ap.tripwire(TripwireConfig::writes(0..8).event(1)).unwrap();
@@ -195,7 +196,8 @@ fn tripset_waits_for_any_member() {
 fn destroyed_tripwires_stop_firing_and_free_their_entry() {
     let nic = nic();
     let q = nic.event_queue(EventQueueConfig { tripwires: 4, ..EventQueueConfig::default() }).unwrap();
-    let ep = nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()) }).unwrap();
+    let ep =
+        nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()), ..Default::default() }).unwrap();
     let ap = ep.export(4096).unwrap();
     let m = ep.import(&ap.descriptor()).unwrap();
     let mut tws: Vec<_> =
