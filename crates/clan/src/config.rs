@@ -82,7 +82,7 @@ pub struct DmaConfig {
 
 impl Default for DmaConfig {
     fn default() -> Self {
-        DmaConfig { spin: Duration::from_micros(20), quantum: 64 << 10, cpu: None }
+        DmaConfig { spin: Duration::from_micros(20), quantum: 65536, cpu: None }
     }
 }
 

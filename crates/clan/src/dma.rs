@@ -43,6 +43,9 @@ use crate::event_queue::{EVENT_DMA, EventQueue};
 use crate::mapping::{Mapping, Via};
 use crate::window::check_range;
 
+/// Least bytes a turn moves over a link (whatever [`crate::DmaConfig::quantum`] says).
+const LINK_QUANTUM: u64 = 1 << 20;
+
 /// Requests an endpoint's DMA queue holds by default.
 pub const DEFAULT_DMA_QUEUE: usize = 256;
 
@@ -168,10 +171,17 @@ impl DmaTicket {
         self.done.result()
     }
 
-    /// Wait for completion: spin a little, then sleep. `None` waits without limit.
+    /// Wait for completion: spin a little ([`crate::DmaConfig::spin`]), then sleep. `None`
+    /// waits without limit.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), DmaError> {
+        self.wait_spin(self.spin, timeout)
+    }
+
+    /// [`DmaTicket::wait`] with an explicit spin time (zero when the engine shares this
+    /// thread's CPU: spinning would only delay it).
+    pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<(), DmaError> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        trip::wait_until(&self.done.word, &self.done.waiters, self.spin, deadline, &SharedFutex, || self.is_complete());
+        trip::wait_until(&self.done.word, &self.done.waiters, spin, deadline, &SharedFutex, || self.is_complete());
         match self.result() {
             None => Err(DmaError::Timeout),
             Some(Ok(())) => Ok(()),
@@ -371,9 +381,10 @@ impl DmaQueue {
                 }
             }
             self.posted.fetch_add(1, Ordering::Relaxed);
-            // The push above was the publishing store (crossbeam's queue: Release).
-            self.ring();
         }
+        // The pushes above were the publishing stores (crossbeam's queue: Release). The
+        // doorbell once, for the whole chain (unless it had to wait for room on the way).
+        self.ring();
         Ok(DmaTicket { done, spin: self.engine.spin })
     }
 
@@ -618,6 +629,12 @@ enum Step {
 /// moves them itself, up to a whole read request when another host does.
 fn step(q: &Arc<DmaQueue>, job: &Job, at: u64, quantum: u64) -> Result<Step, DmaFailure> {
     let left = job.req.len - at;
+    let over_link = match &job.req.op {
+        Op::Write { dst, .. } => dst.is_remote(),
+        Op::Read { src, .. } => src.is_remote(),
+    };
+    // A burst to a link costs a system call or more: move more per turn.
+    let quantum = if over_link { quantum.max(LINK_QUANTUM) } else { quantum };
     let n = quantum.min(left);
     match &job.req.op {
         Op::Write { src, src_off, dst, dst_off } => {

@@ -48,6 +48,10 @@ pub const MAX_BAD_FRAMES: u32 = 16;
 const RX_BUF: usize = 64 << 10;
 /// Read at most this much into the buffer when a burst's payload could go straight to memory.
 const RX_CHUNK: usize = 16 << 10;
+/// A burst at least this long is bulk traffic (see `Rx::bulk`).
+const BULK: u64 = 8 << 10;
+/// What is read when a bulk burst's header is expected: the header, a little more.
+const HEADER_READ: usize = 64;
 /// Bytes a peer may ask to read at once.
 pub const MAX_READ: u32 = 1 << 20;
 /// Frames up to this size (header and payload) are copied into one buffer and sent with one
@@ -152,6 +156,9 @@ pub(crate) struct Rx {
     burst: Option<BurstCtx>,
     bad: u32,
     scratch: Vec<Candidate>,
+    /// The last burst was large: the next one probably is too, so read its header alone
+    /// (a few bytes) and let its payload go straight into place.
+    bulk: bool,
 }
 
 impl std::fmt::Debug for Rx {
@@ -224,6 +231,7 @@ impl Link {
                 burst: None,
                 bad: 0,
                 scratch: Vec::new(),
+                bulk: false,
             }),
             closed: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
@@ -702,7 +710,13 @@ impl Link {
                 rx.tail -= rx.head;
                 rx.head = 0;
             }
-            let want = if rx.dec.pending_payload().is_some() { RX_CHUNK } else { rx.buf.len() - rx.tail };
+            let want = if rx.dec.pending_payload().is_some() {
+                RX_CHUNK
+            } else if rx.bulk && rx.head == rx.tail {
+                HEADER_READ
+            } else {
+                rx.buf.len() - rx.tail
+            };
             let end = (rx.tail + want).min(rx.buf.len());
             let tail = rx.tail;
             match (&self.sock).read(&mut rx.buf[tail..end]) {
@@ -809,6 +823,7 @@ impl Link {
     fn handle(&self, nic: &NicInner, rx: &mut Rx, item: OwnedItem, data_at: usize) -> Result<(), clan_wire::WireError> {
         match item {
             OwnedItem::WriteBegin { to, len } => {
+                rx.bulk = len >= BULK;
                 self.stats.bursts_in.fetch_add(1, Ordering::Relaxed);
                 lock(&self.state).on_write_applied(true, 0);
                 let ap = match self.check_access(&to, len, Rights::WRITE) {

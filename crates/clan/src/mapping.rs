@@ -293,6 +293,36 @@ impl Mapping {
         }
     }
 
+    /// Write `len` bytes of local aperture `src` at `src_off` to `off` (programmed I/O by
+    /// the calling thread, straight from the aperture's memory: one copy within a host, no
+    /// copy into a link's bursts).
+    pub fn write_from(&self, off: u64, src: &crate::Aperture, src_off: u64, len: u64) -> Result<(), AccessError> {
+        check_range(src_off, len, src.len())?;
+        self.write_from_segment(off, &src.inner.window.data, src_off, len)
+    }
+
+    /// Read `len` bytes at `off` into local aperture `dst` at `dst_off` (the calling thread
+    /// does it; `dst`'s write tripwires fire as for incoming traffic).
+    pub fn read_to(&self, off: u64, dst: &crate::Aperture, dst_off: u64, len: u64) -> Result<(), AccessError> {
+        check_range(dst_off, len, dst.len())?;
+        match &self.inner.via {
+            Via::Local(_) => self.read_into_aperture(off, &dst.inner, dst_off, len),
+            Via::Link(_) => {
+                // Bounded pieces through a buffer (a read answer is at most MAX_READ bytes).
+                let mut done = 0u64;
+                let mut buf = Vec::new();
+                while done < len {
+                    let n = (len - done).min(u64::from(crate::link::MAX_READ));
+                    buf.resize(n as usize, 0);
+                    self.read(off + done, &mut buf)?;
+                    dst.inner.window.write(dst_off + done, &buf)?;
+                    done += n;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Tell the exporter that a message of `len` bytes at `off` has landed: its endpoint's
     /// event queue gets [`crate::Event::Notification`] (VMMC notifications). Call it after
     /// writing the message: the notification is ordered after every earlier write through

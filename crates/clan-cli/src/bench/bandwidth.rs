@@ -10,7 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use clan::{Nic, NicConfig};
+use std::collections::VecDeque;
+
+use clan::{Aperture, DmaConfig, DmaOptions, DmaTicket, Endpoint, EndpointConfig, Mapping, Nic, NicConfig};
 use serde::Serialize;
 
 use super::report::{Samples, emit, ns, ratio};
@@ -21,6 +23,8 @@ use crate::sys;
 pub enum Mode {
     /// The CPU writes through the mapping.
     Pio,
+    /// The NIC's DMA engine moves the data (the sender only posts requests).
+    Dma,
 }
 
 /// Arguments of `clan bench bandwidth`.
@@ -99,6 +103,59 @@ fn run_ring(size: usize, iters: u64, mut put: impl FnMut(usize) -> Result<()>) -
     Ok((start.elapsed(), samples))
 }
 
+/// Requests kept in flight by the DMA sender.
+pub const DMA_DEPTH: usize = 128;
+
+/// Stream `iters` DMA writes of `size` bytes from `src` (offset 0) into a ring of `slots`
+/// slots of `m`, keeping up to [`DMA_DEPTH`] requests in flight; returns the time from the first
+/// post to the last completion, and samples of the sender's cost per post.
+pub fn dma_stream(
+    ep: &Endpoint,
+    src: &Aperture,
+    m: &Mapping,
+    size: usize,
+    iters: u64,
+    slots: u64,
+    spin: Duration,
+) -> Result<(Duration, Samples)> {
+    let mut inflight: VecDeque<DmaTicket> = VecDeque::with_capacity(DMA_DEPTH);
+    let post = |i: u64| ep.dma_write(src, 0, m, (i % slots) * size as u64, size as u64, DmaOptions::new());
+    // Warm up: one pass over the ring.
+    for i in 0..slots {
+        inflight.push_back(post(i)?);
+        if inflight.len() >= DMA_DEPTH {
+            inflight.pop_front().ok_or("empty")?.wait(Some(LIMIT))?;
+        }
+    }
+    while let Some(t) = inflight.pop_front() {
+        t.wait(Some(LIMIT))?;
+    }
+    let mut samples = Samples::new();
+    let start = Instant::now();
+    for i in 0..iters {
+        let t0 = Instant::now();
+        let t = post(i)?;
+        if i % 16 == 0 {
+            samples.record(t0.elapsed());
+        }
+        inflight.push_back(t);
+        if inflight.len() >= DMA_DEPTH {
+            // Wait for half the window at once (one wake-up per DMA_DEPTH/2 completions,
+            // not one per request: the engine pays for each wake-up it has to make).
+            inflight[DMA_DEPTH / 2].wait_spin(spin, Some(LIMIT))?;
+            while inflight.front().is_some_and(DmaTicket::is_complete) {
+                inflight.pop_front().ok_or("empty")?.wait(Some(LIMIT))?;
+            }
+        }
+    }
+    while let Some(t) = inflight.pop_front() {
+        t.wait(Some(LIMIT))?;
+    }
+    Ok((start.elapsed(), samples))
+}
+
+const LIMIT: Duration = Duration::from_secs(60);
+
 pub fn run(a: &BandwidthArgs) -> Result<()> {
     if a.size == 0 {
         return Err("--size must be positive".into());
@@ -122,15 +179,24 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
         Ok(())
     })?;
 
-    // clan: PIO into the peer's aperture.
-    let nic = Nic::open(NicConfig::default())?;
-    let ep = nic.endpoint()?;
+    // clan: PIO (this thread writes) or DMA (the engine, on the other CPU, copies) into the
+    // peer's aperture.
+    let nic = Nic::open(NicConfig { dma: DmaConfig { cpu: Some(1), ..DmaConfig::default() }, ..NicConfig::default() })?;
+    let ep = nic.endpoint_with(EndpointConfig { dma_queue: DMA_DEPTH, ..EndpointConfig::default() })?;
     let mut peer = PeerProc::spawn("bw-clan", &[format!("size={}", a.size), "cpu=1".to_string()])?;
     let m = ep.import(&peer.recv()?.parse()?)?;
-    let (t, s) = run_ring(a.size, iters, |off| {
-        m.write(off as u64, &src)?;
-        Ok(())
-    })?;
+    let (t, s) = match a.mode {
+        Mode::Pio => run_ring(a.size, iters, |off| {
+            m.write(off as u64, &src)?;
+            Ok(())
+        })?,
+        Mode::Dma => {
+            let src_ap = ep.export(a.size as u64)?;
+            src_ap.write(0, &src)?;
+            // The engine has a CPU of its own: waiting may spin.
+            dma_stream(&ep, &src_ap, &m, a.size, iters, (ring / a.size) as u64, Duration::from_micros(20))?
+        }
+    };
     m.store_u64(ring as u64, iters)?;
     peer.send(format!("check {iters}"))?;
     let verdict = peer.recv()?;
@@ -143,7 +209,7 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
     let r = BandwidthReport {
         bench: "bandwidth",
         transport: "shm",
-        mode: "pio",
+        mode: mode_name(a.mode),
         size: a.size,
         iters,
         ring_bytes: ring,
@@ -155,14 +221,22 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
         baseline_msg_p50_ns: base_s.p(0.5),
         ratio: ratio(mbit(bytes, t), mbit(bytes, base_t)),
         placement: format!(
-            "sender pinned to CPU {}, receiver process on CPU 1 (idle during the run)",
-            pinned.map_or("-".into(), |c| c.to_string())
+            "sender pinned to CPU {}, receiver process on CPU 1 (idle during the run){}",
+            pinned.map_or("-".into(), |c| c.to_string()),
+            if a.mode == Mode::Dma {
+                format!(
+                    "; DMA engine thread pinned to CPU 1, {DMA_DEPTH} requests in flight; per-message time is the sender's cost of posting"
+                )
+            } else {
+                String::new()
+            }
         ),
         machine: sys::machine(),
     };
     emit(a.json, &r, || {
         println!(
-            "clan bench bandwidth: transport shm, mode pio, {} bytes × {} messages, ring {} KiB",
+            "clan bench bandwidth: transport shm, mode {}, {} bytes × {} messages, ring {} KiB",
+            r.mode,
             r.size,
             r.iters,
             ring >> 10
@@ -170,7 +244,8 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
         println!("placement: {}", r.placement);
         println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
         println!(
-            "clan PIO : {:>10.0} Mbit/s  (per message p50 {}, p99 {})",
+            "clan {} : {:>10.0} Mbit/s  (per message p50 {}, p99 {})",
+            r.mode.to_uppercase(),
             r.mbit_s,
             ns(r.msg_p50_ns),
             ns(r.msg_p99_ns)
@@ -185,23 +260,34 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
 fn run_tcp(a: &BandwidthArgs) -> Result<()> {
     let iters = a.iters.unwrap_or(((512u64 << 20) / a.size as u64).max(1000));
     let hosts = super::tcp::Hosts::new();
-    let rounds = 3u32;
+    // Throughput over veth swings between rounds (where the kernel happens to run the
+    // receive path): many short alternating rounds average that out for both sides.
+    let rounds = 8u32;
     let per = iters.div_ceil(u64::from(rounds));
     let (mut t, mut bt) = (Duration::ZERO, Duration::ZERO);
     let (mut s, mut bs) = (Samples::new(), Samples::new());
-    for _ in 0..rounds {
+    let round_bytes = per * a.size as u64;
+    for r in 0..rounds {
         let (d, x) = super::tcp::raw_stream(&hosts, a.size, per)?;
         bt += d;
         bs.merge(&x);
-        let (d, x) = super::tcp::clan_stream(&hosts, a.size, per)?;
-        t += d;
+        let (d2, x) = super::tcp::clan_stream(&hosts, a.size, per, a.mode)?;
+        t += d2;
         s.merge(&x);
+        if !a.json {
+            eprintln!(
+                "round {}: clan {:.0} Mbit/s, raw TCP stream {:.0} Mbit/s",
+                r + 1,
+                mbit(round_bytes, d2),
+                mbit(round_bytes, d)
+            );
+        }
     }
     let bytes = per * u64::from(rounds) * a.size as u64;
     let r = BandwidthReport {
         bench: "bandwidth",
         transport: "tcp",
-        mode: "pio",
+        mode: mode_name(a.mode),
         size: a.size,
         iters: per * u64::from(rounds),
         ring_bytes: 0,
@@ -213,16 +299,22 @@ fn run_tcp(a: &BandwidthArgs) -> Result<()> {
         baseline_msg_p50_ns: bs.p(0.5),
         ratio: ratio(mbit(bytes, t), mbit(bytes, bt)),
         placement: format!(
-            "{}; sender on CPU 0, receiver (and its NIC's engine) on CPU 1; {rounds} alternating rounds",
-            hosts.describe()
+            "{}; sender on CPU 0{}, receiver (and its NIC's engine) on CPU 1; {rounds} alternating rounds",
+            hosts.describe(),
+            if a.mode == Mode::Dma { " with its DMA engine thread" } else { "" }
         ),
         machine: sys::machine(),
     };
     emit(a.json, &r, || {
-        println!("clan bench bandwidth: transport tcp, mode pio, {} bytes × {} messages", r.size, r.iters);
+        println!("clan bench bandwidth: transport tcp, mode {}, {} bytes × {} messages", r.mode, r.size, r.iters);
         println!("placement: {}", r.placement);
         println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
-        println!("clan PIO over a link: {:>10.0} Mbit/s  (per message p50 {})", r.mbit_s, ns(r.msg_p50_ns));
+        println!(
+            "clan {} over a link: {:>10.0} Mbit/s  (per message p50 {})",
+            r.mode.to_uppercase(),
+            r.mbit_s,
+            ns(r.msg_p50_ns)
+        );
         println!(
             "raw TCP stream      : {:>10.0} Mbit/s  (per message p50 {})",
             r.baseline_mbit_s,
@@ -256,4 +348,11 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
     Link::say(if ok { "ok".to_string() } else { format!("seq {seq}, expected {iters}") });
     let _ = Link::hear();
     Ok(())
+}
+
+fn mode_name(m: Mode) -> &'static str {
+    match m {
+        Mode::Pio => "pio",
+        Mode::Dma => "dma",
+    }
 }

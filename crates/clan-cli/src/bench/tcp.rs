@@ -258,8 +258,9 @@ fn write_all_spin(sock: &mut TcpStream, mut b: &[u8]) -> Result<()> {
 }
 
 /// Bandwidth: one round of clan PIO streaming over a link; returns (seconds, per-message samples).
-pub fn clan_stream(h: &Hosts, size: usize, iters: u64) -> Result<(Duration, Samples)> {
-    let common = [format!("size={size}"), format!("iters={iters}")];
+pub fn clan_stream(h: &Hosts, size: usize, iters: u64, mode: super::bandwidth::Mode) -> Result<(Duration, Samples)> {
+    let dma = mode == super::bandwidth::Mode::Dma;
+    let common = [format!("size={size}"), format!("iters={iters}"), format!("dma={dma}")];
     let mut recv = h.spawn(1, "bw-link-recv", &common)?;
     let mut send = h.spawn(0, "bw-link-send", &common)?;
     send.send(recv.recv()?)?;
@@ -322,6 +323,35 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(if seq == n && got == src { "ok".to_string() } else { format!("seq {seq}, expected {n}") });
             while Link::hear().is_ok_and(|l| l != "done") {}
         }
+        "bw-link-send" if arg::<bool>(args, "dma")? => {
+            // The sender's DMA engine (on the sender's CPU) sends the bursts, straight from
+            // the source aperture.
+            let ip: IpAddr = arg(args, "ip")?;
+            let cpu: usize = arg(args, "cpu")?;
+            let nic = Nic::open(NicConfig {
+                local_transport: LocalTransport::Link,
+                engine_cpu: Some(cpu),
+                dma: clan::DmaConfig { cpu: Some(cpu), spin: Duration::ZERO, ..clan::DmaConfig::default() },
+                ..NicConfig::at(ip, 0)
+            })?;
+            let ep = nic.endpoint_with(clan::EndpointConfig {
+                dma_queue: super::bandwidth::DMA_DEPTH,
+                ..clan::EndpointConfig::default()
+            })?;
+            let m = ep.import(&Link::hear()?.parse()?)?;
+            let src_ap = ep.export(size as u64)?;
+            src_ap.write(0, &src)?;
+            // The engine shares this thread's CPU: wait without spinning.
+            let _ = super::bandwidth::dma_stream(&ep, &src_ap, &m, size, slots, slots, Duration::ZERO)?;
+            m.barrier()?;
+            let start = Instant::now();
+            let (_, s2) = super::bandwidth::dma_stream(&ep, &src_ap, &m, size, iters, slots, Duration::ZERO)?;
+            m.store_u64(ring_bytes as u64, iters)?;
+            m.barrier()?;
+            let t = start.elapsed();
+            Link::say(format!("result {} {}", t.as_secs_f64(), s2.to_line()));
+            while Link::hear().is_ok_and(|l| l != "done") {}
+        }
         "bw-link-send" => {
             let nic = nic(args, Progress::Engine)?;
             let ep = nic.endpoint()?;
@@ -359,7 +389,9 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(l.local_addr()?.port());
             let (mut sock, _) = l.accept()?;
             sock.set_read_timeout(Some(LIMIT))?;
-            let mut buf = vec![0u8; ring_bytes.min(1 << 20)];
+            // The messages land in a ring of the same size as clan's aperture (the same
+            // memory footprint: a small buffer reused would stay in cache and flatter TCP).
+            let mut buf = vec![0u8; ring_bytes];
             let warm = slots * size as u64;
             let total = warm + iters * size as u64;
             let mut got = 0u64;
@@ -369,7 +401,8 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
                     sock.write_all(&[0])?;
                     acked_warmup = true;
                 }
-                let n = sock.read(&mut buf)?;
+                let at = (got % ring_bytes as u64) as usize;
+                let n = sock.read(&mut buf[at..])?;
                 if n == 0 {
                     return Err("sender closed early".into());
                 }

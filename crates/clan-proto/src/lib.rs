@@ -1,0 +1,14 @@
+//! # clan-proto — communication styles built on clan
+//!
+//! Layer: above `clan` (apertures, descriptors, mappings, tripwires, event queues, DMA),
+//! built from nothing else. No unsafe code.
+//!
+//! - [`vmmc`]: the virtual memory-mapped communication model of Princeton's SHRIMP project —
+//!   export/import of receive buffers with importer restrictions, deliberate update
+//!   (`send_msg`, synchronous and asynchronous, short messages by programmed I/O and long
+//!   ones by DMA), remote fetch, and notifications.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod vmmc;
