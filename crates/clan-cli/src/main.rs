@@ -39,6 +39,9 @@ enum BenchCmd {
     Bandwidth(bench::bandwidth::BandwidthArgs),
     /// Cost of snooping writes, with and without tripwires elsewhere.
     Tripwires(bench::tripwires::TripwiresArgs),
+    /// The VMMC figures: send_msg latency, bandwidth and overhead, fetch, notifications,
+    /// export and import.
+    Vmmc(bench::vmmc::VmmcArgs),
 }
 
 fn main() {
@@ -47,6 +50,7 @@ fn main() {
         Cmd::Bench(BenchCmd::Latency(a)) => bench::latency::run(&a),
         Cmd::Bench(BenchCmd::Bandwidth(a)) => bench::bandwidth::run(&a),
         Cmd::Bench(BenchCmd::Tripwires(a)) => bench::tripwires::run(&a),
+        Cmd::Bench(BenchCmd::Vmmc(a)) => bench::vmmc::run(&a),
         Cmd::Info => info(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),
     };

@@ -287,7 +287,7 @@ fn clan_pingpong(sync: SyncMode, size: usize, total: u64, warmup: u64, cpu_peer:
     Ok(s)
 }
 
-fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
+pub fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
     let region = clan_shm::segment::page_align(size.max(64));
     let memfd = clan_shm::memfd::Memfd::create("clan-bench-raw", 2 * region as u64)?;
     let seg = Segment::map(&memfd, 0, 2 * region, Access::ReadWrite)?;
@@ -330,7 +330,7 @@ fn spin_until(w: &AtomicU64, v: u64) -> Result<()> {
     Ok(())
 }
 
-fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
+pub fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixListener};
     let name = format!("clan-bench-unix-{}", std::process::id());

@@ -6,6 +6,7 @@ pub mod latency;
 pub mod report;
 pub mod tcp;
 pub mod tripwires;
+pub mod vmmc;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -98,6 +99,7 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
     match role {
         r if r.starts_with("lat-link") || r.starts_with("lat-tcp") => tcp::latency_peer(r, args),
         r if r.starts_with("bw-link") || r.starts_with("bw-tcp") => tcp::bandwidth_peer(r, args),
+        "vmmc-peer" => vmmc::peer(role, args),
         r if r.starts_with("lat-") => latency::peer(r, args),
         r if r.starts_with("bw-") => bandwidth::peer(r, args),
         other => Err(format!("unknown peer role {other}").into()),

@@ -1,0 +1,56 @@
+//! The benchmarks run end to end (tiny sizes) and print the JSON fields they promise.
+//! Speed is not asserted here: only that every benchmark works and reports its baseline.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_clan")).args(args).output().expect("run clan");
+    assert!(out.status.success(), "clan {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("clan {args:?} printed no JSON ({e}): {text}"))
+}
+
+fn has(v: &serde_json::Value, keys: &[&str]) {
+    for k in keys {
+        assert!(v.get(k).is_some(), "missing field {k} in {v}");
+    }
+}
+
+#[test]
+fn latency_spin_and_block() {
+    for sync in ["spin", "block"] {
+        let v = run(&["bench", "latency", "--sync", sync, "--iters", "300", "--rounds", "1", "--json"]);
+        has(
+            &v,
+            &[
+                "bench",
+                "transport",
+                "sync",
+                "size",
+                "iters",
+                "rtt_p50_ns",
+                "rtt_p99_ns",
+                "baseline",
+                "baseline_rtt_p50_ns",
+            ],
+        );
+    }
+}
+
+#[test]
+fn bandwidth_pio_and_dma() {
+    for mode in ["pio", "dma"] {
+        let v = run(&["bench", "bandwidth", "--mode", mode, "--size", "65536", "--iters", "2000", "--json"]);
+        has(&v, &["mbit_s", "baseline", "baseline_mbit_s"]);
+        assert_eq!(v["mode"], mode);
+        assert_eq!(v["baseline"], "memcpy");
+    }
+}
+
+#[test]
+fn vmmc_figures() {
+    let v = run(&["bench", "vmmc", "--iters", "300", "--bytes", "1048576", "--json"]);
+    has(&v, &["latency", "bandwidth", "fetch", "notification", "setup", "inline_max"]);
+    assert!(v["bandwidth"].as_array().is_some_and(|a| a.len() >= 5));
+    has(&v["notification"], &["wait_one_way_p50_ns", "baseline_one_way_p50_ns"]);
+}
