@@ -297,3 +297,21 @@ fn notifications_across_processes() {
         assert_eq!(peer.expect("notification"), format!("{off} {n} {sum}"));
     }
 }
+
+/// What the module documentation promises about threads.
+#[test]
+fn types_are_send_and_sync() {
+    fn both<T: Send + Sync>() {}
+    fn cloneable<T: Clone>() {}
+    both::<Vmmc>();
+    both::<clan_proto::vmmc::ExportedBuffer>();
+    both::<clan_proto::vmmc::ImportedBuffer>();
+    both::<clan_proto::vmmc::SendBuffer>();
+    both::<clan_proto::vmmc::SendHandle>();
+    both::<clan_proto::vmmc::FetchHandle>();
+    both::<clan::DmaTicket>();
+    both::<clan::DmaRequest>();
+    cloneable::<Vmmc>();
+    cloneable::<clan_proto::vmmc::ImportedBuffer>();
+    cloneable::<clan::DmaTicket>();
+}
