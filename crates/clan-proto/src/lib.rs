@@ -11,4 +11,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod stream;
 pub mod vmmc;
+
+mod inplace;
+mod pipe;
+mod side;
+mod wait;
+
+pub use inplace::InPlace;
+pub use pipe::Redirection;
+pub use side::SetupError;

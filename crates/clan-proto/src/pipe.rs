@@ -1,0 +1,592 @@
+//! One direction of a byte stream: the distributed queue of the Tripwire paper (§4.2) for
+//! unstructured data, with transfer redirection (VMMC).
+//!
+//! Each side of a connection exports one aperture, its *side*, laid out as below. The
+//! sender writes data into the receiver's ring and advances `RX_WRITE` there (its
+//! `write_i`, mirrored into the receiver); the receiver advances `CTL_READ` in the sender's
+//! side (its `read_i`, mirrored into the sender). Every cross-network access is a write; each
+//! side polls only its own memory. Positions are byte counts since the start of the stream;
+//! the ring is empty when they are equal and full with one free byte.
+//!
+//! ```text
+//! side aperture (exported by each party; the peer writes the fields marked "peer")
+//!    0  CTL_READ      peer (the receiver of my outgoing data): bytes it has consumed
+//!   64  CTL_POST_SEQ  peer: seqlock of a posted receive buffer (even: stable)
+//!   72  CTL_POST_AT   peer: stream position the posted buffer starts at
+//!   80  CTL_POST_LEN  peer: its length
+//!  128  RX_WRITE      peer (the sender of my incoming data): bytes it has written
+//!  136  RX_FIN        peer: FIN bit | final position, once it has shut down writing
+//!  144  RX_ACK_SEQ    peer: the post it redirected (its seq)
+//!  152  RX_ACK_AT     peer: the position redirection began at
+//! 4096  ring          incoming data, `cap` bytes
+//! 4096+cap  post area incoming data redirected into a posted buffer, `post_cap` bytes
+//! ```
+//!
+//! ## Transfer redirection
+//!
+//! A receiver that knows where the next bytes should go *posts* a buffer in its post area
+//! for stream positions `[P, P+L)` (`P` = its read position), by writing the post record
+//! into the sender's side. The sender, before writing the bytes at position `W`, looks at
+//! the record (its own memory); if `W` falls in a posted range it first writes an
+//! acknowledgement `(seq, W)` into the receiver's side and then writes the bytes straight
+//! into the posted buffer, skipping the ring. Bytes `[P, W)` had already gone to the ring
+//! before the sender saw the post: the receiver copies them. The receiver learns exactly
+//! which part was placed directly (`RX_ACK_AT`), because the acknowledgement is written
+//! before the data it covers and before `RX_WRITE` moves past it (writes from one NIC to
+//! another are applied in order). Redirected positions take no ring space.
+//!
+//! ## Memory written by the other side is untrusted
+//!
+//! Every position read from shared memory is checked against what it can legally be
+//! (`RX_WRITE` never beyond `read + cap` outside a redirection, never backwards; posts within
+//! the post area); a peer that breaks the protocol gets an error, never an access outside
+//! the apertures.
+
+use std::time::{Duration, Instant};
+
+use clan::{AccessError, Aperture, Mapping, Tripwire, TripwireConfig};
+
+use crate::wait::{WaitError, wait_sliced, wait_until};
+
+pub(crate) const CTL_READ: u64 = 0;
+pub(crate) const CTL_POST_SEQ: u64 = 64;
+pub(crate) const CTL_POST_AT: u64 = 72;
+pub(crate) const CTL_POST_LEN: u64 = 80;
+pub(crate) const RX_WRITE: u64 = 128;
+pub(crate) const RX_FIN: u64 = 136;
+pub(crate) const RX_ACK_SEQ: u64 = 144;
+pub(crate) const RX_ACK_AT: u64 = 152;
+pub(crate) const RING: u64 = 4096;
+const FIN: u64 = 1 << 63;
+
+/// Bytes of a side aperture with a ring of `cap` and a post area of `post_cap` bytes.
+pub(crate) fn side_len(cap: u64, post_cap: u64) -> u64 {
+    RING + cap + post_cap
+}
+
+/// A broken protocol, a dead peer, or an access failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PipeError {
+    /// The peer wrote something impossible into our memory.
+    Protocol(&'static str),
+    /// An access to the peer failed (revoked, link down).
+    Access(AccessError),
+    /// The peer went away.
+    Dead,
+    /// Nothing happened in time.
+    Timeout,
+    /// Writing after shutdown.
+    Shutdown,
+}
+
+impl From<AccessError> for PipeError {
+    fn from(e: AccessError) -> PipeError {
+        PipeError::Access(e)
+    }
+}
+
+fn wait_err(e: WaitError) -> PipeError {
+    match e {
+        WaitError::Timeout => PipeError::Timeout,
+        WaitError::Dead => PipeError::Dead,
+        WaitError::Stale => PipeError::Access(AccessError::Revoked),
+    }
+}
+
+/// The sending half: writes into the peer's side.
+#[derive(Debug)]
+pub(crate) struct PipeTx {
+    /// Our side (the peer writes `CTL_*` here).
+    mine: std::sync::Arc<Aperture>,
+    /// The peer's side.
+    peer: Mapping,
+    cap: u64,
+    post_cap: u64,
+    /// Bytes written.
+    write: u64,
+    /// Fires when the peer consumes (space).
+    space: Tripwire,
+    fin: bool,
+    /// The post we are redirecting into: (seq, at, len, began-at).
+    redirect: Option<(u64, u64, u64, u64)>,
+    pub spin: Duration,
+}
+
+impl PipeTx {
+    pub fn new(mine: std::sync::Arc<Aperture>, peer: Mapping, cap: u64, post_cap: u64, spin: Duration) -> Result<PipeTx, PipeError> {
+        let space = mine
+            .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
+            .map_err(|_| PipeError::Access(AccessError::Revoked))?;
+        Ok(PipeTx { mine, peer, cap, post_cap, write: 0, space, fin: false, redirect: None, spin })
+    }
+
+    /// The tripwire that fires when space frees up (for event-driven waiters).
+    pub fn space_tripwire(&self) -> &Tripwire {
+        &self.space
+    }
+
+    /// Bytes the peer has consumed, validated.
+    fn read_pos(&self) -> Result<u64, PipeError> {
+        let r = self.mine.load_u64(CTL_READ)?;
+        if r > self.write {
+            return Err(PipeError::Protocol("the receiver claims to have read more than was written"));
+        }
+        Ok(r)
+    }
+
+    /// The peer's current post, if stable and sane: (seq, at, len).
+    fn post(&self) -> Result<Option<(u64, u64, u64)>, PipeError> {
+        for _ in 0..8 {
+            let s1 = self.mine.load_u64(CTL_POST_SEQ)?;
+            if s1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let at = self.mine.load_u64(CTL_POST_AT)?;
+            let len = self.mine.load_u64(CTL_POST_LEN)?;
+            if self.mine.load_u64(CTL_POST_SEQ)? != s1 {
+                continue;
+            }
+            if s1 == 0 || len == 0 {
+                return Ok(None);
+            }
+            if len > self.post_cap || at > self.write {
+                return Err(PipeError::Protocol("the receiver posted an impossible buffer"));
+            }
+            return Ok(Some((s1, at, len)));
+        }
+        // Being rewritten right now: treat as not posted (the bytes go to the ring).
+        Ok(None)
+    }
+
+    /// Room for ring bytes now.
+    fn room(&self) -> Result<u64, PipeError> {
+        let used = self.write - self.read_pos()?;
+        Ok((self.cap - 1).saturating_sub(used))
+    }
+
+    /// Write as much of `data` as fits now (at least one byte unless it would block);
+    /// returns the bytes written (0: the ring is full).
+    pub fn try_write(&mut self, data: &[u8]) -> Result<usize, PipeError> {
+        if self.fin {
+            return Err(PipeError::Shutdown);
+        }
+        if data.is_empty() {
+            return Ok(0);
+        }
+        // Redirection: does the next position fall in a posted buffer?
+        if let Some((seq, at, len)) = self.post()? {
+            if self.write >= at && self.write < at + len {
+                if self.redirect.is_none_or(|r| r.0 != seq) {
+                    // Acknowledge first: the receiver learns where the direct part begins
+                    // before any of it (and before RX_WRITE moves past it).
+                    self.peer.store_u64(RX_ACK_AT, self.write)?;
+                    self.peer.store_u64(RX_ACK_SEQ, seq)?;
+                    self.redirect = Some((seq, at, len, self.write));
+                }
+                let n = (data.len() as u64).min(at + len - self.write);
+                self.peer.write(RING + self.cap + (self.write - at), &data[..n as usize])?;
+                self.write += n;
+                self.peer.store_u64(RX_WRITE, self.write)?;
+                return Ok(n as usize);
+            }
+        }
+        let room = self.room()?;
+        if room == 0 {
+            return Ok(0);
+        }
+        let at = self.write % self.cap;
+        let n = (data.len() as u64).min(room).min(self.cap - at);
+        self.peer.write(RING + at, &data[..n as usize])?;
+        self.write += n;
+        self.peer.store_u64(RX_WRITE, self.write)?;
+        Ok(n as usize)
+    }
+
+    /// Write all of `data`, waiting for space (spin, then block) until `deadline`.
+    pub fn write_all(&mut self, mut data: &[u8], deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+        while !data.is_empty() {
+            let n = self.try_write(data)?;
+            if n == 0 {
+                self.wait_space(deadline, dead)?;
+                continue;
+            }
+            data = &data[n..];
+        }
+        Ok(())
+    }
+
+    /// Wait until there is room for at least one byte.
+    pub fn wait_space(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+        let mut failed = None;
+        let r = wait_until(
+            &self.space,
+            self.spin,
+            deadline,
+            || match self.room() {
+                Ok(n) => n > 0 || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len),
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            dead,
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)
+    }
+
+    /// Shut down writing: the receiver reads what was written, then end of stream.
+    pub fn finish(&mut self) -> Result<(), PipeError> {
+        if self.fin {
+            return Ok(());
+        }
+        self.fin = true;
+        self.peer.store_u64(RX_FIN, FIN | self.write)?;
+        Ok(())
+    }
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.write
+    }
+
+    /// Whether every byte written has been consumed.
+    pub fn drained(&self) -> Result<bool, PipeError> {
+        Ok(self.read_pos()? == self.write)
+    }
+}
+
+/// What a completed posted receive did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Redirection {
+    /// Bytes received.
+    pub len: u64,
+    /// Of which the sender placed directly into the posted buffer.
+    pub direct: u64,
+    /// Of which had already gone to the default buffer (the ring) and were copied.
+    pub copied: u64,
+}
+
+/// The receiving half: reads our side, writes `CTL_*` into the peer's side.
+#[derive(Debug)]
+pub(crate) struct PipeRx {
+    mine: std::sync::Arc<Aperture>,
+    peer: Mapping,
+    cap: u64,
+    post_cap: u64,
+    read: u64,
+    /// Fires when data (or the end) arrives.
+    data: Tripwire,
+    /// The outstanding post: (seq, at, len).
+    post: Option<(u64, u64, u64)>,
+    next_seq: u64,
+    /// Bytes known to be in place beyond `RX_WRITE` (seen landing by a position tripwire).
+    landed: u64,
+    pub spin: Duration,
+}
+
+impl PipeRx {
+    pub fn new(mine: std::sync::Arc<Aperture>, peer: Mapping, cap: u64, post_cap: u64, spin: Duration) -> Result<PipeRx, PipeError> {
+        let data = mine
+            .tripwire(TripwireConfig::writes(RX_WRITE..RX_FIN + 8).once().disarmed().actions(clan::Actions::NONE))
+            .map_err(|_| PipeError::Access(AccessError::Revoked))?;
+        Ok(PipeRx { mine, peer, cap, post_cap, read: 0, data, post: None, next_seq: 2, landed: 0, spin })
+    }
+
+    /// The tripwire that fires when data arrives (for event-driven waiters).
+    pub fn data_tripwire(&self) -> &Tripwire {
+        &self.data
+    }
+
+    /// Bytes written by the peer, validated.
+    fn written(&self) -> Result<u64, PipeError> {
+        let w = self.mine.load_u64(RX_WRITE)?;
+        let limit = self.read + self.cap - 1 + self.post.map_or(0, |(_, _, len)| len);
+        if w < self.read || w > limit {
+            return Err(PipeError::Protocol("the sender's write position is impossible"));
+        }
+        Ok(w)
+    }
+
+    /// Bytes readable now.
+    pub fn available(&self) -> Result<u64, PipeError> {
+        Ok(self.written()? - self.read)
+    }
+
+    /// The final position, if the peer has shut down writing.
+    fn fin(&self) -> Result<Option<u64>, PipeError> {
+        let f = self.mine.load_u64(RX_FIN)?;
+        if f & FIN == 0 {
+            return Ok(None);
+        }
+        Ok(Some(f & !FIN))
+    }
+
+    /// Whether the stream has ended here (everything before the end was read).
+    pub fn at_end(&self) -> Result<bool, PipeError> {
+        Ok(self.fin()?.is_some_and(|f| self.read >= f))
+    }
+
+    /// Where the byte at stream position `q` (already written) is: in the post area or the ring.
+    fn place(&self, q: u64) -> Result<(u64, u64), PipeError> {
+        if let Some((seq, at, len)) = self.post {
+            if q >= at && q < at + len && self.mine.load_u64(RX_ACK_SEQ)? == seq {
+                let began = self.mine.load_u64(RX_ACK_AT)?;
+                if began < at || began > at + len {
+                    return Err(PipeError::Protocol("the sender acknowledged an impossible redirection"));
+                }
+                if q >= began {
+                    // In the post area, up to the end of the post.
+                    return Ok((RING + self.cap + (q - at), at + len - q));
+                }
+                // In the ring, up to where redirection began.
+                let r = q % self.cap;
+                return Ok((RING + r, (began - q).min(self.cap - r)));
+            }
+        }
+        let r = q % self.cap;
+        let mut run = self.cap - r;
+        if let Some((_, at, _)) = self.post {
+            if q < at {
+                run = run.min(at - q);
+            }
+        }
+        Ok((RING + r, run))
+    }
+
+    /// Copy up to `buf.len()` readable bytes; returns how many (0: none now).
+    pub fn try_read(&mut self, buf: &mut [u8]) -> Result<usize, PipeError> {
+        let avail = self.available()?;
+        let mut done = 0usize;
+        let want = (buf.len() as u64).min(avail);
+        while (done as u64) < want {
+            let q = self.read + done as u64;
+            let (off, run) = self.place(q)?;
+            let n = run.min(want - done as u64) as usize;
+            self.mine.read(off, &mut buf[done..done + n])?;
+            done += n;
+        }
+        if done > 0 {
+            self.advance(done as u64)?;
+        }
+        Ok(done)
+    }
+
+    /// Lend up to `max` readable bytes in place (no copy): `f` gets the aperture, the offset
+    /// and the length of one contiguous run; returns what `f` returns and consumes the run.
+    pub fn read_in_place<R>(&mut self, max: u64, f: impl FnOnce(&Aperture, u64, u64) -> R) -> Result<Option<R>, PipeError> {
+        let avail = self.available()?.min(max);
+        if avail == 0 {
+            return Ok(None);
+        }
+        let (off, run) = self.place(self.read)?;
+        let n = run.min(avail);
+        let r = f(&self.mine, off, n);
+        self.advance(n)?;
+        Ok(Some(r))
+    }
+
+    fn advance(&mut self, n: u64) -> Result<(), PipeError> {
+        self.read += n;
+        if let Some((_, at, len)) = self.post {
+            if self.read >= at + len {
+                self.post = None;
+            }
+        }
+        self.publish_read()
+    }
+
+    /// Mirror read_i into the sender (it polls its own memory for space). A sender that has
+    /// shut down and gone no longer has memory to write into; that is not an error.
+    fn publish_read(&self) -> Result<(), PipeError> {
+        match self.peer.store_u64(CTL_READ, self.read) {
+            Ok(()) => Ok(()),
+            Err(_) if self.fin()?.is_some() => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Wait for data or the end of the stream.
+    pub fn wait_data(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+        let mut failed = None;
+        let r = wait_until(
+            &self.data,
+            self.spin,
+            deadline,
+            || match (self.available(), self.at_end()) {
+                (Ok(n), Ok(end)) => n > 0 || end,
+                (Err(e), _) | (_, Err(e)) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            dead,
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)
+    }
+
+    /// Wait until the written position passes `beyond`, or the stream ends.
+    fn wait_beyond(&self, beyond: u64, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+        let mut failed = None;
+        let r = wait_until(
+            &self.data,
+            self.spin,
+            deadline,
+            || match (self.written(), self.at_end_after(beyond)) {
+                (Ok(w), Ok(end)) => w > beyond || end,
+                (Err(e), _) | (_, Err(e)) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            dead,
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)
+    }
+
+    fn at_end_after(&self, w: u64) -> Result<bool, PipeError> {
+        Ok(self.fin()?.is_some_and(|f| w >= f))
+    }
+
+    /// Wait until the bytes before stream position `pos` are in place (or the stream
+    /// ended), possibly before the sender has published them: a tripwire on the byte before
+    /// `pos` in the ring fires when that byte is written, and the bytes before it are
+    /// visible by then (a write that spans a tripwire makes the watched bytes visible
+    /// first). Then [`PipeRx::peek`] may copy them. `pos` at most the ring's size ahead.
+    pub fn wait_position(&mut self, pos: u64, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+        if pos <= self.read || self.written()? >= pos {
+            self.landed = self.landed.max(pos);
+            return Ok(());
+        }
+        if pos - self.read > self.cap - 1 || self.post.is_some() {
+            return Err(PipeError::Protocol("can only wait for a position within the ring, without a posted buffer"));
+        }
+        let byte = RING + (pos - 1) % self.cap;
+        let tw = self
+            .mine
+            .tripwire(TripwireConfig::writes(byte..byte + 1).once().disarmed().actions(clan::Actions::COUNTER))
+            .map_err(|_| PipeError::Access(AccessError::Revoked))?;
+        // Short sleeps: if the byte landed between our look and the arming, only the
+        // publication that follows it says so, and that does not fire this tripwire.
+        let r = wait_sliced(
+            &tw,
+            self.spin,
+            deadline,
+            Duration::from_micros(500),
+            || tw.count() > 0 || self.written().is_ok_and(|w| w >= pos) || self.at_end().unwrap_or(true),
+            dead,
+        );
+        r.map_err(wait_err)?;
+        if tw.count() > 0 || self.written()? >= pos {
+            self.landed = self.landed.max(pos);
+        }
+        Ok(())
+    }
+
+    /// Copy the bytes at `read + skip ..` into `buf` without consuming them; only bytes
+    /// known to be in place (published, or seen landing by [`PipeRx::wait_position`]).
+    pub fn peek(&self, skip: u64, buf: &mut [u8]) -> Result<usize, PipeError> {
+        let known = self.written()?.max(self.landed);
+        let from = self.read + skip;
+        if from >= known {
+            return Ok(0);
+        }
+        let want = (buf.len() as u64).min(known - from);
+        let mut done = 0u64;
+        while done < want {
+            let (off, run) = self.place(from + done)?;
+            let n = run.min(want - done);
+            self.mine.read(off, &mut buf[done as usize..(done + n) as usize])?;
+            done += n;
+        }
+        Ok(done as usize)
+    }
+
+    /// Post the post area's first `len` bytes for the next `len` bytes of the stream.
+    pub fn post(&mut self, len: u64) -> Result<u64, PipeError> {
+        if len == 0 || len > self.post_cap {
+            return Err(PipeError::Protocol("posted length must be between 1 and the post area's size"));
+        }
+        if self.post.is_some() {
+            return Err(PipeError::Protocol("a posted buffer is still outstanding"));
+        }
+        let seq = self.next_seq;
+        self.next_seq += 2;
+        let at = self.read;
+        // Seqlock: odd while the record is rewritten.
+        self.peer.store_u64(CTL_POST_SEQ, seq - 1)?;
+        self.peer.store_u64(CTL_POST_AT, at)?;
+        self.peer.store_u64(CTL_POST_LEN, len)?;
+        self.peer.store_u64(CTL_POST_SEQ, seq)?;
+        self.post = Some((seq, at, len));
+        Ok(at)
+    }
+
+    /// Complete the outstanding post: wait until all its bytes are written (or the end),
+    /// move the part that went to the ring into the post area, consume the bytes, and say
+    /// exactly which part was redirected. The data is then in the post area, offset 0.
+    pub fn complete_post(&mut self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<Redirection, PipeError> {
+        let Some((seq, at, len)) = self.post else {
+            return Err(PipeError::Protocol("no posted buffer"));
+        };
+        if at != self.read {
+            return Err(PipeError::Protocol("bytes before the posted buffer were not read"));
+        }
+        loop {
+            let w = self.written()?;
+            if w >= at + len || self.at_end_after(w)? {
+                break;
+            }
+            self.wait_beyond(w, deadline, dead)?;
+        }
+        let end = self.written()?.min(at + len);
+        let got = end - at;
+        let began = if self.mine.load_u64(RX_ACK_SEQ)? == seq {
+            let b = self.mine.load_u64(RX_ACK_AT)?;
+            if b < at || b > at + len {
+                return Err(PipeError::Protocol("the sender acknowledged an impossible redirection"));
+            }
+            b.min(end)
+        } else {
+            end
+        };
+        // Bytes [at, began) are in the ring: copy them into place.
+        let mut q = at;
+        let mut tmp = vec![0u8; 64 << 10];
+        while q < began {
+            let r = q % self.cap;
+            let n = (began - q).min(self.cap - r).min(tmp.len() as u64) as usize;
+            self.mine.read(RING + r, &mut tmp[..n])?;
+            self.mine.write(RING + self.cap + (q - at), &tmp[..n])?;
+            q += n as u64;
+        }
+        self.read = end;
+        self.post = None;
+        self.publish_read()?;
+        Ok(Redirection { len: got, direct: end - began, copied: began - at })
+    }
+
+    /// Our side (the post area is at `RING + cap`).
+    pub fn side(&self) -> &Aperture {
+        &self.mine
+    }
+
+    /// Offset of the post area in our side.
+    pub fn post_area(&self) -> u64 {
+        RING + self.cap
+    }
+
+    /// Bytes read so far.
+    pub fn consumed(&self) -> u64 {
+        self.read
+    }
+}

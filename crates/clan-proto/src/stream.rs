@@ -1,0 +1,445 @@
+//! Stream sockets (VMMC NT paper §4.1), shaped like `std::net`: a [`Listener`] bound to an
+//! endpoint accepts [`Stream`]s; a `Stream` is a connection-oriented, bidirectional byte
+//! stream with `std::io::Read` and `Write`, non-blocking mode, timeouts, shutdown, end of
+//! stream when the peer closes and an error (never a hang) when it dies.
+//!
+//! Underneath, each direction is a distributed queue of unstructured bytes (`crate::pipe`):
+//! the writer's CPU copies the bytes straight into the reader's ring (one copy within a
+//! host; a write burst across hosts), and the reader copies them out — or lends them in place
+//! ([`Stream::read_in_place`]), or has them placed directly into a buffer it posted before
+//! they arrived (transfer redirection: [`Stream::post_recv`], [`Stream::recv_posted`]).
+//!
+//! Each stream has an endpoint of its own; accepting makes one per connection. `Stream` is
+//! `Send` and `Sync` (reads and writes of one stream may run on two threads at once;
+//! `Read` and `Write` are implemented for `&Stream` too); [`Stream::try_clone`] gives
+//! another handle.
+
+use std::io;
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use clan::{ConnectError, Connection, Endpoint, EndpointAddr, EventQueue, Nic};
+
+use crate::inplace::InPlace;
+use crate::pipe::{PipeError, PipeRx, PipeTx, Redirection};
+use crate::side::{self, SetupError};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How streams are made.
+#[derive(Debug, Clone)]
+pub struct StreamConfig {
+    /// Bytes of the ring each side receives into (the stream's buffering, per direction).
+    pub ring: u64,
+    /// Bytes of the area posted receives are redirected into (0: no redirection).
+    pub post_area: u64,
+    /// How long a blocked read or write polls memory before it sleeps.
+    pub spin: Duration,
+    /// Bound on connecting.
+    pub connect_timeout: Duration,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            ring: 256 << 10,
+            post_area: 64 << 10,
+            spin: Duration::from_micros(15),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+fn setup_error(e: SetupError) -> io::Error {
+    match e {
+        SetupError::Connect(ConnectError::Refused(a)) => {
+            io::Error::new(io::ErrorKind::ConnectionRefused, format!("{a} refused the connection"))
+        }
+        SetupError::Connect(ConnectError::Timeout(a)) => {
+            io::Error::new(io::ErrorKind::TimedOut, format!("no answer from {a} in time"))
+        }
+        SetupError::Connect(ConnectError::NoRequest) => {
+            io::Error::new(io::ErrorKind::WouldBlock, "no connection request pending")
+        }
+        SetupError::BadConfig(_) => io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
+        other => io::Error::other(other),
+    }
+}
+
+pub(crate) fn pipe_error(e: PipeError) -> io::Error {
+    match e {
+        PipeError::Protocol(why) => io::Error::new(io::ErrorKind::InvalidData, format!("protocol violation by the peer: {why}")),
+        PipeError::Access(clan::AccessError::Revoked) => {
+            io::Error::new(io::ErrorKind::ConnectionReset, "the peer closed its end of the connection")
+        }
+        PipeError::Access(clan::AccessError::Disconnected) => {
+            io::Error::new(io::ErrorKind::ConnectionReset, "the link to the peer broke")
+        }
+        PipeError::Access(a) => io::Error::other(a),
+        PipeError::Dead => io::Error::new(io::ErrorKind::ConnectionReset, "the peer went away"),
+        PipeError::Timeout => io::Error::new(io::ErrorKind::TimedOut, "timed out"),
+        PipeError::Shutdown => io::Error::new(io::ErrorKind::BrokenPipe, "the stream was shut down for writing"),
+    }
+}
+
+/// A listening endpoint.
+#[derive(Debug)]
+pub struct Listener {
+    nic: Nic,
+    ep: Endpoint,
+    cfg: StreamConfig,
+    queue: Option<EventQueue>,
+    nonblocking: AtomicBool,
+}
+
+impl Listener {
+    /// Listen on a new endpoint of `nic` (a free port).
+    pub fn bind(nic: &Nic) -> io::Result<Listener> {
+        Listener::bind_with(nic, None, StreamConfig::default())
+    }
+
+    /// Listen on port `port` (None: a free one) with `cfg` for the streams accepted.
+    pub fn bind_with(nic: &Nic, port: Option<u32>, cfg: StreamConfig) -> io::Result<Listener> {
+        Listener::bind_on(nic, port, cfg, None)
+    }
+
+    pub(crate) fn bind_on(nic: &Nic, port: Option<u32>, cfg: StreamConfig, queue: Option<EventQueue>) -> io::Result<Listener> {
+        let ep = nic
+            .endpoint_with(clan::EndpointConfig { port, queue: queue.clone(), ..clan::EndpointConfig::default() })
+            .map_err(|e| match e {
+                clan::EndpointError::PortInUse(_) => io::Error::new(io::ErrorKind::AddrInUse, e.to_string()),
+                other => io::Error::other(other),
+            })?;
+        ep.listen();
+        Ok(Listener { nic: nic.clone(), ep, cfg, queue, nonblocking: AtomicBool::new(false) })
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.ep.addr()
+    }
+
+    /// The listening endpoint (its event queue reports connection requests as OOB events).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    /// Accept the next connection (blocking unless non-blocking mode is on).
+    pub fn accept(&self) -> io::Result<(Stream, EndpointAddr)> {
+        let req = if self.nonblocking.load(Ordering::Acquire) {
+            self.ep.try_accept().ok_or_else(|| io::Error::new(io::ErrorKind::WouldBlock, "no connection pending"))?
+        } else {
+            self.ep.accept(None).map_err(|e| setup_error(e.into()))?
+        };
+        let from = req.from();
+        let s = side::accept(&self.nic, self.queue.as_ref(), req, self.cfg.ring, self.cfg.post_area).map_err(setup_error)?;
+        Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
+    }
+
+    /// Accept with a time limit.
+    pub fn accept_timeout(&self, timeout: Duration) -> io::Result<(Stream, EndpointAddr)> {
+        let req = self.ep.accept(Some(timeout)).map_err(|e| match e {
+            ConnectError::NoRequest => io::Error::new(io::ErrorKind::TimedOut, "no connection within the timeout"),
+            other => setup_error(other.into()),
+        })?;
+        let from = req.from();
+        let s = side::accept(&self.nic, self.queue.as_ref(), req, self.cfg.ring, self.cfg.post_area).map_err(setup_error)?;
+        Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
+    }
+
+    /// Make [`Listener::accept`] return `WouldBlock` instead of waiting.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.nonblocking.store(on, Ordering::Release);
+        Ok(())
+    }
+
+    /// Accepted streams, forever.
+    pub fn incoming(&self) -> impl Iterator<Item = io::Result<Stream>> + '_ {
+        std::iter::from_fn(move || Some(self.accept().map(|(s, _)| s)))
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    // Field order: the pipes (and their mappings) go before the connection and endpoint.
+    tx: Mutex<PipeTx>,
+    rx: Mutex<PipeRx>,
+    conn: Mutex<Option<Connection>>,
+    ep: Endpoint,
+    local: EndpointAddr,
+    peer: EndpointAddr,
+    nonblocking: AtomicBool,
+    read_shut: AtomicBool,
+    read_timeout: Mutex<Option<Duration>>,
+    write_timeout: Mutex<Option<Duration>>,
+}
+
+impl Inner {
+    fn alive(&self) -> bool {
+        lock(&self.conn).as_ref().is_some_and(Connection::is_alive)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // End of stream for the peer, then the connection goes (the peer's reads drain what
+        // is in its ring first).
+        let _ = self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).finish();
+        if let Some(c) = self.conn.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            c.close();
+        }
+    }
+}
+
+/// A connected byte stream. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct Stream {
+    inner: Arc<Inner>,
+}
+
+impl Stream {
+    /// Connect to the listener at `addr` with default settings.
+    pub fn connect(nic: &Nic, addr: EndpointAddr) -> io::Result<Stream> {
+        Stream::connect_with(nic, addr, &StreamConfig::default())
+    }
+
+    /// Connect with `cfg`.
+    pub fn connect_with(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig) -> io::Result<Stream> {
+        Stream::connect_on(nic, addr, cfg, None)
+    }
+
+    pub(crate) fn connect_on(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig, queue: Option<&EventQueue>) -> io::Result<Stream> {
+        let s = side::connect(nic, queue, addr, cfg.ring, cfg.post_area, cfg.connect_timeout).map_err(setup_error)?;
+        Stream::from_sides(s, cfg).map_err(pipe_error)
+    }
+
+    fn from_sides(s: side::Sides, cfg: &StreamConfig) -> Result<Stream, PipeError> {
+        let tx = PipeTx::new(s.mine.clone(), s.peer.clone(), s.peer_cap, s.peer_post_cap, cfg.spin)?;
+        let rx = PipeRx::new(s.mine.clone(), s.peer.clone(), cfg.ring, cfg.post_area, cfg.spin)?;
+        Ok(Stream {
+            inner: Arc::new(Inner {
+                tx: Mutex::new(tx),
+                rx: Mutex::new(rx),
+                local: s.ep.addr(),
+                peer: s.conn.peer(),
+                conn: Mutex::new(Some(s.conn)),
+                ep: s.ep,
+                nonblocking: AtomicBool::new(false),
+                read_shut: AtomicBool::new(false),
+                read_timeout: Mutex::new(None),
+                write_timeout: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Our endpoint's address.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.inner.local
+    }
+
+    /// The peer's endpoint address.
+    pub fn peer_addr(&self) -> EndpointAddr {
+        self.inner.peer
+    }
+
+    /// Our endpoint (its event queue; tripwires for event-driven use).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.ep
+    }
+
+    /// Another handle on the same stream.
+    pub fn try_clone(&self) -> io::Result<Stream> {
+        Ok(self.clone())
+    }
+
+    /// Non-blocking mode: reads and writes that would wait return `WouldBlock`.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.inner.nonblocking.store(on, Ordering::Release);
+        Ok(())
+    }
+
+    /// Bound blocking reads (`TimedOut` after it). `Some(0)` is invalid, as in `std`.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
+        }
+        *lock(&self.inner.read_timeout) = t;
+        Ok(())
+    }
+
+    /// Bound blocking writes.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
+        }
+        *lock(&self.inner.write_timeout) = t;
+        Ok(())
+    }
+
+    /// Shut down reading, writing or both. Shutting down writing sends end of stream after
+    /// the bytes already written.
+    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        if matches!(how, Shutdown::Write | Shutdown::Both) {
+            lock(&self.inner.tx).finish().map_err(pipe_error)?;
+        }
+        if matches!(how, Shutdown::Read | Shutdown::Both) {
+            self.inner.read_shut.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    fn deadline(&self, t: &Mutex<Option<Duration>>) -> Option<Instant> {
+        lock(t).map(|d| Instant::now() + d)
+    }
+
+    /// Read what is there (waiting for at least one byte unless non-blocking). 0: end of
+    /// stream.
+    fn do_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() || self.inner.read_shut.load(Ordering::Acquire) {
+            return Ok(0);
+        }
+        let deadline = self.deadline(&self.inner.read_timeout);
+        let mut rx = lock(&self.inner.rx);
+        loop {
+            let n = rx.try_read(buf).map_err(pipe_error)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if rx.at_end().map_err(pipe_error)? {
+                return Ok(0);
+            }
+            if !self.inner.alive() {
+                return Err(pipe_error(PipeError::Dead));
+            }
+            if self.inner.nonblocking.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            rx.wait_data(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
+        }
+    }
+
+    fn do_write(&self, data: &[u8]) -> io::Result<usize> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let deadline = self.deadline(&self.inner.write_timeout);
+        let mut tx = lock(&self.inner.tx);
+        loop {
+            if !self.inner.alive() {
+                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the peer went away"));
+            }
+            let n = tx.try_write(data).map_err(|e| match e {
+                PipeError::Access(_) => io::Error::new(io::ErrorKind::BrokenPipe, "the peer closed the connection"),
+                other => pipe_error(other),
+            })?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if self.inner.nonblocking.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            tx.wait_space(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
+        }
+    }
+
+    /// Lend up to `max` received bytes in place (no copy into a buffer of ours): `f` reads
+    /// them through [`InPlace`]; they are consumed when it returns. `Ok(None)` at end of
+    /// stream. Blocks like `read`.
+    pub fn read_in_place<R>(&self, max: u64, f: impl FnOnce(InPlace<'_>) -> R) -> io::Result<Option<R>> {
+        let deadline = self.deadline(&self.inner.read_timeout);
+        let mut rx = lock(&self.inner.rx);
+        loop {
+            if rx.available().map_err(pipe_error)? > 0 {
+                let r = rx.read_in_place(max, |ap, off, len| f(InPlace::new(ap, off, len))).map_err(pipe_error)?;
+                return Ok(r);
+            }
+            if rx.at_end().map_err(pipe_error)? || self.inner.read_shut.load(Ordering::Acquire) {
+                return Ok(None);
+            }
+            if !self.inner.alive() {
+                return Err(pipe_error(PipeError::Dead));
+            }
+            if self.inner.nonblocking.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            rx.wait_data(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
+        }
+    }
+
+    /// Post a receive buffer for the next `len` bytes of the stream (transfer redirection):
+    /// bytes the sender writes after it sees the post go straight into it; bytes already
+    /// on their way land in the ring and are copied by [`Stream::recv_posted`]. Read
+    /// nothing else until then. `len` at most [`StreamConfig::post_area`].
+    pub fn post_recv(&self, len: u64) -> io::Result<()> {
+        let mut rx = lock(&self.inner.rx);
+        rx.post(len).map(|_| ()).map_err(|e| match e {
+            PipeError::Protocol(why) => io::Error::new(io::ErrorKind::InvalidInput, why),
+            other => pipe_error(other),
+        })
+    }
+
+    /// Wait until the posted buffer is complete (or the stream ended early), and lend it:
+    /// `f` gets exactly what happened ([`Redirection`]: how many bytes were placed directly
+    /// and how many were copied) and the data in place.
+    pub fn recv_posted<R>(&self, f: impl FnOnce(Redirection, InPlace<'_>) -> R) -> io::Result<R> {
+        let deadline = self.deadline(&self.inner.read_timeout);
+        let mut rx = lock(&self.inner.rx);
+        let rep = rx.complete_post(deadline, &mut || !self.inner.alive()).map_err(|e| match e {
+            PipeError::Protocol(why) if why == "no posted buffer" => io::Error::new(io::ErrorKind::InvalidInput, why),
+            other => pipe_error(other),
+        })?;
+        let area = rx.post_area();
+        Ok(f(rep, InPlace::new(rx.side(), area, rep.len)))
+    }
+
+    /// Wait until at least `n` more bytes than were read so far have landed (possibly still
+    /// being published: the position tripwire of the paper), then copy them into `buf`
+    /// without consuming them. For processing a header while the body is still arriving.
+    pub fn peek_when_landed(&self, n: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let deadline = self.deadline(&self.inner.read_timeout);
+        let mut rx = lock(&self.inner.rx);
+        let pos = rx.consumed() + n;
+        rx.wait_position(pos, deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
+        let k = buf.len().min(n as usize);
+        rx.peek(0, &mut buf[..k]).map_err(pipe_error)
+    }
+
+    /// Bytes that can be read without waiting.
+    pub fn available(&self) -> io::Result<u64> {
+        lock(&self.inner.rx).available().map_err(pipe_error)
+    }
+}
+
+impl io::Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.do_read(buf)
+    }
+}
+
+impl io::Read for &Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.do_read(buf)
+    }
+}
+
+impl io::Write for Stream {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.do_write(data)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl io::Write for &Stream {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.do_write(data)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}

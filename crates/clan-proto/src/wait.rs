@@ -1,0 +1,95 @@
+//! Spin, then block on a tripwire: the synchronisation every protocol here uses (Tripwire
+//! paper §4.3: "poll the control variables for a few microseconds before blocking").
+//!
+//! The protocol that makes blocking safe: arm the tripwire, re-check the memory, and only
+//! then sleep. A write that lands between the check and the sleep fires the armed tripwire,
+//! so the sleep returns at once; a write before the arm is seen by the re-check.
+
+use std::time::{Duration, Instant};
+
+use clan::Tripwire;
+
+/// Why a wait ended without its condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WaitError {
+    /// The deadline passed.
+    Timeout,
+    /// `dead()` said the other side is gone.
+    Dead,
+    /// The tripwire is gone (its aperture was unexported).
+    Stale,
+}
+
+/// Longest single sleep: the liveness check runs at least this often while blocked.
+const SLICE: Duration = Duration::from_millis(20);
+
+/// Wait until `ready()` holds: poll it for `spin`, then block on `tw` (armed, re-checked,
+/// slept on) until it does, `deadline` passes, or `dead()` holds. A `deadline` in the past
+/// checks once.
+pub(crate) fn wait_until(
+    tw: &Tripwire,
+    spin: Duration,
+    deadline: Option<Instant>,
+    ready: impl FnMut() -> bool,
+    dead: impl FnMut() -> bool,
+) -> Result<(), WaitError> {
+    wait_sliced(tw, spin, deadline, SLICE, ready, dead)
+}
+
+/// [`wait_until`] sleeping at most `slice` at a time (for conditions that another write
+/// than the tripwire's may also satisfy).
+pub(crate) fn wait_sliced(
+    tw: &Tripwire,
+    spin: Duration,
+    deadline: Option<Instant>,
+    slice_max: Duration,
+    mut ready: impl FnMut() -> bool,
+    mut dead: impl FnMut() -> bool,
+) -> Result<(), WaitError> {
+    if ready() {
+        return Ok(());
+    }
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        return Err(WaitError::Timeout);
+    }
+    if !spin.is_zero() {
+        let until = Instant::now() + spin;
+        let mut n = 0u32;
+        loop {
+            std::hint::spin_loop();
+            if ready() {
+                return Ok(());
+            }
+            n = n.wrapping_add(1);
+            if n % 64 == 0 && Instant::now() >= until {
+                break;
+            }
+        }
+    }
+    loop {
+        tw.arm().map_err(|_| WaitError::Stale)?;
+        if ready() {
+            return Ok(());
+        }
+        if dead() {
+            return Err(WaitError::Dead);
+        }
+        let slice = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(WaitError::Timeout);
+                }
+                left.min(slice_max)
+            }
+            None => slice_max,
+        };
+        match tw.wait(Some(slice)) {
+            Ok(()) | Err(clan::TripwireError::Timeout) => {}
+            Err(_) => return Err(WaitError::Stale),
+        }
+        if ready() {
+            return Ok(());
+        }
+    }
+}

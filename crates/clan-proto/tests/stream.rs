@@ -1,0 +1,195 @@
+//! Stream sockets: std::net-shaped behaviour, transfer redirection, lending in place, end of
+//! stream, peer death, non-blocking mode.
+
+#[path = "../../clan/tests/util/mod.rs"]
+mod util;
+
+use std::io::{Read, Write};
+use std::net::Shutdown;
+use std::time::Duration;
+
+use clan::Nic;
+use clan_proto::stream::{Listener, Stream, StreamConfig};
+use util::Watchdog;
+
+fn pair(cfg: StreamConfig) -> (Stream, Stream, Listener) {
+    let nic = Nic::open_default().unwrap();
+    let l = Listener::bind_with(&nic, None, cfg.clone()).unwrap();
+    let addr = l.local_addr();
+    let n2 = nic.clone();
+    let c2 = cfg.clone();
+    let t = std::thread::spawn(move || Stream::connect_with(&n2, addr, &c2).unwrap());
+    let (s, from) = l.accept().unwrap();
+    let c = t.join().unwrap();
+    assert_eq!(from, c.local_addr());
+    assert_eq!(s.peer_addr(), c.local_addr());
+    (c, s, l)
+}
+
+fn small() -> StreamConfig {
+    StreamConfig { ring: 4096, post_area: 64 << 10, ..StreamConfig::default() }
+}
+
+#[test]
+fn echo_and_end_of_stream() {
+    let _wd = Watchdog::new("stream echo", Duration::from_secs(60));
+    let (mut c, mut s, _l) = pair(small());
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    let d2 = data.clone();
+    let w = std::thread::spawn(move || {
+        c.write_all(&d2).unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        // Then read the echo.
+        let mut back = Vec::new();
+        c.read_to_end(&mut back).unwrap();
+        back
+    });
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    assert!(got == data, "all bytes, in order, through a 4 KiB ring");
+    s.write_all(&got).unwrap();
+    drop(s);
+    let back = w.join().unwrap();
+    assert!(back == data);
+}
+
+#[test]
+fn nonblocking_timeouts_and_shutdown() {
+    let _wd = Watchdog::new("stream nonblocking", Duration::from_secs(60));
+    let (mut c, mut s, _l) = pair(small());
+    s.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 16];
+    assert_eq!(s.read(&mut b).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+    s.set_nonblocking(false).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(30))).unwrap();
+    assert_eq!(s.read(&mut b).unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+    assert!(s.set_read_timeout(Some(Duration::ZERO)).is_err());
+    // A full ring: non-blocking writes say so.
+    c.set_nonblocking(true).unwrap();
+    let mut sent = 0;
+    loop {
+        match c.write(&[1u8; 1000]) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(sent, 4095, "full with one free byte");
+    assert_eq!(s.available().unwrap(), 4095);
+    c.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(c.write(b"x").unwrap_err().kind(), std::io::ErrorKind::BrokenPipe);
+    let mut all = Vec::new();
+    s.set_read_timeout(None).unwrap();
+    s.read_to_end(&mut all).unwrap();
+    assert_eq!(all.len(), 4095);
+    // Shutting down reading: reads see the end at once.
+    s.shutdown(Shutdown::Read).unwrap();
+    assert_eq!(s.read(&mut b).unwrap(), 0);
+}
+
+#[test]
+fn lending_in_place_and_landing() {
+    let _wd = Watchdog::new("stream in place", Duration::from_secs(60));
+    let (mut c, s, _l) = pair(small());
+    c.write_all(b"hello, in place").unwrap();
+    let got = s.read_in_place(5, |d| d.to_vec()).unwrap().unwrap();
+    assert_eq!(got, b"hello");
+    let mut head = [0u8; 3];
+    assert_eq!(s.peek_when_landed(3, &mut head).unwrap(), 3);
+    assert_eq!(&head, b", i");
+    let rest = s.read_in_place(100, |d| d.to_vec()).unwrap().unwrap();
+    assert_eq!(rest, b", in place");
+    drop(c);
+    assert!(s.read_in_place(100, |d| d.len()).unwrap().is_none(), "end of stream");
+}
+
+#[test]
+fn redirection_places_data_directly_and_reports_exactly() {
+    let _wd = Watchdog::new("stream redirection", Duration::from_secs(60));
+    let (mut c, s, _l) = pair(StreamConfig { ring: 16 << 10, post_area: 64 << 10, ..StreamConfig::default() });
+    // Posted before the data: all of it placed directly.
+    s.post_recv(40_000).unwrap();
+    let data: Vec<u8> = (0..40_000u32).map(|i| (i % 253) as u8).collect();
+    c.write_all(&data).unwrap();
+    let (rep, got) = s.recv_posted(|r, d| (r, d.to_vec())).unwrap();
+    assert_eq!((rep.len, rep.direct, rep.copied), (40_000, 40_000, 0));
+    assert!(got == data);
+    // Data sent before the post: it went to the ring and is copied.
+    c.write_all(&data[..3000]).unwrap();
+    while s.available().unwrap() < 3000 {
+        std::thread::yield_now();
+    }
+    s.post_recv(10_000).unwrap();
+    c.write_all(&data[3000..10_000]).unwrap();
+    let (rep, got) = s.recv_posted(|r, d| (r, d.to_vec())).unwrap();
+    assert_eq!((rep.len, rep.copied, rep.direct), (10_000, 3000, 7000), "a partial redirection, exactly");
+    assert!(got == data[..10_000]);
+    // Normal reads go on.
+    c.write_all(b"after").unwrap();
+    let mut b = [0u8; 5];
+    let mut r: &Stream = &s;
+    r.read_exact(&mut b).unwrap();
+    assert_eq!(&b, b"after");
+    // Misuse.
+    assert!(s.post_recv(0).is_err());
+    assert!(s.post_recv(1 << 20).is_err());
+}
+
+#[test]
+fn a_dead_peer_is_an_error_not_a_hang() {
+    let _wd = Watchdog::new("stream peer death", Duration::from_secs(120));
+    let mut peer = util::Peer::spawn("child", "server", &[]);
+    let addr: clan::EndpointAddr = peer.expect("address").parse().unwrap();
+    let nic = Nic::open_default().unwrap();
+    let mut c = Stream::connect(&nic, addr).unwrap();
+    c.write_all(b"ping").unwrap();
+    let mut b = [0u8; 4];
+    c.read_exact(&mut b).unwrap();
+    assert_eq!(&b, b"pong");
+    peer.kill();
+    let start = std::time::Instant::now();
+    let e = c.read(&mut b).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+    assert!(start.elapsed() < Duration::from_secs(30));
+    // Writing fails too (not at once necessarily: the peer's memory stays mapped until the
+    // NIC notices; then it does).
+    let start = std::time::Instant::now();
+    loop {
+        match c.write(&[0u8; 1024]) {
+            Err(e) => {
+                assert!(matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset), "{e}");
+                break;
+            }
+            Ok(_) => assert!(start.elapsed() < Duration::from_secs(30), "writes to a dead peer kept succeeding"),
+        }
+    }
+}
+
+#[test]
+fn child() {
+    let Some(role) = util::role() else { return };
+    assert_eq!(role, "server");
+    let nic = Nic::open_default().unwrap();
+    let l = Listener::bind(&nic).unwrap();
+    util::say(l.local_addr());
+    let (mut s, _) = l.accept().unwrap();
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b).unwrap();
+    s.write_all(b"pong").unwrap();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+#[test]
+fn refused_and_timed_out_connects() {
+    let nic = Nic::open_default().unwrap();
+    let ep = nic.endpoint().unwrap(); // not listening
+    let e = Stream::connect_with(&nic, ep.addr(), &StreamConfig { connect_timeout: Duration::from_secs(5), ..StreamConfig::default() })
+        .unwrap_err();
+    assert!(matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut), "{e}");
+    let l = Listener::bind(&nic).unwrap();
+    l.set_nonblocking(true).unwrap();
+    assert_eq!(l.accept().unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+    assert_eq!(l.accept_timeout(Duration::from_millis(20)).unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+}
