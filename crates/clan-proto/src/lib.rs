@@ -11,6 +11,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod queue;
+pub mod rpc;
 pub mod stream;
 pub mod vmmc;
 

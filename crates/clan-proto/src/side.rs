@@ -13,6 +13,8 @@ use crate::pipe;
 const SIDE_CAP: u64 = 192;
 const SIDE_POST_CAP: u64 = 200;
 const SIDE_MAGIC: u64 = 208;
+/// Slot size of a message queue's ring (0: a byte ring).
+const SIDE_SLOT: u64 = 216;
 const MAGIC: u64 = 0xC1A4_51DE_0000_0001;
 
 /// Most bytes a ring or post area may have.
@@ -55,24 +57,41 @@ pub(crate) struct Sides {
     /// The peer's ring and post area (what our writes go into).
     pub peer_cap: u64,
     pub peer_post_cap: u64,
+    /// The peer's slot size (message queues; 0 for byte rings).
+    pub peer_slot: u64,
+}
+
+/// The geometry of a side.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    pub cap: u64,
+    pub post_cap: u64,
+    pub slot: u64,
+}
+
+impl Geometry {
+    pub fn bytes(cap: u64, post_cap: u64) -> Geometry {
+        Geometry { cap, post_cap, slot: 0 }
+    }
 }
 
 fn endpoint(nic: &Nic, queue: Option<&EventQueue>) -> Result<Endpoint, SetupError> {
     Ok(nic.endpoint_with(EndpointConfig { queue: queue.cloned(), ..EndpointConfig::default() })?)
 }
 
-fn export_side(ep: &Endpoint, cap: u64, post_cap: u64) -> Result<Arc<Aperture>, SetupError> {
-    if !(2..=MAX_RING).contains(&cap) || post_cap > MAX_RING {
+fn export_side(ep: &Endpoint, g: Geometry) -> Result<Arc<Aperture>, SetupError> {
+    if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING {
         return Err(SetupError::BadConfig("ring between 2 bytes and 1 GiB, post area at most 1 GiB"));
     }
-    let ap = ep.export(pipe::side_len(cap, post_cap))?;
-    ap.store_u64(SIDE_CAP, cap)?;
-    ap.store_u64(SIDE_POST_CAP, post_cap)?;
+    let ap = ep.export(pipe::side_len(g.cap, g.post_cap))?;
+    ap.store_u64(SIDE_CAP, g.cap)?;
+    ap.store_u64(SIDE_POST_CAP, g.post_cap)?;
+    ap.store_u64(SIDE_SLOT, g.slot)?;
     ap.store_u64(SIDE_MAGIC, MAGIC)?;
     Ok(Arc::new(ap))
 }
 
-fn import_side(ep: &Endpoint, conn: &Connection) -> Result<(Mapping, u64, u64), SetupError> {
+fn import_side(ep: &Endpoint, conn: &Connection) -> Result<(Mapping, u64, u64, u64), SetupError> {
     let m = ep.import(conn.peer_descriptor())?;
     // One read of the peer's memory, at setup only: its geometry.
     if m.load_u64(SIDE_MAGIC)? != MAGIC {
@@ -80,10 +99,14 @@ fn import_side(ep: &Endpoint, conn: &Connection) -> Result<(Mapping, u64, u64), 
     }
     let cap = m.load_u64(SIDE_CAP)?;
     let post_cap = m.load_u64(SIDE_POST_CAP)?;
+    let slot = m.load_u64(SIDE_SLOT)?;
     if !(2..=MAX_RING).contains(&cap) || post_cap > MAX_RING || pipe::side_len(cap, post_cap) > m.len() {
         return Err(SetupError::BadPeer("sizes do not fit its aperture"));
     }
-    Ok((m, cap, post_cap))
+    if slot != 0 && (slot > cap || cap % slot != 0) {
+        return Err(SetupError::BadPeer("its slots do not divide its ring"));
+    }
+    Ok((m, cap, post_cap, slot))
 }
 
 /// Connect from a fresh endpoint of `nic` to the listening endpoint `to`.
@@ -91,15 +114,14 @@ pub(crate) fn connect(
     nic: &Nic,
     queue: Option<&EventQueue>,
     to: EndpointAddr,
-    cap: u64,
-    post_cap: u64,
+    g: Geometry,
     timeout: Duration,
 ) -> Result<Sides, SetupError> {
     let ep = endpoint(nic, queue)?;
-    let mine = export_side(&ep, cap, post_cap)?;
+    let mine = export_side(&ep, g)?;
     let conn = ep.connect(to, &mine.descriptor(), Some(timeout))?;
-    let (peer, peer_cap, peer_post_cap) = import_side(&ep, &conn)?;
-    Ok(Sides { ep, conn, mine, peer, peer_cap, peer_post_cap })
+    let (peer, peer_cap, peer_post_cap, peer_slot) = import_side(&ep, &conn)?;
+    Ok(Sides { ep, conn, mine, peer, peer_cap, peer_post_cap, peer_slot })
 }
 
 /// Accept `req` on a fresh endpoint of `nic`.
@@ -107,12 +129,11 @@ pub(crate) fn accept(
     nic: &Nic,
     queue: Option<&EventQueue>,
     req: ConnectRequest,
-    cap: u64,
-    post_cap: u64,
+    g: Geometry,
 ) -> Result<Sides, SetupError> {
     let ep = endpoint(nic, queue)?;
-    let mine = export_side(&ep, cap, post_cap)?;
+    let mine = export_side(&ep, g)?;
     let conn = req.accept(&ep, &mine.descriptor())?;
-    let (peer, peer_cap, peer_post_cap) = import_side(&ep, &conn)?;
-    Ok(Sides { ep, conn, mine, peer, peer_cap, peer_post_cap })
+    let (peer, peer_cap, peer_post_cap, peer_slot) = import_side(&ep, &conn)?;
+    Ok(Sides { ep, conn, mine, peer, peer_cap, peer_post_cap, peer_slot })
 }

@@ -136,7 +136,7 @@ impl Listener {
             self.ep.accept(None).map_err(|e| setup_error(e.into()))?
         };
         let from = req.from();
-        let s = side::accept(&self.nic, self.queue.as_ref(), req, self.cfg.ring, self.cfg.post_area).map_err(setup_error)?;
+        let s = side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area)).map_err(setup_error)?;
         Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
     }
 
@@ -147,7 +147,7 @@ impl Listener {
             other => setup_error(other.into()),
         })?;
         let from = req.from();
-        let s = side::accept(&self.nic, self.queue.as_ref(), req, self.cfg.ring, self.cfg.post_area).map_err(setup_error)?;
+        let s = side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area)).map_err(setup_error)?;
         Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
     }
 
@@ -213,7 +213,7 @@ impl Stream {
     }
 
     pub(crate) fn connect_on(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig, queue: Option<&EventQueue>) -> io::Result<Stream> {
-        let s = side::connect(nic, queue, addr, cfg.ring, cfg.post_area, cfg.connect_timeout).map_err(setup_error)?;
+        let s = side::connect(nic, queue, addr, side::Geometry::bytes(cfg.ring, cfg.post_area), cfg.connect_timeout).map_err(setup_error)?;
         Stream::from_sides(s, cfg).map_err(pipe_error)
     }
 

@@ -1,0 +1,524 @@
+//! The distributed queue of the Tripwire paper (§4.2) for messages: fixed-size slots in the
+//! receiver's memory, written by the sender.
+//!
+//! The sender owns `write_i` and mirrors it lazily into the receiver (`RX_WRITE` of its
+//! side); the receiver owns `read_i` and mirrors it lazily into the sender (`CTL_READ`). The
+//! queue is empty when they are equal and full with one free slot. Every access across the
+//! network is a write; each party polls only its own memory, then blocks on a tripwire (spin
+//! first: [`QueueConfig::spin`]).
+//!
+//! Variants of the paper's §4.3: each message carries a 64-bit **metadata** word; a message
+//! longer than a slot travels as a **multi-part** message over consecutive slots (the
+//! receiver frees each slot as it copies it, so a message may be longer than the whole
+//! ring); the receiver may wait for a message's **header** to land while its body is still
+//! arriving ([`MsgReceiver::wait_header`]). Unstructured byte streaming is the other variant
+//! ([`crate::stream`]). The sender chooses programmed I/O or DMA per message
+//! ([`MsgSender::send_from`]).
+//!
+//! ```text
+//! slot: seq u64 | part_len u32 | flags u32 | meta u64 | total_len u64 | payload …
+//! ```
+//!
+//! `seq` is the message's slot sequence number plus one (so a slot's stale contents from the
+//! previous lap never look like a new header).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clan::{AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Mapping, Nic, Tripwire, TripwireConfig};
+
+use crate::inplace::InPlace;
+use crate::pipe::{CTL_READ, RING, RX_WRITE};
+use crate::side::{self, Geometry, SetupError};
+use crate::wait::{WaitError, wait_until};
+
+/// Bytes of a slot header.
+pub const HEADER: u64 = 32;
+const MORE: u32 = 1;
+const FIRST: u32 = 2;
+
+/// Geometry and behaviour of a message queue.
+#[derive(Debug, Clone)]
+pub struct QueueConfig {
+    /// Slots in the receiver's ring (one stays free).
+    pub slots: u64,
+    /// Bytes of a slot, header included (a multiple of 8, more than the header).
+    pub slot_size: u64,
+    /// How long a blocked send or receive polls before it sleeps.
+    pub spin: Duration,
+    /// Messages longer than this go by DMA in [`MsgSender::send_from`].
+    pub dma_threshold: u64,
+    /// Bound on connecting.
+    pub connect_timeout: Duration,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            slots: 64,
+            slot_size: 2048,
+            spin: Duration::from_micros(15),
+            dma_threshold: crate::vmmc::DEFAULT_INLINE_MAX,
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl QueueConfig {
+    fn check(&self) -> Result<(), QueueError> {
+        if self.slots < 2 || self.slot_size <= HEADER || self.slot_size % 8 != 0 {
+            return Err(QueueError::BadConfig("at least 2 slots of more than 32 bytes, a multiple of 8"));
+        }
+        if self.slots.checked_mul(self.slot_size).is_none_or(|b| b > side::MAX_RING) {
+            return Err(QueueError::BadConfig("the ring may have at most 1 GiB"));
+        }
+        Ok(())
+    }
+}
+
+/// What went wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum QueueError {
+    /// Setting up the connection failed.
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// An access failed (the peer unexported, the link broke).
+    #[error(transparent)]
+    Access(#[from] AccessError),
+    /// A DMA failed.
+    #[error(transparent)]
+    Dma(#[from] clan::DmaError),
+    /// The peer wrote something impossible into our memory.
+    #[error("protocol violation by the peer: {0}")]
+    Protocol(&'static str),
+    /// The peer went away.
+    #[error("the peer went away")]
+    Disconnected,
+    /// Nothing came in time.
+    #[error("timed out")]
+    Timeout,
+    /// A bad configuration.
+    #[error("invalid queue configuration: {0}")]
+    BadConfig(&'static str),
+}
+
+fn wait_err(e: WaitError) -> QueueError {
+    match e {
+        WaitError::Timeout => QueueError::Timeout,
+        WaitError::Dead => QueueError::Disconnected,
+        WaitError::Stale => QueueError::Access(AccessError::Revoked),
+    }
+}
+
+/// A message header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// The message's metadata word.
+    pub meta: u64,
+    /// Its total length.
+    pub len: u64,
+}
+
+/// A received message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Its metadata word.
+    pub meta: u64,
+    /// Its bytes.
+    pub data: Vec<u8>,
+}
+
+/// Accepts senders.
+#[derive(Debug)]
+pub struct QueueListener {
+    nic: Nic,
+    ep: Endpoint,
+    cfg: QueueConfig,
+}
+
+impl QueueListener {
+    /// Listen on a new endpoint of `nic`.
+    pub fn bind(nic: &Nic, cfg: QueueConfig) -> Result<QueueListener, QueueError> {
+        cfg.check()?;
+        let ep = nic.endpoint().map_err(SetupError::from)?;
+        ep.listen();
+        Ok(QueueListener { nic: nic.clone(), ep, cfg })
+    }
+
+    /// Where senders connect.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.ep.addr()
+    }
+
+    /// Accept the next sender: the receiving end of its queue.
+    pub fn accept(&self, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
+        let req = self.ep.accept(timeout).map_err(SetupError::from)?;
+        let g = Geometry { cap: self.cfg.slots * self.cfg.slot_size, post_cap: 0, slot: self.cfg.slot_size };
+        let s = side::accept(&self.nic, None, req, g)?;
+        MsgReceiver::new(s, &self.cfg)
+    }
+}
+
+/// The sending end.
+#[derive(Debug)]
+pub struct MsgSender {
+    ep: Endpoint,
+    conn: clan::Connection,
+    mine: Arc<Aperture>,
+    peer: Mapping,
+    slots: u64,
+    slot: u64,
+    write: u64,
+    space: Tripwire,
+    spin: Duration,
+    dma_threshold: u64,
+}
+
+impl MsgSender {
+    /// Connect to the receiver listening at `to`.
+    pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &QueueConfig) -> Result<MsgSender, QueueError> {
+        cfg.check()?;
+        // Our side holds the counter mirrored by the receiver, and one staging word per slot
+        // (the source of the counter updates that DMA chains write).
+        let s = side::connect(nic, None, to, Geometry { cap: cfg.slots.max(2) * 8, post_cap: 0, slot: 0 }, cfg.connect_timeout)?;
+        if s.peer_slot == 0 || s.peer_slot <= HEADER {
+            return Err(QueueError::Protocol("the peer is not a message queue"));
+        }
+        let space = s
+            .mine
+            .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
+            .map_err(|_| AccessError::Revoked)?;
+        Ok(MsgSender {
+            slots: s.peer_cap / s.peer_slot,
+            slot: s.peer_slot,
+            ep: s.ep,
+            conn: s.conn,
+            mine: s.mine,
+            peer: s.peer,
+            write: 0,
+            space,
+            spin: cfg.spin,
+            dma_threshold: cfg.dma_threshold,
+        })
+    }
+
+    /// Payload bytes per slot.
+    pub fn slot_payload(&self) -> u64 {
+        self.slot - HEADER
+    }
+
+    fn read_pos(&self) -> Result<u64, QueueError> {
+        let r = self.mine.load_u64(CTL_READ)?;
+        if r > self.write {
+            return Err(QueueError::Protocol("the receiver claims to have read more than was written"));
+        }
+        Ok(r)
+    }
+
+    fn free(&self) -> Result<u64, QueueError> {
+        Ok(self.slots - 1 - (self.write - self.read_pos()?))
+    }
+
+    fn wait_free(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
+        let mut failed = None;
+        let r = wait_until(
+            &self.space,
+            self.spin,
+            deadline,
+            || match self.free() {
+                Ok(n) => n > 0,
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            || !self.conn.is_alive(),
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)
+    }
+
+    /// Write the header of the next slot at `at`: its fields, then its sequence word (an
+    /// atomic store after them, so a reader that sees the new sequence sees the fields).
+    fn write_header(&self, at: u64, part_len: u64, flags: u32, meta: u64, total: u64) -> Result<(), QueueError> {
+        let mut h = [0u8; (HEADER - 8) as usize];
+        h[..4].copy_from_slice(&(part_len as u32).to_le_bytes());
+        h[4..8].copy_from_slice(&flags.to_le_bytes());
+        h[8..16].copy_from_slice(&meta.to_le_bytes());
+        h[16..24].copy_from_slice(&total.to_le_bytes());
+        self.peer.write(at + 8, &h)?;
+        self.peer.store_u64(at, self.write + 1)?;
+        Ok(())
+    }
+
+    fn slot_off(&self, i: u64) -> u64 {
+        RING + (i % self.slots) * self.slot
+    }
+
+    /// Send a message (any length: longer than a slot, it goes as a multi-part message),
+    /// waiting for room as needed.
+    pub fn send(&mut self, meta: u64, data: &[u8]) -> Result<(), QueueError> {
+        self.send_timeout(meta, data, None)
+    }
+
+    /// [`MsgSender::send`] with a time limit for each slot to free up.
+    pub fn send_timeout(&mut self, meta: u64, data: &[u8], timeout: Option<Duration>) -> Result<(), QueueError> {
+        let payload = self.slot_payload();
+        let total = data.len() as u64;
+        let mut done = 0u64;
+        let mut first = true;
+        loop {
+            if self.free()? == 0 {
+                self.wait_free(timeout.map(|t| Instant::now() + t))?;
+            }
+            let n = (total - done).min(payload);
+            let flags = if first { FIRST } else { 0 } | if done + n < total { MORE } else { 0 };
+            let at = self.slot_off(self.write);
+            // Header, then body, then the counter: a receiver watching the header wakes while
+            // the body is still on its way.
+            self.write_header(at, n, flags, meta, total)?;
+            self.peer.write(at + HEADER, &data[done as usize..(done + n) as usize])?;
+            self.write += 1;
+            self.peer.store_u64(RX_WRITE, self.write)?;
+            done += n;
+            first = false;
+            if done >= total {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Send `len` bytes of local aperture `src` at `off` (at most one slot's payload): by
+    /// programmed I/O, or, above [`QueueConfig::dma_threshold`], by the DMA engine — the
+    /// header is written now, the body and the counter update by a DMA chain, so the message
+    /// appears whole and in order; the returned ticket says when `src` may be reused.
+    pub fn send_from(&mut self, meta: u64, src: &Aperture, off: u64, len: u64) -> Result<Option<DmaTicket>, QueueError> {
+        if len > self.slot_payload() {
+            return Err(QueueError::BadConfig("send_from sends at most one slot's payload"));
+        }
+        if self.free()? == 0 {
+            self.wait_free(None)?;
+        }
+        let at = self.slot_off(self.write);
+        self.write_header(at, len, FIRST, meta, len)?;
+        if len <= self.dma_threshold {
+            self.peer.write_from(at + HEADER, src, off, len)?;
+            self.write += 1;
+            self.peer.store_u64(RX_WRITE, self.write)?;
+            return Ok(None);
+        }
+        self.write += 1;
+        // The counter's value, staged in our own memory for the DMA engine to read (one word
+        // per slot: it stays untouched until this slot is reused, i.e. long after).
+        let staged = RING + (self.write % self.slots) * 8;
+        self.mine.store_u64(staged, self.write)?;
+        let chain = vec![
+            DmaRequest::write(src, off, &self.peer, at + HEADER, len)?,
+            DmaRequest::write(&self.mine, staged, &self.peer, RX_WRITE, 8)?,
+        ];
+        Ok(Some(self.ep.dma_chain(chain, DmaOptions::new())?))
+    }
+
+    /// Messages (slots) sent.
+    pub fn sent(&self) -> u64 {
+        self.write
+    }
+}
+
+/// The receiving end.
+#[derive(Debug)]
+pub struct MsgReceiver {
+    _ep: Endpoint,
+    conn: clan::Connection,
+    mine: Arc<Aperture>,
+    peer: Mapping,
+    slots: u64,
+    slot: u64,
+    read: u64,
+    data: Tripwire,
+    spin: Duration,
+}
+
+impl MsgReceiver {
+    fn new(s: side::Sides, cfg: &QueueConfig) -> Result<MsgReceiver, QueueError> {
+        let data = s
+            .mine
+            .tripwire(TripwireConfig::writes(RX_WRITE..RX_WRITE + 8).once().disarmed().actions(clan::Actions::NONE))
+            .map_err(|_| AccessError::Revoked)?;
+        Ok(MsgReceiver {
+            _ep: s.ep,
+            conn: s.conn,
+            mine: s.mine,
+            peer: s.peer,
+            slots: cfg.slots,
+            slot: cfg.slot_size,
+            read: 0,
+            data,
+            spin: cfg.spin,
+        })
+    }
+
+    fn written(&self) -> Result<u64, QueueError> {
+        let w = self.mine.load_u64(RX_WRITE)?;
+        if w < self.read || w - self.read > self.slots - 1 {
+            return Err(QueueError::Protocol("the sender's write counter is impossible"));
+        }
+        Ok(w)
+    }
+
+    /// Slots ready to be taken.
+    pub fn pending(&self) -> Result<u64, QueueError> {
+        Ok(self.written()? - self.read)
+    }
+
+    fn slot_off(&self, i: u64) -> u64 {
+        RING + (i % self.slots) * self.slot
+    }
+
+    /// Read and check the header of slot `i` (which must be published, unless `landed`).
+    fn header_of(&self, i: u64) -> Result<Option<(u64, u32, u64, u64)>, QueueError> {
+        // SYNC POINT: the Acquire load of the sequence word pairs with the sender's Release
+        // store of it, which follows the fields.
+        let seq = self.mine.load_u64(self.slot_off(i))?;
+        if seq != i + 1 {
+            return Ok(None);
+        }
+        let mut h = [0u8; HEADER as usize];
+        self.mine.read(self.slot_off(i), &mut h)?;
+        let word = |a: usize| u64::from_le_bytes(h[a..a + 8].try_into().unwrap_or([0; 8]));
+        let part = u64::from(u32::from_le_bytes(h[8..12].try_into().unwrap_or([0; 4])));
+        let flags = u32::from_le_bytes(h[12..16].try_into().unwrap_or([0; 4]));
+        if part > self.slot - HEADER {
+            return Err(QueueError::Protocol("a part longer than a slot"));
+        }
+        Ok(Some((part, flags, word(16), word(24))))
+    }
+
+    fn wait_published(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
+        let mut failed = None;
+        let r = wait_until(
+            &self.data,
+            self.spin,
+            deadline,
+            || match self.pending() {
+                Ok(n) => n > 0,
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            || !self.conn.is_alive(),
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)
+    }
+
+    fn consume(&mut self) -> Result<(), QueueError> {
+        self.read += 1;
+        // Mirror read_i into the sender.
+        self.peer.store_u64(CTL_READ, self.read)?;
+        Ok(())
+    }
+
+    /// Receive the next message (waiting for it; its parts as they come).
+    pub fn recv(&mut self, timeout: Option<Duration>) -> Result<Message, QueueError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut data = Vec::new();
+        let mut meta = 0;
+        let mut first = true;
+        loop {
+            if self.pending()? == 0 {
+                self.wait_published(deadline)?;
+            }
+            let (part, flags, m, total) = self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+            if first {
+                if flags & FIRST == 0 {
+                    return Err(QueueError::Protocol("a message that does not start with its first part"));
+                }
+                if total > (1 << 32) {
+                    return Err(QueueError::Protocol("a message of more than 4 GiB"));
+                }
+                meta = m;
+                data.reserve(total as usize);
+            } else if flags & FIRST != 0 || m != meta {
+                return Err(QueueError::Protocol("parts of different messages interleaved"));
+            }
+            let at = data.len();
+            if at as u64 + part > total {
+                return Err(QueueError::Protocol("parts longer than the message"));
+            }
+            data.resize(at + part as usize, 0);
+            self.mine.read(self.slot_off(self.read) + HEADER, &mut data[at..])?;
+            self.consume()?;
+            first = false;
+            if flags & MORE == 0 {
+                if data.len() as u64 != total {
+                    return Err(QueueError::Protocol("a message shorter than its header says"));
+                }
+                return Ok(Message { meta, data });
+            }
+        }
+    }
+
+    /// Take the next message if it fits one slot and lend it in place (no copy); a
+    /// multi-part message is an error here (use [`MsgReceiver::recv`]).
+    pub fn recv_in_place<R>(&mut self, timeout: Option<Duration>, f: impl FnOnce(u64, InPlace<'_>) -> R) -> Result<R, QueueError> {
+        if self.pending()? == 0 {
+            self.wait_published(timeout.map(|t| Instant::now() + t))?;
+        }
+        let (part, flags, meta, _) = self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+        if flags & MORE != 0 || flags & FIRST == 0 {
+            return Err(QueueError::BadConfig("a multi-part message cannot be lent in place"));
+        }
+        let r = f(meta, InPlace::new(&self.mine, self.slot_off(self.read) + HEADER, part));
+        self.consume()?;
+        Ok(r)
+    }
+
+    /// Wait until the next message's header has landed — possibly while its body is still
+    /// arriving — and return it (the message is not consumed). A tripwire on the header of
+    /// the next slot fires when the sender writes it; the header is visible by then.
+    pub fn wait_header(&self, timeout: Option<Duration>) -> Result<Header, QueueError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let at = self.slot_off(self.read);
+        let tw = self
+            .mine
+            .tripwire(TripwireConfig::writes(at..at + HEADER).once().disarmed().actions(clan::Actions::NONE))
+            .map_err(|_| AccessError::Revoked)?;
+        let mut found = None;
+        let mut failed = None;
+        let r = crate::wait::wait_sliced(
+            &tw,
+            self.spin,
+            deadline,
+            Duration::from_millis(1),
+            || match self.header_of(self.read) {
+                Ok(Some((_, _, meta, total))) => {
+                    found = Some(Header { meta, len: total });
+                    true
+                }
+                Ok(None) => false,
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            || !self.conn.is_alive(),
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)?;
+        found.ok_or(QueueError::Timeout)
+    }
+
+    /// Slots taken so far.
+    pub fn received(&self) -> u64 {
+        self.read
+    }
+}

@@ -1,0 +1,546 @@
+//! Message transfer and RPC (Tripwire paper §4.1).
+//!
+//! **Message transfer** ([`ChannelSender`], [`ChannelReceiver`]): one buffer in the
+//! receiver and two flags. The sender writes the message into the receiver's buffer, then
+//! sets the receiver's `rx_ready`; the receiver processes the message in place, then sets
+//! the sender's `tx_ready`, which lets the sender send the next one. Each side has one
+//! tripwire, on the flag it waits for.
+//!
+//! **RPC** ([`RpcClient`], [`RpcServer`]): the client writes its request into the server's
+//! buffer and sets the server's flag; the server processes it in place and writes the reply
+//! into the client's buffer, setting the client's flag. Requests and replies alternate, so
+//! two flags and two tripwires suffice. Both directions are zero-copy if the application
+//! wants: [`RpcClient::call_with`] writes the request straight into the server's memory,
+//! the server's handler reads it in place and writes its reply straight into the client's.
+//!
+//! The server is event-driven: one thread, one event queue (a file descriptor for epoll),
+//! every connection's flag tripwire posting to it; [`RpcServer::run_once`] drains the queue,
+//! polls it for a while ([`RpcConfig::poll`], the paper's 15 µs) and then sleeps.
+//!
+//! Layout of each party's buffer (a side aperture): the flag (sequence number of the last
+//! message) at `RX_WRITE`, the message length at `RX_FIN`, `tx_ready` at `CTL_READ`, the
+//! message at `RING`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use clan::{
+    AccessError, Endpoint, EndpointAddr, Event, EventQueue, EventQueueConfig, Mapping, Nic, Tripwire, TripwireConfig,
+};
+
+use crate::inplace::InPlace;
+use crate::pipe::{CTL_READ, RING, RX_FIN, RX_WRITE};
+use crate::side::{self, Geometry, SetupError, Sides};
+use crate::wait::{WaitError, wait_until};
+
+/// What went wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RpcError {
+    /// Setting up the connection failed.
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// An access failed (the peer unexported, the link broke).
+    #[error(transparent)]
+    Access(#[from] AccessError),
+    /// The event queue failed.
+    #[error(transparent)]
+    EventQueue(#[from] clan::EventQueueError),
+    /// The message does not fit the peer's buffer.
+    #[error("a message of {len} bytes does not fit the peer's {max}-byte buffer")]
+    TooLong {
+        /// Its length.
+        len: u64,
+        /// The buffer's.
+        max: u64,
+    },
+    /// The peer wrote something impossible into our memory.
+    #[error("protocol violation by the peer: {0}")]
+    Protocol(&'static str),
+    /// The peer went away.
+    #[error("the peer went away")]
+    Disconnected,
+    /// No answer in time.
+    #[error("timed out")]
+    Timeout,
+}
+
+fn wait_err(e: WaitError) -> RpcError {
+    match e {
+        WaitError::Timeout => RpcError::Timeout,
+        WaitError::Dead => RpcError::Disconnected,
+        WaitError::Stale => RpcError::Access(AccessError::Revoked),
+    }
+}
+
+/// Settings.
+#[derive(Debug, Clone)]
+pub struct RpcConfig {
+    /// Largest message this party receives (its buffer).
+    pub max_msg: u64,
+    /// How long waits poll memory before they sleep; the server's queue polling time.
+    pub spin: Duration,
+    /// Bound on connecting.
+    pub connect_timeout: Duration,
+}
+
+impl Default for RpcConfig {
+    fn default() -> Self {
+        RpcConfig { max_msg: 64 << 10, spin: Duration::from_micros(15), connect_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Writes a message straight into the peer's buffer (no staging copy).
+#[derive(Debug)]
+pub struct Writer<'a> {
+    peer: &'a Mapping,
+    max: u64,
+    len: u64,
+}
+
+impl Writer<'_> {
+    /// Write `data` at `off` of the message (the message's length is the highest byte
+    /// written).
+    pub fn write_at(&mut self, off: u64, data: &[u8]) -> Result<(), RpcError> {
+        let end = off.checked_add(data.len() as u64).filter(|&e| e <= self.max).ok_or(RpcError::TooLong {
+            len: off.saturating_add(data.len() as u64),
+            max: self.max,
+        })?;
+        self.peer.write(RING + off, data)?;
+        self.len = self.len.max(end);
+        Ok(())
+    }
+
+    /// Append `data`.
+    pub fn write(&mut self, data: &[u8]) -> Result<(), RpcError> {
+        self.write_at(self.len, data)
+    }
+
+    /// Bytes written so far.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether nothing was written.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Both parties of a connection.
+#[derive(Debug)]
+struct Party {
+    sides: Sides,
+    /// Fires when our flag is written.
+    flag: Tripwire,
+    seq: u64,
+    spin: Duration,
+}
+
+impl Party {
+    fn new(sides: Sides, spin: Duration, event: Option<u64>) -> Result<Party, RpcError> {
+        let cfg = TripwireConfig::writes(RX_WRITE..RX_WRITE + 8);
+        let cfg = match event {
+            // Event-driven (the server): every flag write posts an event.
+            Some(cookie) => cfg.actions(clan::Actions::NONE).event(cookie),
+            None => cfg.once().disarmed().actions(clan::Actions::NONE),
+        };
+        let flag = sides.mine.tripwire(cfg).map_err(|_| AccessError::Revoked)?;
+        Ok(Party { sides, flag, seq: 0, spin })
+    }
+
+    fn my_flag(&self) -> Result<u64, RpcError> {
+        Ok(self.sides.mine.load_u64(RX_WRITE)?)
+    }
+
+    /// Wait for our flag to reach `v`.
+    fn wait_flag(&self, v: u64, deadline: Option<Instant>) -> Result<(), RpcError> {
+        let mut failed = None;
+        let r = wait_until(
+            &self.flag,
+            self.spin,
+            deadline,
+            || match self.my_flag() {
+                Ok(f) if f == v => true,
+                Ok(f) if f > v => {
+                    failed = Some(RpcError::Protocol("the peer's flag ran ahead"));
+                    true
+                }
+                Ok(_) => false,
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
+            },
+            || !self.sides.conn.is_alive(),
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)
+    }
+
+    /// The message in our buffer (its length checked).
+    fn message(&self) -> Result<InPlace<'_>, RpcError> {
+        let len = self.sides.mine.load_u64(RX_FIN)?;
+        let max = self.sides.mine.len() - RING;
+        if len > max {
+            return Err(RpcError::Protocol("a message longer than our buffer"));
+        }
+        Ok(InPlace::new(&self.sides.mine, RING, len))
+    }
+
+    fn writer(&self) -> Writer<'_> {
+        Writer { peer: &self.sides.peer, max: self.sides.peer_cap, len: 0 }
+    }
+
+    /// Publish a message written with `writer`: its length, then the peer's flag.
+    fn publish(&self, len: u64, seq: u64) -> Result<(), RpcError> {
+        self.sides.peer.store_u64(RX_FIN, len)?;
+        self.sides.peer.store_u64(RX_WRITE, seq)?;
+        Ok(())
+    }
+}
+
+/// Accepts connections for a message channel or RPC.
+#[derive(Debug)]
+pub struct RpcListener {
+    nic: Nic,
+    ep: Endpoint,
+    cfg: RpcConfig,
+}
+
+impl RpcListener {
+    /// Listen on a new endpoint of `nic`.
+    pub fn bind(nic: &Nic, cfg: RpcConfig) -> Result<RpcListener, RpcError> {
+        let ep = nic.endpoint().map_err(SetupError::from)?;
+        ep.listen();
+        Ok(RpcListener { nic: nic.clone(), ep, cfg })
+    }
+
+    /// Where peers connect.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.ep.addr()
+    }
+
+    /// Accept a channel sender: the receiving end.
+    pub fn accept_channel(&self, timeout: Option<Duration>) -> Result<ChannelReceiver, RpcError> {
+        let req = self.ep.accept(timeout).map_err(SetupError::from)?;
+        let s = side::accept(&self.nic, None, req, Geometry::bytes(self.cfg.max_msg.max(2), 0))?;
+        Ok(ChannelReceiver { p: Party::new(s, self.cfg.spin, None)? })
+    }
+}
+
+/// The sending end of a message channel.
+#[derive(Debug)]
+pub struct ChannelSender {
+    p: Party,
+    tx_ready: Tripwire,
+}
+
+impl ChannelSender {
+    /// Connect to a receiver listening at `to`.
+    pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
+        let s = side::connect(nic, None, to, Geometry::bytes(2, 0), cfg.connect_timeout)?;
+        let tx_ready = s
+            .mine
+            .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
+            .map_err(|_| AccessError::Revoked)?;
+        Ok(ChannelSender { p: Party::new(s, cfg.spin, None)?, tx_ready })
+    }
+
+    /// Send a message: wait until the receiver has processed the previous one (`tx_ready`),
+    /// write this one with `fill`, then set the receiver's `rx_ready`.
+    pub fn send_with(&mut self, timeout: Option<Duration>, fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>) -> Result<(), RpcError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let want = self.p.seq;
+        let mine = self.p.sides.mine.clone();
+        let conn_alive = || self.p.sides.conn.is_alive();
+        let mut failed = None;
+        let r = wait_until(
+            &self.tx_ready,
+            self.p.spin,
+            deadline,
+            || match mine.load_u64(CTL_READ) {
+                Ok(v) if v == want => true,
+                Ok(v) if v > want => {
+                    failed = Some(RpcError::Protocol("tx_ready ran ahead"));
+                    true
+                }
+                Ok(_) => false,
+                Err(e) => {
+                    failed = Some(e.into());
+                    true
+                }
+            },
+            || !conn_alive(),
+        );
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        r.map_err(wait_err)?;
+        let mut w = self.p.writer();
+        fill(&mut w)?;
+        let len = w.len;
+        self.p.seq += 1;
+        self.p.publish(len, self.p.seq)
+    }
+
+    /// Send `msg` (copied into the receiver's buffer).
+    pub fn send(&mut self, msg: &[u8], timeout: Option<Duration>) -> Result<(), RpcError> {
+        self.send_with(timeout, |w| w.write(msg))
+    }
+}
+
+/// The receiving end of a message channel.
+#[derive(Debug)]
+pub struct ChannelReceiver {
+    p: Party,
+}
+
+impl ChannelReceiver {
+    /// Wait for the next message and process it in place; then tell the sender (`tx_ready`).
+    pub fn recv_with<R>(&mut self, timeout: Option<Duration>, f: impl FnOnce(InPlace<'_>) -> R) -> Result<R, RpcError> {
+        self.p.wait_flag(self.p.seq + 1, timeout.map(|t| Instant::now() + t))?;
+        self.p.seq += 1;
+        let r = f(self.p.message()?);
+        self.p.sides.peer.store_u64(CTL_READ, self.p.seq)?;
+        Ok(r)
+    }
+
+    /// Receive the next message, copied.
+    pub fn recv(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>, RpcError> {
+        self.recv_with(timeout, |m| m.to_vec())
+    }
+}
+
+/// An RPC client: one connection, one call at a time.
+#[derive(Debug)]
+pub struct RpcClient {
+    p: Party,
+}
+
+impl RpcClient {
+    /// Connect to the server at `to`; `cfg.max_msg` is the largest reply we accept.
+    pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
+        let s = side::connect(nic, None, to, Geometry::bytes(cfg.max_msg.max(2), 0), cfg.connect_timeout)?;
+        Ok(RpcClient { p: Party::new(s, cfg.spin, None)? })
+    }
+
+    /// Call: write the request straight into the server's buffer with `fill`, wait for the
+    /// reply, lend it in place to `take`.
+    pub fn call_with<R>(
+        &mut self,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>,
+        take: impl FnOnce(InPlace<'_>) -> R,
+    ) -> Result<R, RpcError> {
+        let mut w = self.p.writer();
+        fill(&mut w)?;
+        let len = w.len;
+        self.p.seq += 1;
+        self.p.publish(len, self.p.seq)?;
+        self.p.wait_flag(self.p.seq, timeout.map(|t| Instant::now() + t))?;
+        Ok(take(self.p.message()?))
+    }
+
+    /// Call with `req`; the reply is copied into `reply` (cleared first).
+    pub fn call(&mut self, req: &[u8], reply: &mut Vec<u8>, timeout: Option<Duration>) -> Result<(), RpcError> {
+        self.call_with(timeout, |w| w.write(req), |r| {
+            reply.clear();
+            reply.extend_from_slice(&r.to_vec());
+        })
+    }
+
+    /// Our endpoint's address.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.p.sides.ep.addr()
+    }
+}
+
+/// One connection of a server.
+#[derive(Debug)]
+struct ServerConn {
+    p: Party,
+    /// Requests answered.
+    served: u64,
+}
+
+/// Identifies a connection of an [`RpcServer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnId(pub u64);
+
+/// An event-driven RPC server: one thread, one event queue.
+#[derive(Debug)]
+pub struct RpcServer {
+    nic: Nic,
+    queue: EventQueue,
+    listener: Endpoint,
+    cfg: RpcConfig,
+    conns: HashMap<u64, ServerConn>,
+    by_port: HashMap<u32, u64>,
+    next: u64,
+}
+
+impl RpcServer {
+    /// Listen on a new endpoint of `nic`, with an event queue of its own sized for
+    /// `max_conns` connections.
+    pub fn bind(nic: &Nic, cfg: RpcConfig, max_conns: u32) -> Result<RpcServer, RpcError> {
+        let queue = nic.event_queue(EventQueueConfig {
+            spin: cfg.spin,
+            tripwires: (max_conns.max(16) * 2).next_power_of_two(),
+            ring_capacity: 4096.max((max_conns * 2).next_power_of_two()),
+            ..EventQueueConfig::default()
+        })?;
+        let listener = nic
+            .endpoint_with(clan::EndpointConfig { queue: Some(queue.clone()), ..clan::EndpointConfig::default() })
+            .map_err(SetupError::from)?;
+        listener.listen();
+        Ok(RpcServer {
+            nic: nic.clone(),
+            queue,
+            listener,
+            cfg,
+            conns: HashMap::new(),
+            by_port: HashMap::new(),
+            next: 1,
+        })
+    }
+
+    /// Where clients connect.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.listener.addr()
+    }
+
+    /// The event queue: its file descriptor is readable while there is work (for epoll).
+    pub fn event_queue(&self) -> &EventQueue {
+        &self.queue
+    }
+
+    /// Open connections.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Accept every pending connection request now; returns how many.
+    pub fn accept_pending(&mut self) -> Result<usize, RpcError> {
+        let mut n = 0;
+        while let Some(req) = self.listener.try_accept() {
+            let s = side::accept(&self.nic, Some(&self.queue), req, Geometry::bytes(self.cfg.max_msg.max(2), 0))?;
+            let id = self.next;
+            self.next += 1;
+            self.by_port.insert(s.ep.port(), id);
+            let p = Party::new(s, self.cfg.spin, Some(id))?;
+            self.conns.insert(id, ServerConn { p, served: 0 });
+            n += 1;
+            // A request may have come before the tripwire existed.
+            self.serve_conn_later(id);
+        }
+        Ok(n)
+    }
+
+    fn serve_conn_later(&mut self, id: u64) {
+        // Post a user event for the connection so that `run_once` looks at it.
+        let _ = self.queue.post_user(id);
+    }
+
+    fn serve(&mut self, id: u64, handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>)) -> Result<bool, RpcError> {
+        let Some(c) = self.conns.get_mut(&id) else { return Ok(false) };
+        let flag = match c.p.my_flag() {
+            Ok(f) => f,
+            Err(_) => return Ok(false),
+        };
+        if flag != c.p.seq + 1 {
+            if flag > c.p.seq + 1 {
+                // A client that runs ahead of the protocol: drop it.
+                self.drop_conn(id);
+            }
+            return Ok(false);
+        }
+        c.p.seq = flag;
+        let req = c.p.message()?;
+        let mut w = Writer { peer: &c.p.sides.peer, max: c.p.sides.peer_cap, len: 0 };
+        handler(ConnId(id), req, &mut w);
+        let len = w.len;
+        if c.p.publish(len, c.p.seq).is_err() {
+            self.drop_conn(id);
+            return Ok(false);
+        }
+        c.served += 1;
+        Ok(true)
+    }
+
+    fn drop_conn(&mut self, id: u64) {
+        if let Some(c) = self.conns.remove(&id) {
+            self.by_port.remove(&c.p.sides.ep.port());
+        }
+    }
+
+    /// Handle what is ready: take events (waiting up to `timeout` for the first; then
+    /// draining, then polling for [`RpcConfig::spin`] before returning), accept new
+    /// connections, answer requests with `handler` (request in place, reply written
+    /// straight into the client), drop connections whose client went away. Returns the
+    /// number of requests answered.
+    pub fn run_once(
+        &mut self,
+        timeout: Option<Duration>,
+        handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
+    ) -> Result<u64, RpcError> {
+        let mut served = 0u64;
+        let first = match self.queue.wait(timeout) {
+            Ok(e) => Some(e),
+            Err(clan::EventQueueError::Timeout) => None,
+            Err(e) => return Err(e.into()),
+        };
+        let mut next = first;
+        let mut idle_since = Instant::now();
+        loop {
+            let Some(ev) = next.take() else {
+                // Drained: poll for a while before going back to sleep.
+                if idle_since.elapsed() >= self.cfg.spin {
+                    break;
+                }
+                std::hint::spin_loop();
+                next = self.queue.try_take();
+                if next.is_some() {
+                    idle_since = Instant::now();
+                }
+                continue;
+            };
+            match ev {
+                Event::Tripwire { cookie, .. } | Event::User(cookie) => {
+                    if self.serve(cookie, handler)? {
+                        served += 1;
+                    }
+                }
+                Event::Oob { .. } => {
+                    self.accept_pending()?;
+                }
+                Event::Disconnect { endpoint, .. } => {
+                    if let Some(id) = self.by_port.get(&endpoint).copied() {
+                        self.drop_conn(id);
+                    }
+                }
+                Event::Overflow { .. } => {
+                    // Lost events: look at every connection.
+                    self.accept_pending()?;
+                    let ids: Vec<u64> = self.conns.keys().copied().collect();
+                    for id in ids {
+                        if self.serve(id, handler)? {
+                            served += 1;
+                        }
+                    }
+                }
+                _ => {}
+            }
+            next = self.queue.try_take();
+            idle_since = Instant::now();
+        }
+        Ok(served)
+    }
+
+    /// Requests answered on a connection.
+    pub fn served(&self, id: ConnId) -> Option<u64> {
+        self.conns.get(&id.0).map(|c| c.served)
+    }
+}
