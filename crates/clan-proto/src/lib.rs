@@ -16,6 +16,9 @@ pub mod rpc;
 pub mod stream;
 pub mod vmmc;
 
+#[cfg(feature = "tokio")]
+pub mod tokio;
+
 mod inplace;
 mod pipe;
 mod side;

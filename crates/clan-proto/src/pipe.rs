@@ -113,16 +113,17 @@ pub(crate) struct PipeTx {
 }
 
 impl PipeTx {
-    pub fn new(mine: std::sync::Arc<Aperture>, peer: Mapping, cap: u64, post_cap: u64, spin: Duration) -> Result<PipeTx, PipeError> {
+    pub fn new(
+        mine: std::sync::Arc<Aperture>,
+        peer: Mapping,
+        cap: u64,
+        post_cap: u64,
+        spin: Duration,
+    ) -> Result<PipeTx, PipeError> {
         let space = mine
             .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
             .map_err(|_| PipeError::Access(AccessError::Revoked))?;
         Ok(PipeTx { mine, peer, cap, post_cap, write: 0, space, fin: false, redirect: None, spin })
-    }
-
-    /// The tripwire that fires when space frees up (for event-driven waiters).
-    pub fn space_tripwire(&self) -> &Tripwire {
-        &self.space
     }
 
     /// Bytes the peer has consumed, validated.
@@ -203,19 +204,6 @@ impl PipeTx {
         Ok(n as usize)
     }
 
-    /// Write all of `data`, waiting for space (spin, then block) until `deadline`.
-    pub fn write_all(&mut self, mut data: &[u8], deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
-        while !data.is_empty() {
-            let n = self.try_write(data)?;
-            if n == 0 {
-                self.wait_space(deadline, dead)?;
-                continue;
-            }
-            data = &data[n..];
-        }
-        Ok(())
-    }
-
     /// Wait until there is room for at least one byte.
     pub fn wait_space(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
         let mut failed = None;
@@ -224,7 +212,9 @@ impl PipeTx {
             self.spin,
             deadline,
             || match self.room() {
-                Ok(n) => n > 0 || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len),
+                Ok(n) => {
+                    n > 0 || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len)
+                }
                 Err(e) => {
                     failed = Some(e);
                     true
@@ -246,16 +236,6 @@ impl PipeTx {
         self.fin = true;
         self.peer.store_u64(RX_FIN, FIN | self.write)?;
         Ok(())
-    }
-
-    /// Bytes written so far.
-    pub fn written(&self) -> u64 {
-        self.write
-    }
-
-    /// Whether every byte written has been consumed.
-    pub fn drained(&self) -> Result<bool, PipeError> {
-        Ok(self.read_pos()? == self.write)
     }
 }
 
@@ -289,16 +269,17 @@ pub(crate) struct PipeRx {
 }
 
 impl PipeRx {
-    pub fn new(mine: std::sync::Arc<Aperture>, peer: Mapping, cap: u64, post_cap: u64, spin: Duration) -> Result<PipeRx, PipeError> {
+    pub fn new(
+        mine: std::sync::Arc<Aperture>,
+        peer: Mapping,
+        cap: u64,
+        post_cap: u64,
+        spin: Duration,
+    ) -> Result<PipeRx, PipeError> {
         let data = mine
             .tripwire(TripwireConfig::writes(RX_WRITE..RX_FIN + 8).once().disarmed().actions(clan::Actions::NONE))
             .map_err(|_| PipeError::Access(AccessError::Revoked))?;
         Ok(PipeRx { mine, peer, cap, post_cap, read: 0, data, post: None, next_seq: 2, landed: 0, spin })
-    }
-
-    /// The tripwire that fires when data arrives (for event-driven waiters).
-    pub fn data_tripwire(&self) -> &Tripwire {
-        &self.data
     }
 
     /// Bytes written by the peer, validated.
@@ -377,7 +358,11 @@ impl PipeRx {
 
     /// Lend up to `max` readable bytes in place (no copy): `f` gets the aperture, the offset
     /// and the length of one contiguous run; returns what `f` returns and consumes the run.
-    pub fn read_in_place<R>(&mut self, max: u64, f: impl FnOnce(&Aperture, u64, u64) -> R) -> Result<Option<R>, PipeError> {
+    pub fn read_in_place<R>(
+        &mut self,
+        max: u64,
+        f: impl FnOnce(&Aperture, u64, u64) -> R,
+    ) -> Result<Option<R>, PipeError> {
         let avail = self.available()?.min(max);
         if avail == 0 {
             return Ok(None);
@@ -432,7 +417,12 @@ impl PipeRx {
     }
 
     /// Wait until the written position passes `beyond`, or the stream ends.
-    fn wait_beyond(&self, beyond: u64, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+    fn wait_beyond(
+        &self,
+        beyond: u64,
+        deadline: Option<Instant>,
+        dead: &mut dyn FnMut() -> bool,
+    ) -> Result<(), PipeError> {
         let mut failed = None;
         let r = wait_until(
             &self.data,
@@ -462,7 +452,12 @@ impl PipeRx {
     /// `pos` in the ring fires when that byte is written, and the bytes before it are
     /// visible by then (a write that spans a tripwire makes the watched bytes visible
     /// first). Then [`PipeRx::peek`] may copy them. `pos` at most the ring's size ahead.
-    pub fn wait_position(&mut self, pos: u64, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+    pub fn wait_position(
+        &mut self,
+        pos: u64,
+        deadline: Option<Instant>,
+        dead: &mut dyn FnMut() -> bool,
+    ) -> Result<(), PipeError> {
         if pos <= self.read || self.written()? >= pos {
             self.landed = self.landed.max(pos);
             return Ok(());
@@ -534,7 +529,11 @@ impl PipeRx {
     /// Complete the outstanding post: wait until all its bytes are written (or the end),
     /// move the part that went to the ring into the post area, consume the bytes, and say
     /// exactly which part was redirected. The data is then in the post area, offset 0.
-    pub fn complete_post(&mut self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<Redirection, PipeError> {
+    pub fn complete_post(
+        &mut self,
+        deadline: Option<Instant>,
+        dead: &mut dyn FnMut() -> bool,
+    ) -> Result<Redirection, PipeError> {
         let Some((seq, at, len)) = self.post else {
             return Err(PipeError::Protocol("no posted buffer"));
         };

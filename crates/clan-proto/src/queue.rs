@@ -25,7 +25,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clan::{AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Mapping, Nic, Tripwire, TripwireConfig};
+use clan::{
+    AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Mapping, Nic, Tripwire,
+    TripwireConfig,
+};
 
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RING, RX_WRITE};
@@ -181,7 +184,13 @@ impl MsgSender {
         cfg.check()?;
         // Our side holds the counter mirrored by the receiver, and one staging word per slot
         // (the source of the counter updates that DMA chains write).
-        let s = side::connect(nic, None, to, Geometry { cap: cfg.slots.max(2) * 8, post_cap: 0, slot: 0 }, cfg.connect_timeout)?;
+        let s = side::connect(
+            nic,
+            None,
+            to,
+            Geometry { cap: cfg.slots.max(2) * 8, post_cap: 0, slot: 0 },
+            cfg.connect_timeout,
+        )?;
         if s.peer_slot == 0 || s.peer_slot <= HEADER {
             return Err(QueueError::Protocol("the peer is not a message queue"));
         }
@@ -295,7 +304,13 @@ impl MsgSender {
     /// programmed I/O, or, above [`QueueConfig::dma_threshold`], by the DMA engine — the
     /// header is written now, the body and the counter update by a DMA chain, so the message
     /// appears whole and in order; the returned ticket says when `src` may be reused.
-    pub fn send_from(&mut self, meta: u64, src: &Aperture, off: u64, len: u64) -> Result<Option<DmaTicket>, QueueError> {
+    pub fn send_from(
+        &mut self,
+        meta: u64,
+        src: &Aperture,
+        off: u64,
+        len: u64,
+    ) -> Result<Option<DmaTicket>, QueueError> {
         if len > self.slot_payload() {
             return Err(QueueError::BadConfig("send_from sends at most one slot's payload"));
         }
@@ -435,7 +450,8 @@ impl MsgReceiver {
             if self.pending()? == 0 {
                 self.wait_published(deadline)?;
             }
-            let (part, flags, m, total) = self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+            let (part, flags, m, total) =
+                self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
             if first {
                 if flags & FIRST == 0 {
                     return Err(QueueError::Protocol("a message that does not start with its first part"));
@@ -467,11 +483,16 @@ impl MsgReceiver {
 
     /// Take the next message if it fits one slot and lend it in place (no copy); a
     /// multi-part message is an error here (use [`MsgReceiver::recv`]).
-    pub fn recv_in_place<R>(&mut self, timeout: Option<Duration>, f: impl FnOnce(u64, InPlace<'_>) -> R) -> Result<R, QueueError> {
+    pub fn recv_in_place<R>(
+        &mut self,
+        timeout: Option<Duration>,
+        f: impl FnOnce(u64, InPlace<'_>) -> R,
+    ) -> Result<R, QueueError> {
         if self.pending()? == 0 {
             self.wait_published(timeout.map(|t| Instant::now() + t))?;
         }
-        let (part, flags, meta, _) = self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+        let (part, flags, meta, _) =
+            self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
         if flags & MORE != 0 || flags & FIRST == 0 {
             return Err(QueueError::BadConfig("a multi-part message cannot be lent in place"));
         }

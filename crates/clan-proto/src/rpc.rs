@@ -102,10 +102,10 @@ impl Writer<'_> {
     /// Write `data` at `off` of the message (the message's length is the highest byte
     /// written).
     pub fn write_at(&mut self, off: u64, data: &[u8]) -> Result<(), RpcError> {
-        let end = off.checked_add(data.len() as u64).filter(|&e| e <= self.max).ok_or(RpcError::TooLong {
-            len: off.saturating_add(data.len() as u64),
-            max: self.max,
-        })?;
+        let end = off
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= self.max)
+            .ok_or(RpcError::TooLong { len: off.saturating_add(data.len() as u64), max: self.max })?;
         self.peer.write(RING + off, data)?;
         self.len = self.len.max(end);
         Ok(())
@@ -251,7 +251,11 @@ impl ChannelSender {
 
     /// Send a message: wait until the receiver has processed the previous one (`tx_ready`),
     /// write this one with `fill`, then set the receiver's `rx_ready`.
-    pub fn send_with(&mut self, timeout: Option<Duration>, fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>) -> Result<(), RpcError> {
+    pub fn send_with(
+        &mut self,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>,
+    ) -> Result<(), RpcError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let want = self.p.seq;
         let mine = self.p.sides.mine.clone();
@@ -346,10 +350,14 @@ impl RpcClient {
 
     /// Call with `req`; the reply is copied into `reply` (cleared first).
     pub fn call(&mut self, req: &[u8], reply: &mut Vec<u8>, timeout: Option<Duration>) -> Result<(), RpcError> {
-        self.call_with(timeout, |w| w.write(req), |r| {
-            reply.clear();
-            reply.extend_from_slice(&r.to_vec());
-        })
+        self.call_with(
+            timeout,
+            |w| w.write(req),
+            |r| {
+                reply.clear();
+                reply.extend_from_slice(&r.to_vec());
+            },
+        )
     }
 
     /// Our endpoint's address.
@@ -444,7 +452,11 @@ impl RpcServer {
         let _ = self.queue.post_user(id);
     }
 
-    fn serve(&mut self, id: u64, handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>)) -> Result<bool, RpcError> {
+    fn serve(
+        &mut self,
+        id: u64,
+        handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
+    ) -> Result<bool, RpcError> {
         let Some(c) = self.conns.get_mut(&id) else { return Ok(false) };
         let flag = match c.p.my_flag() {
             Ok(f) => f,
@@ -508,11 +520,7 @@ impl RpcServer {
                 continue;
             };
             match ev {
-                Event::Tripwire { cookie, .. } | Event::User(cookie) => {
-                    if self.serve(cookie, handler)? {
-                        served += 1;
-                    }
-                }
+                Event::Tripwire { cookie, .. } | Event::User(cookie) => served += u64::from(self.serve(cookie, handler)?),
                 Event::Oob { .. } => {
                     self.accept_pending()?;
                 }

@@ -5,7 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use clan::{Aperture, ConnectError, ConnectRequest, Connection, Endpoint, EndpointAddr, EndpointConfig, EventQueue, Mapping, Nic};
+use clan::{
+    Aperture, ConnectError, ConnectRequest, Connection, Endpoint, EndpointAddr, EndpointConfig, EventQueue, Mapping,
+    Nic,
+};
 
 use crate::pipe;
 

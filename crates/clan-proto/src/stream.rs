@@ -72,7 +72,9 @@ fn setup_error(e: SetupError) -> io::Error {
 
 pub(crate) fn pipe_error(e: PipeError) -> io::Error {
     match e {
-        PipeError::Protocol(why) => io::Error::new(io::ErrorKind::InvalidData, format!("protocol violation by the peer: {why}")),
+        PipeError::Protocol(why) => {
+            io::Error::new(io::ErrorKind::InvalidData, format!("protocol violation by the peer: {why}"))
+        }
         PipeError::Access(clan::AccessError::Revoked) => {
             io::Error::new(io::ErrorKind::ConnectionReset, "the peer closed its end of the connection")
         }
@@ -107,7 +109,12 @@ impl Listener {
         Listener::bind_on(nic, port, cfg, None)
     }
 
-    pub(crate) fn bind_on(nic: &Nic, port: Option<u32>, cfg: StreamConfig, queue: Option<EventQueue>) -> io::Result<Listener> {
+    pub(crate) fn bind_on(
+        nic: &Nic,
+        port: Option<u32>,
+        cfg: StreamConfig,
+        queue: Option<EventQueue>,
+    ) -> io::Result<Listener> {
         let ep = nic
             .endpoint_with(clan::EndpointConfig { port, queue: queue.clone(), ..clan::EndpointConfig::default() })
             .map_err(|e| match e {
@@ -136,7 +143,9 @@ impl Listener {
             self.ep.accept(None).map_err(|e| setup_error(e.into()))?
         };
         let from = req.from();
-        let s = side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area)).map_err(setup_error)?;
+        let s =
+            side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area))
+                .map_err(setup_error)?;
         Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
     }
 
@@ -147,7 +156,9 @@ impl Listener {
             other => setup_error(other.into()),
         })?;
         let from = req.from();
-        let s = side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area)).map_err(setup_error)?;
+        let s =
+            side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area))
+                .map_err(setup_error)?;
         Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
     }
 
@@ -169,6 +180,7 @@ struct Inner {
     tx: Mutex<PipeTx>,
     rx: Mutex<PipeRx>,
     conn: Mutex<Option<Connection>>,
+    side: Arc<clan::Aperture>,
     ep: Endpoint,
     local: EndpointAddr,
     peer: EndpointAddr,
@@ -212,8 +224,14 @@ impl Stream {
         Stream::connect_on(nic, addr, cfg, None)
     }
 
-    pub(crate) fn connect_on(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig, queue: Option<&EventQueue>) -> io::Result<Stream> {
-        let s = side::connect(nic, queue, addr, side::Geometry::bytes(cfg.ring, cfg.post_area), cfg.connect_timeout).map_err(setup_error)?;
+    pub(crate) fn connect_on(
+        nic: &Nic,
+        addr: EndpointAddr,
+        cfg: &StreamConfig,
+        queue: Option<&EventQueue>,
+    ) -> io::Result<Stream> {
+        let s = side::connect(nic, queue, addr, side::Geometry::bytes(cfg.ring, cfg.post_area), cfg.connect_timeout)
+            .map_err(setup_error)?;
         Stream::from_sides(s, cfg).map_err(pipe_error)
     }
 
@@ -227,6 +245,7 @@ impl Stream {
                 local: s.ep.addr(),
                 peer: s.conn.peer(),
                 conn: Mutex::new(Some(s.conn)),
+                side: s.mine,
                 ep: s.ep,
                 nonblocking: AtomicBool::new(false),
                 read_shut: AtomicBool::new(false),
@@ -239,6 +258,11 @@ impl Stream {
     /// Our endpoint's address.
     pub fn local_addr(&self) -> EndpointAddr {
         self.inner.local
+    }
+
+    /// Our side aperture (where incoming data lands; tripwires for event-driven waiting).
+    pub(crate) fn side(&self) -> &clan::Aperture {
+        &self.inner.side
     }
 
     /// The peer's endpoint address.

@@ -144,7 +144,11 @@ fn channel_and_rpc() {
                 }
                 // Zero-copy both ways.
                 let n = c
-                    .call_with(WAIT, |w| w.write_at(8, &1u64.to_le_bytes()).and_then(|_| w.write_at(0, &2u64.to_le_bytes())), |r| r.len())
+                    .call_with(
+                        WAIT,
+                        |w| w.write_at(8, &1u64.to_le_bytes()).and_then(|_| w.write_at(0, &2u64.to_le_bytes())),
+                        |r| r.len(),
+                    )
                     .unwrap();
                 assert_eq!(n, 16);
             })

@@ -1,0 +1,294 @@
+//! `tokio` integration (feature `tokio`): an async wait on event queues through their file
+//! descriptor, and stream sockets with `AsyncRead` / `AsyncWrite`.
+//!
+//! A [`Reactor`] owns one event queue, registered with tokio through its file descriptor
+//! (`AsyncFd`), and a task that takes its events and wakes the tasks waiting on them. Async
+//! streams and listeners made with a reactor report to its queue: a stream sets two
+//! tripwires that post events — on its incoming data counter and on its space counter —
+//! arming them only when a read or write would block (so a busy stream costs nothing
+//! extra), and the reactor wakes the reader or writer.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use clan::{EndpointAddr, Event, EventQueue, EventQueueConfig, Nic, Tripwire, TripwireConfig};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::pipe::{CTL_READ, RX_FIN, RX_WRITE};
+use crate::stream::{Listener, Stream, StreamConfig};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An event queue you can `await`.
+#[derive(Debug)]
+pub struct AsyncEventQueue {
+    fd: AsyncFd<EventQueue>,
+}
+
+impl AsyncEventQueue {
+    /// Register `queue` with the current tokio runtime.
+    pub fn new(queue: EventQueue) -> io::Result<AsyncEventQueue> {
+        // Deprecated upstream in favour of an `unsafe` constructor whose contract is that
+        // `as_raw_fd` keeps naming the same open file for the life of the `AsyncFd`. An
+        // event queue's descriptor is its eventfd, owned by the queue, opened when the queue
+        // is made and closed when the last handle goes (this `AsyncFd` holds one): the
+        // contract holds, and this crate stays free of `unsafe`.
+        #[allow(deprecated)]
+        let fd = AsyncFd::with_interest(queue, tokio::io::Interest::READABLE)?;
+        Ok(AsyncEventQueue { fd })
+    }
+
+    /// The queue.
+    pub fn queue(&self) -> &EventQueue {
+        self.fd.get_ref()
+    }
+
+    /// The next event: taken at once if there is one, else when the queue's descriptor
+    /// becomes readable.
+    pub async fn wait(&self) -> io::Result<Event> {
+        loop {
+            if let Some(ev) = self.queue().try_take() {
+                return Ok(ev);
+            }
+            // Armed and empty: the descriptor becomes readable when an event is posted.
+            if self.queue().arm() {
+                let mut g = self.fd.readable().await?;
+                g.clear_ready();
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Wakers {
+    by_cookie: HashMap<u64, Waker>,
+    /// Cookies of the streams of an endpoint (to wake them when it is disconnected).
+    by_port: HashMap<u32, (u64, u64)>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    queue: EventQueue,
+    wakers: Mutex<Wakers>,
+    next: AtomicU64,
+}
+
+impl Shared {
+    fn register(&self, cookie: u64, w: &Waker) {
+        lock(&self.wakers).by_cookie.insert(cookie, w.clone());
+    }
+
+    fn wake(&self, cookie: u64) {
+        if let Some(w) = lock(&self.wakers).by_cookie.remove(&cookie) {
+            w.wake();
+        }
+    }
+
+    fn dispatch(&self, ev: Event) {
+        match ev {
+            Event::Tripwire { cookie, .. } => self.wake(cookie),
+            Event::Oob { endpoint } | Event::Disconnect { endpoint, .. } => {
+                let pair = lock(&self.wakers).by_port.get(&endpoint).copied();
+                if let Some((a, b)) = pair {
+                    self.wake(a);
+                    self.wake(b);
+                }
+            }
+            Event::Overflow { .. } => {
+                // Lost events: wake everyone (they re-check their memory).
+                let all: Vec<Waker> = lock(&self.wakers).by_cookie.drain().map(|(_, w)| w).collect();
+                for w in all {
+                    w.wake();
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// One event queue for many async streams, and the task that serves it. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Reactor {
+    nic: Nic,
+    shared: Arc<Shared>,
+}
+
+impl Reactor {
+    /// A reactor on `nic`, its task spawned on the current tokio runtime.
+    pub fn new(nic: &Nic) -> io::Result<Reactor> {
+        let queue = nic
+            .event_queue(EventQueueConfig { ring_capacity: 1 << 14, ..EventQueueConfig::default() })
+            .map_err(io::Error::other)?;
+        let shared = Arc::new(Shared { queue: queue.clone(), wakers: Mutex::default(), next: AtomicU64::new(1) });
+        let aq = AsyncEventQueue::new(queue)?;
+        let weak = Arc::downgrade(&shared);
+        tokio::spawn(async move {
+            loop {
+                let Ok(ev) = aq.wait().await else { return };
+                let Some(s) = weak.upgrade() else { return };
+                s.dispatch(ev);
+                while let Some(ev) = aq.queue().try_take() {
+                    s.dispatch(ev);
+                }
+            }
+        });
+        Ok(Reactor { nic: nic.clone(), shared })
+    }
+
+    fn cookies(&self) -> (u64, u64) {
+        let n = self.shared.next.fetch_add(2, Ordering::Relaxed);
+        (n, n + 1)
+    }
+
+    /// Listen for async streams.
+    pub fn bind(&self, cfg: StreamConfig) -> io::Result<AsyncListener> {
+        let l = Listener::bind_on(&self.nic, None, cfg, Some(self.shared.queue.clone()))?;
+        let (c, _) = self.cookies();
+        lock(&self.shared.wakers).by_port.insert(l.local_addr().port, (c, c));
+        Ok(AsyncListener { l, reactor: self.clone(), cookie: c })
+    }
+
+    /// Connect an async stream to `addr` (the handshake runs on a blocking thread).
+    pub async fn connect(&self, addr: EndpointAddr, cfg: StreamConfig) -> io::Result<AsyncStream> {
+        let nic = self.nic.clone();
+        let q = self.shared.queue.clone();
+        let s = tokio::task::spawn_blocking(move || Stream::connect_on(&nic, addr, &cfg, Some(&q)))
+            .await
+            .map_err(io::Error::other)??;
+        AsyncStream::new(s, self)
+    }
+}
+
+/// A listener for async streams.
+#[derive(Debug)]
+pub struct AsyncListener {
+    l: Listener,
+    reactor: Reactor,
+    cookie: u64,
+}
+
+impl AsyncListener {
+    /// Where peers connect.
+    pub fn local_addr(&self) -> EndpointAddr {
+        self.l.local_addr()
+    }
+
+    /// The next connection.
+    pub async fn accept(&self) -> io::Result<(AsyncStream, EndpointAddr)> {
+        self.l.set_nonblocking(true)?;
+        std::future::poll_fn(|cx| {
+            // Register before looking, so a request arriving in between wakes us.
+            self.reactor.shared.register(self.cookie, cx.waker());
+            match self.l.accept() {
+                Ok((s, from)) => Poll::Ready(AsyncStream::new(s, &self.reactor).map(|s| (s, from))),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Poll::Pending,
+                Err(e) => Poll::Ready(Err(e)),
+            }
+        })
+        .await
+    }
+}
+
+/// A stream socket for tokio: `AsyncRead` and `AsyncWrite`.
+#[derive(Debug)]
+pub struct AsyncStream {
+    s: Stream,
+    reactor: Reactor,
+    data: Tripwire,
+    space: Tripwire,
+    cookies: (u64, u64),
+}
+
+impl AsyncStream {
+    fn new(s: Stream, reactor: &Reactor) -> io::Result<AsyncStream> {
+        s.set_nonblocking(true)?;
+        let (rc, wc) = reactor.cookies();
+        let side = s.side();
+        let tw = |range: std::ops::Range<u64>, cookie| {
+            side.tripwire(TripwireConfig::writes(range).once().disarmed().actions(clan::Actions::NONE).event(cookie))
+                .map_err(io::Error::other)
+        };
+        let data = tw(RX_WRITE..RX_FIN + 8, rc)?;
+        let space = tw(CTL_READ..CTL_READ + 8, wc)?;
+        lock(&reactor.shared.wakers).by_port.insert(s.local_addr().port, (rc, wc));
+        Ok(AsyncStream { s, reactor: reactor.clone(), data, space, cookies: (rc, wc) })
+    }
+
+    /// The blocking stream underneath (in non-blocking mode).
+    pub fn get_ref(&self) -> &Stream {
+        &self.s
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> EndpointAddr {
+        self.s.peer_addr()
+    }
+}
+
+impl Drop for AsyncStream {
+    fn drop(&mut self) {
+        let mut w = lock(&self.reactor.shared.wakers);
+        w.by_cookie.remove(&self.cookies.0);
+        w.by_cookie.remove(&self.cookies.1);
+        w.by_port.remove(&self.s.local_addr().port);
+    }
+}
+
+impl AsyncRead for AsyncStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        for _ in 0..2 {
+            match io::Read::read(&mut &me.s, buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Register, arm, then look again: data that lands after the arm fires
+                    // the tripwire (an event, a wake-up); data before it is seen now.
+                    me.reactor.shared.register(me.cookies.0, cx.waker());
+                    if me.data.arm().is_err() {
+                        return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, "the stream is gone")));
+                    }
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl AsyncWrite for AsyncStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        for _ in 0..2 {
+            match io::Write::write(&mut &me.s, data) {
+                Ok(n) => return Poll::Ready(Ok(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    me.reactor.shared.register(me.cookies.1, cx.waker());
+                    if me.space.arm().is_err() {
+                        return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "the stream is gone")));
+                    }
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Pending
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Written bytes are already in the peer's memory (or on the link).
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(self.s.shutdown(std::net::Shutdown::Write))
+    }
+}
