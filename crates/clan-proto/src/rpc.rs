@@ -520,7 +520,9 @@ impl RpcServer {
                 continue;
             };
             match ev {
-                Event::Tripwire { cookie, .. } | Event::User(cookie) => served += u64::from(self.serve(cookie, handler)?),
+                Event::Tripwire { cookie, .. } | Event::User(cookie) => {
+                    served += u64::from(self.serve(cookie, handler)?)
+                }
                 Event::Oob { .. } => {
                     self.accept_pending()?;
                 }

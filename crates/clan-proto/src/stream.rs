@@ -180,6 +180,7 @@ struct Inner {
     tx: Mutex<PipeTx>,
     rx: Mutex<PipeRx>,
     conn: Mutex<Option<Connection>>,
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     side: Arc<clan::Aperture>,
     ep: Endpoint,
     local: EndpointAddr,
@@ -261,6 +262,7 @@ impl Stream {
     }
 
     /// Our side aperture (where incoming data lands; tripwires for event-driven waiting).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn side(&self) -> &clan::Aperture {
         &self.inner.side
     }

@@ -163,7 +163,9 @@ fn a_dead_peer_is_an_error_not_a_hang() {
                 );
                 break;
             }
-            Ok(n) => assert!(n > 0 && start.elapsed() < Duration::from_secs(30), "writes to a dead peer kept succeeding"),
+            Ok(n) => {
+                assert!(n > 0 && start.elapsed() < Duration::from_secs(30), "writes to a dead peer kept succeeding")
+            }
         }
     }
 }

@@ -146,6 +146,9 @@ struct BurstCtx {
     key: u64,
     end: u64,
     ap: Option<Arc<ApertureInner>>,
+    /// An aligned 4- or 8-byte burst is applied as one atomic store, even if its bytes come
+    /// in pieces (a reader polling that word must never see half of it): gathered here.
+    word: Option<(u64, [u8; 8], usize)>,
 }
 
 pub(crate) struct Rx {
@@ -793,7 +796,12 @@ impl Link {
 
     fn refuse(&self, rx: &mut Rx, status: Status, key: u64, offset: u64) {
         self.stats.refused_in.fetch_add(1, Ordering::Relaxed);
-        rx.bad += 1;
+        // Writes to an aperture unexported meanwhile are a normal race (the importer learns
+        // of it from this refusal, with several writes possibly in flight): not a reason to
+        // drop the link. Forged keys, rights and bounds violations are.
+        if status != Status::Revoked {
+            rx.bad += 1;
+        }
         self.send_control(&Frame::Refused(Refused { status, key, offset }));
         if rx.bad > MAX_BAD_FRAMES {
             self.close(Status::TooManyErrors, format!("{} sent too many bad frames", self.peer));
@@ -833,22 +841,29 @@ impl Link {
                         None
                     }
                 };
-                rx.burst = Some(BurstCtx { key: to.key, end: to.offset + len, ap });
+                let word = ((len == 8 || len == 4) && to.offset % len == 0).then_some((to.offset, [0u8; 8], 0usize));
+                rx.burst = Some(BurstCtx { key: to.key, end: to.offset + len, ap, word });
             }
             OwnedItem::WriteData { to, len, last } => {
                 let data = &rx.buf[data_at..data_at + len];
-                if let Some(ctx) = rx.burst.as_ref() {
-                    if let Some(ap) = &ctx.ap {
-                        let w = &ap.window;
-                        let whole = to.offset + len as u64 == ctx.end && len as u64 == ctx.end - to.offset;
-                        if whole && (len == 8 || len == 4) && to.offset % len as u64 == 0 && last {
-                            // A whole aligned word: stored atomically, as a local word store.
-                            let _ = if len == 8 {
-                                w.store_u64(to.offset, u64::from_le_bytes(data.try_into().unwrap_or([0; 8])))
+                if let Some(ctx) = rx.burst.as_mut() {
+                    if let (Some(ap), Some((at, word, have))) = (&ctx.ap, ctx.word.as_mut()) {
+                        // Gather the word; store it atomically once complete.
+                        let size = (ctx.end - *at) as usize;
+                        let k = len.min(size - *have);
+                        word[*have..*have + k].copy_from_slice(&data[..k]);
+                        *have += k;
+                        if *have == size {
+                            let w = &ap.window;
+                            let _ = if size == 8 {
+                                w.store_u64(*at, u64::from_le_bytes(*word))
                             } else {
-                                w.store_u32(to.offset, u32::from_le_bytes(data.try_into().unwrap_or([0; 4])))
+                                w.store_u32(*at, u32::from_le_bytes([word[0], word[1], word[2], word[3]]))
                             };
-                        } else {
+                        }
+                    } else if let Some(ap) = &ctx.ap {
+                        let w = &ap.window;
+                        {
                             let v = w.port.view();
                             let watch = Watch { cam: w.cam.view(), table: &v.table, tag: w.tag };
                             let sink = w.port.sink();

@@ -46,6 +46,9 @@ pub(crate) struct PeerConn {
     timeout: Duration,
     /// Event queues of that NIC we produce into, by queue id.
     eqs: Mutex<HashMap<u32, Arc<EqPort>>>,
+    /// Held for a whole import: the exporter sends a queue's descriptors with the first
+    /// import from it only, so that import must have mapped them before the next one looks.
+    importing: Mutex<()>,
 }
 
 impl PeerConn {
@@ -57,8 +60,13 @@ impl PeerConn {
             }
         })?;
         sock.set_timeouts(timeout).map_err(PeerError::Io)?;
-        let conn =
-            PeerConn { sock: Mutex::new(sock), broken: AtomicBool::new(false), timeout, eqs: Default::default() };
+        let conn = PeerConn {
+            sock: Mutex::new(sock),
+            broken: AtomicBool::new(false),
+            timeout,
+            eqs: Default::default(),
+            importing: Mutex::new(()),
+        };
         match conn.request(&Request::Hello { nic: local, pid: std::process::id() })? {
             (Reply::HelloOk { nic }, _) if nic == addr => Ok(conn),
             (other, _) => Err(PeerError::Protocol(format!("unexpected answer to hello: {other:?}"))),
@@ -148,6 +156,7 @@ fn fd_err(e: std::io::Error, context: &'static str) -> ImportError {
 pub(crate) fn import_remote(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
     let nic = &ep.nic;
     let peer = nic.peer(desc.nic()).map_err(|e| peer_error(desc.nic(), e))?;
+    let _one_at_a_time = peer.importing.lock().unwrap_or_else(|e| e.into_inner());
     let req = Request::Import { importer: ep.addr, want_eq: false, desc: desc.to_bytes() };
     let (reply, mut fds) = peer.request(&req).map_err(|e| peer_error(desc.nic(), e))?;
     let g = match reply {
