@@ -42,6 +42,12 @@ enum BenchCmd {
     /// The VMMC figures: send_msg latency, bandwidth and overhead, fetch, notifications,
     /// export and import.
     Vmmc(bench::vmmc::VmmcArgs),
+    /// Streaming bandwidth of the distributed queue by transfer size; half-peak size.
+    Queue(bench::proto::QueueArgs),
+    /// RPC round-trip time and calls per second.
+    Rpc(bench::proto::RpcArgs),
+    /// Stream sockets against Unix sockets and kernel TCP.
+    Stream(bench::proto::StreamArgs),
 }
 
 fn main() {
@@ -51,6 +57,9 @@ fn main() {
         Cmd::Bench(BenchCmd::Bandwidth(a)) => bench::bandwidth::run(&a),
         Cmd::Bench(BenchCmd::Tripwires(a)) => bench::tripwires::run(&a),
         Cmd::Bench(BenchCmd::Vmmc(a)) => bench::vmmc::run(&a),
+        Cmd::Bench(BenchCmd::Queue(a)) => bench::proto::queue(&a),
+        Cmd::Bench(BenchCmd::Rpc(a)) => bench::proto::rpc(&a),
+        Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
         Cmd::Info => info(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),
     };

@@ -54,3 +54,13 @@ fn vmmc_figures() {
     assert!(v["bandwidth"].as_array().is_some_and(|a| a.len() >= 5));
     has(&v["notification"], &["wait_one_way_p50_ns", "baseline_one_way_p50_ns"]);
 }
+
+#[test]
+fn protocol_benchmarks() {
+    let v = run(&["bench", "queue", "--size", "4096", "--json"]);
+    has(&v, &["mbit_s", "baseline", "baseline_mbit_s", "buffer_bytes", "half_peak_size", "points"]);
+    let v = run(&["bench", "rpc", "--iters", "500", "--json"]);
+    has(&v, &["rtt_p50_ns", "calls_per_s", "baseline", "baseline_rtt_p50_ns"]);
+    let v = run(&["bench", "stream", "--iters", "300", "--bytes", "8388608", "--json"]);
+    has(&v, &["rtt_p50_ns", "unix_rtt_p50_ns", "tcp_rtt_p50_ns", "mbit_s", "unix_mbit_s", "tcp_mbit_s"]);
+}

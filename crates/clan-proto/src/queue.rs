@@ -258,8 +258,7 @@ impl MsgSender {
         h[4..8].copy_from_slice(&flags.to_le_bytes());
         h[8..16].copy_from_slice(&meta.to_le_bytes());
         h[16..24].copy_from_slice(&total.to_le_bytes());
-        self.peer.write(at + 8, &h)?;
-        self.peer.store_u64(at, self.write + 1)?;
+        self.peer.write_then_store_u64(at + 8, &h, at, self.write + 1)?;
         Ok(())
     }
 
@@ -289,9 +288,13 @@ impl MsgSender {
             // Header, then body, then the counter: a receiver watching the header wakes while
             // the body is still on its way.
             self.write_header(at, n, flags, meta, total)?;
-            self.peer.write(at + HEADER, &data[done as usize..(done + n) as usize])?;
             self.write += 1;
-            self.peer.store_u64(RX_WRITE, self.write)?;
+            self.peer.write_then_store_u64(
+                at + HEADER,
+                &data[done as usize..(done + n) as usize],
+                RX_WRITE,
+                self.write,
+            )?;
             done += n;
             first = false;
             if done >= total {

@@ -196,8 +196,7 @@ impl Party {
 
     /// Publish a message written with `writer`: its length, then the peer's flag.
     fn publish(&self, len: u64, seq: u64) -> Result<(), RpcError> {
-        self.sides.peer.store_u64(RX_FIN, len)?;
-        self.sides.peer.store_u64(RX_WRITE, seq)?;
+        self.sides.peer.write_then_store_u64(RX_FIN, &len.to_le_bytes(), RX_WRITE, seq)?;
         Ok(())
     }
 }

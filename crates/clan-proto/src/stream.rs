@@ -16,7 +16,7 @@
 
 use std::io;
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -179,7 +179,7 @@ struct Inner {
     // Field order: the pipes (and their mappings) go before the connection and endpoint.
     tx: Mutex<PipeTx>,
     rx: Mutex<PipeRx>,
-    conn: Mutex<Option<Connection>>,
+    conn: Connection,
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     side: Arc<clan::Aperture>,
     ep: Endpoint,
@@ -187,24 +187,22 @@ struct Inner {
     peer: EndpointAddr,
     nonblocking: AtomicBool,
     read_shut: AtomicBool,
-    read_timeout: Mutex<Option<Duration>>,
-    write_timeout: Mutex<Option<Duration>>,
+    /// Nanoseconds; 0: none.
+    read_timeout: AtomicU64,
+    write_timeout: AtomicU64,
 }
 
 impl Inner {
     fn alive(&self) -> bool {
-        lock(&self.conn).as_ref().is_some_and(Connection::is_alive)
+        self.conn.is_alive()
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // End of stream for the peer, then the connection goes (the peer's reads drain what
-        // is in its ring first).
+        // End of stream for the peer; then the fields drop, the connection last but the
+        // endpoint (the peer's reads drain what is in its ring first).
         let _ = self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).finish();
-        if let Some(c) = self.conn.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-            c.close();
-        }
     }
 }
 
@@ -245,13 +243,13 @@ impl Stream {
                 rx: Mutex::new(rx),
                 local: s.ep.addr(),
                 peer: s.conn.peer(),
-                conn: Mutex::new(Some(s.conn)),
+                conn: s.conn,
                 side: s.mine,
                 ep: s.ep,
                 nonblocking: AtomicBool::new(false),
                 read_shut: AtomicBool::new(false),
-                read_timeout: Mutex::new(None),
-                write_timeout: Mutex::new(None),
+                read_timeout: AtomicU64::new(0),
+                write_timeout: AtomicU64::new(0),
             }),
         })
     }
@@ -293,7 +291,9 @@ impl Stream {
         if t == Some(Duration::ZERO) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
         }
-        *lock(&self.inner.read_timeout) = t;
+        self.inner
+            .read_timeout
+            .store(t.map_or(0, |d| d.as_nanos().clamp(1, u128::from(u64::MAX)) as u64), Ordering::Release);
         Ok(())
     }
 
@@ -302,7 +302,9 @@ impl Stream {
         if t == Some(Duration::ZERO) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
         }
-        *lock(&self.inner.write_timeout) = t;
+        self.inner
+            .write_timeout
+            .store(t.map_or(0, |d| d.as_nanos().clamp(1, u128::from(u64::MAX)) as u64), Ordering::Release);
         Ok(())
     }
 
@@ -318,8 +320,11 @@ impl Stream {
         Ok(())
     }
 
-    fn deadline(&self, t: &Mutex<Option<Duration>>) -> Option<Instant> {
-        lock(t).map(|d| Instant::now() + d)
+    fn deadline(&self, t: &AtomicU64) -> Option<Instant> {
+        match t.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(Instant::now() + Duration::from_nanos(n)),
+        }
     }
 
     /// Read what is there (waiting for at least one byte unless non-blocking). 0: end of

@@ -53,8 +53,8 @@ enum Transport {
 
 fn volume(t: Transport) -> u64 {
     match t {
-        Transport::Shm => 256 << 20,
-        Transport::Tcp => 128 << 20,
+        Transport::Shm => 512 << 20,
+        Transport::Tcp => 256 << 20,
     }
 }
 

@@ -196,6 +196,71 @@ fn redo(
     fired
 }
 
+/// Write a message, then its flag, with one fence: [`transfer`] of `[off, off+len)` by
+/// `mover` (its tripwires fire as their watched bytes land), then `store()` — the atomic
+/// store of the word at `[word_off, word_off+word_len)` that tells the receiver — then one
+/// `fence(SeqCst)`, then the flag's tripwires fire, then what was armed meanwhile on either
+/// range fires. Equivalent to `transfer` followed by [`commit`] of the flag, less one fence
+/// and one look at the index: the protocols' "message, then flag" on every send.
+///
+/// The Dekker argument is unchanged: every store of the transfer (data and flag) comes
+/// before the fence, every look at the index and at the armed states after it.
+#[allow(clippy::too_many_arguments)]
+pub fn transfer_then_store<E>(
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    word_off: u64,
+    word_len: u64,
+    scratch: &mut Vec<Candidate>,
+    mut mover: impl FnMut(u64, u64) -> Result<(), E>,
+    store: impl FnOnce(),
+) -> Result<u32, E> {
+    let access = Access::Write;
+    let end = off.saturating_add(len);
+    let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
+    let mut fired = 0;
+    scratch.clear();
+    if len > 0 && watch.cam.may_match(off, end) {
+        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+        scratch.sort_unstable_by_key(|c| stop(c, end));
+        let mut cursor = off;
+        for c in scratch.iter() {
+            let upto = stop(c, end);
+            if upto > cursor {
+                mover(cursor, upto - cursor)?;
+                cursor = upto;
+            }
+            fence(Ordering::SeqCst);
+            fired += fire_one(watch, sink, c, access);
+        }
+        if cursor < end {
+            mover(cursor, end - cursor)?;
+        }
+    } else if len > 0 {
+        mover(off, len)?;
+    }
+    store();
+    // Writer's half of the arm/fire Dekker, for the data and the flag at once.
+    fence(Ordering::SeqCst);
+    // Tripwires armed during the data transfer.
+    fired += redo(access, watch, sink, off, end, end, e1, scratch);
+    // The flag's tripwires, then any armed meanwhile.
+    let wend = word_off.saturating_add(word_len);
+    scratch.clear();
+    if watch.cam.may_match(word_off, wend) {
+        watch.cam.collect(watch.table, watch.tag, word_off, wend, access, scratch);
+        for c in scratch.iter() {
+            if stop(c, wend) <= wend {
+                fired += fire_one(watch, sink, c, access);
+            }
+        }
+    }
+    fired += redo(access, watch, sink, word_off, wend, wend, e1, scratch);
+    Ok(fired)
+}
+
 /// Fire every armed tripwire of `watch` overlapping `[off, off+len)` for data that is
 /// already in place (a word stored atomically, raw stores being committed, or an outgoing
 /// transfer that has completed). One fence in the common case: the epoch is read first, then

@@ -422,3 +422,57 @@ fn doorbell_no_lost_request() {
         p.join().unwrap();
     });
 }
+
+/// A message then its flag with one fence (`transfer_then_store`), against a receiver that
+/// arms a tripwire on the flag (enable) or on the message (insert) and re-checks: it sees
+/// the store, or the tripwire fires.
+#[test]
+fn write_then_store_vs_arm() {
+    for on_flag in [true, false] {
+        model(move || {
+            let eq = Arc::new(EqModel::new(tiny()));
+            let cam_m = Arc::new(CamModel::new(256));
+            let mut owner = CamOwner::new();
+            // The flag at 128..136, the message at 0..8.
+            if on_flag {
+                add(&eq, &cam_m, &mut owner, 0, 128, 136, ON_WRITE | ACT_COUNTER);
+            }
+            let (data, flag) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+            let sink = Arc::new(LoomSink::new());
+            let writer = {
+                let (eq, cam_m, data, flag, sink) =
+                    (eq.clone(), cam_m.clone(), data.clone(), flag.clone(), sink.clone());
+                thread::spawn(move || {
+                    let v = eq.view();
+                    let cv = cam_m.view();
+                    let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
+                    let mut scratch = Vec::new();
+                    snoop::transfer_then_store(
+                        &watch,
+                        &*sink,
+                        0,
+                        8,
+                        128,
+                        8,
+                        &mut scratch,
+                        |_, _| {
+                            data.store(1, Ordering::Relaxed);
+                            Ok::<(), ()>(())
+                        },
+                        || flag.store(1, Ordering::Release),
+                    )
+                    .unwrap()
+                })
+            };
+            let saw = if on_flag {
+                assert!(trip::set_armed(&eq.view().table.entries[0], 1, true));
+                flag.load(Ordering::Acquire) == 1
+            } else {
+                add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER);
+                data.load(Ordering::Relaxed) == 1
+            };
+            let fired = writer.join().unwrap();
+            assert!(fired == 1 || saw, "lost wake-up (tripwire on the {})", if on_flag { "flag" } else { "message" });
+        });
+    }
+}

@@ -293,6 +293,28 @@ impl Mapping {
         }
     }
 
+    /// Write `src` at `off`, then store `v` at the aligned word `word_off` — a message and
+    /// then the flag that announces it, the pattern of every protocol on apertures. The
+    /// word is stored atomically after the message is in place; within a host the two cost
+    /// one fence instead of two; across hosts they are two frames, in order.
+    pub fn write_then_store_u64(&self, off: u64, src: &[u8], word_off: u64, v: u64) -> Result<(), AccessError> {
+        let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
+        check_align(word_off, 8)?;
+        let wabs = self.check(word_off, 8, Rights::WRITE)?;
+        match &self.inner.via {
+            Via::Local(w) => {
+                w.write_then_store_u64(abs, src, wabs, v)?;
+            }
+            Via::Link(t) => {
+                t.write(abs, src)?;
+                t.write(wabs, &v.to_le_bytes())?;
+            }
+        }
+        self.outgoing(Access::Write, off, src.len() as u64);
+        self.outgoing(Access::Write, word_off, 8);
+        Ok(())
+    }
+
     /// Write `len` bytes of local aperture `src` at `src_off` to `off` (programmed I/O by
     /// the calling thread, straight from the aperture's memory: one copy within a host, no
     /// copy into a link's bursts).

@@ -95,6 +95,31 @@ impl Window {
         })
     }
 
+    /// Write `src` at `abs`, then store `v` (Release) at `word_abs`, snooped as one
+    /// transfer with one fence (`snoop::transfer_then_store`).
+    pub fn write_then_store_u64(&self, abs: u64, src: &[u8], word_abs: u64, v: u64) -> Result<u32, AccessError> {
+        let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
+        let sink = self.port.sink();
+        self.with_watch(|w| {
+            with_scratch(|s| {
+                snoop::transfer_then_store(
+                    w,
+                    &sink,
+                    abs,
+                    src.len() as u64,
+                    word_abs,
+                    8,
+                    s,
+                    |o, l| {
+                        let from = (o - abs) as usize;
+                        self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
+                    },
+                    || word.store(v, Ordering::Release),
+                )
+            })
+        })
+    }
+
     /// Copy `len` bytes of segment `src` at `src_off` to aperture offset `abs`, snooped
     /// like [`Window::write`] (the DMA engine's copy: one pass, no intermediate buffer).
     pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<u32, AccessError> {

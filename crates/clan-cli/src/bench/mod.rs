@@ -3,6 +3,7 @@
 
 pub mod bandwidth;
 pub mod latency;
+pub mod proto;
 pub mod report;
 pub mod tcp;
 pub mod tripwires;
@@ -100,6 +101,9 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
         r if r.starts_with("lat-link") || r.starts_with("lat-tcp") => tcp::latency_peer(r, args),
         r if r.starts_with("bw-link") || r.starts_with("bw-tcp") => tcp::bandwidth_peer(r, args),
         "vmmc-peer" => vmmc::peer(role, args),
+        r if r.starts_with("pq-") => proto::queue_peer(r, args),
+        r if r.starts_with("prpc-") => proto::rpc_peer(r, args),
+        r if r.starts_with("pst-") => proto::stream_peer(r, args),
         r if r.starts_with("lat-") => latency::peer(r, args),
         r if r.starts_with("bw-") => bandwidth::peer(r, args),
         other => Err(format!("unknown peer role {other}").into()),
