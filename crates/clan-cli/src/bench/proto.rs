@@ -53,9 +53,11 @@ pub struct QueueArgs {
     /// Transfer size in bytes (default: a sweep from 64 bytes to 32 KiB).
     #[arg(long)]
     pub size: Option<usize>,
-    /// Bytes of receive buffer per endpoint (the queue's ring).
-    #[arg(long, default_value_t = 16 << 10)]
-    pub buffer: u64,
+    /// Bytes of receive buffer per endpoint (the queue's ring). Default: 16 KiB on shm (the
+    /// CLAN page's point: a small buffer suffices at memory latencies), 1 MiB over tcp (a
+    /// link's round trip needs a window).
+    #[arg(long)]
+    pub buffer: Option<u64>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -93,6 +95,7 @@ fn queue_bytes(size: usize, tcp: bool) -> u64 {
 
 pub fn queue(a: &QueueArgs) -> Result<()> {
     let tcp = a.transport == Transport::Tcp;
+    let buffer = a.buffer.unwrap_or(if tcp { 1 << 20 } else { 16 << 10 });
     let hosts = tcp.then(super::tcp::Hosts::new);
     let sizes: Vec<usize> = match a.size {
         Some(s) if s > 0 => vec![s],
@@ -107,10 +110,10 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         let bytes = queue_bytes(size, tcp) / 2;
         let (mut o, mut b) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            o.push(queue_round(hosts.as_ref(), size, bytes, a.buffer, false)?);
+            o.push(queue_round(hosts.as_ref(), size, bytes, buffer, false)?);
             b.push(match &hosts {
-                Some(h) => queue_round(Some(h), size, bytes, a.buffer, true)?,
-                None => memcpy_transfers(size, bytes, a.buffer),
+                Some(h) => queue_round(Some(h), size, bytes, buffer, true)?,
+                None => memcpy_transfers(size, bytes, buffer),
             });
         }
         o.sort();
@@ -134,7 +137,7 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         bench: "queue",
         transport: if tcp { "tcp" } else { "shm" },
         size: a.size,
-        buffer_bytes: a.buffer,
+        buffer_bytes: buffer,
         mbit_s: last.mbit_s,
         baseline: if tcp { "tcp-stream" } else { "memcpy" },
         baseline_mbit_s: last.baseline_mbit_s,
@@ -529,6 +532,9 @@ pub struct StreamArgs {
     /// Bytes streamed per bandwidth run.
     #[arg(long, default_value_t = 1 << 30)]
     pub bytes: u64,
+    /// Ring of each clan stream side (its receive buffer).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub ring: u64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -604,10 +610,12 @@ impl Write for AnyStream {
 }
 
 /// Connect to the stream peer: it listens (clan, Unix or TCP) and says where.
-fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic) -> Result<AnyStream> {
+fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64) -> Result<AnyStream> {
     let to = peer.recv()?;
     Ok(match kind {
-        Kind::Clan => AnyStream::Clan(Stream::connect(nic, to.parse()?)?),
+        Kind::Clan => {
+            AnyStream::Clan(Stream::connect_with(nic, to.parse()?, &StreamConfig { ring, ..StreamConfig::default() })?)
+        }
         Kind::Unix => AnyStream::Unix(std::os::unix::net::UnixStream::connect_addr(
             &std::os::unix::net::SocketAddr::from_abstract_name(to.as_bytes())?,
         )?),
@@ -619,10 +627,12 @@ fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic) -> Result<AnyStrea
     })
 }
 
-fn stream_rtt(kind: Kind, nic: &Nic, size: usize, iters: u64) -> Result<Samples> {
-    let mut peer =
-        PeerProc::spawn("pst-echo", &[format!("kind={}", kind.name()), format!("size={size}"), "cpu=1".into()])?;
-    let mut s = stream_connect(kind, &mut peer, nic)?;
+fn stream_rtt(kind: Kind, nic: &Nic, size: usize, iters: u64, ring: u64) -> Result<Samples> {
+    let mut peer = PeerProc::spawn(
+        "pst-echo",
+        &[format!("kind={}", kind.name()), format!("size={size}"), format!("ring={ring}"), "cpu=1".into()],
+    )?;
+    let mut s = stream_connect(kind, &mut peer, nic, ring)?;
     let msg = pattern(size);
     let mut back = vec![0u8; size];
     let warm = (iters / 10).max(100);
@@ -643,13 +653,19 @@ fn stream_rtt(kind: Kind, nic: &Nic, size: usize, iters: u64) -> Result<Samples>
     Ok(out)
 }
 
-fn stream_bw(kind: Kind, nic: &Nic, size: usize, bytes: u64) -> Result<f64> {
+fn stream_bw(kind: Kind, nic: &Nic, size: usize, bytes: u64, ring: u64) -> Result<f64> {
     let n = (bytes / size as u64).max(1);
     let mut peer = PeerProc::spawn(
         "pst-sink",
-        &[format!("kind={}", kind.name()), format!("size={size}"), format!("n={n}"), "cpu=1".into()],
+        &[
+            format!("kind={}", kind.name()),
+            format!("size={size}"),
+            format!("n={n}"),
+            format!("ring={ring}"),
+            "cpu=1".into(),
+        ],
     )?;
-    let mut s = stream_connect(kind, &mut peer, nic)?;
+    let mut s = stream_connect(kind, &mut peer, nic, ring)?;
     let msg = pattern(size);
     let mut ack = [0u8; 1];
     // Warm-up: 64 MiB, acknowledged.
@@ -682,12 +698,12 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
     let (mut bc, mut bu, mut bt) = (0.0, 0.0, 0.0);
     let rounds = 3;
     for _ in 0..rounds {
-        rc.merge(&stream_rtt(Kind::Clan, &nic, a.size, a.iters / rounds)?);
-        ru.merge(&stream_rtt(Kind::Unix, &nic, a.size, a.iters / rounds)?);
-        rt.merge(&stream_rtt(Kind::Tcp, &nic, a.size, a.iters / rounds)?);
-        bc += stream_bw(Kind::Clan, &nic, a.bw_size, a.bytes / rounds)? / rounds as f64;
-        bu += stream_bw(Kind::Unix, &nic, a.bw_size, a.bytes / rounds)? / rounds as f64;
-        bt += stream_bw(Kind::Tcp, &nic, a.bw_size, a.bytes / rounds)? / rounds as f64;
+        rc.merge(&stream_rtt(Kind::Clan, &nic, a.size, a.iters / rounds, a.ring)?);
+        ru.merge(&stream_rtt(Kind::Unix, &nic, a.size, a.iters / rounds, a.ring)?);
+        rt.merge(&stream_rtt(Kind::Tcp, &nic, a.size, a.iters / rounds, a.ring)?);
+        bc += stream_bw(Kind::Clan, &nic, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        bu += stream_bw(Kind::Unix, &nic, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        bt += stream_bw(Kind::Tcp, &nic, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
     }
     let r = StreamReport {
         bench: "stream",
@@ -706,9 +722,11 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
         baseline_mbit_s: bu,
         rtt_ratio_vs_unix: ratio(rc.p(0.5) as f64, ru.p(0.5) as f64),
         bw_ratio_vs_unix: ratio(bc, bu),
-        placement: "client pinned to CPU 0, peer process on CPU 1; clan waits spin 15 µs then sleep, Unix and TCP \
-                    block in read; TCP over loopback with TCP_NODELAY; 3 alternating rounds"
-            .into(),
+        placement: format!(
+            "client pinned to CPU 0, peer process on CPU 1; clan streams with {} KiB rings, waits spin 15 µs then \
+             sleep; Unix and TCP (loopback, TCP_NODELAY) block in read; 3 alternating rounds",
+            a.ring >> 10
+        ),
         machine: sys::machine(),
     };
     emit(a.json, &r, || {
@@ -738,11 +756,11 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
 }
 
 /// Listen with `kind` in a stream peer and say where.
-fn stream_accept(kind: &str) -> Result<AnyStream> {
+fn stream_accept(kind: &str, ring: u64) -> Result<AnyStream> {
     Ok(match kind {
         "clan" => {
             let nic = Nic::open(NicConfig::default())?;
-            let l = Listener::bind(&nic)?;
+            let l = Listener::bind_with(&nic, None, StreamConfig { ring, ..StreamConfig::default() })?;
             Link::say(l.local_addr());
             let (s, _) = l.accept()?;
             // Keep the NIC alive with the stream (the stream holds it).
@@ -772,7 +790,7 @@ pub fn stream_peer(role: &str, args: &[String]) -> Result<()> {
     sys::pin(arg(args, "cpu")?);
     let kind: String = arg(args, "kind")?;
     let size: usize = arg(args, "size")?;
-    let mut s = stream_accept(&kind)?;
+    let mut s = stream_accept(&kind, arg(args, "ring")?)?;
     let mut buf = vec![0u8; size];
     match role {
         "pst-echo" => loop {
