@@ -48,6 +48,10 @@ enum BenchCmd {
     Rpc(bench::proto::RpcArgs),
     /// Stream sockets against Unix sockets and kernel TCP.
     Stream(bench::proto::StreamArgs),
+    /// The event-driven server: RTT and requests/s against N endpoints.
+    Server(bench::server::ServerArgs),
+    /// Every figure of the papers clan can produce, with baselines, into a report folder.
+    Paper(bench::paper::PaperArgs),
 }
 
 fn main() {
@@ -60,6 +64,8 @@ fn main() {
         Cmd::Bench(BenchCmd::Queue(a)) => bench::proto::queue(&a),
         Cmd::Bench(BenchCmd::Rpc(a)) => bench::proto::rpc(&a),
         Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
+        Cmd::Bench(BenchCmd::Server(a)) => bench::server::run(&a),
+        Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),
     };

@@ -64,3 +64,55 @@ fn protocol_benchmarks() {
     let v = run(&["bench", "stream", "--iters", "300", "--bytes", "8388608", "--json"]);
     has(&v, &["rtt_p50_ns", "unix_rtt_p50_ns", "tcp_rtt_p50_ns", "mbit_s", "unix_mbit_s", "tcp_mbit_s"]);
 }
+
+#[test]
+fn server_benchmark() {
+    let v = run(&["bench", "server", "--endpoints", "20", "--requests", "500", "--json"]);
+    has(&v, &["req_per_s", "baseline_req_per_s", "rtt_p50_ns", "baseline_rtt_p50_ns", "baseline"]);
+    assert_eq!(v["baseline"], "epoll-tcp");
+    let v = run(&[
+        "bench",
+        "server",
+        "--endpoints",
+        "20",
+        "--inflight",
+        "4",
+        "--mode",
+        "busy",
+        "--requests",
+        "500",
+        "--json",
+    ]);
+    has(&v, &["req_per_s", "baseline_req_per_s"]);
+}
+
+/// The main job writes its whole report (with tiny sizes here).
+#[test]
+fn paper_report() {
+    let dir = std::env::temp_dir().join(format!("clan-report-test-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_clan"))
+        .args(["bench", "paper", "--smoke", "--out"])
+        .arg(&dir)
+        .output()
+        .expect("run clan");
+    assert!(out.status.success(), "clan bench paper failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("| figure | measure | clan |"), "the table is printed: {text}");
+    for f in [
+        "index.md",
+        "index.html",
+        "rtt.json",
+        "rtt.svg",
+        "bandwidth.svg",
+        "server.json",
+        "server.svg",
+        "queue.svg",
+        "notification.json",
+    ] {
+        let p = dir.join(f);
+        assert!(p.metadata().is_ok_and(|m| m.len() > 100), "{} written", p.display());
+    }
+    let svg = std::fs::read_to_string(dir.join("bandwidth.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("<polyline") || svg.contains("<path"), "a plot");
+    let _ = std::fs::remove_dir_all(&dir);
+}

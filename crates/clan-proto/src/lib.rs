@@ -13,6 +13,7 @@
 
 pub mod queue;
 pub mod rpc;
+pub mod server;
 pub mod stream;
 pub mod vmmc;
 

@@ -17,9 +17,11 @@
 //! every connection's flag tripwire posting to it; [`RpcServer::run_once`] drains the queue,
 //! polls it for a while ([`RpcConfig::poll`], the paper's 15 µs) and then sleeps.
 //!
-//! Layout of each party's buffer (a side aperture): the flag (sequence number of the last
-//! message) at `RX_WRITE`, the message length at `RX_FIN`, `tx_ready` at `CTL_READ`, the
-//! message at `RING`.
+//! Layout of each party's buffer (a side aperture): the flag at `RX_WRITE` — the sequence
+//! number of the last message in its high 32 bits, its length in the low 32 — `tx_ready` at
+//! `CTL_READ`, the message at byte 256 (in the flag's page). A small message (up to 256 bytes, written in order) is
+//! gathered and sent with its flag as one snooped transfer (one fence); a larger one goes
+//! straight into the peer's buffer as it is written.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -29,7 +31,7 @@ use clan::{
 };
 
 use crate::inplace::InPlace;
-use crate::pipe::{CTL_READ, RING, RX_FIN, RX_WRITE};
+use crate::pipe::{CTL_READ, RX_WRITE};
 use crate::side::{self, Geometry, SetupError, Sides};
 use crate::wait::{WaitError, wait_until};
 
@@ -90,12 +92,23 @@ impl Default for RpcConfig {
     }
 }
 
-/// Writes a message straight into the peer's buffer (no staging copy).
+/// Bytes of a message gathered before it is sent with its flag.
+const SMALL: usize = 256;
+/// Where a message starts in a party's buffer: in the flag's page, so that a small message
+/// and its flag cost one page (one TLB entry) on each side — what keeps the round trip
+/// close to flat when thousands of connections are used at random.
+const MSG: u64 = 256;
+
+/// Writes a message into the peer's buffer: a small one is gathered and goes out with its
+/// flag; anything else goes straight into the peer's memory as it is written (no staging).
 #[derive(Debug)]
 pub struct Writer<'a> {
     peer: &'a Mapping,
     max: u64,
     len: u64,
+    small: [u8; SMALL],
+    /// Written straight to the peer already (the gathered bytes were flushed).
+    direct: bool,
 }
 
 impl Writer<'_> {
@@ -106,7 +119,17 @@ impl Writer<'_> {
             .checked_add(data.len() as u64)
             .filter(|&e| e <= self.max)
             .ok_or(RpcError::TooLong { len: off.saturating_add(data.len() as u64), max: self.max })?;
-        self.peer.write(RING + off, data)?;
+        if !self.direct && off == self.len && end as usize <= SMALL {
+            self.small[off as usize..end as usize].copy_from_slice(data);
+        } else {
+            if !self.direct {
+                self.direct = true;
+                if self.len > 0 {
+                    self.peer.write(MSG, &self.small[..self.len as usize])?;
+                }
+            }
+            self.peer.write(MSG + off, data)?;
+        }
         self.len = self.len.max(end);
         Ok(())
     }
@@ -124,6 +147,18 @@ impl Writer<'_> {
     /// Whether nothing was written.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Send the message: its flag (sequence number and length), with the gathered bytes if
+    /// they were not written yet.
+    fn publish(self, seq: u64) -> Result<(), RpcError> {
+        let flag = (seq << 32) | self.len;
+        if self.direct || self.len == 0 {
+            self.peer.store_u64(RX_WRITE, flag)?;
+        } else {
+            self.peer.write_then_store_u64(MSG, &self.small[..self.len as usize], RX_WRITE, flag)?;
+        }
+        Ok(())
     }
 }
 
@@ -149,8 +184,9 @@ impl Party {
         Ok(Party { sides, flag, seq: 0, spin })
     }
 
+    /// Our flag's sequence number.
     fn my_flag(&self) -> Result<u64, RpcError> {
-        Ok(self.sides.mine.load_u64(RX_WRITE)?)
+        Ok(self.sides.mine.load_u64(RX_WRITE)? >> 32)
     }
 
     /// Wait for our flag to reach `v`.
@@ -182,22 +218,22 @@ impl Party {
 
     /// The message in our buffer (its length checked).
     fn message(&self) -> Result<InPlace<'_>, RpcError> {
-        let len = self.sides.mine.load_u64(RX_FIN)?;
-        let max = self.sides.mine.len() - RING;
+        let len = self.sides.mine.load_u64(RX_WRITE)? & 0xffff_ffff;
+        let max = self.sides.mine.len() - MSG;
         if len > max {
             return Err(RpcError::Protocol("a message longer than our buffer"));
         }
-        Ok(InPlace::new(&self.sides.mine, RING, len))
+        Ok(InPlace::new(&self.sides.mine, MSG, len))
     }
 
     fn writer(&self) -> Writer<'_> {
-        Writer { peer: &self.sides.peer, max: self.sides.peer_cap, len: 0 }
-    }
-
-    /// Publish a message written with `writer`: its length, then the peer's flag.
-    fn publish(&self, len: u64, seq: u64) -> Result<(), RpcError> {
-        self.sides.peer.write_then_store_u64(RX_FIN, &len.to_le_bytes(), RX_WRITE, seq)?;
-        Ok(())
+        Writer {
+            peer: &self.sides.peer,
+            max: self.sides.peer_cap.min(u64::from(u32::MAX)),
+            len: 0,
+            small: [0; SMALL],
+            direct: false,
+        }
     }
 }
 
@@ -282,11 +318,12 @@ impl ChannelSender {
             return Err(e);
         }
         r.map_err(wait_err)?;
+        let seq = self.p.seq + 1;
         let mut w = self.p.writer();
         fill(&mut w)?;
-        let len = w.len;
-        self.p.seq += 1;
-        self.p.publish(len, self.p.seq)
+        w.publish(seq)?;
+        self.p.seq = seq;
+        Ok(())
     }
 
     /// Send `msg` (copied into the receiver's buffer).
@@ -321,13 +358,14 @@ impl ChannelReceiver {
 #[derive(Debug)]
 pub struct RpcClient {
     p: Party,
+    pending: bool,
 }
 
 impl RpcClient {
     /// Connect to the server at `to`; `cfg.max_msg` is the largest reply we accept.
     pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
         let s = side::connect(nic, None, to, Geometry::bytes(cfg.max_msg.max(2), 0), cfg.connect_timeout)?;
-        Ok(RpcClient { p: Party::new(s, cfg.spin, None)? })
+        Ok(RpcClient { p: Party::new(s, cfg.spin, None)?, pending: false })
     }
 
     /// Call: write the request straight into the server's buffer with `fill`, wait for the
@@ -338,12 +376,52 @@ impl RpcClient {
         fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>,
         take: impl FnOnce(InPlace<'_>) -> R,
     ) -> Result<R, RpcError> {
+        self.send_with(fill)?;
+        self.wait_reply(timeout, take)
+    }
+
+    /// The first half of a call: send the request (without waiting). Many clients can each
+    /// have a call in flight; collect the replies with [`RpcClient::try_reply`].
+    pub fn send_with(&mut self, fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>) -> Result<(), RpcError> {
+        if self.pending {
+            return Err(RpcError::Protocol("a call is already in flight on this client"));
+        }
+        let seq = self.p.seq + 1;
         let mut w = self.p.writer();
         fill(&mut w)?;
-        let len = w.len;
-        self.p.seq += 1;
-        self.p.publish(len, self.p.seq)?;
+        w.publish(seq)?;
+        self.p.seq = seq;
+        self.pending = true;
+        Ok(())
+    }
+
+    /// The reply to the call in flight, if it has come (one memory load when it has not).
+    pub fn try_reply<R>(&mut self, take: impl FnOnce(InPlace<'_>) -> R) -> Result<Option<R>, RpcError> {
+        if !self.pending {
+            return Err(RpcError::Protocol("no call in flight"));
+        }
+        let f = self.p.my_flag()?;
+        if f != self.p.seq {
+            if f > self.p.seq {
+                return Err(RpcError::Protocol("the peer's flag ran ahead"));
+            }
+            return Ok(None);
+        }
+        self.pending = false;
+        Ok(Some(take(self.p.message()?)))
+    }
+
+    /// Wait for the reply to the call in flight (spin, then block).
+    pub fn wait_reply<R>(
+        &mut self,
+        timeout: Option<Duration>,
+        take: impl FnOnce(InPlace<'_>) -> R,
+    ) -> Result<R, RpcError> {
+        if !self.pending {
+            return Err(RpcError::Protocol("no call in flight"));
+        }
         self.p.wait_flag(self.p.seq, timeout.map(|t| Instant::now() + t))?;
+        self.pending = false;
         Ok(take(self.p.message()?))
     }
 
@@ -470,10 +548,9 @@ impl RpcServer {
         }
         c.p.seq = flag;
         let req = c.p.message()?;
-        let mut w = Writer { peer: &c.p.sides.peer, max: c.p.sides.peer_cap, len: 0 };
+        let mut w = c.p.writer();
         handler(ConnId(id), req, &mut w);
-        let len = w.len;
-        if c.p.publish(len, c.p.seq).is_err() {
+        if w.publish(c.p.seq).is_err() {
             self.drop_conn(id);
             return Ok(false);
         }
@@ -518,32 +595,41 @@ impl RpcServer {
                 }
                 continue;
             };
-            match ev {
-                Event::Tripwire { cookie, .. } | Event::User(cookie) => {
-                    served += u64::from(self.serve(cookie, handler)?)
-                }
-                Event::Oob { .. } => {
-                    self.accept_pending()?;
-                }
-                Event::Disconnect { endpoint, .. } => {
-                    if let Some(id) = self.by_port.get(&endpoint).copied() {
-                        self.drop_conn(id);
-                    }
-                }
-                Event::Overflow { .. } => {
-                    // Lost events: look at every connection.
-                    self.accept_pending()?;
-                    let ids: Vec<u64> = self.conns.keys().copied().collect();
-                    for id in ids {
-                        if self.serve(id, handler)? {
-                            served += 1;
-                        }
-                    }
-                }
-                _ => {}
-            }
+            served += self.handle_event(ev, handler)?;
             next = self.queue.try_take();
             idle_since = Instant::now();
+        }
+        Ok(served)
+    }
+
+    /// Handle one event of [`RpcServer::event_queue`] (for a loop of your own, such as
+    /// [`crate::server::EventLoop`]): a request is answered with `handler`, a connection
+    /// request accepted, a departed client dropped. Returns the requests answered.
+    pub fn handle_event(
+        &mut self,
+        ev: Event,
+        handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
+    ) -> Result<u64, RpcError> {
+        let mut served = 0;
+        match ev {
+            Event::Tripwire { cookie, .. } | Event::User(cookie) => served += u64::from(self.serve(cookie, handler)?),
+            Event::Oob { .. } => {
+                self.accept_pending()?;
+            }
+            Event::Disconnect { endpoint, .. } => {
+                if let Some(id) = self.by_port.get(&endpoint).copied() {
+                    self.drop_conn(id);
+                }
+            }
+            Event::Overflow { .. } => {
+                // Lost events: look at every connection.
+                self.accept_pending()?;
+                let ids: Vec<u64> = self.conns.keys().copied().collect();
+                for id in ids {
+                    served += u64::from(self.serve(id, handler)?);
+                }
+            }
+            _ => {}
         }
         Ok(served)
     }

@@ -3,8 +3,10 @@
 
 pub mod bandwidth;
 pub mod latency;
+pub mod paper;
 pub mod proto;
 pub mod report;
+pub mod server;
 pub mod tcp;
 pub mod tripwires;
 pub mod vmmc;
@@ -101,6 +103,7 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
         r if r.starts_with("lat-link") || r.starts_with("lat-tcp") => tcp::latency_peer(r, args),
         r if r.starts_with("bw-link") || r.starts_with("bw-tcp") => tcp::bandwidth_peer(r, args),
         "vmmc-peer" => vmmc::peer(role, args),
+        r if r.starts_with("srv-") => server::peer(r, args),
         r if r.starts_with("pq-") => proto::queue_peer(r, args),
         r if r.starts_with("prpc-") => proto::rpc_peer(r, args),
         r if r.starts_with("pst-") => proto::stream_peer(r, args),

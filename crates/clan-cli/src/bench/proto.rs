@@ -53,6 +53,9 @@ pub struct QueueArgs {
     /// Transfer size in bytes (default: a sweep from 64 bytes to 32 KiB).
     #[arg(long)]
     pub size: Option<usize>,
+    /// Alternating rounds per size (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
     /// Bytes of receive buffer per endpoint (the queue's ring). Default: 16 KiB on shm (the
     /// CLAN page's point: a small buffer suffices at memory latencies), 1 MiB over tcp (a
     /// link's round trip needs a window).
@@ -104,12 +107,12 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
     };
     let mut points = Vec::new();
     for &size in &sizes {
-        // Three alternating rounds, the median of each side: two processes streaming at
-        // each other swing between rounds on this machine (where the host runs the two
-        // virtual CPUs), and one round could catch either regime.
+        // Alternating rounds, the median of each side: two processes streaming at each other
+        // swing between rounds on this machine (where the host runs the two virtual CPUs),
+        // and one round could catch either regime.
         let bytes = queue_bytes(size, tcp) / 2;
         let (mut o, mut b) = (Vec::new(), Vec::new());
-        for _ in 0..3 {
+        for _ in 0..a.rounds.max(1) {
             o.push(queue_round(hosts.as_ref(), size, bytes, buffer, false)?);
             b.push(match &hosts {
                 Some(h) => queue_round(Some(h), size, bytes, buffer, true)?,
@@ -118,7 +121,7 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         }
         o.sort();
         b.sort();
-        let (ours, base) = (o[1], b[1]);
+        let (ours, base) = (o[o.len() / 2], b[b.len() / 2]);
         points.push(QueuePoint {
             size,
             mbit_s: mbit(bytes, ours),

@@ -1,0 +1,907 @@
+//! `clan bench paper`: every figure and table of the papers that clan can produce, each with
+//! its same-run baselines, into a report folder (JSON and an SVG plot per figure, and an
+//! index in Markdown and HTML with the papers' numbers beside ours).
+//!
+//! Each figure runs the corresponding `clan bench …` as a child process with `--json` (the
+//! same code as when run by hand), so a figure's numbers are exactly what that command
+//! prints. Figures that need root (test hosts in network namespaces) run when root and are
+//! listed as skipped otherwise.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use plotters::prelude::*;
+use serde_json::{Value, json};
+
+use super::Result;
+use crate::sys;
+
+/// Arguments of `clan bench paper`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PaperArgs {
+    /// Report folder (made if missing).
+    #[arg(long, default_value = "clan-report")]
+    pub out: PathBuf,
+    /// About a minute: fewer sizes and repetitions.
+    #[arg(long, conflicts_with = "full")]
+    pub quick: bool,
+    /// About ten minutes: more sizes, repetitions and endpoints.
+    #[arg(long)]
+    pub full: bool,
+    /// Tiny sizes only (for tests of the report itself: the numbers mean little).
+    #[arg(long, hide = true)]
+    pub smoke: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Profile {
+    Smoke,
+    Quick,
+    Default,
+    Full,
+}
+
+/// A figure's measurement.
+type Step = fn(Profile) -> Result<Figure>;
+
+/// One figure of the report.
+struct Figure {
+    id: &'static str,
+    title: &'static str,
+    /// The papers' result, as they state it.
+    paper: &'static str,
+    /// Our headline, one line.
+    ours: String,
+    /// Rows for the index table: (what, ours, baseline, ratio).
+    rows: Vec<(String, String, String, String)>,
+    data: Value,
+    /// Why it was not run, if it was not.
+    skipped: Option<String>,
+}
+
+/// Run `clan bench <args> --json` and parse its JSON.
+fn bench(args: &[String]) -> Result<Value> {
+    let out = Command::new(std::env::current_exe()?).arg("bench").args(args).arg("--json").output()?;
+    if !out.status.success() {
+        return Err(
+            format!("clan bench {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()).into()
+        );
+    }
+    let text = String::from_utf8(out.stdout)?;
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).ok_or("no JSON printed")?;
+    Ok(serde_json::from_str(line)?)
+}
+
+fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| (*x).to_owned()).collect()
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN)
+}
+
+fn ns(v: f64) -> String {
+    super::report::ns(v.max(0.0) as u64)
+}
+
+fn mbit(v: f64) -> String {
+    if v >= 10_000.0 { format!("{:.1} Gbit/s", v / 1000.0) } else { format!("{v:.0} Mbit/s") }
+}
+
+fn r2(v: f64) -> String {
+    format!("{v:.2}")
+}
+
+pub fn run(a: &PaperArgs) -> Result<()> {
+    let profile = if a.smoke {
+        Profile::Smoke
+    } else if a.quick {
+        Profile::Quick
+    } else if a.full {
+        Profile::Full
+    } else {
+        Profile::Default
+    };
+    std::fs::create_dir_all(&a.out)?;
+    let root = rustix::process::geteuid().is_root() && clan_testkit::netns::TestNet::new(2).is_ok();
+    let steps: Vec<(&str, Step)> = vec![
+        ("shared-memory round trip", fig_rtt),
+        ("PIO and DMA bandwidth by size", fig_bandwidth),
+        ("event-driven server against endpoints", fig_server),
+        ("one-way bandwidth, one message at a time and streaming", fig_oneway_vmmc),
+        ("distributed queue streaming", fig_queue),
+        ("stream sockets", fig_stream),
+        ("RPC", fig_rpc),
+    ];
+    let total = steps.len() + 1;
+    let started = Instant::now();
+    let mut figs = Vec::new();
+    for (i, (name, step)) in steps.into_iter().enumerate() {
+        eprintln!("[{}/{}] {name} …", i + 1, total);
+        let t = Instant::now();
+        let fig = match step(profile) {
+            Ok(f) => f,
+            Err(e) => return Err(format!("{name}: {e}").into()),
+        };
+        eprintln!("      {} ({:.0} s)", fig.ours, t.elapsed().as_secs_f64());
+        figs.extend(split_vmmc(fig));
+    }
+    eprintln!("[{total}/{total}] across hosts (TCP links between network namespaces) …");
+    let t = Instant::now();
+    figs.push(if root {
+        fig_tcp(profile)?
+    } else {
+        Figure {
+            id: "links",
+            title: "Across hosts: TCP links between test hosts",
+            paper: "(the papers' networks: CLAN, Myrinet)",
+            ours: "skipped".into(),
+            rows: Vec::new(),
+            data: Value::Null,
+            skipped: Some("needs root to create the test hosts (network namespaces); run as root".into()),
+        }
+    });
+    eprintln!("      {} ({:.0} s)", figs.last().map_or(String::new(), |f| f.ours.clone()), t.elapsed().as_secs_f64());
+    figs.push(not_reproduced());
+    write_report(&a.out, &figs, profile, started.elapsed().as_secs_f64())?;
+    println!(
+        "clan bench paper: {} figures in {:.0} s → {}",
+        figs.len(),
+        started.elapsed().as_secs_f64(),
+        a.out.join("index.md").display()
+    );
+    println!();
+    print!("{}", table_md(&figs));
+    Ok(())
+}
+
+// ---- figures ------------------------------------------------------------------------------
+
+fn fig_rtt(p: Profile) -> Result<Figure> {
+    let iters = match p {
+        Profile::Smoke => "2000",
+        Profile::Quick => "30000",
+        Profile::Default => "300000",
+        Profile::Full => "1000000",
+    };
+    let spin = bench(&s(&["latency", "--sync", "spin", "--iters", iters]))?;
+    let block = bench(&s(&["latency", "--sync", "block", "--iters", &(iters.parse::<u64>()? / 10).to_string()]))?;
+    let rows = vec![
+        (
+            "RTT, 8 B, spinning (p50)".into(),
+            ns(f(&spin, "rtt_p50_ns")),
+            format!("{} (shm-raw)", ns(f(&spin, "baseline_rtt_p50_ns"))),
+            r2(f(&spin, "ratio_p50")),
+        ),
+        (
+            "RTT, 8 B, blocking on tripwires (p50)".into(),
+            ns(f(&block, "rtt_p50_ns")),
+            format!("{} (unix)", ns(f(&block, "baseline_rtt_p50_ns"))),
+            r2(f(&block, "ratio_p50")),
+        ),
+    ];
+    Ok(Figure {
+        id: "rtt",
+        title: "Shared-memory round trip, one word",
+        paper: "3.7 µs RTT, 1.9 µs one way (T §5.2); 1.5 µs app to app (CLAN page)",
+        ours: format!("RTT {} (shm-raw {})", ns(f(&spin, "rtt_p50_ns")), ns(f(&spin, "baseline_rtt_p50_ns"))),
+        rows,
+        data: json!({ "spin": spin, "block": block }),
+        skipped: None,
+    })
+}
+
+fn fig_bandwidth(p: Profile) -> Result<Figure> {
+    let sizes: &[u64] = match p {
+        Profile::Smoke => &[4096, 65536],
+        Profile::Quick => &[4096, 65536, 1 << 20],
+        Profile::Default => &[1024, 4096, 16384, 65536, 262144, 1 << 20],
+        Profile::Full => &[256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20],
+    };
+    let bytes: u64 = match p {
+        Profile::Smoke => 16 << 20,
+        Profile::Quick => 128 << 20,
+        Profile::Default => 1 << 30,
+        Profile::Full => 4 << 30,
+    };
+    let mut points = Vec::new();
+    for &size in sizes {
+        let iters = (bytes / size).max(1000).to_string();
+        let pio = bench(&s(&["bandwidth", "--mode", "pio", "--size", &size.to_string(), "--iters", &iters]))?;
+        let dma = bench(&s(&["bandwidth", "--mode", "dma", "--size", &size.to_string(), "--iters", &iters]))?;
+        points.push(json!({ "size": size, "pio": pio, "dma": dma }));
+    }
+    let series = |k: &str, field: &str| -> Vec<(f64, f64)> {
+        points.iter().map(|pt| (f(pt, "size"), f(&pt[k], field))).collect()
+    };
+    let pio = series("pio", "mbit_s");
+    let dma = series("dma", "mbit_s");
+    let mem = series("pio", "baseline_mbit_s");
+    let at = |v: &[(f64, f64)], size: f64| v.iter().find(|(x, _)| *x == size).map_or(f64::NAN, |(_, y)| *y);
+    let big = *sizes.last().unwrap_or(&(1 << 20)) as f64;
+    let rows = vec![
+        (
+            format!("PIO, {} KiB", big as u64 >> 10),
+            mbit(at(&pio, big)),
+            format!("{} (memcpy)", mbit(at(&mem, big))),
+            r2(at(&pio, big) / at(&mem, big)),
+        ),
+        (
+            format!("DMA, {} KiB", big as u64 >> 10),
+            mbit(at(&dma, big)),
+            format!("{} (memcpy)", mbit(at(&mem, big))),
+            r2(at(&dma, big) / at(&mem, big)),
+        ),
+    ];
+    let data = json!({ "points": points });
+    Ok(Figure {
+        id: "bandwidth",
+        title: "Raw bandwidth against size, PIO and DMA (T figure 7)",
+        paper: "peak 910 Mbit/s (T fig 7); 960 Mbit/s (CLAN page)",
+        ours: format!(
+            "peak PIO {}, DMA {}",
+            mbit(pio.iter().map(|p| p.1).fold(0.0, f64::max)),
+            mbit(dma.iter().map(|p| p.1).fold(0.0, f64::max))
+        ),
+        rows,
+        data: json!({ "series": { "pio": pio, "dma": dma, "memcpy": mem }, "raw": data }),
+        skipped: None,
+    })
+}
+
+fn fig_server(p: Profile) -> Result<Figure> {
+    let ns_list: &[usize] = match p {
+        Profile::Smoke => &[1, 10],
+        Profile::Quick => &[1, 100, 1000],
+        Profile::Default => &[1, 10, 100, 1000, 10000],
+        Profile::Full => &[1, 10, 100, 1000, 3000, 10000],
+    };
+    let requests = match p {
+        Profile::Smoke => "1000",
+        Profile::Quick => "10000",
+        Profile::Default => "100000",
+        Profile::Full => "300000",
+    };
+    let mut busy = Vec::new();
+    for &n in ns_list {
+        busy.push(bench(&s(&["server", "--endpoints", &n.to_string(), "--mode", "busy", "--requests", requests]))?);
+    }
+    let idle = bench(&s(&[
+        "server",
+        "--endpoints",
+        "1",
+        "--mode",
+        "idle",
+        "--requests",
+        if p == Profile::Smoke { "300" } else { "5000" },
+    ]))?;
+    let wide = if p == Profile::Smoke { "32" } else { "1000" };
+    let many =
+        bench(&s(&["server", "--endpoints", wide, "--mode", "busy", "--inflight", "16", "--requests", requests]))?;
+    let at = |n: usize| busy.iter().find(|v| f(v, "endpoints") as usize == n);
+    let first = at(ns_list[0]).ok_or("no first point")?;
+    let last = at(*ns_list.last().unwrap_or(&1)).ok_or("no last point")?;
+    let spread = busy.iter().map(|v| f(v, "rtt_p50_ns")).fold(0.0, f64::max)
+        / busy.iter().map(|v| f(v, "rtt_p50_ns")).fold(f64::MAX, f64::min);
+    let k1000 = at(1000);
+    let mut rows = vec![
+        (
+            "busy RTT, 1 endpoint (p50)".into(),
+            ns(f(first, "rtt_p50_ns")),
+            format!("{} (epoll-tcp)", ns(f(first, "baseline_rtt_p50_ns"))),
+            r2(f(first, "rtt_p50_ns") / f(first, "baseline_rtt_p50_ns")),
+        ),
+        (
+            format!("busy RTT, {} endpoints (p50)", f(last, "endpoints")),
+            ns(f(last, "rtt_p50_ns")),
+            format!("{} (epoll-tcp)", ns(f(last, "baseline_rtt_p50_ns"))),
+            r2(f(last, "rtt_p50_ns") / f(last, "baseline_rtt_p50_ns")),
+        ),
+        (
+            "idle RTT, 1 endpoint (p50)".into(),
+            ns(f(&idle, "rtt_p50_ns")),
+            format!("{} (epoll-tcp)", ns(f(&idle, "baseline_rtt_p50_ns"))),
+            r2(f(&idle, "rtt_p50_ns") / f(&idle, "baseline_rtt_p50_ns")),
+        ),
+        ("RTT spread over endpoints (max/min p50)".into(), r2(spread), "—".into(), "—".into()),
+    ];
+    if let Some(k) = k1000 {
+        rows.push((
+            "requests/s, 1000 endpoints, 1 in flight".into(),
+            format!("{:.0}", f(k, "req_per_s")),
+            format!("{:.0} (epoll-tcp)", f(k, "baseline_req_per_s")),
+            format!("{:.1}×", f(k, "ratio_req_per_s")),
+        ));
+    }
+    rows.push((
+        format!("requests/s, {wide} endpoints, 16 in flight"),
+        format!("{:.0}", f(&many, "req_per_s")),
+        format!("{:.0} (epoll-tcp)", f(&many, "baseline_req_per_s")),
+        format!("{:.1}×", f(&many, "ratio_req_per_s")),
+    ));
+    Ok(Figure {
+        id: "server",
+        title: "Event-driven server: round trip and requests/s against endpoints (T §5.3, figures 8 and 9)",
+        paper: "busy 7.9 µs, idle 16.8 µs RTT, flat in the endpoints; tends to 340 000 req/s (461 000 on the CLAN page); GbE TCP 21 184 req/s",
+        ours: format!(
+            "busy RTT {} → {} over {}…{} endpoints; idle {}",
+            ns(f(first, "rtt_p50_ns")),
+            ns(f(last, "rtt_p50_ns")),
+            ns_list[0],
+            ns_list.last().unwrap_or(&1),
+            ns(f(&idle, "rtt_p50_ns"))
+        ),
+        rows,
+        data: json!({ "busy": busy, "idle": idle, "inflight16": many }),
+        skipped: None,
+    })
+}
+
+/// The VMMC run gives several figures: one-way bandwidth (single vs streaming), send
+/// overhead (M figure 4), fetch, notification, setup. Built here, split by `split_vmmc`.
+fn fig_oneway_vmmc(p: Profile) -> Result<Figure> {
+    let bytes = match p {
+        Profile::Smoke => "4194304",
+        Profile::Quick => "67108864",
+        Profile::Default => "536870912",
+        Profile::Full => "2147483648",
+    };
+    let iters = match p {
+        Profile::Smoke => "300",
+        Profile::Quick => "5000",
+        Profile::Default => "50000",
+        Profile::Full => "100000",
+    };
+    let v = bench(&s(&["vmmc", "--bytes", bytes, "--iters", iters]))?;
+    Ok(Figure {
+        id: "vmmc",
+        title: "VMMC",
+        paper: "",
+        ours: format!(
+            "send_msg one way {}, notification {}",
+            ns(v["latency"][0]["one_way_p50_ns"].as_f64().unwrap_or(f64::NAN)),
+            ns(f(&v["notification"], "wait_one_way_p50_ns"))
+        ),
+        rows: Vec::new(),
+        data: v,
+        skipped: None,
+    })
+}
+
+fn split_vmmc(fig: Figure) -> Vec<Figure> {
+    if fig.id != "vmmc" {
+        return vec![fig];
+    }
+    let v = fig.data;
+    let bw = v["bandwidth"].as_array().cloned().unwrap_or_default();
+    let big = bw.last().cloned().unwrap_or(Value::Null);
+    let half = |key: &str| -> String {
+        let peak = bw.iter().map(|p| f(p, key)).fold(0.0, f64::max);
+        bw.iter().find(|p| f(p, key) >= peak / 2.0).map_or("—".into(), |p| format!("{} B", f(p, "size")))
+    };
+    let oneway = Figure {
+        id: "oneway",
+        title: "One-way bandwidth: one message at a time (synchronous send) and streaming (asynchronous) (T figure 10)",
+        paper: "streaming ≈ 900 Mbit/s with 6 µs setup; half bandwidth at ~750 B (T fig 10)",
+        ours: format!(
+            "1 MiB: synchronous {}, streaming {}",
+            mbit(f(&big, "sync_mbit_s")),
+            mbit(f(&big, "async_mbit_s"))
+        ),
+        rows: vec![
+            (
+                "one at a time, 1 MiB".into(),
+                mbit(f(&big, "sync_mbit_s")),
+                format!("{} (memcpy)", mbit(f(&big, "baseline_mbit_s"))),
+                r2(f(&big, "sync_mbit_s") / f(&big, "baseline_mbit_s")),
+            ),
+            (
+                "streaming, 1 MiB".into(),
+                mbit(f(&big, "async_mbit_s")),
+                format!("{} (memcpy)", mbit(f(&big, "baseline_mbit_s"))),
+                r2(f(&big, "async_mbit_s") / f(&big, "baseline_mbit_s")),
+            ),
+            ("half of peak reached at (streaming)".into(), half("async_mbit_s"), "—".into(), "—".into()),
+        ],
+        data: json!({ "bandwidth": bw }),
+        skipped: None,
+    };
+    let ovh = bw.iter().find(|p| f(p, "size") == 65536.0).cloned().unwrap_or(Value::Null);
+    let overhead = Figure {
+        id: "send-overhead",
+        title: "VMMC send overhead, synchronous and asynchronous, by size (M figure 4)",
+        paper: "~3 µs for short sends; long asynchronous sends cheaper than synchronous (M fig 4)",
+        ours: format!(
+            "64 KiB: synchronous {}, asynchronous {}",
+            ns(f(&ovh, "sync_overhead_p50_ns")),
+            ns(f(&ovh, "async_overhead_p50_ns"))
+        ),
+        rows: vec![
+            ("asynchronous send, 64 KiB (p50)".into(), ns(f(&ovh, "async_overhead_p50_ns")), "—".into(), "—".into()),
+            ("synchronous send, 64 KiB (p50)".into(), ns(f(&ovh, "sync_overhead_p50_ns")), "—".into(), "—".into()),
+            (
+                "inline/DMA threshold".into(),
+                format!("{} B", v["inline_max"]),
+                format!("crossover measured at {} B", v["crossover_bytes"]),
+                "—".into(),
+            ),
+        ],
+        data: json!({ "bandwidth": v["bandwidth"], "inline_max": v["inline_max"], "crossover_bytes": v["crossover_bytes"] }),
+        skipped: None,
+    };
+    let lat0 = v["latency"][0].clone();
+    let latency = Figure {
+        id: "vmmc-latency",
+        title: "VMMC one-way latency and remote fetch (M §5.3, NT figures 7 and 8)",
+        paper: "9.8 µs one way, 108.4 MB/s = 98 % of the hardware (M §5.3); fetch measured (NT figs 7–8)",
+        ours: format!(
+            "send_msg one way {}; fetch 8 B {}",
+            ns(f(&lat0, "one_way_p50_ns")),
+            ns(v["fetch"][0]["latency_p50_ns"].as_f64().unwrap_or(f64::NAN))
+        ),
+        rows: vec![
+            (
+                "send_msg one way, 8 B (p50)".into(),
+                ns(f(&lat0, "one_way_p50_ns")),
+                format!("{} (shm-raw)", ns(f(&lat0, "baseline_one_way_p50_ns"))),
+                r2(f(&lat0, "ratio")),
+            ),
+            (
+                "fetch 8 B (p50)".into(),
+                ns(v["fetch"][0]["latency_p50_ns"].as_f64().unwrap_or(f64::NAN)),
+                format!("{} (memcpy)", ns(v["fetch"][0]["baseline_memcpy_p50_ns"].as_f64().unwrap_or(f64::NAN))),
+                "—".into(),
+            ),
+        ],
+        data: json!({ "latency": v["latency"], "fetch": v["fetch"] }),
+        skipped: None,
+    };
+    let n = &v["notification"];
+    let notif = Figure {
+        id: "notification",
+        title: "VMMC notification overhead (NT §5.3)",
+        paper: "30 µs Linux, 52 µs NT (NT §5.3)",
+        ours: format!(
+            "{} (waiter spinning first), {} sleeping",
+            ns(f(n, "wait_one_way_p50_ns")),
+            ns(f(n, "sleep_one_way_p50_ns"))
+        ),
+        rows: vec![
+            (
+                "one way, waiting thread (p50)".into(),
+                ns(f(n, "wait_one_way_p50_ns")),
+                format!("{} (unix)", ns(f(n, "baseline_one_way_p50_ns"))),
+                r2(f(n, "ratio")),
+            ),
+            (
+                "one way, handler thread (p50)".into(),
+                ns(f(n, "handler_one_way_p50_ns")),
+                format!("{} (unix)", ns(f(n, "baseline_one_way_p50_ns"))),
+                r2(f(n, "handler_one_way_p50_ns") / f(n, "baseline_one_way_p50_ns")),
+            ),
+            (
+                "one way, nobody spinning (p50)".into(),
+                ns(f(n, "sleep_one_way_p50_ns")),
+                format!("{} (unix)", ns(f(n, "baseline_one_way_p50_ns"))),
+                r2(f(n, "sleep_one_way_p50_ns") / f(n, "baseline_one_way_p50_ns")),
+            ),
+        ],
+        data: n.clone(),
+        skipped: None,
+    };
+    let st = &v["setup"];
+    let setup = Figure {
+        id: "setup",
+        title: "Export and import cost (NT §5.1)",
+        paper: "export 43 µs, import 68 µs (NT §5.1)",
+        ours: format!(
+            "export {}, import across processes {}",
+            ns(f(st, "export_4k_fresh_ns")),
+            ns(f(st, "import_cross_process_ns"))
+        ),
+        rows: vec![
+            (
+                "export 4 KiB, fresh".into(),
+                ns(f(st, "export_4k_fresh_ns")),
+                format!("{} (memfd+mmap)", ns(f(st, "baseline_memfd_mmap_4k_ns"))),
+                r2(f(st, "export_4k_fresh_ns") / f(st, "baseline_memfd_mmap_4k_ns")),
+            ),
+            (
+                "export 4 KiB, from the endpoint cache".into(),
+                ns(f(st, "export_4k_cached_ns")),
+                format!("{} (memfd+mmap)", ns(f(st, "baseline_memfd_mmap_4k_ns"))),
+                r2(f(st, "export_4k_cached_ns") / f(st, "baseline_memfd_mmap_4k_ns")),
+            ),
+            (
+                "import, another process".into(),
+                ns(f(st, "import_cross_process_ns")),
+                format!("{} (unix request/response)", ns(f(st, "baseline_unix_rtt_ns"))),
+                r2(f(st, "import_cross_process_ns") / f(st, "baseline_unix_rtt_ns")),
+            ),
+        ],
+        data: st.clone(),
+        skipped: None,
+    };
+    vec![oneway, overhead, latency, notif, setup]
+}
+
+fn fig_queue(p: Profile) -> Result<Figure> {
+    let rounds = match p {
+        Profile::Smoke | Profile::Quick => "1",
+        Profile::Default => "3",
+        Profile::Full => "5",
+    };
+    let v = if p == Profile::Smoke {
+        bench(&s(&["queue", "--rounds", rounds, "--size", "32768"]))?
+    } else {
+        bench(&s(&["queue", "--rounds", rounds]))?
+    };
+    let pts = v["points"].as_array().cloned().unwrap_or_default();
+    let at = |size: f64| pts.iter().find(|x| f(x, "size") == size).cloned().unwrap_or(Value::Null);
+    let k32 = at(32768.0);
+    Ok(Figure {
+        id: "queue",
+        title: "Distributed queue streaming, copied into and out of the queue (CLAN page)",
+        paper: "880 Mbit/s at 32 KB, half of it at 128 B transfers, 10 KB of buffer per endpoint",
+        ours: format!(
+            "{} at 32 KiB, half of the peak at {} B, {} KiB per endpoint",
+            mbit(f(&k32, "mbit_s")),
+            v["half_peak_size"],
+            f(&v, "buffer_bytes") as u64 >> 10
+        ),
+        rows: vec![
+            (
+                "32 KiB transfers".into(),
+                mbit(f(&k32, "mbit_s")),
+                format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
+                r2(f(&k32, "ratio")),
+            ),
+            ("peak".into(), mbit(f(&v, "peak_mbit_s")), "—".into(), "—".into()),
+            ("half of the peak reached at".into(), format!("{} B", v["half_peak_size"]), "—".into(), "—".into()),
+            (
+                "buffer per endpoint".into(),
+                format!("{} KiB", f(&v, "buffer_bytes") as u64 >> 10),
+                "—".into(),
+                "—".into(),
+            ),
+        ],
+        data: v,
+        skipped: None,
+    })
+}
+
+fn fig_stream(p: Profile) -> Result<Figure> {
+    let (bytes, iters) = match p {
+        Profile::Smoke => ("8388608", "300"),
+        Profile::Quick => ("268435456", "6000"),
+        Profile::Default => ("2147483648", "60000"),
+        Profile::Full => ("4294967296", "200000"),
+    };
+    let v = bench(&s(&["stream", "--bytes", bytes, "--iters", iters]))?;
+    Ok(Figure {
+        id: "stream",
+        title: "Stream sockets (NT §4.1)",
+        paper: "20 µs one way, > 84 MB/s peak (NT §4.1)",
+        ours: format!("one way {}, {}", ns(f(&v, "rtt_p50_ns") / 2.0), mbit(f(&v, "mbit_s"))),
+        rows: vec![
+            (
+                "RTT, 64 B (p50)".into(),
+                ns(f(&v, "rtt_p50_ns")),
+                format!("{} (unix), {} (tcp)", ns(f(&v, "unix_rtt_p50_ns")), ns(f(&v, "tcp_rtt_p50_ns"))),
+                r2(f(&v, "rtt_ratio_vs_unix")),
+            ),
+            (
+                "bandwidth, 64 KiB writes".into(),
+                mbit(f(&v, "mbit_s")),
+                format!("{} (unix), {} (tcp)", mbit(f(&v, "unix_mbit_s")), mbit(f(&v, "tcp_mbit_s"))),
+                r2(f(&v, "bw_ratio_vs_unix")),
+            ),
+        ],
+        data: v,
+        skipped: None,
+    })
+}
+
+fn fig_rpc(p: Profile) -> Result<Figure> {
+    let iters = match p {
+        Profile::Smoke => "500",
+        Profile::Quick => "20000",
+        Profile::Default => "200000",
+        Profile::Full => "500000",
+    };
+    let v = bench(&s(&["rpc", "--iters", iters]))?;
+    Ok(Figure {
+        id: "rpc",
+        title: "RPC on flags and tripwires (T §4.1)",
+        paper: "(the paper builds RPC this way; no figure)",
+        ours: format!("RTT {}, {:.0} calls/s", ns(f(&v, "rtt_p50_ns")), f(&v, "calls_per_s")),
+        rows: vec![(
+            "RTT, 64 B (p50)".into(),
+            ns(f(&v, "rtt_p50_ns")),
+            format!("{} (unix)", ns(f(&v, "baseline_rtt_p50_ns"))),
+            r2(f(&v, "ratio_p50")),
+        )],
+        data: v,
+        skipped: None,
+    })
+}
+
+fn fig_tcp(p: Profile) -> Result<Figure> {
+    let iters = match p {
+        Profile::Smoke => "500",
+        Profile::Quick => "20000",
+        Profile::Default => "100000",
+        Profile::Full => "300000",
+    };
+    let lat = bench(&s(&["latency", "--transport", "tcp", "--sync", "spin", "--iters", iters]))?;
+    let bw_iters = match p {
+        Profile::Smoke => "500",
+        Profile::Quick => "4000",
+        _ => "16000",
+    };
+    let bw = bench(&s(&["bandwidth", "--transport", "tcp", "--size", "65536", "--iters", bw_iters]))?;
+    Ok(Figure {
+        id: "links",
+        title: "Across hosts: TCP links between test hosts (network namespaces, veth)",
+        paper: "(the papers' networks: CLAN 1.5 µs app to app; Myrinet 9.8 µs)",
+        ours: format!("RTT {}, {}", ns(f(&lat, "rtt_p50_ns")), mbit(f(&bw, "mbit_s"))),
+        rows: vec![
+            (
+                "RTT, 8 B, spinning (p50)".into(),
+                ns(f(&lat, "rtt_p50_ns")),
+                format!("{} (tcp)", ns(f(&lat, "baseline_rtt_p50_ns"))),
+                r2(f(&lat, "ratio_p50")),
+            ),
+            (
+                "streaming PIO, 64 KiB".into(),
+                mbit(f(&bw, "mbit_s")),
+                format!("{} (tcp stream)", mbit(f(&bw, "baseline_mbit_s"))),
+                r2(f(&bw, "ratio")),
+            ),
+        ],
+        data: json!({ "latency": lat, "bandwidth": bw }),
+        skipped: None,
+    })
+}
+
+fn not_reproduced() -> Figure {
+    Figure {
+        id: "not-reproduced",
+        title: "Not reproduced",
+        paper: "IP over the network (T table 1: 100 µs RTT, 225 Mbit/s); MPI (T §6.3: 16 µs RTT)",
+        ours: "not built: clan has no IP device or MPI layer".into(),
+        rows: Vec::new(),
+        data: Value::Null,
+        skipped: Some("clan does not implement IP over the network or MPI".into()),
+    }
+}
+
+// ---- the report ---------------------------------------------------------------------------
+
+fn table_md(figs: &[Figure]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(t, "| figure | measure | clan | baseline (same run) | ratio | papers |");
+    let _ = writeln!(t, "|---|---|---|---|---|---|");
+    for fig in figs {
+        if let Some(why) = &fig.skipped {
+            let _ = writeln!(t, "| {} | — | skipped: {why} | — | — | {} |", fig.title, fig.paper);
+            continue;
+        }
+        for (i, (what, ours, base, ratio)) in fig.rows.iter().enumerate() {
+            let (title, paper) = if i == 0 { (fig.title, fig.paper) } else { ("", "") };
+            let _ = writeln!(t, "| {title} | {what} | {ours} | {base} | {ratio} | {paper} |");
+        }
+    }
+    t
+}
+
+fn write_report(dir: &Path, figs: &[Figure], profile: Profile, secs: f64) -> Result<()> {
+    let m = sys::machine();
+    for fig in figs {
+        std::fs::write(
+            dir.join(format!("{}.json", fig.id)),
+            serde_json::to_string_pretty(&json!({
+                "id": fig.id, "title": fig.title, "paper": fig.paper, "ours": fig.ours,
+                "skipped": fig.skipped, "data": fig.data, "machine": &m,
+            }))?,
+        )?;
+        if fig.skipped.is_none() {
+            plot(dir, fig)?;
+        }
+    }
+    let mut md = String::new();
+    let _ = writeln!(md, "# clan: the papers' figures, measured\n");
+    let _ = writeln!(
+        md,
+        "Machine: {} × {}, Linux {}. Profile: {:?}, {:.0} s. Every figure ran with its baselines in the same run; \
+         the JSON of each figure is next to this file, with an SVG plot.\n",
+        m.cpus, m.model, m.kernel, profile, secs
+    );
+    md.push_str(&table_md(figs));
+    md.push('\n');
+    for fig in figs {
+        let _ = writeln!(md, "## {}\n\nPapers: {}\n\nclan: {}\n", fig.title, fig.paper, fig.ours);
+        if let Some(why) = &fig.skipped {
+            let _ = writeln!(md, "Skipped: {why}\n");
+        } else {
+            let _ = writeln!(md, "![{}]({}.svg)  [data]({}.json)\n", fig.id, fig.id, fig.id);
+        }
+    }
+    std::fs::write(dir.join("index.md"), &md)?;
+    let mut html = String::from(
+        "<!doctype html><meta charset=\"utf-8\"><title>clan: the papers' figures</title><style>body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px}</style>\n",
+    );
+    let _ = writeln!(
+        html,
+        "<h1>clan: the papers' figures, measured</h1><p>Machine: {} × {}, Linux {}. Profile {:?}, {:.0} s.</p>",
+        m.cpus,
+        esc(&m.model),
+        esc(&m.kernel),
+        profile,
+        secs
+    );
+    html.push_str("<table><tr><th>figure</th><th>measure</th><th>clan</th><th>baseline (same run)</th><th>ratio</th><th>papers</th></tr>\n");
+    for fig in figs {
+        if let Some(why) = &fig.skipped {
+            let _ = writeln!(
+                html,
+                "<tr><td>{}</td><td>—</td><td>skipped: {}</td><td>—</td><td>—</td><td>{}</td></tr>",
+                esc(fig.title),
+                esc(why),
+                esc(fig.paper)
+            );
+            continue;
+        }
+        for (i, (what, ours, base, ratio)) in fig.rows.iter().enumerate() {
+            let (t, p) = if i == 0 { (fig.title, fig.paper) } else { ("", "") };
+            let _ = writeln!(
+                html,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                esc(t),
+                esc(what),
+                esc(ours),
+                esc(base),
+                esc(ratio),
+                esc(p)
+            );
+        }
+    }
+    html.push_str("</table>\n");
+    for fig in figs.iter().filter(|f| f.skipped.is_none()) {
+        let _ = writeln!(
+            html,
+            "<h2>{}</h2><p>Papers: {}</p><p>clan: {}</p><img src=\"{}.svg\"> <a href=\"{}.json\">data</a>",
+            esc(fig.title),
+            esc(fig.paper),
+            esc(&fig.ours),
+            fig.id,
+            fig.id
+        );
+    }
+    std::fs::write(dir.join("index.html"), html)?;
+    Ok(())
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// One SVG per figure: a line chart when it has a curve, bars of its rows otherwise.
+fn plot(dir: &Path, fig: &Figure) -> Result<()> {
+    let path = dir.join(format!("{}.svg", fig.id));
+    let mut curves: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    let (mut xl, mut yl) = ("size (bytes)", "Mbit/s");
+    match fig.id {
+        "bandwidth" => {
+            for k in ["pio", "dma", "memcpy"] {
+                let pts: Vec<(f64, f64)> = serde_json::from_value(fig.data["series"][k].clone()).unwrap_or_default();
+                curves.push((k.to_uppercase(), pts));
+            }
+        }
+        "queue" => {
+            let pts = fig.data["points"].as_array().cloned().unwrap_or_default();
+            curves.push(("queue".into(), pts.iter().map(|p| (f(p, "size"), f(p, "mbit_s"))).collect()));
+            curves.push((
+                "memcpy in and out".into(),
+                pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect(),
+            ));
+        }
+        "oneway" => {
+            let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
+            curves.push(("one at a time".into(), pts.iter().map(|p| (f(p, "size"), f(p, "sync_mbit_s"))).collect()));
+            curves.push(("streaming".into(), pts.iter().map(|p| (f(p, "size"), f(p, "async_mbit_s"))).collect()));
+            curves.push(("memcpy".into(), pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect()));
+        }
+        "send-overhead" => {
+            let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
+            yl = "sender's cost per send (ns)";
+            for (k, name) in [
+                ("sync_overhead_p50_ns", "synchronous"),
+                ("async_overhead_p50_ns", "asynchronous"),
+                ("pio_overhead_p50_ns", "async, PIO forced"),
+                ("dma_overhead_p50_ns", "async, DMA forced"),
+            ] {
+                curves.push((name.into(), pts.iter().map(|p| (f(p, "size"), f(p, k))).collect()));
+            }
+        }
+        "server" => {
+            let pts = fig.data["busy"].as_array().cloned().unwrap_or_default();
+            xl = "endpoints";
+            yl = "RTT p50 (ns)";
+            curves.push(("clan".into(), pts.iter().map(|p| (f(p, "endpoints"), f(p, "rtt_p50_ns"))).collect()));
+            curves.push((
+                "epoll-tcp".into(),
+                pts.iter().map(|p| (f(p, "endpoints"), f(p, "baseline_rtt_p50_ns"))).collect(),
+            ));
+        }
+        _ => {}
+    }
+    curves.iter_mut().for_each(|(_, v)| v.retain(|(x, y)| x.is_finite() && y.is_finite() && *x > 0.0 && *y > 0.0));
+    curves.retain(|(_, v)| !v.is_empty());
+    let root = SVGBackend::new(&path, (800, 460)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    if curves.is_empty() {
+        // Bars: our value and the baseline per row (values parsed back from the rows is
+        // fragile; the rows' ratios are what a bar chart of this figure shows).
+        let bars: Vec<(String, f64)> = fig
+            .rows
+            .iter()
+            .filter_map(|(w, _, _, r)| r.trim_end_matches('×').parse::<f64>().ok().map(|v| (w.clone(), v)))
+            .collect();
+        let ymax = bars.iter().map(|b| b.1).fold(1.0, f64::max) * 1.15;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(format!("{} — clan / baseline", fig.id), ("sans-serif", 18))
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0usize..bars.len().max(1), 0.0..ymax)
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(bars.len().max(1))
+            .x_label_formatter(&|i| bars.get(*i).map_or(String::new(), |b| b.0.chars().take(28).collect()))
+            .y_desc("ratio (clan / baseline)")
+            .draw()
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(
+                bars.iter().enumerate().map(|(i, b)| Rectangle::new([(i, 0.0), (i + 1, b.1)], BLUE.mix(0.6).filled())),
+            )
+            .map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())?;
+        return Ok(());
+    }
+    let xs = curves.iter().flat_map(|c| c.1.iter().map(|p| p.0));
+    let ys = curves.iter().flat_map(|c| c.1.iter().map(|p| p.1));
+    let (x0, x1) = xs.fold((f64::MAX, 0.0f64), |(a, b), x| (a.min(x), b.max(x)));
+    let (y0, y1) = ys.fold((f64::MAX, 0.0f64), |(a, b), y| (a.min(y), b.max(y)));
+    let mut chart = ChartBuilder::on(&root)
+        .caption(fig.id, ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d((x0 * 0.8..x1 * 1.25).log_scale(), (y0 * 0.7..y1 * 1.4).log_scale())
+        .map_err(|e| e.to_string())?;
+    chart.configure_mesh().x_desc(xl).y_desc(yl).draw().map_err(|e| e.to_string())?;
+    let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, (name, pts)) in curves.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled()))).map_err(|e| e.to_string())?;
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())?;
+    Ok(())
+}

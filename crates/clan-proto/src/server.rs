@@ -1,0 +1,141 @@
+//! The event-driven server of the Tripwire paper (§5.3): one thread, an epoll loop in which a
+//! clan event queue is one file descriptor among others, a callback per endpoint, and the
+//! paper's policy for the queue: when its descriptor is readable, drain it, then keep polling
+//! it for a while ([`EventLoop::new`]'s `poll_for`, 15 µs in the paper) before going back to
+//! `epoll_wait` — a busy server never sleeps, an idle one costs nothing.
+//!
+//! ```no_run
+//! use clan::{Nic, NicConfig};
+//! use clan_proto::rpc::{RpcConfig, RpcServer};
+//! use clan_proto::server::EventLoop;
+//! # fn main() -> std::io::Result<()> {
+//! let nic = Nic::open(NicConfig::default()).map_err(std::io::Error::other)?;
+//! let mut rpc = RpcServer::bind(&nic, RpcConfig::default(), 1024).map_err(std::io::Error::other)?;
+//! let mut el = EventLoop::new(std::time::Duration::from_micros(15))?;
+//! let q = rpc.event_queue().clone();
+//! el.add_queue(&q, move |ev| {
+//!     let _ = rpc.handle_event(ev, &mut |_conn, req, reply| {
+//!         let _ = reply.write(&req.to_vec()); // echo, written straight into the client
+//!     });
+//! })?;
+//! // ... and other descriptors: el.add_source(&mut listener, mio::Interest::READABLE, |ev| { ... })
+//! loop {
+//!     el.run_once(None)?;
+//! }
+//! # }
+//! ```
+
+use std::collections::HashMap;
+use std::io;
+use std::time::{Duration, Instant};
+
+use clan::{Event, EventQueue};
+use mio::{Events, Interest, Poll, Token};
+
+type QueueHandler = Box<dyn FnMut(Event)>;
+type FdHandler = Box<dyn FnMut(&mio::event::Event)>;
+
+/// One thread's loop over clan event queues and other file descriptors.
+pub struct EventLoop {
+    poll: Poll,
+    events: Events,
+    next: usize,
+    queues: HashMap<Token, (EventQueue, QueueHandler)>,
+    fds: HashMap<Token, FdHandler>,
+    poll_for: Duration,
+}
+
+impl std::fmt::Debug for EventLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventLoop").field("queues", &self.queues.len()).field("fds", &self.fds.len()).finish()
+    }
+}
+
+impl EventLoop {
+    /// A loop that polls a drained queue for `poll_for` before sleeping.
+    pub fn new(poll_for: Duration) -> io::Result<EventLoop> {
+        Ok(EventLoop {
+            poll: Poll::new()?,
+            events: Events::with_capacity(1024),
+            next: 1,
+            queues: HashMap::new(),
+            fds: HashMap::new(),
+            poll_for,
+        })
+    }
+
+    /// Serve a clan event queue: `handler` gets each of its events (dispatch by
+    /// `Event::…::endpoint` or cookie for a callback per endpoint).
+    pub fn add_queue(&mut self, q: &EventQueue, handler: impl FnMut(Event) + 'static) -> io::Result<Token> {
+        let t = Token(self.next);
+        self.next += 1;
+        let mut q2 = q.clone();
+        self.poll.registry().register(&mut q2, t, Interest::READABLE)?;
+        self.queues.insert(t, (q2, Box::new(handler)));
+        Ok(t)
+    }
+
+    /// Watch another descriptor (a TCP listener, a timer, a pipe…).
+    pub fn add_source<S: mio::event::Source + ?Sized>(
+        &mut self,
+        src: &mut S,
+        interest: Interest,
+        handler: impl FnMut(&mio::event::Event) + 'static,
+    ) -> io::Result<Token> {
+        let t = Token(self.next);
+        self.next += 1;
+        self.poll.registry().register(src, t, interest)?;
+        self.fds.insert(t, Box::new(handler));
+        Ok(t)
+    }
+
+    /// Drain every queue, then poll them for `poll_for` after the last event; returns the
+    /// events handled.
+    fn serve_queues(&mut self) -> usize {
+        let mut n = 0;
+        let mut last = Instant::now();
+        loop {
+            let mut got = false;
+            for (q, h) in self.queues.values_mut() {
+                while let Some(ev) = q.try_take() {
+                    h(ev);
+                    n += 1;
+                    got = true;
+                }
+            }
+            if got {
+                last = Instant::now();
+            } else if last.elapsed() >= self.poll_for {
+                return n;
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// One round: sleep in `epoll_wait` (at most `timeout`) unless a queue has events, run
+    /// the handlers of what is ready, drain and poll the queues. Returns the clan events
+    /// handled.
+    pub fn run_once(&mut self, timeout: Option<Duration>) -> io::Result<usize> {
+        // Arm every queue's descriptor; one with events pending means no sleeping.
+        let mut pending = false;
+        for (q, _) in self.queues.values() {
+            if !q.arm() {
+                pending = true;
+            }
+        }
+        let t = if pending { Some(Duration::ZERO) } else { timeout };
+        match self.poll.poll(&mut self.events, t) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+        let ready: Vec<mio::event::Event> = self.events.iter().cloned().collect();
+        for ev in &ready {
+            if let Some(h) = self.fds.get_mut(&ev.token()) {
+                h(ev);
+            }
+        }
+        Ok(self.serve_queues())
+    }
+}
