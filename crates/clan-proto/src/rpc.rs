@@ -462,7 +462,13 @@ pub struct RpcServer {
     queue: EventQueue,
     listener: Endpoint,
     cfg: RpcConfig,
-    conns: HashMap<u64, ServerConn>,
+    /// Connections by id (ids are small and dense: a slot each; the index of a request's
+    /// event is a direct array access).
+    conns: Vec<Option<ServerConn>>,
+    /// Slots of departed connections, reused (a stale event for a reused slot finds no
+    /// request and does nothing).
+    free: Vec<u64>,
+    open: usize,
     by_port: HashMap<u32, u64>,
     next: u64,
 }
@@ -486,7 +492,9 @@ impl RpcServer {
             queue,
             listener,
             cfg,
-            conns: HashMap::new(),
+            conns: Vec::new(),
+            free: Vec::new(),
+            open: 0,
             by_port: HashMap::new(),
             next: 1,
         })
@@ -504,7 +512,7 @@ impl RpcServer {
 
     /// Open connections.
     pub fn connections(&self) -> usize {
-        self.conns.len()
+        self.open
     }
 
     /// Accept every pending connection request now; returns how many.
@@ -512,11 +520,21 @@ impl RpcServer {
         let mut n = 0;
         while let Some(req) = self.listener.try_accept() {
             let s = side::accept(&self.nic, Some(&self.queue), req, Geometry::bytes(self.cfg.max_msg.max(2), 0))?;
-            let id = self.next;
-            self.next += 1;
+            let id = match self.free.pop() {
+                Some(id) => id,
+                None => {
+                    self.next += 1;
+                    self.next - 1
+                }
+            };
             self.by_port.insert(s.ep.port(), id);
             let p = Party::new(s, self.cfg.spin, Some(id))?;
-            self.conns.insert(id, ServerConn { p, served: 0 });
+            let slot = id as usize;
+            if self.conns.len() <= slot {
+                self.conns.resize_with(slot + 1, || None);
+            }
+            self.conns[slot] = Some(ServerConn { p, served: 0 });
+            self.open += 1;
             n += 1;
             // A request may have come before the tripwire existed.
             self.serve_conn_later(id);
@@ -534,7 +552,7 @@ impl RpcServer {
         id: u64,
         handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
     ) -> Result<bool, RpcError> {
-        let Some(c) = self.conns.get_mut(&id) else { return Ok(false) };
+        let Some(Some(c)) = self.conns.get_mut(id as usize) else { return Ok(false) };
         let flag = match c.p.my_flag() {
             Ok(f) => f,
             Err(_) => return Ok(false),
@@ -559,7 +577,9 @@ impl RpcServer {
     }
 
     fn drop_conn(&mut self, id: u64) {
-        if let Some(c) = self.conns.remove(&id) {
+        if let Some(c) = self.conns.get_mut(id as usize).and_then(Option::take) {
+            self.open -= 1;
+            self.free.push(id);
             self.by_port.remove(&c.p.sides.ep.port());
         }
     }
@@ -624,7 +644,8 @@ impl RpcServer {
             Event::Overflow { .. } => {
                 // Lost events: look at every connection.
                 self.accept_pending()?;
-                let ids: Vec<u64> = self.conns.keys().copied().collect();
+                let ids: Vec<u64> =
+                    self.conns.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| i as u64).collect();
                 for id in ids {
                     served += u64::from(self.serve(id, handler)?);
                 }
@@ -636,6 +657,6 @@ impl RpcServer {
 
     /// Requests answered on a connection.
     pub fn served(&self, id: ConnId) -> Option<u64> {
-        self.conns.get(&id.0).map(|c| c.served)
+        self.conns.get(id.0 as usize).and_then(Option::as_ref).map(|c| c.served)
     }
 }
