@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use clan::{AccessError, Aperture, Mapping, Tripwire, TripwireConfig};
 
-use crate::wait::{WaitError, wait_sliced, wait_until};
+use crate::wait::{SLICE, WaitError, wait_check, wait_sliced};
 
 pub(crate) const CTL_READ: u64 = 0;
 pub(crate) const CTL_POST_SEQ: u64 = 64;
@@ -225,26 +225,8 @@ impl PipeTx {
 
     /// Wait until there is room for at least one byte.
     pub fn wait_space(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
-        let mut failed = None;
-        let r = wait_until(
-            &self.space,
-            self.spin,
-            deadline,
-            || match self.room() {
-                Ok(n) => {
-                    n > 0 || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len)
-                }
-                Err(e) => {
-                    failed = Some(e);
-                    true
-                }
-            },
-            dead,
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)
+        let posted = || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len);
+        wait_check(&self.space, self.spin, deadline, SLICE, || Ok(self.room()? > 0 || posted()), dead, wait_err)
     }
 
     /// Shut down writing: the receiver reads what was written, then end of stream.
@@ -450,24 +432,15 @@ impl PipeRx {
 
     /// Wait for data or the end of the stream.
     pub fn wait_data(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
-        let mut failed = None;
-        let r = wait_until(
+        wait_check(
             &self.data,
             self.spin,
             deadline,
-            || match (self.available(), self.at_end()) {
-                (Ok(n), Ok(end)) => n > 0 || end,
-                (Err(e), _) | (_, Err(e)) => {
-                    failed = Some(e);
-                    true
-                }
-            },
+            SLICE,
+            || Ok(self.available()? > 0 || self.at_end()?),
             dead,
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)
+            wait_err,
+        )
     }
 
     /// Wait until the written position passes `beyond`, or the stream ends.
@@ -477,24 +450,15 @@ impl PipeRx {
         deadline: Option<Instant>,
         dead: &mut dyn FnMut() -> bool,
     ) -> Result<(), PipeError> {
-        let mut failed = None;
-        let r = wait_until(
+        wait_check(
             &self.data,
             self.spin,
             deadline,
-            || match (self.written(), self.at_end_after(beyond)) {
-                (Ok(w), Ok(end)) => w > beyond || end,
-                (Err(e), _) | (_, Err(e)) => {
-                    failed = Some(e);
-                    true
-                }
-            },
+            SLICE,
+            || Ok(self.written()? > beyond || self.at_end_after(beyond)?),
             dead,
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)
+            wait_err,
+        )
     }
 
     fn at_end_after(&self, w: u64) -> Result<bool, PipeError> {

@@ -33,7 +33,7 @@ use clan::{
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RING, RX_WRITE};
 use crate::side::{self, Geometry, SetupError};
-use crate::wait::{WaitError, wait_until};
+use crate::wait::{SLICE, WaitError, wait_check};
 
 /// Bytes of a slot header.
 pub const HEADER: u64 = 32;
@@ -230,24 +230,7 @@ impl MsgSender {
     }
 
     fn wait_free(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
-        let mut failed = None;
-        let r = wait_until(
-            &self.space,
-            self.spin,
-            deadline,
-            || match self.free() {
-                Ok(n) => n > 0,
-                Err(e) => {
-                    failed = Some(e);
-                    true
-                }
-            },
-            || !self.conn.is_alive(),
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)
+        wait_check(&self.space, self.spin, deadline, SLICE, || Ok(self.free()? > 0), || !self.conn.is_alive(), wait_err)
     }
 
     /// Write the header of the next slot at `at`: its fields, then its sequence word (an
@@ -416,24 +399,15 @@ impl MsgReceiver {
     }
 
     fn wait_published(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
-        let mut failed = None;
-        let r = wait_until(
+        wait_check(
             &self.data,
             self.spin,
             deadline,
-            || match self.pending() {
-                Ok(n) => n > 0,
-                Err(e) => {
-                    failed = Some(e);
-                    true
-                }
-            },
+            SLICE,
+            || Ok(self.pending()? > 0),
             || !self.conn.is_alive(),
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)
+            wait_err,
+        )
     }
 
     fn consume(&mut self) -> Result<(), QueueError> {
@@ -517,29 +491,18 @@ impl MsgReceiver {
             .tripwire(TripwireConfig::writes(at..at + HEADER).once().disarmed().actions(clan::Actions::NONE))
             .map_err(|_| AccessError::Revoked)?;
         let mut found = None;
-        let mut failed = None;
-        let r = crate::wait::wait_sliced(
+        wait_check(
             &tw,
             self.spin,
             deadline,
             Duration::from_millis(1),
-            || match self.header_of(self.read) {
-                Ok(Some((_, _, meta, total))) => {
-                    found = Some(Header { meta, len: total });
-                    true
-                }
-                Ok(None) => false,
-                Err(e) => {
-                    failed = Some(e);
-                    true
-                }
+            || {
+                found = self.header_of(self.read)?.map(|(_, _, meta, total)| Header { meta, len: total });
+                Ok(found.is_some())
             },
             || !self.conn.is_alive(),
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)?;
+            wait_err,
+        )?;
         found.ok_or(QueueError::Timeout)
     }
 

@@ -33,7 +33,7 @@ use clan::{
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RX_WRITE};
 use crate::side::{self, Geometry, SetupError, Sides};
-use crate::wait::{WaitError, wait_until};
+use crate::wait::{SLICE, WaitError, wait_check};
 
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
@@ -191,29 +191,18 @@ impl Party {
 
     /// Wait for our flag to reach `v`.
     fn wait_flag(&self, v: u64, deadline: Option<Instant>) -> Result<(), RpcError> {
-        let mut failed = None;
-        let r = wait_until(
+        wait_check(
             &self.flag,
             self.spin,
             deadline,
-            || match self.my_flag() {
-                Ok(f) if f == v => true,
-                Ok(f) if f > v => {
-                    failed = Some(RpcError::Protocol("the peer's flag ran ahead"));
-                    true
-                }
-                Ok(_) => false,
-                Err(e) => {
-                    failed = Some(e);
-                    true
-                }
+            SLICE,
+            || match self.my_flag()? {
+                f if f > v => Err(RpcError::Protocol("the peer's flag ran ahead")),
+                f => Ok(f == v),
             },
             || !self.sides.conn.is_alive(),
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)
+            wait_err,
+        )
     }
 
     /// The message in our buffer (its length checked).
@@ -294,30 +283,19 @@ impl ChannelSender {
         let deadline = timeout.map(|t| Instant::now() + t);
         let want = self.p.seq;
         let mine = self.p.sides.mine.clone();
-        let conn_alive = || self.p.sides.conn.is_alive();
-        let mut failed = None;
-        let r = wait_until(
+        let conn = &self.p.sides.conn;
+        wait_check(
             &self.tx_ready,
             self.p.spin,
             deadline,
-            || match mine.load_u64(CTL_READ) {
-                Ok(v) if v == want => true,
-                Ok(v) if v > want => {
-                    failed = Some(RpcError::Protocol("tx_ready ran ahead"));
-                    true
-                }
-                Ok(_) => false,
-                Err(e) => {
-                    failed = Some(e.into());
-                    true
-                }
+            SLICE,
+            || match mine.load_u64(CTL_READ)? {
+                v if v > want => Err(RpcError::Protocol("tx_ready ran ahead")),
+                v => Ok(v == want),
             },
-            || !conn_alive(),
-        );
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        r.map_err(wait_err)?;
+            || !conn.is_alive(),
+            wait_err,
+        )?;
         let seq = self.p.seq + 1;
         let mut w = self.p.writer();
         fill(&mut w)?;

@@ -29,7 +29,7 @@
 //!
 //! [`Vmmc`] is `Clone`, `Send` and `Sync`: share it between threads. [`ExportedBuffer`],
 //! [`SendBuffer`] and [`ImportedBuffer`] are `Send` and `Sync` (an imported buffer is also
-//! `Clone`); [`SendHandle`] and [`FetchHandle`] are `Send` and `Sync`. Handlers run on one
+//! `Clone`); [`TransferHandle`] (`SendHandle`, `FetchHandle`) is `Send` and `Sync`. Handlers run on one
 //! notification thread, one at a time, in arrival order; they must be `Send + Sync`.
 //!
 //! ## The inline threshold
@@ -354,48 +354,25 @@ impl ImportedBuffer {
     }
 }
 
+/// A transfer in flight: an asynchronous send ([`SendHandle`]: when complete, the send
+/// buffer may be reused) or fetch ([`FetchHandle`]: when complete, the data is in place).
+#[derive(Debug, Clone)]
+pub struct TransferHandle {
+    ticket: Option<DmaTicket>,
+}
+
 /// An asynchronous send in flight.
-#[derive(Debug, Clone)]
-pub struct SendHandle {
-    ticket: Option<DmaTicket>,
-}
-
-impl SendHandle {
-    /// Whether the send buffer may be reused (one memory load).
-    pub fn is_complete(&self) -> bool {
-        self.ticket.as_ref().is_none_or(DmaTicket::is_complete)
-    }
-
-    /// Wait until the send buffer may be reused; errors if the transfer failed.
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<(), VmmcError> {
-        match &self.ticket {
-            None => Ok(()),
-            Some(t) => Ok(t.wait(timeout)?),
-        }
-    }
-
-    /// [`SendHandle::wait`], spinning for `spin` before sleeping.
-    pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<(), VmmcError> {
-        match &self.ticket {
-            None => Ok(()),
-            Some(t) => Ok(t.wait_spin(spin, timeout)?),
-        }
-    }
-}
-
+pub type SendHandle = TransferHandle;
 /// An asynchronous fetch in flight.
-#[derive(Debug, Clone)]
-pub struct FetchHandle {
-    ticket: Option<DmaTicket>,
-}
+pub type FetchHandle = TransferHandle;
 
-impl FetchHandle {
-    /// Whether the data is in place (one memory load).
+impl TransferHandle {
+    /// Whether the transfer has completed (one memory load).
     pub fn is_complete(&self) -> bool {
         self.ticket.as_ref().is_none_or(DmaTicket::is_complete)
     }
 
-    /// Wait for the data; errors if the transfer failed.
+    /// Wait for completion; errors if the transfer failed.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), VmmcError> {
         match &self.ticket {
             None => Ok(()),
@@ -403,7 +380,7 @@ impl FetchHandle {
         }
     }
 
-    /// [`FetchHandle::wait`], spinning for `spin` before sleeping.
+    /// [`TransferHandle::wait`], spinning for `spin` before sleeping.
     pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<(), VmmcError> {
         match &self.ticket {
             None => Ok(()),
@@ -545,7 +522,7 @@ impl Vmmc {
                 dst.m.notify(dst_off, n)?;
             }
             self.inner.inline_sends.fetch_add(1, Ordering::Relaxed);
-            return Ok(SendHandle { ticket: None });
+            return Ok(TransferHandle { ticket: None });
         }
         let t = self
             .inner
@@ -553,7 +530,7 @@ impl Vmmc {
             .dma_write(src.aperture(), src_off, &dst.m, dst_off, n, Self::dma_options(flags))
             .map_err(dma_error)?;
         self.inner.dma_sends.fetch_add(1, Ordering::Relaxed);
-        Ok(SendHandle { ticket: Some(t) })
+        Ok(TransferHandle { ticket: Some(t) })
     }
 
     /// Send bytes from ordinary memory (always inline, synchronous).
@@ -596,14 +573,14 @@ impl Vmmc {
     ) -> Result<FetchHandle, VmmcError> {
         if self.inline(n) {
             src.m.read_to(src_off, dst.aperture(), dst_off, n)?;
-            return Ok(FetchHandle { ticket: None });
+            return Ok(TransferHandle { ticket: None });
         }
         let t = self
             .inner
             .ep
             .dma_read(&src.m, src_off, dst.aperture(), dst_off, n, DmaOptions::new())
             .map_err(dma_error)?;
-        Ok(FetchHandle { ticket: Some(t) })
+        Ok(TransferHandle { ticket: Some(t) })
     }
 
     fn start_thread(&self) -> Result<(), VmmcError> {

@@ -21,23 +21,12 @@ pub(crate) enum WaitError {
 }
 
 /// Longest single sleep: the liveness check runs at least this often while blocked.
-const SLICE: Duration = Duration::from_millis(20);
+pub(crate) const SLICE: Duration = Duration::from_millis(20);
 
 /// Wait until `ready()` holds: poll it for `spin`, then block on `tw` (armed, re-checked,
-/// slept on) until it does, `deadline` passes, or `dead()` holds. A `deadline` in the past
-/// checks once.
-pub(crate) fn wait_until(
-    tw: &Tripwire,
-    spin: Duration,
-    deadline: Option<Instant>,
-    ready: impl FnMut() -> bool,
-    dead: impl FnMut() -> bool,
-) -> Result<(), WaitError> {
-    wait_sliced(tw, spin, deadline, SLICE, ready, dead)
-}
-
-/// [`wait_until`] sleeping at most `slice` at a time (for conditions that another write
-/// than the tripwire's may also satisfy).
+/// slept on) at most `slice_max` at a time, until it holds, `deadline` passes, or `dead()`
+/// holds. A `deadline` in the past checks once. Short slices suit conditions that another
+/// write than the tripwire's may also satisfy.
 pub(crate) fn wait_sliced(
     tw: &Tripwire,
     spin: Duration,
@@ -91,5 +80,38 @@ pub(crate) fn wait_sliced(
         if ready() {
             return Ok(());
         }
+    }
+}
+
+/// [`wait_sliced`] for a condition whose evaluation can fail: `check()` says the wait is
+/// over (`Ok(true)`), not yet (`Ok(false)`), or failed (`Err`, returned at once); a wait
+/// that ends otherwise is mapped by `map`.
+pub(crate) fn wait_check<E>(
+    tw: &Tripwire,
+    spin: Duration,
+    deadline: Option<Instant>,
+    slice: Duration,
+    mut check: impl FnMut() -> Result<bool, E>,
+    dead: impl FnMut() -> bool,
+    map: impl FnOnce(WaitError) -> E,
+) -> Result<(), E> {
+    let mut failed = None;
+    let r = wait_sliced(
+        tw,
+        spin,
+        deadline,
+        slice,
+        || match check() {
+            Ok(done) => done,
+            Err(e) => {
+                failed = Some(e);
+                true
+            }
+        },
+        dead,
+    );
+    match failed {
+        Some(e) => Err(e),
+        None => r.map_err(map),
     }
 }

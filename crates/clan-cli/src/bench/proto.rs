@@ -235,7 +235,8 @@ fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| (i * 7 + 3) as u8).collect()
 }
 
-/// Peer roles of the queue benchmark.
+/// Peer roles of the queue benchmark: the same transfers over a clan stream with a small
+/// ring, or (`raw`) over a raw TCP connection.
 pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
     let size: usize = arg(args, "size")?;
     let bytes: u64 = arg(args, "bytes")?;
@@ -245,94 +246,66 @@ pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
     let want = pattern(size);
     let n = bytes / size as u64;
     let warm = ((4 << 20) / size as u64).max(16);
+    let cfg = StreamConfig { ring: buffer, post_area: 0, ..StreamConfig::default() };
     match role {
         "pq-recv" => {
-            let mut buf = vec![0u8; size];
-            let check = |first: &[u8], last: &[u8]| first == want && last == want;
-            let (first, last) = if raw {
+            let mut s = if raw {
                 let ip: IpAddr = arg(args, "ip")?;
                 let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
                 Link::say(l.local_addr()?);
-                let (mut s, _) = l.accept()?;
+                let (s, _) = l.accept()?;
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(LIMIT))?;
-                let mut first = Vec::new();
-                for i in 0..warm + n {
-                    s.read_exact(&mut buf)?;
-                    if i == warm - 1 {
-                        s.write_all(&[0])?;
-                    }
-                    if i == 0 {
-                        first = buf.clone();
-                    }
-                }
-                s.write_all(&[1])?;
-                (first, buf.clone())
+                AnyStream::Tcp(s)
             } else {
                 let nic = peer_nic(args)?;
-                let l = Listener::bind_with(
-                    &nic,
-                    None,
-                    StreamConfig { ring: buffer, post_area: 0, ..StreamConfig::default() },
-                )?;
+                let l = Listener::bind_with(&nic, None, cfg)?;
                 Link::say(l.local_addr());
-                let (mut s, _) = l.accept()?;
+                let (s, _) = l.accept()?;
                 s.set_read_timeout(Some(LIMIT))?;
-                let mut first = Vec::new();
-                for i in 0..warm + n {
-                    s.read_exact(&mut buf)?;
-                    if i == warm - 1 {
-                        s.write_all(&[0])?;
-                    }
-                    if i == 0 {
-                        first = buf.clone();
-                    }
-                }
-                s.write_all(&[1])?;
-                // Stay until the sender has its acknowledgement.
-                let mut end = [0u8; 1];
-                let _ = s.read(&mut end);
-                (first, buf.clone())
+                AnyStream::Clan(s)
             };
-            Link::say(if check(&first, &last) { "ok" } else { "data differs" });
+            let mut buf = vec![0u8; size];
+            let mut ok = true;
+            for i in 0..warm + n {
+                s.read_exact(&mut buf)?;
+                if i == warm - 1 {
+                    s.write_all(&[0])?;
+                }
+                if i == 0 || i == warm + n - 1 {
+                    ok &= buf == want;
+                }
+            }
+            s.write_all(&[1])?;
+            // Stay until the sender has its acknowledgement.
+            let mut end = [0u8; 1];
+            let _ = s.read(&mut end);
+            Link::say(if ok { "ok" } else { "data differs" });
         }
         "pq-send" => {
             let to = Link::hear()?;
-            let mut ack = [0u8; 1];
-            if raw {
-                let mut s = TcpStream::connect(to.parse::<SocketAddr>()?)?;
+            let mut s = if raw {
+                let s = TcpStream::connect(to.parse::<SocketAddr>()?)?;
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(LIMIT))?;
-                for _ in 0..warm {
-                    s.write_all(&want)?;
-                }
-                s.read_exact(&mut ack)?;
-                let start = Instant::now();
-                for _ in 0..n {
-                    s.write_all(&want)?;
-                }
-                s.read_exact(&mut ack)?;
-                Link::say(format!("secs {}", start.elapsed().as_secs_f64()));
+                AnyStream::Tcp(s)
             } else {
                 let nic = peer_nic(args)?;
-                let addr: EndpointAddr = to.parse()?;
-                let mut s = Stream::connect_with(
-                    &nic,
-                    addr,
-                    &StreamConfig { ring: buffer, post_area: 0, ..StreamConfig::default() },
-                )?;
+                let s = Stream::connect_with(&nic, to.parse()?, &cfg)?;
                 s.set_read_timeout(Some(LIMIT))?;
-                for _ in 0..warm {
-                    s.write_all(&want)?;
-                }
-                s.read_exact(&mut ack)?;
-                let start = Instant::now();
-                for _ in 0..n {
-                    s.write_all(&want)?;
-                }
-                s.read_exact(&mut ack)?;
-                Link::say(format!("secs {}", start.elapsed().as_secs_f64()));
+                AnyStream::Clan(s)
+            };
+            let mut ack = [0u8; 1];
+            for _ in 0..warm {
+                s.write_all(&want)?;
             }
+            s.read_exact(&mut ack)?;
+            let start = Instant::now();
+            for _ in 0..n {
+                s.write_all(&want)?;
+            }
+            s.read_exact(&mut ack)?;
+            Link::say(format!("secs {}", start.elapsed().as_secs_f64()));
         }
         other => return Err(format!("unknown role {other}").into()),
     }
