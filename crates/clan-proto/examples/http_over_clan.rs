@@ -58,6 +58,10 @@ pub async fn requests(
     for (method, path, body) in reqs {
         let req =
             Request::builder().method(method).uri(path).header("host", "clan").body(Full::new(Bytes::from(body)))?;
+        // HTTP/1 sends one request at a time: the connection task may still be finishing the
+        // previous exchange when its response body has been read, so wait until it is ready
+        // (hyper's contract for reusing a `SendRequest`).
+        sender.ready().await?;
         let resp = sender.send_request(req).await?;
         let status = resp.status().as_u16();
         let body = resp.into_body().collect().await?.to_bytes().to_vec();

@@ -329,13 +329,20 @@ impl Stream {
         }
     }
 
+    /// The deadline of a call that started at its first look, computed when it first has to
+    /// wait (`slot` caches it): a call that finds its bytes or space at once never reads the
+    /// clock.
+    fn lazy_deadline(&self, t: &AtomicU64, slot: &mut Option<Option<Instant>>) -> Option<Instant> {
+        *slot.get_or_insert_with(|| self.deadline(t))
+    }
+
     /// Read what is there (waiting for at least one byte unless non-blocking). 0: end of
     /// stream.
     fn do_read(&self, buf: &mut [u8]) -> io::Result<usize> {
         if buf.is_empty() || self.inner.read_shut.load(Ordering::Acquire) {
             return Ok(0);
         }
-        let deadline = self.deadline(&self.inner.read_timeout);
+        let mut deadline_slot = None;
         let mut rx = lock(&self.inner.rx);
         loop {
             let n = rx.try_read(buf).map_err(pipe_error)?;
@@ -351,6 +358,7 @@ impl Stream {
             if self.inner.nonblocking.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
+            let deadline = self.lazy_deadline(&self.inner.read_timeout, &mut deadline_slot);
             rx.wait_data(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
         }
     }
@@ -359,7 +367,7 @@ impl Stream {
         if data.is_empty() {
             return Ok(0);
         }
-        let deadline = self.deadline(&self.inner.write_timeout);
+        let mut deadline_slot = None;
         let mut tx = lock(&self.inner.tx);
         loop {
             if !self.inner.alive() {
@@ -375,6 +383,7 @@ impl Stream {
             if self.inner.nonblocking.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
+            let deadline = self.lazy_deadline(&self.inner.write_timeout, &mut deadline_slot);
             tx.wait_space(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
         }
     }
@@ -383,7 +392,7 @@ impl Stream {
     /// them through [`InPlace`]; they are consumed when it returns. `Ok(None)` at end of
     /// stream. Blocks like `read`.
     pub fn read_in_place<R>(&self, max: u64, f: impl FnOnce(InPlace<'_>) -> R) -> io::Result<Option<R>> {
-        let deadline = self.deadline(&self.inner.read_timeout);
+        let mut deadline_slot = None;
         let mut rx = lock(&self.inner.rx);
         loop {
             if rx.available().map_err(pipe_error)? > 0 {
@@ -399,6 +408,7 @@ impl Stream {
             if self.inner.nonblocking.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
+            let deadline = self.lazy_deadline(&self.inner.read_timeout, &mut deadline_slot);
             rx.wait_data(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
         }
     }
