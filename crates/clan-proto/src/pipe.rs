@@ -410,10 +410,13 @@ impl PipeRx {
             }
         }
         // Lazily, as the paper says: when a quarter of the ring has been consumed since the
-        // last time, or when we have caught up with everything we know was written (a
-        // sender waiting for room then learns it has all of it). Like TCP's receive window,
-        // a few bytes read do not reopen a full ring at once.
-        if self.read - self.published >= self.cap / 4 || self.read >= self.written_seen {
+        // last time. Like TCP's receive window, a few bytes read do not reopen the ring at
+        // once, and a reader that keeps up with a writer of small messages does not send a
+        // store back for each one. Liveness: a writer waits for room only when the ring is
+        // full as it last saw it (`cap - 1` bytes past the published position); a reader
+        // that reads them all has then consumed at least a quarter of the ring, so it
+        // publishes before it can wait for data in turn.
+        if self.read - self.published >= self.cap / 4 {
             self.publish_read()?;
         }
         Ok(())

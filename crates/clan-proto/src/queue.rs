@@ -339,6 +339,8 @@ pub struct MsgReceiver {
     slots: u64,
     slot: u64,
     read: u64,
+    /// The `read` last mirrored into the sender.
+    published: u64,
     data: Tripwire,
     spin: Duration,
 }
@@ -357,6 +359,7 @@ impl MsgReceiver {
             slots: cfg.slots,
             slot: cfg.slot_size,
             read: 0,
+            published: 0,
             data,
             spin: cfg.spin,
         })
@@ -412,10 +415,16 @@ impl MsgReceiver {
 
     fn consume(&mut self) -> Result<(), QueueError> {
         self.read += 1;
-        // Mirror read_i into the sender. If that fails the sender has gone (it may well
-        // have, after its last message): what it sent is in our memory and is still read;
-        // waiting for more notices the connection is down.
-        let _ = self.peer.store_u64(CTL_READ, self.read);
+        // Mirror read_i into the sender, lazily: every quarter of the slots. A sender waits
+        // for a slot only when it saw `slots - 1` in use past the mirrored position; a
+        // receiver that consumes them has consumed a quarter, so it has published before it
+        // can wait for a message in turn. If the store fails the sender has gone (it may
+        // well have, after its last message): what it sent is in our memory and is still
+        // read; waiting for more notices the connection is down.
+        if self.read - self.published >= (self.slots / 4).max(1) {
+            self.published = self.read;
+            let _ = self.peer.store_u64(CTL_READ, self.read);
+        }
         Ok(())
     }
 

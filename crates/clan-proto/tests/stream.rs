@@ -53,6 +53,45 @@ fn echo_and_end_of_stream() {
     assert!(back == data);
 }
 
+/// The reader publishes its position lazily (every quarter of the ring): a writer blocked on
+/// a full ring must still be woken when the reader drains it in tiny reads, and a
+/// request/response exchange of sizes that never add up to a quarter must not stall.
+#[test]
+fn lazy_read_position_never_stalls_the_writer() {
+    let _wd = Watchdog::new("lazy read position", Duration::from_secs(60));
+    let cfg = StreamConfig { ring: 4096, post_area: 0, ..StreamConfig::default() };
+    let (mut c, mut s, _l) = pair(cfg);
+    let total = 3 * 4096 + 17;
+    let data: Vec<u8> = (0..total).map(|i| (i * 13 + 5) as u8).collect();
+    let d2 = data.clone();
+    let w = std::thread::spawn(move || {
+        // Odd-sized writes that fill the ring and then wait for room.
+        for piece in d2.chunks(1000) {
+            c.write_all(piece).unwrap();
+        }
+        // Then ping-pong with messages far below a quarter of the ring.
+        for i in 0..2000u32 {
+            c.write_all(&i.to_le_bytes()[..3]).unwrap();
+            let mut one = [0u8; 1];
+            c.read_exact(&mut one).unwrap();
+            assert_eq!(one[0], i as u8);
+        }
+        c
+    });
+    let mut got = vec![0u8; total];
+    for b in got.iter_mut() {
+        s.read_exact(std::slice::from_mut(b)).unwrap();
+    }
+    assert!(got == data, "a full ring drained byte by byte, in order");
+    for i in 0..2000u32 {
+        let mut m = [0u8; 3];
+        s.read_exact(&mut m).unwrap();
+        assert_eq!(m, i.to_le_bytes()[..3]);
+        s.write_all(&[i as u8]).unwrap();
+    }
+    drop(w.join().unwrap());
+}
+
 #[test]
 fn nonblocking_timeouts_and_shutdown() {
     let _wd = Watchdog::new("stream nonblocking", Duration::from_secs(60));
