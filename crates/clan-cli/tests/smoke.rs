@@ -58,7 +58,19 @@ fn vmmc_figures() {
 #[test]
 fn protocol_benchmarks() {
     let v = run(&["bench", "queue", "--size", "4096", "--json"]);
-    has(&v, &["mbit_s", "baseline", "baseline_mbit_s", "buffer_bytes", "half_peak_size", "points"]);
+    has(
+        &v,
+        &[
+            "mbit_s",
+            "baseline",
+            "baseline_mbit_s",
+            "ring_mbit_s",
+            "ring_ratio",
+            "buffer_bytes",
+            "half_peak_size",
+            "points",
+        ],
+    );
     let v = run(&["bench", "rpc", "--iters", "500", "--json"]);
     has(&v, &["rtt_p50_ns", "calls_per_s", "baseline", "baseline_rtt_p50_ns"]);
     let v = run(&["bench", "stream", "--iters", "300", "--bytes", "8388608", "--json"]);

@@ -558,6 +558,12 @@ fn fig_queue(p: Profile) -> Result<Figure> {
                 format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
                 r2(f(&k32, "ratio")),
             ),
+            (
+                "32 KiB transfers, against a hand-written ring".into(),
+                mbit(f(&k32, "mbit_s")),
+                format!("{} (ring of the same size, no tripwires)", mbit(f(&k32, "ring_mbit_s"))),
+                r2(f(&k32, "ring_ratio")),
+            ),
             ("peak".into(), mbit(f(&v, "peak_mbit_s")), "—".into(), "—".into()),
             ("half of the peak reached at".into(), format!("{} B", v["half_peak_size"]), "—".into(), "—".into()),
             (
@@ -807,6 +813,8 @@ fn plot(dir: &Path, fig: &Figure) -> Result<()> {
                 "memcpy in and out".into(),
                 pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect(),
             ));
+            curves
+                .push(("hand-written ring".into(), pts.iter().map(|p| (f(p, "size"), f(p, "ring_mbit_s"))).collect()));
         }
         "oneway" => {
             let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();

@@ -4,7 +4,10 @@
 //! - `clan bench queue`: streaming bandwidth of the distributed queue (its unstructured
 //!   variant, a stream with a small ring) by transfer size, copying into and out of the queue
 //!   as the CLAN page measures it; the size at which half of the peak is reached; the buffer
-//!   per endpoint. Baseline: `memcpy` (shm) or a raw TCP stream (tcp).
+//!   per endpoint. Baseline: `memcpy` (shm) or a raw TCP stream (tcp); on shm also a
+//!   hand-written ring between the same two processes (`ring`: the same copies in and out
+//!   through a buffer of the same size, with no tripwires, locks or checks), the ceiling
+//!   this machine puts on any queue between two CPUs.
 //! - `clan bench rpc`: RPC round-trip time and calls per second (one call in flight) against
 //!   the same request/response over a Unix socket.
 //! - `clan bench stream`: stream-socket round-trip time and bandwidth against Unix sockets and
@@ -72,6 +75,9 @@ pub struct QueuePoint {
     pub mbit_s: f64,
     pub baseline_mbit_s: f64,
     pub ratio: f64,
+    /// The hand-written ring (shm only).
+    pub ring_mbit_s: Option<f64>,
+    pub ring_ratio: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -84,6 +90,8 @@ pub struct QueueReport {
     pub baseline: &'static str,
     pub baseline_mbit_s: f64,
     pub ratio: f64,
+    pub ring_mbit_s: Option<f64>,
+    pub ring_ratio: Option<f64>,
     pub points: Vec<QueuePoint>,
     pub peak_mbit_s: f64,
     pub half_peak_size: Option<usize>,
@@ -111,26 +119,40 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         // swing between rounds on this machine (where the host runs the two virtual CPUs),
         // and one round could catch either regime.
         let bytes = queue_bytes(size, tcp) / 2;
-        let (mut o, mut b) = (Vec::new(), Vec::new());
+        let (mut o, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds.max(1) {
             o.push(queue_round(hosts.as_ref(), size, bytes, buffer, false)?);
-            b.push(match &hosts {
-                Some(h) => queue_round(Some(h), size, bytes, buffer, true)?,
-                None => memcpy_transfers(size, bytes, buffer),
-            });
+            match &hosts {
+                Some(h) => b.push(queue_round(Some(h), size, bytes, buffer, true)?),
+                None => {
+                    b.push(memcpy_transfers(size, bytes, buffer));
+                    g.push(ring_round(size, bytes, buffer)?);
+                }
+            }
         }
-        o.sort();
-        b.sort();
-        let (ours, base) = (o[o.len() / 2], b[b.len() / 2]);
+        let median = |v: &mut Vec<Duration>| {
+            v.sort();
+            v.get(v.len() / 2).copied()
+        };
+        let (ours, base) = (median(&mut o).ok_or("no rounds")?, median(&mut b).ok_or("no rounds")?);
+        let ring = median(&mut g).map(|d| mbit(bytes, d));
         points.push(QueuePoint {
             size,
             mbit_s: mbit(bytes, ours),
             baseline_mbit_s: mbit(bytes, base),
             ratio: ratio(mbit(bytes, ours), mbit(bytes, base)),
+            ring_mbit_s: ring,
+            ring_ratio: ring.map(|r| ratio(mbit(bytes, ours), r)),
         });
         if !a.json {
             let p = points.last().expect("pushed");
-            eprintln!("{:>6} bytes: {:>10.0} Mbit/s (baseline {:>10.0})", size, p.mbit_s, p.baseline_mbit_s);
+            eprintln!(
+                "{:>6} bytes: {:>10.0} Mbit/s (baseline {:>10.0}{})",
+                size,
+                p.mbit_s,
+                p.baseline_mbit_s,
+                p.ring_mbit_s.map_or(String::new(), |r| format!(", ring {r:.0}"))
+            );
         }
     }
     let peak = points.iter().map(|p| p.mbit_s).fold(0.0, f64::max);
@@ -145,6 +167,8 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         baseline: if tcp { "tcp-stream" } else { "memcpy" },
         baseline_mbit_s: last.baseline_mbit_s,
         ratio: last.ratio,
+        ring_mbit_s: last.ring_mbit_s,
+        ring_ratio: last.ring_ratio,
         points,
         peak_mbit_s: peak,
         half_peak_size: half,
@@ -162,9 +186,27 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         );
         println!("placement: {}", r.placement);
         println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
-        println!("{:>8}  {:>12}  {:>12}  {:>6}", "size", "Mbit/s", r.baseline, "ratio");
+        let ring = r.ring_mbit_s.is_some();
+        if ring {
+            println!(
+                "ring: the same copies through a hand-written ring of the same size between the same two CPUs \
+                 (no tripwires, locks or checks)"
+            );
+            println!(
+                "{:>8}  {:>12}  {:>12}  {:>6}  {:>12}  {:>6}",
+                "size", "Mbit/s", r.baseline, "ratio", "ring", "ratio"
+            );
+        } else {
+            println!("{:>8}  {:>12}  {:>12}  {:>6}", "size", "Mbit/s", r.baseline, "ratio");
+        }
         for p in &r.points {
-            println!("{:>8}  {:>12.0}  {:>12.0}  {:>6.2}", p.size, p.mbit_s, p.baseline_mbit_s, p.ratio);
+            match (p.ring_mbit_s, p.ring_ratio) {
+                (Some(g), Some(gr)) => println!(
+                    "{:>8}  {:>12.0}  {:>12.0}  {:>6.2}  {:>12.0}  {:>6.2}",
+                    p.size, p.mbit_s, p.baseline_mbit_s, p.ratio, g, gr
+                ),
+                _ => println!("{:>8}  {:>12.0}  {:>12.0}  {:>6.2}", p.size, p.mbit_s, p.baseline_mbit_s, p.ratio),
+            }
         }
         println!(
             "peak {:.0} Mbit/s; half of it reached at {}",
@@ -231,6 +273,157 @@ fn memcpy_transfers(size: usize, bytes: u64, buffer: u64) -> Duration {
     start.elapsed()
 }
 
+// The hand-written ring: a memfd both peers map. Words (each on its own line): the bytes
+// written, the bytes read, the receiver's warm-up acknowledgement; the ring from one page on.
+const RING_W: usize = 0;
+const RING_R: usize = 64;
+const RING_ACK: usize = 128;
+
+/// The same transfers through a hand-written ring of `buffer` bytes between two pinned peer
+/// processes, copied in and out in the same pieces as the queue (at most half the ring per
+/// publication, the read position mirrored every quarter). Sender's time, as `queue_round`.
+fn ring_round(size: usize, bytes: u64, buffer: u64) -> Result<Duration> {
+    let page = clan_shm::segment::page_size();
+    let len = page + clan_shm::segment::page_align(buffer as usize);
+    let memfd = clan_shm::memfd::Memfd::create("clan-bench-ring", len as u64)?;
+    let path = format!("/proc/{}/fd/{}", std::process::id(), {
+        use std::os::fd::{AsFd, AsRawFd};
+        memfd.as_fd().as_raw_fd()
+    });
+    let common = [format!("size={size}"), format!("bytes={bytes}"), format!("buffer={buffer}"), format!("path={path}")];
+    let spawn = |cpu: usize, role: &str| -> Result<PeerProc> {
+        let mut a = common.to_vec();
+        a.push(format!("cpu={cpu}"));
+        PeerProc::spawn(role, &a)
+    };
+    let mut rx = spawn(1, "pq-ring-recv")?;
+    if rx.recv()? != "ready" {
+        return Err("ring receiver not ready".into());
+    }
+    let mut tx = spawn(0, "pq-ring-send")?;
+    let line = tx.recv()?;
+    let verdict = rx.recv()?;
+    if verdict != "ok" {
+        return Err(format!("the ring receiver found bad data: {verdict}").into());
+    }
+    tx.finish()?;
+    rx.finish()?;
+    drop(memfd);
+    Ok(Duration::from_secs_f64(line.strip_prefix("secs ").ok_or("bad result")?.parse()?))
+}
+
+/// Spin until `cond` holds, at most [`LIMIT`].
+fn spin_on(mut cond: impl FnMut() -> bool) -> Result<()> {
+    let start = Instant::now();
+    let mut n = 0u32;
+    while !cond() {
+        std::hint::spin_loop();
+        n = n.wrapping_add(1);
+        if n % 4096 == 0 && start.elapsed() > LIMIT {
+            return Err("the other side of the ring stopped".into());
+        }
+    }
+    Ok(())
+}
+
+/// Peer roles of the hand-written ring.
+fn ring_peer(role: &str, args: &[String]) -> Result<()> {
+    use clan_shm::segment::{Access, Segment};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let size: usize = arg(args, "size")?;
+    let bytes: u64 = arg(args, "bytes")?;
+    let cap: u64 = arg(args, "buffer")?;
+    let path: String = arg(args, "path")?;
+    sys::pin(arg(args, "cpu")?);
+    let page = clan_shm::segment::page_size();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let seg = Segment::map(&f, 0, page + clan_shm::segment::page_align(cap as usize), Access::ReadWrite)?;
+    let (w_at, r_at, ack) =
+        (seg.view::<AtomicU64>(RING_W)?, seg.view::<AtomicU64>(RING_R)?, seg.view::<AtomicU64>(RING_ACK)?);
+    let n = bytes / size as u64;
+    let warm = ((4 << 20) / size as u64).max(16);
+    let chunk = (cap / 2).max(1);
+    let want = pattern(size);
+    match role {
+        "pq-ring-recv" => {
+            Link::say("ready");
+            let mut buf = vec![0u8; size];
+            let (mut r, mut published, mut seen) = (0u64, 0u64, 0u64);
+            let mut ok = true;
+            for i in 0..warm + n {
+                let mut off = 0usize;
+                while off < size {
+                    if seen == r {
+                        // Pairs with the sender's Release store of the written position.
+                        spin_on(|| {
+                            seen = w_at.load(Ordering::Acquire);
+                            seen > r
+                        })?;
+                    }
+                    let at = r % cap;
+                    let k = (seen - r).min((size - off) as u64).min(cap - at) as usize;
+                    seg.read(page + at as usize, &mut buf[off..off + k])?;
+                    off += k;
+                    r += k as u64;
+                    if r - published >= cap / 4 {
+                        published = r;
+                        // Pairs with the sender's Acquire load of the read position.
+                        r_at.store(r, Ordering::Release);
+                    }
+                }
+                if i == warm - 1 {
+                    ack.store(1, Ordering::Release);
+                }
+                if i == 0 || i == warm + n - 1 {
+                    ok &= buf == want;
+                }
+            }
+            ack.store(2, Ordering::Release);
+            Link::say(if ok { "ok" } else { "data differs" });
+        }
+        "pq-ring-send" => {
+            let (mut w, mut read_seen) = (0u64, 0u64);
+            let mut send = |w: &mut u64| -> Result<()> {
+                let mut off = 0usize;
+                while off < size {
+                    let want_room = ((size - off) as u64).min(chunk);
+                    if (cap - 1) - (*w - read_seen) < want_room {
+                        // Pairs with the receiver's Release store of its position.
+                        read_seen = r_at.load(Ordering::Acquire);
+                        if (cap - 1) - (*w - read_seen) == 0 {
+                            spin_on(|| {
+                                read_seen = r_at.load(Ordering::Acquire);
+                                (cap - 1) - (*w - read_seen) > 0
+                            })?;
+                        }
+                    }
+                    let room = (cap - 1) - (*w - read_seen);
+                    let at = *w % cap;
+                    let k = ((size - off) as u64).min(room).min(cap - at).min(chunk) as usize;
+                    seg.write(page + at as usize, &want[off..off + k])?;
+                    off += k;
+                    *w += k as u64;
+                    // Pairs with the receiver's Acquire load: the bytes above are visible.
+                    w_at.store(*w, Ordering::Release);
+                }
+                Ok(())
+            };
+            for _ in 0..warm {
+                send(&mut w)?;
+            }
+            spin_on(|| ack.load(Ordering::Acquire) >= 1)?;
+            let start = Instant::now();
+            for _ in 0..n {
+                send(&mut w)?;
+            }
+            spin_on(|| ack.load(Ordering::Acquire) == 2)?;
+            Link::say(format!("secs {}", start.elapsed().as_secs_f64()));
+        }
+        other => return Err(format!("unknown role {other}").into()),
+    }
+    Ok(())
+}
+
 fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| (i * 7 + 3) as u8).collect()
 }
@@ -238,6 +431,9 @@ fn pattern(size: usize) -> Vec<u8> {
 /// Peer roles of the queue benchmark: the same transfers over a clan stream with a small
 /// ring, or (`raw`) over a raw TCP connection.
 pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
+    if role.starts_with("pq-ring-") {
+        return ring_peer(role, args);
+    }
     let size: usize = arg(args, "size")?;
     let bytes: u64 = arg(args, "bytes")?;
     let buffer: u64 = arg(args, "buffer")?;
