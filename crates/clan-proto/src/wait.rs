@@ -42,7 +42,10 @@ pub(crate) fn wait_sliced(
         return Err(WaitError::Timeout);
     }
     if !spin.is_zero() {
-        let until = Instant::now() + spin;
+        // The clock is first read after 64 polls: a wait that ends within them (the common
+        // case of a reader just ahead of its writer) costs no clock read at all; the spin
+        // time counts from there.
+        let mut until = None;
         let mut n = 0u32;
         loop {
             std::hint::spin_loop();
@@ -50,8 +53,11 @@ pub(crate) fn wait_sliced(
                 return Ok(());
             }
             n = n.wrapping_add(1);
-            if n % 64 == 0 && Instant::now() >= until {
-                break;
+            if n % 64 == 0 {
+                let now = Instant::now();
+                if now >= *until.get_or_insert(now + spin) {
+                    break;
+                }
             }
         }
     }
