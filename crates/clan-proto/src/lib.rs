@@ -20,6 +20,12 @@ pub mod vmmc;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 
+/// Lock `m`, taking the data of a poisoned lock as it is (a panic in another thread must not
+/// make every later call on the same stream or buffer panic too).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 mod inplace;
 mod pipe;
 mod side;

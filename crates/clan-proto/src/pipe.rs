@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use clan::{AccessError, Aperture, Mapping, Tripwire, TripwireConfig};
 
-use crate::wait::{SLICE, WaitError, wait_check, wait_sliced};
+use crate::wait::{SLICE, WaitError, wait_check, wait_sliced, wait_tripwire};
 
 pub(crate) const CTL_READ: u64 = 0;
 pub(crate) const CTL_POST_SEQ: u64 = 64;
@@ -129,9 +129,7 @@ impl PipeTx {
         post_cap: u64,
         spin: Duration,
     ) -> Result<PipeTx, PipeError> {
-        let space = mine
-            .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
-            .map_err(|_| PipeError::Access(AccessError::Revoked))?;
+        let space = wait_tripwire(&mine, CTL_READ..CTL_READ + 8)?;
         Ok(PipeTx { mine, peer, cap, post_cap, write: 0, space, fin: false, read_seen: 0, redirect: None, spin })
     }
 
@@ -281,9 +279,7 @@ impl PipeRx {
         post_cap: u64,
         spin: Duration,
     ) -> Result<PipeRx, PipeError> {
-        let data = mine
-            .tripwire(TripwireConfig::writes(RX_WRITE..RX_FIN + 8).once().disarmed().actions(clan::Actions::NONE))
-            .map_err(|_| PipeError::Access(AccessError::Revoked))?;
+        let data = wait_tripwire(&mine, RX_WRITE..RX_FIN + 8)?;
         Ok(PipeRx {
             mine,
             peer,
@@ -581,7 +577,7 @@ impl PipeRx {
         };
         // Bytes [at, began) are in the ring: copy them into place.
         let mut q = at;
-        let mut tmp = vec![0u8; 64 << 10];
+        let mut tmp = vec![0u8; (began - at).min(64 << 10) as usize];
         while q < began {
             let r = q % self.cap;
             let n = (began - q).min(self.cap - r).min(tmp.len() as u64) as usize;

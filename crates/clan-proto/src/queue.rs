@@ -25,15 +25,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clan::{
-    AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Mapping, Nic, Tripwire,
-    TripwireConfig,
-};
+use clan::{AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Mapping, Nic, Tripwire};
 
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RING, RX_WRITE};
 use crate::side::{self, Geometry, SetupError};
-use crate::wait::{SLICE, WaitError, wait_check};
+use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
 
 /// Bytes of a slot header.
 pub const HEADER: u64 = 32;
@@ -194,10 +191,7 @@ impl MsgSender {
         if s.peer_slot == 0 || s.peer_slot <= HEADER {
             return Err(QueueError::Protocol("the peer is not a message queue"));
         }
-        let space = s
-            .mine
-            .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
-            .map_err(|_| AccessError::Revoked)?;
+        let space = wait_tripwire(&s.mine, CTL_READ..CTL_READ + 8)?;
         Ok(MsgSender {
             slots: s.peer_cap / s.peer_slot,
             slot: s.peer_slot,
@@ -347,10 +341,7 @@ pub struct MsgReceiver {
 
 impl MsgReceiver {
     fn new(s: side::Sides, cfg: &QueueConfig) -> Result<MsgReceiver, QueueError> {
-        let data = s
-            .mine
-            .tripwire(TripwireConfig::writes(RX_WRITE..RX_WRITE + 8).once().disarmed().actions(clan::Actions::NONE))
-            .map_err(|_| AccessError::Revoked)?;
+        let data = wait_tripwire(&s.mine, RX_WRITE..RX_WRITE + 8)?;
         Ok(MsgReceiver {
             _ep: s.ep,
             conn: s.conn,
@@ -495,10 +486,7 @@ impl MsgReceiver {
     pub fn wait_header(&self, timeout: Option<Duration>) -> Result<Header, QueueError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let at = self.slot_off(self.read);
-        let tw = self
-            .mine
-            .tripwire(TripwireConfig::writes(at..at + HEADER).once().disarmed().actions(clan::Actions::NONE))
-            .map_err(|_| AccessError::Revoked)?;
+        let tw = wait_tripwire(&self.mine, at..at + HEADER)?;
         let mut found = None;
         wait_check(
             &tw,

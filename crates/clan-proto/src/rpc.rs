@@ -33,7 +33,7 @@ use clan::{
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RX_WRITE};
 use crate::side::{self, Geometry, SetupError, Sides};
-use crate::wait::{SLICE, WaitError, wait_check};
+use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
 
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
@@ -266,10 +266,7 @@ impl ChannelSender {
     /// Connect to a receiver listening at `to`.
     pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
         let s = side::connect(nic, None, to, Geometry::bytes(2, 0), cfg.connect_timeout)?;
-        let tx_ready = s
-            .mine
-            .tripwire(TripwireConfig::writes(CTL_READ..CTL_READ + 8).once().disarmed().actions(clan::Actions::NONE))
-            .map_err(|_| AccessError::Revoked)?;
+        let tx_ready = wait_tripwire(&s.mine, CTL_READ..CTL_READ + 8)?;
         Ok(ChannelSender { p: Party::new(s, cfg.spin, None)?, tx_ready })
     }
 
@@ -410,7 +407,9 @@ impl RpcClient {
             |w| w.write(req),
             |r| {
                 reply.clear();
-                reply.extend_from_slice(&r.to_vec());
+                reply.resize(r.len() as usize, 0);
+                // In bounds by construction (`reply` has its length).
+                let _ = r.copy_to(reply);
             },
         )
     }
@@ -579,23 +578,22 @@ impl RpcServer {
             Err(e) => return Err(e.into()),
         };
         let mut next = first;
-        let mut idle_since = Instant::now();
+        // When the queue was first found drained since the last event (the clock is read
+        // only then, not per event).
+        let mut idle_since = None;
         loop {
             let Some(ev) = next.take() else {
                 // Drained: poll for a while before going back to sleep.
-                if idle_since.elapsed() >= self.cfg.spin {
+                if idle_since.get_or_insert_with(Instant::now).elapsed() >= self.cfg.spin {
                     break;
                 }
                 std::hint::spin_loop();
                 next = self.queue.try_take();
-                if next.is_some() {
-                    idle_since = Instant::now();
-                }
                 continue;
             };
             served += self.handle_event(ev, handler)?;
             next = self.queue.try_take();
-            idle_since = Instant::now();
+            idle_since = None;
         }
         Ok(served)
     }

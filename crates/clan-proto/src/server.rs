@@ -93,7 +93,9 @@ impl EventLoop {
     /// events handled.
     fn serve_queues(&mut self) -> usize {
         let mut n = 0;
-        let mut last = Instant::now();
+        // When the queues were first found drained since the last event (the clock is read
+        // only then, not per round that handled events).
+        let mut idle_since = None;
         loop {
             let mut got = false;
             for (q, h) in self.queues.values_mut() {
@@ -104,8 +106,8 @@ impl EventLoop {
                 }
             }
             if got {
-                last = Instant::now();
-            } else if last.elapsed() >= self.poll_for {
+                idle_since = None;
+            } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= self.poll_for {
                 return n;
             } else {
                 std::hint::spin_loop();

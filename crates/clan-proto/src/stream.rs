@@ -17,18 +17,15 @@
 use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clan::{ConnectError, Connection, Endpoint, EndpointAddr, EventQueue, Nic};
 
 use crate::inplace::InPlace;
+use crate::lock;
 use crate::pipe::{PipeError, PipeRx, PipeTx, Redirection};
 use crate::side::{self, SetupError};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// How streams are made.
 #[derive(Debug, Clone)]
@@ -290,24 +287,12 @@ impl Stream {
 
     /// Bound blocking reads (`TimedOut` after it). `Some(0)` is invalid, as in `std`.
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        if t == Some(Duration::ZERO) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
-        }
-        self.inner
-            .read_timeout
-            .store(t.map_or(0, |d| d.as_nanos().clamp(1, u128::from(u64::MAX)) as u64), Ordering::Release);
-        Ok(())
+        set_timeout(&self.inner.read_timeout, t)
     }
 
     /// Bound blocking writes.
     pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        if t == Some(Duration::ZERO) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
-        }
-        self.inner
-            .write_timeout
-            .store(t.map_or(0, |d| d.as_nanos().clamp(1, u128::from(u64::MAX)) as u64), Ordering::Release);
-        Ok(())
+        set_timeout(&self.inner.write_timeout, t)
     }
 
     /// Shut down reading, writing or both. Shutting down writing sends end of stream after
@@ -455,6 +440,15 @@ impl Stream {
     pub fn available(&self) -> io::Result<u64> {
         lock(&self.inner.rx).available().map_err(pipe_error)
     }
+}
+
+/// Store a timeout as nanoseconds (0: none). `Some(0)` is invalid, as in `std`.
+fn set_timeout(slot: &AtomicU64, t: Option<Duration>) -> io::Result<()> {
+    if t == Some(Duration::ZERO) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "a zero timeout is not allowed"));
+    }
+    slot.store(t.map_or(0, |d| d.as_nanos().clamp(1, u128::from(u64::MAX)) as u64), Ordering::Release);
+    Ok(())
 }
 
 impl io::Read for Stream {

@@ -12,19 +12,16 @@ use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use clan::{EndpointAddr, Event, EventQueue, EventQueueConfig, Nic, Tripwire, TripwireConfig};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::lock;
 use crate::pipe::{CTL_READ, RX_FIN, RX_WRITE};
 use crate::stream::{Listener, Stream, StreamConfig};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// An event queue you can `await`.
 #[derive(Debug)]

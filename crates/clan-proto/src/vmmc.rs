@@ -43,9 +43,10 @@
 //! cheaper inline (180 ns) than by DMA (600 ns: the wait for the engine), so messages up to
 //! 8 KiB go inline.
 
+use crate::lock;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use clan::{
@@ -62,10 +63,6 @@ fn dma_error(e: DmaError) -> VmmcError {
         DmaError::Access(a) => VmmcError::Access(a),
         other => VmmcError::Dma(other),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What went wrong.

@@ -7,7 +7,15 @@
 
 use std::time::{Duration, Instant};
 
-use clan::Tripwire;
+use clan::{AccessError, Aperture, Tripwire, TripwireConfig};
+
+/// The tripwire the waits of this crate block on: watching writes to `range` of `ap`,
+/// once-only, disarmed (the wait arms it), no actions beyond waking its waiter. Fails only
+/// if the aperture is gone.
+pub(crate) fn wait_tripwire(ap: &Aperture, range: std::ops::Range<u64>) -> Result<Tripwire, AccessError> {
+    ap.tripwire(TripwireConfig::writes(range).once().disarmed().actions(clan::Actions::NONE))
+        .map_err(|_| AccessError::Revoked)
+}
 
 /// Why a wait ended without its condition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -98,33 +98,79 @@ pub fn transfer_piece<E>(
     let end = off.saturating_add(len);
     let write_end = write_end.max(end);
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
-    let mut fired = 0;
-    scratch.clear();
-    if len > 0 && watch.cam.may_match(off, end) {
-        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
-        scratch.sort_unstable_by_key(|c| stop(c, write_end));
-        let mut cursor = off;
-        for c in scratch.iter() {
-            let upto = stop(c, write_end);
-            if upto > end {
-                break; // completes in a later piece (sorted: so do the rest)
-            }
-            if upto > cursor {
-                mover(cursor, upto - cursor)?;
-                cursor = upto;
-            }
-            // The watched bytes are in place: make them visible before the firing is.
-            fence(Ordering::SeqCst);
-            fired += fire_one(watch, sink, c, access);
-        }
-        if cursor < end {
-            mover(cursor, end - cursor)?;
-        }
-    } else if len > 0 {
-        mover(off, len)?;
-    }
+    let mut fired = move_firing(access, watch, sink, off, len, write_end, scratch, &mut mover)?;
     fired += recheck(access, watch, sink, off, end, write_end, e1, scratch);
     Ok(fired)
+}
+
+/// Step 2 of [`transfer`]: move `[off, off+len)` of a write ending at `write_end` with `mover`,
+/// stopping where each watched tripwire's part of the write completes to fire it. Leaves
+/// the candidates it looked at in `scratch` (the re-lookup fires only what is new).
+#[allow(clippy::too_many_arguments)]
+fn move_firing<E>(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    write_end: u64,
+    scratch: &mut Vec<Candidate>,
+    mover: &mut impl FnMut(u64, u64) -> Result<(), E>,
+) -> Result<u32, E> {
+    let end = off.saturating_add(len);
+    let mut fired = 0;
+    scratch.clear();
+    if len == 0 {
+        return Ok(0);
+    }
+    if !watch.cam.may_match(off, end) {
+        mover(off, len)?;
+        return Ok(0);
+    }
+    watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+    scratch.sort_unstable_by_key(|c| stop(c, write_end));
+    let mut cursor = off;
+    for c in scratch.iter() {
+        let upto = stop(c, write_end);
+        if upto > end {
+            break; // completes in a later piece (sorted: so do the rest)
+        }
+        if upto > cursor {
+            mover(cursor, upto - cursor)?;
+            cursor = upto;
+        }
+        // The watched bytes are in place: make them visible before the firing is.
+        fence(Ordering::SeqCst);
+        fired += fire_one(watch, sink, c, access);
+    }
+    if cursor < end {
+        mover(cursor, end - cursor)?;
+    }
+    Ok(fired)
+}
+
+/// Fire every candidate of `watch` over `[off, end)` whose watched part of a write ending at
+/// `write_end` is complete (the data is in place and the caller has fenced).
+fn fire_complete(
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    end: u64,
+    write_end: u64,
+    scratch: &mut Vec<Candidate>,
+) -> u32 {
+    scratch.clear();
+    let mut fired = 0;
+    if watch.cam.may_match(off, end) {
+        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+        for c in scratch.iter() {
+            if stop(c, write_end) <= end {
+                fired += fire_one(watch, sink, c, access);
+            }
+        }
+    }
+    fired
 }
 
 /// The first point after `off` (at most `end`) where a tripwire's watched part of a write
@@ -220,27 +266,7 @@ pub fn transfer_then_store<E>(
     let access = Access::Write;
     let end = off.saturating_add(len);
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
-    let mut fired = 0;
-    scratch.clear();
-    if len > 0 && watch.cam.may_match(off, end) {
-        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
-        scratch.sort_unstable_by_key(|c| stop(c, end));
-        let mut cursor = off;
-        for c in scratch.iter() {
-            let upto = stop(c, end);
-            if upto > cursor {
-                mover(cursor, upto - cursor)?;
-                cursor = upto;
-            }
-            fence(Ordering::SeqCst);
-            fired += fire_one(watch, sink, c, access);
-        }
-        if cursor < end {
-            mover(cursor, end - cursor)?;
-        }
-    } else if len > 0 {
-        mover(off, len)?;
-    }
+    let mut fired = move_firing(access, watch, sink, off, len, end, scratch, &mut mover)?;
     store();
     // Writer's half of the arm/fire Dekker, for the data and the flag at once.
     fence(Ordering::SeqCst);
@@ -248,15 +274,7 @@ pub fn transfer_then_store<E>(
     fired += redo(access, watch, sink, off, end, end, e1, scratch);
     // The flag's tripwires, then any armed meanwhile.
     let wend = word_off.saturating_add(word_len);
-    scratch.clear();
-    if watch.cam.may_match(word_off, wend) {
-        watch.cam.collect(watch.table, watch.tag, word_off, wend, access, scratch);
-        for c in scratch.iter() {
-            if stop(c, wend) <= wend {
-                fired += fire_one(watch, sink, c, access);
-            }
-        }
-    }
+    fired += fire_complete(access, watch, sink, word_off, wend, wend, scratch);
     fired += redo(access, watch, sink, word_off, wend, wend, e1, scratch);
     Ok(fired)
 }
@@ -292,15 +310,6 @@ pub fn commit_piece(
     let write_end = write_end.max(end);
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
     fence(Ordering::SeqCst);
-    scratch.clear();
-    let mut fired = 0;
-    if watch.cam.may_match(off, end) {
-        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
-        for c in scratch.iter() {
-            if stop(c, write_end) <= end {
-                fired += fire_one(watch, sink, c, access);
-            }
-        }
-    }
+    let fired = fire_complete(access, watch, sink, off, end, write_end, scratch);
     fired + redo(access, watch, sink, off, end, write_end, e1, scratch)
 }

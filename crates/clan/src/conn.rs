@@ -26,6 +26,7 @@ use crate::descriptor::Descriptor;
 use crate::endpoint::{Endpoint, EndpointInner, OobMessage};
 use crate::error::OobError;
 use crate::event_queue::EVENT_DISCONNECT;
+use crate::lock;
 use crate::nic::NicInner;
 
 const MAGIC: [u8; 2] = [0xC1, 0xA7];
@@ -96,10 +97,6 @@ pub(crate) struct Handshakes {
 pub(crate) struct EndpointConns {
     pub state: Mutex<Handshakes>,
     pub cv: Condvar,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Whether an OOB payload belongs to this protocol.
@@ -344,6 +341,26 @@ impl Drop for Connection {
 }
 
 impl Endpoint {
+    /// Release `st` until the handshake state may have changed, at most `left` (and at most
+    /// 100 ms, so callers recheck their deadlines). With manual progress, replies only
+    /// arrive if someone drives the links: this thread does.
+    fn await_handshake<'a>(
+        &'a self,
+        st: std::sync::MutexGuard<'a, Handshakes>,
+        left: Duration,
+    ) -> std::sync::MutexGuard<'a, Handshakes> {
+        let conns = &self.inner.conns;
+        if self.inner.nic.manual_progress() {
+            drop(st);
+            if !self.inner.nic.progress() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            lock(&conns.state)
+        } else {
+            conns.cv.wait_timeout(st, left.min(Duration::from_millis(100))).unwrap_or_else(|e| e.into_inner()).0
+        }
+    }
+
     /// Accept connection requests from now on (they queue until [`Endpoint::accept`]).
     /// Requests that arrive while not listening are refused.
     pub fn listen(&self) {
@@ -397,20 +414,7 @@ impl Endpoint {
                 st.answers.remove(&token);
                 return Err(ConnectError::Timeout(to));
             }
-            // With manual progress, replies only arrive if someone drives the links.
-            if self.inner.nic.manual_progress() {
-                drop(st);
-                if !self.inner.nic.progress() {
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                st = lock(&conns.state);
-            } else {
-                st = conns
-                    .cv
-                    .wait_timeout(st, left.min(Duration::from_millis(100)))
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
+            st = self.await_handshake(st, left);
         }
     }
 
@@ -433,19 +437,7 @@ impl Endpoint {
                 }
                 None => Duration::from_millis(100),
             };
-            if self.inner.nic.manual_progress() {
-                drop(st);
-                if !self.inner.nic.progress() {
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                st = lock(&conns.state);
-            } else {
-                st = conns
-                    .cv
-                    .wait_timeout(st, left.min(Duration::from_millis(100)))
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
+            st = self.await_handshake(st, left);
         }
     }
 

@@ -27,7 +27,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
@@ -40,6 +40,7 @@ use crate::aperture::{Aperture, ApertureInner};
 use crate::config::DmaConfig;
 use crate::error::{AccessError, DmaError, DmaFailure};
 use crate::event_queue::{EVENT_DMA, EventQueue};
+use crate::lock;
 use crate::mapping::{Mapping, Via};
 use crate::window::check_range;
 
@@ -48,10 +49,6 @@ const LINK_QUANTUM: u64 = 1 << 20;
 
 /// Requests an endpoint's DMA queue holds by default.
 pub const DEFAULT_DMA_QUEUE: usize = 256;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Options of a DMA request (or of a chain: they apply to its completion).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -14,7 +14,8 @@ use crate::descriptor::Descriptor;
 use crate::dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaQueue, DmaRequest, DmaStats, DmaTicket};
 use crate::error::{Denial, DmaError, ExportError, ImportError, OobError, TripwireError};
 use crate::event_queue::{EVENT_OOB, EventQueue};
-use crate::mapping::{Keep, Mapping, MappingInner};
+use crate::lock;
+use crate::mapping::{Keep, Mapping};
 use crate::nic::NicInner;
 use crate::tripset::Tripset;
 
@@ -99,7 +100,7 @@ impl EndpointInner {
             return Ok(());
         }
         {
-            let mut q = self.oob.lock().unwrap_or_else(|e| e.into_inner());
+            let mut q = lock(&self.oob);
             if q.len() >= OOB_QUEUE {
                 return Err(Code::QueueFull);
             }
@@ -114,7 +115,7 @@ impl EndpointInner {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        let aps = std::mem::take(&mut *self.apertures.lock().unwrap_or_else(|e| e.into_inner()));
+        let aps = std::mem::take(&mut *lock(&self.apertures));
         for a in aps.iter().filter_map(Weak::upgrade) {
             a.unexport();
         }
@@ -167,7 +168,7 @@ impl Endpoint {
             return Err(ExportError::EndpointClosed);
         }
         let ap = self.inner.nic.export(&self.inner, len, cfg)?;
-        let mut aps = self.inner.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        let mut aps = lock(&self.inner.apertures);
         aps.retain(|w| w.strong_count() > 0);
         aps.push(Arc::downgrade(&ap.inner));
         Ok(ap)
@@ -222,20 +223,7 @@ impl Endpoint {
             live: w.live,
             port: w.port.clone(),
         };
-        Ok(Mapping {
-            inner: Arc::new(MappingInner {
-                via: crate::mapping::Via::Local(window),
-                desc: desc.clone(),
-                off: desc.offset(),
-                len: desc.len(),
-                rights: desc.rights(),
-                importer_eq: self.inner.queue.inner.clone(),
-                importer_port: self.inner.addr.port,
-                outgoing: OnceLock::new(),
-                serial: nic.next_serial(),
-                _keep: Keep::Local(ap),
-            }),
-        })
+        Ok(Mapping::new(&self.inner, desc, crate::mapping::Via::Local(window), Keep::Local(ap)))
     }
 
     /// A tripset for tripwires of this endpoint.
@@ -277,13 +265,13 @@ impl Endpoint {
 
     /// Take one out-of-band message, if any (no system call).
     pub fn recv_oob(&self) -> Option<OobMessage> {
-        self.inner.oob.lock().unwrap_or_else(|e| e.into_inner()).pop_front()
+        lock(&self.inner.oob).pop_front()
     }
 
     /// Wait for an out-of-band message.
     pub fn wait_oob(&self, timeout: Option<Duration>) -> Result<OobMessage, OobError> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut q = self.inner.oob.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = lock(&self.inner.oob);
         loop {
             if let Some(m) = q.pop_front() {
                 return Ok(m);

@@ -46,6 +46,7 @@ use clan_shm::trip::{self, Access};
 
 use crate::config::EventQueueConfig;
 use crate::error::EventQueueError;
+use crate::lock;
 use crate::nic::NicInner;
 use crate::tripwire::TripwireId;
 
@@ -152,7 +153,7 @@ impl EqPort {
     /// Post raw event words on our ring; signals the eventfd if the consumer asked for it.
     pub fn post(&self, words: [u64; 4]) -> bool {
         let posted = {
-            let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+            let mut p = lock(&self.producer);
             p.post(&self.view().rings(), words, &SharedFutex)
         };
         if posted.signal_fd {
@@ -304,7 +305,7 @@ impl EqInner {
 
     /// Allocate a tripwire entry for endpoint `endpoint`: `(index, generation)`.
     pub fn alloc_trip(&self, endpoint: u32) -> Option<(u32, u32)> {
-        let mut t = self.trips.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = lock(&self.trips);
         // Reuse the oldest freed entry first (FIFO) to keep stale references stale long.
         let index = if t.free.len() > 64 || t.next >= self.layout.params.trip_cap {
             t.free.pop_front()?
@@ -332,7 +333,7 @@ impl EqInner {
             m.live = false;
             m.registered = false;
         }
-        self.trips.lock().unwrap_or_else(|e| e.into_inner()).free.push_back(index);
+        lock(&self.trips).free.push_back(index);
     }
 
     pub fn set_registration(&self, index: u32, generation: u32, cookie: Option<u64>) -> bool {
@@ -354,7 +355,7 @@ impl EqInner {
     }
 
     pub fn alloc_tripset(&self) -> Option<u32> {
-        let mut t = self.trips.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = lock(&self.trips);
         if let Some(s) = t.tripsets_free.pop() {
             return Some(s);
         }
@@ -365,12 +366,12 @@ impl EqInner {
     }
 
     pub fn free_tripset(&self, slot: u32) {
-        self.trips.lock().unwrap_or_else(|e| e.into_inner()).tripsets_free.push(slot);
+        lock(&self.trips).tripsets_free.push(slot);
     }
 
     /// Give producer `conn` a ring: its existing one, a free one, or a retired one (reset).
     pub fn ring_for(&self, conn: u64) -> Option<u32> {
-        let mut ra = self.rings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ra = lock(&self.rings);
         if let Some(r) = ra.owner.iter().position(|&o| o == conn) {
             return Some(r as u32);
         }
@@ -380,7 +381,7 @@ impl EqInner {
             None => {
                 // Reuse a ring whose producer died: drop what it left and reset it.
                 let r = ra.retired.pop()?;
-                let mut c = self.consumer.lock().unwrap_or_else(|e| e.into_inner());
+                let mut c = lock(&self.consumer);
                 let v = self.view();
                 let h = v.ring_headers[r];
                 let left = h.head.load(Ordering::Acquire).wrapping_sub(c.tail(r));
@@ -401,7 +402,7 @@ impl EqInner {
     /// Producer `conn` is gone: make the consumer drain what it published, and retire its
     /// ring for later reuse.
     pub fn release_rings(&self, conn: u64) {
-        let mut ra = self.rings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ra = lock(&self.rings);
         for r in 1..ra.owner.len() {
             if ra.owner[r] == conn {
                 ra.owner[r] = 0;
@@ -471,7 +472,7 @@ impl EqInner {
     }
 
     pub fn try_take(&self) -> Option<Event> {
-        let mut c = self.consumer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = lock(&self.consumer);
         let v = self.view();
         let rings = v.rings();
         loop {
@@ -502,7 +503,7 @@ impl EqInner {
         if ring::arm(&rings, mode) {
             return true;
         }
-        self.consumer.lock().unwrap_or_else(|e| e.into_inner()).settle(&rings);
+        lock(&self.consumer).settle(&rings);
         !ring::maybe_nonempty(&rings)
     }
 

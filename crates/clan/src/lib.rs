@@ -74,6 +74,13 @@ mod tripset;
 mod tripwire;
 mod window;
 
+/// Lock `m`, taking the data of a poisoned lock as it is: a panic elsewhere never leaves
+/// the NIC's tables half-written in a way later users cannot handle (every update is one
+/// insert, remove or push), and the NIC must keep serving the other threads.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub use addr::{AddrParseError, EndpointAddr, NicAddr};
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;

@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use clan_shm::cam::Candidate;
@@ -40,6 +40,7 @@ use crate::addr::NicAddr;
 use crate::aperture::ApertureInner;
 use crate::descriptor::Rights;
 use crate::event_queue::EqInner;
+use crate::lock;
 use crate::nic::NicInner;
 
 /// Bad frames tolerated from a peer before it is disconnected.
@@ -203,10 +204,6 @@ pub(crate) enum Payload<'a> {
     Bytes(&'a [u8]),
     /// A segment (a mapping's staging area).
     Seg(&'a Segment, usize),
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Link {

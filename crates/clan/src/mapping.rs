@@ -26,6 +26,7 @@ use clan_shm::segment::{self, Segment};
 use clan_shm::trip::Access;
 
 use crate::descriptor::{Descriptor, Rights};
+use crate::endpoint::EndpointInner;
 use crate::error::{AccessError, TripwireError};
 use crate::event_queue::EqInner;
 use crate::tripwire::{Tripwire, TripwireConfig, WatchOwner};
@@ -73,6 +74,25 @@ pub struct Mapping {
 }
 
 impl Mapping {
+    /// A new import of `desc` by endpoint `ep`, reaching the memory through `via`; `keep`
+    /// holds what releases the import when the last clone drops (after `via`).
+    pub(crate) fn new(ep: &EndpointInner, desc: &Descriptor, via: Via, keep: Keep) -> Mapping {
+        Mapping {
+            inner: Arc::new(MappingInner {
+                via,
+                desc: desc.clone(),
+                off: desc.offset(),
+                len: desc.len(),
+                rights: desc.rights(),
+                importer_eq: ep.queue.inner.clone(),
+                importer_port: ep.addr.port,
+                outgoing: OnceLock::new(),
+                serial: ep.nic.next_serial(),
+                _keep: keep,
+            }),
+        }
+    }
+
     /// Length of the mapped range.
     pub fn len(&self) -> u64 {
         self.inner.len

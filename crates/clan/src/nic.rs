@@ -23,6 +23,7 @@ use crate::engine::{Conn, Engine};
 use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
 use crate::event_queue::{EqInner, EventQueue};
 use crate::link::{ExportRec, Link, LinkError};
+use crate::lock;
 use crate::peer::{PeerConn, PeerError};
 use crate::tripwire::WatchOwner;
 use crate::window::Window;
@@ -68,7 +69,7 @@ pub(crate) struct LinkTable {
 
 impl LinkTable {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<NicAddr, Slot>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.map)
     }
 
     /// The open link to `peer`, if any.
@@ -254,7 +255,7 @@ fn bind(config: &NicConfig) -> Result<Bound, NicError> {
 impl NicInner {
     /// The DMA engine, started on first use.
     pub fn dma_engine(&self) -> std::io::Result<Arc<crate::dma::Shared>> {
-        let mut d = self.dma.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = lock(&self.dma);
         if let Some(e) = d.as_ref() {
             return Ok(e.shared.clone());
         }
@@ -269,7 +270,7 @@ impl NicInner {
     }
 
     pub fn take_commands(&self) -> Vec<Cmd> {
-        std::mem::take(&mut *self.cmds.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *lock(&self.cmds))
     }
 
     /// Where to dial `peer`.
@@ -292,7 +293,7 @@ impl NicInner {
                 Some(Slot::Failed(r, at)) if *at >= start => return Err(LinkError::Down(r.clone())),
                 _ => {
                     m.insert(peer, Slot::Connecting);
-                    self.cmds.lock().unwrap_or_else(|e| e.into_inner()).push(Cmd::Connect(peer));
+                    lock(&self.cmds).push(Cmd::Connect(peer));
                     if let Some(w) = self.waker.get() {
                         let _ = w.wake();
                     }
@@ -342,7 +343,7 @@ impl NicInner {
     /// A link closed: forget it and tell the endpoints that had connections over it.
     pub fn link_closed(&self, link: &Arc<Link>) {
         self.links.remove(link);
-        link.exports.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        lock(&link.exports).clear();
         self.peer_gone(link.peer);
     }
 
@@ -371,7 +372,7 @@ impl NicInner {
             if !p.endpoints.is_empty() && (importer.nic != link.peer || !p.endpoints.contains(&importer)) {
                 return Err(Status::Denied);
             }
-            let mut exports = link.exports.lock().unwrap_or_else(|e| e.into_inner());
+            let mut exports = lock(&link.exports);
             let key = loop {
                 let mut b = [0u8; 8];
                 let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
@@ -418,7 +419,7 @@ impl NicInner {
     }
 
     pub fn peer(&self, addr: NicAddr) -> Result<Arc<PeerConn>, PeerError> {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut peers = lock(&self.peers);
         if let Some(p) = peers.get(&addr) {
             if !p.is_broken() {
                 return Ok(p.clone());
@@ -432,7 +433,7 @@ impl NicInner {
     // ---- endpoints -------------------------------------------------------------------
 
     pub fn endpoint_closed(&self, port: u32) {
-        let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        let mut eps = lock(&self.endpoints);
         if eps.0.get(&port).is_some_and(|w| w.strong_count() == 0) {
             eps.0.remove(&port);
         }
@@ -444,7 +445,7 @@ impl NicInner {
 
     /// The open endpoint with this port.
     pub fn endpoint(&self, port: u32) -> Option<Arc<EndpointInner>> {
-        let eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        let eps = lock(&self.endpoints);
         eps.0.get(&port).and_then(Weak::upgrade)
     }
 
@@ -479,7 +480,7 @@ impl NicInner {
     /// Queue an out-of-band message to be sent by the engine (from contexts that must not
     /// block: a receive path, a destructor). Delivery is best effort.
     pub fn outbox(&self, from: EndpointAddr, to: EndpointAddr, payload: [u8; OOB_PAYLOAD]) {
-        self.outbox.lock().unwrap_or_else(|e| e.into_inner()).push((from, to, payload));
+        lock(&self.outbox).push((from, to, payload));
         if let Some(w) = self.waker.get() {
             let _ = w.wake();
         }
@@ -487,7 +488,7 @@ impl NicInner {
 
     /// Send what the outbox holds (the engine calls this).
     pub fn flush_outbox(&self) {
-        let msgs = std::mem::take(&mut *self.outbox.lock().unwrap_or_else(|e| e.into_inner()));
+        let msgs = std::mem::take(&mut *lock(&self.outbox));
         for (from, to, payload) in msgs {
             if to.nic == self.addr {
                 let _ = self.deliver_oob(from, to.port, payload);
@@ -508,7 +509,7 @@ impl NicInner {
         }
         let cap = clan_shm::segment::page_align(len as usize) as u64;
         let cached = {
-            let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = lock(&self.cache);
             let m = c.by_cap.get_mut(&cap).and_then(Vec::pop);
             if m.is_some() {
                 c.bytes -= cap;
@@ -526,7 +527,7 @@ impl NicInner {
             }
         };
         let (id, generation) = {
-            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.apertures);
             let id = match t.free.pop() {
                 Some(id) => id,
                 None => {
@@ -571,7 +572,7 @@ impl NicInner {
             revoked: Default::default(),
         });
         {
-            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.apertures);
             t.slots[id as usize].live = Arc::downgrade(&inner);
         }
         Ok(Aperture { inner })
@@ -579,7 +580,7 @@ impl NicInner {
 
     /// The live aperture `(id, generation)`, if it is exported.
     pub fn live_aperture(&self, id: u32, generation: u32) -> Option<Arc<ApertureInner>> {
-        let t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        let t = lock(&self.apertures);
         let s = t.slots.get(id as usize)?;
         if s.generation != generation || !s.exported {
             return None;
@@ -588,14 +589,14 @@ impl NicInner {
     }
 
     pub fn aperture_unexported(&self, id: u32, generation: u32) {
-        let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = lock(&self.apertures);
         if let Some(s) = t.slots.get_mut(id as usize).filter(|s| s.generation == generation) {
             s.exported = false;
         }
     }
 
     pub fn remote_refs(&self, id: u32, generation: u32) -> u32 {
-        let t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+        let t = lock(&self.apertures);
         t.slots.get(id as usize).filter(|s| s.generation == generation).map_or(0, |s| s.remote.values().sum())
     }
 
@@ -607,7 +608,7 @@ impl NicInner {
     /// the last remote mapping is released.
     pub fn aperture_released(&self, id: u32, generation: u32, mem: Arc<ApertureMem>) {
         let recycle = {
-            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.apertures);
             let Some(s) = t.slots.get_mut(id as usize).filter(|s| s.generation == generation) else {
                 return;
             };
@@ -633,7 +634,7 @@ impl NicInner {
             return;
         };
         let cap = mem.cap;
-        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = lock(&self.cache);
         if c.bytes + cap > self.config.cache_bytes || mem.reset().is_err() {
             return;
         }
@@ -654,7 +655,7 @@ impl NicInner {
 
     pub fn remote_unref(&self, id: u32, generation: u32, conn: u64) {
         let m = {
-            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.apertures);
             let Some(s) = t.slots.get_mut(id as usize).filter(|s| s.generation == generation) else {
                 return;
             };
@@ -676,12 +677,12 @@ impl NicInner {
         // (connections are kept for the NIC's life), unless the engine saw another channel
         // from the same NIC and process still open (`still_connected`).
         if let (Some(peer), false) = (c.hello, still_connected) {
-            self.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(&peer);
+            lock(&self.peers).remove(&peer);
             self.peer_gone(peer);
         }
         let mut recycle = Vec::new();
         {
-            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.apertures);
             for id in 0..t.slots.len() as u32 {
                 let s = &mut t.slots[id as usize];
                 let touched = s.remote.remove(&c.id).is_some() | s.holders.remove(&c.id);
@@ -702,7 +703,7 @@ impl NicInner {
     }
 
     fn all_queues(&self, ids: &HashSet<u32>) -> Vec<Arc<EqInner>> {
-        let q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let q = lock(&self.queues);
         ids.iter().filter_map(|id| q.get(id).and_then(Weak::upgrade)).collect()
     }
 
@@ -778,7 +779,7 @@ impl NicInner {
         let import_id = self.next_serial();
         c.imports.insert(import_id, (ap.id, ap.generation));
         {
-            let mut t = self.apertures.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.apertures);
             if let Some(s) = t.slots.get_mut(ap.id as usize).filter(|s| s.generation == ap.generation) {
                 *s.remote.entry(c.id).or_insert(0) += 1;
                 s.holders.insert(c.id);
@@ -806,7 +807,7 @@ impl NicInner {
     }
 
     fn remember_queue(&self, eq: &Arc<EqInner>) {
-        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = lock(&self.queues);
         q.retain(|_, w| w.strong_count() > 0);
         q.insert(eq.id, Arc::downgrade(eq));
     }
@@ -874,7 +875,7 @@ impl Nic {
         let (engine, waker) = Engine::start(Arc::downgrade(&inner), listener, tcp, inner.config.engine_cpu)
             .map_err(|source| NicError::Io { context: "starting the NIC engine", source })?;
         let _ = inner.waker.set(waker);
-        *inner.engine.lock().unwrap_or_else(|e| e.into_inner()) = Some(engine);
+        *lock(&inner.engine) = Some(engine);
         Ok(Nic { inner })
     }
 
@@ -914,7 +915,7 @@ impl Nic {
         if queue.inner.nic.upgrade().is_none_or(|n| !Arc::ptr_eq(&n, &self.inner)) {
             return Err(EndpointError::ForeignQueue);
         }
-        let mut eps = self.inner.endpoints.lock().unwrap_or_else(|e| e.into_inner());
+        let mut eps = lock(&self.inner.endpoints);
         let port = match cfg.port {
             Some(0) => return Err(EndpointError::ReservedPort),
             Some(p) => {
@@ -956,7 +957,7 @@ impl Nic {
             exports_cached: i.exports_cached.load(Ordering::Relaxed),
             imports_granted: i.imports_granted.load(Ordering::Relaxed),
             imports_refused: i.imports_refused.load(Ordering::Relaxed),
-            cached_bytes: i.cache.lock().unwrap_or_else(|e| e.into_inner()).bytes,
+            cached_bytes: lock(&i.cache).bytes,
             links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
             endpoints: i
                 .endpoints

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clan_shm::cam::CamLayout;
@@ -26,7 +26,8 @@ use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
 use crate::error::{Denial, ImportError};
 use crate::event_queue::EqPort;
-use crate::mapping::{Keep, Mapping, MappingInner};
+use crate::lock;
+use crate::mapping::{Keep, Mapping};
 use crate::window::Window;
 
 /// Why a request failed.
@@ -87,7 +88,7 @@ impl PeerConn {
 
     /// Send a request and wait for its reply.
     pub fn request(&self, req: &Request) -> Result<(Reply, Vec<OwnedFd>), PeerError> {
-        let sock = self.sock.lock().unwrap_or_else(|e| e.into_inner());
+        let sock = lock(&self.sock);
         if self.is_broken() {
             return Err(PeerError::Protocol("connection previously failed".into()));
         }
@@ -111,7 +112,7 @@ impl PeerConn {
 
     /// Send a message that has no reply.
     pub fn notify(&self, req: &Request) {
-        let sock = self.sock.lock().unwrap_or_else(|e| e.into_inner());
+        let sock = lock(&self.sock);
         if !self.is_broken() && sock.send(&req.encode(), &[]).is_err() {
             self.broken.store(true, Ordering::Release);
         }
@@ -156,7 +157,7 @@ fn fd_err(e: std::io::Error, context: &'static str) -> ImportError {
 pub(crate) fn import_remote(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
     let nic = &ep.nic;
     let peer = nic.peer(desc.nic()).map_err(|e| peer_error(desc.nic(), e))?;
-    let _one_at_a_time = peer.importing.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = lock(&peer.importing);
     let req = Request::Import { importer: ep.addr, want_eq: false, desc: desc.to_bytes() };
     let (reply, mut fds) = peer.request(&req).map_err(|e| peer_error(desc.nic(), e))?;
     let g = match reply {
@@ -188,13 +189,13 @@ pub(crate) fn import_remote(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Resul
             MapErr::Io(e, ctx) => fd_err(e, ctx),
             MapErr::Bad(d) => protocol(desc.nic(), d),
         })?);
-        peer.eqs.lock().unwrap_or_else(|e| e.into_inner()).insert(g.eq_id, port.clone());
+        lock(&peer.eqs).insert(g.eq_id, port.clone());
         port
     } else {
-        let eqs = peer.eqs.lock().unwrap_or_else(|e| e.into_inner());
+        let eqs = lock(&peer.eqs);
         eqs.get(&g.eq_id).cloned().ok_or_else(|| protocol(desc.nic(), "event queue descriptors missing"))?
     };
-    if port.producer.lock().unwrap_or_else(|e| e.into_inner()).ring() != g.ring as usize {
+    if lock(&port.producer).ring() != g.ring as usize {
         return Err(protocol(desc.nic(), "producer ring changed"));
     }
     let ap_fd = fds.pop().expect("checked count");
@@ -212,20 +213,7 @@ pub(crate) fn import_remote(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Resul
     let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap).map_err(|e| protocol(desc.nic(), e.to_string()))?;
     drop(memfd); // the mappings keep the memory; the descriptor is no longer needed
     let window = Window { data: Arc::new(data), data_base: start, cam: Arc::new(cam), tag: g.tag, live: g.live, port };
-    Ok(Mapping {
-        inner: Arc::new(MappingInner {
-            via: crate::mapping::Via::Local(window),
-            desc: desc.clone(),
-            off: desc.offset(),
-            len: desc.len(),
-            rights: desc.rights(),
-            importer_eq: ep.queue.inner.clone(),
-            importer_port: ep.addr.port,
-            outgoing: OnceLock::new(),
-            serial: nic.next_serial(),
-            _keep: Keep::Remote(guard),
-        }),
-    })
+    Ok(Mapping::new(ep, desc, crate::mapping::Via::Local(window), Keep::Remote(guard)))
 }
 
 fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {

@@ -19,7 +19,8 @@ use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
 use crate::error::{AccessError, Denial, ImportError, OobError};
 use crate::link::{Link, LinkError, Payload, TargetState};
-use crate::mapping::{Keep, Mapping, MappingInner, Via};
+use crate::lock;
+use crate::mapping::{Keep, Mapping, Via};
 use crate::nic::NicInner;
 
 /// A mapping's route to an aperture on another host.
@@ -37,7 +38,7 @@ pub(crate) struct LinkTarget {
 
 impl Drop for LinkTarget {
     fn drop(&mut self) {
-        self.link.targets.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+        lock(&self.link.targets).remove(&self.key);
         if !self.link.is_closed() {
             self.link.send_control(&Frame::Unimport { key: self.key });
         }
@@ -205,7 +206,7 @@ fn import_once(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, Re
         }
     };
     let id = link.next_id();
-    link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.insert(id, None);
+    lock(&link.waits).imports.insert(id, None);
     let bytes = desc.to_bytes();
     let req = Frame::Import(Import {
         id,
@@ -214,12 +215,12 @@ fn import_once(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, Re
         desc: &bytes,
     });
     if let Err(e) = link.send_frame_blocking(nic, &req) {
-        link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.remove(&id);
+        lock(&link.waits).imports.remove(&id);
         return Err(again(e));
     }
     let deadline = Instant::now() + link.timeout;
     let reply = link.wait_until(nic, deadline, |w| w.imports.get(&id).copied().flatten(), false);
-    link.waits.lock().unwrap_or_else(|e| e.into_inner()).imports.remove(&id);
+    lock(&link.waits).imports.remove(&id);
     let reply = reply.map_err(|e| match e {
         LinkError::Timeout => Retry::Final(ImportError::Timeout { peer, timeout: link.timeout }),
         e => again(e),
@@ -254,7 +255,7 @@ fn finish_import(
         return Err(ImportError::Protocol { peer, detail: "import reply does not match the descriptor".into() });
     }
     let state = Arc::new(TargetState::default());
-    link.targets.lock().unwrap_or_else(|e| e.into_inner()).insert(reply.key, Arc::downgrade(&state));
+    lock(&link.targets).insert(reply.key, Arc::downgrade(&state));
     let target = LinkTarget {
         link,
         nic: nic.clone(),
@@ -265,20 +266,7 @@ fn finish_import(
         shadow: OnceLock::new(),
         len: desc.len(),
     };
-    Ok(Mapping {
-        inner: Arc::new(MappingInner {
-            via: Via::Link(target),
-            desc: desc.clone(),
-            off: desc.offset(),
-            len: desc.len(),
-            rights: desc.rights(),
-            importer_eq: ep.queue.inner.clone(),
-            importer_port: ep.addr.port,
-            outgoing: OnceLock::new(),
-            serial: nic.next_serial(),
-            _keep: Keep::None,
-        }),
-    })
+    Ok(Mapping::new(ep, desc, Via::Link(target), Keep::None))
 }
 
 /// Send an out-of-band message over a link and wait for its delivery result (repeated once
@@ -307,7 +295,7 @@ fn oob_once(
     let link = nic.link(to.nic).map_err(|_| (false, OobError::Unreachable(to.nic)))?;
     let id = link.next_id();
     if wait {
-        link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.insert(id, None);
+        lock(&link.waits).oobs.insert(id, None);
     }
     let f = Frame::Oob(clan_wire::Oob {
         id,
@@ -322,7 +310,7 @@ fn oob_once(
     }
     let down = |d: String| OobError::Protocol { peer: to.nic, detail: d };
     if let Err(e) = link.send_frame_blocking(nic, &f) {
-        link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.remove(&id);
+        lock(&link.waits).oobs.remove(&id);
         return Err(match e {
             LinkError::Down(d) => (true, down(d)),
             LinkError::Timeout => (false, down("timed out".into())),
@@ -330,7 +318,7 @@ fn oob_once(
     }
     let deadline = Instant::now() + link.timeout;
     let r = link.wait_until(nic, deadline, |w| w.oobs.get(&id).copied().flatten(), false);
-    link.waits.lock().unwrap_or_else(|e| e.into_inner()).oobs.remove(&id);
+    lock(&link.waits).oobs.remove(&id);
     // Once sent, it may have been delivered: never repeated (no duplicates).
     match r {
         Ok(Status::Ok) => Ok(()),

@@ -10,6 +10,7 @@ use clan_shm::trip;
 
 use crate::error::TripwireError;
 use crate::event_queue::EqInner;
+use crate::lock;
 use crate::tripwire::{Tripwire, TripwireId};
 
 #[derive(Debug)]
@@ -43,7 +44,7 @@ impl Tripset {
             return Err(TripwireError::Foreign);
         }
         let e = tw.entry();
-        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&self.members);
         if e.tripset.load(Ordering::Relaxed) != 0 {
             return Err(TripwireError::InTripset);
         }
@@ -57,7 +58,7 @@ impl Tripset {
 
     /// Remove a member; returns whether it was one.
     pub fn remove(&self, tw: &Tripwire) -> bool {
-        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&self.members);
         let Some(p) = m.iter().position(|x| x.id == tw.id) else {
             return false;
         };
@@ -69,7 +70,7 @@ impl Tripset {
 
     /// Number of members.
     pub fn len(&self) -> usize {
-        self.members.lock().unwrap_or_else(|e| e.into_inner()).len()
+        lock(&self.members).len()
     }
 
     /// Whether there are no members.
@@ -79,7 +80,7 @@ impl Tripset {
 
     /// The members that fired since the last `poll`/`wait` (or since they were added).
     pub fn poll(&self) -> Vec<TripwireId> {
-        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&self.members);
         let table = &self.eq.view().table;
         let mut out = Vec::new();
         // Members destroyed since they were added are dropped from the set.
@@ -104,7 +105,7 @@ impl Tripset {
         let w = &v.table.tripsets[self.slot as usize];
         loop {
             let ready = trip::wait_until(&w.seq, &w.waiters, self.eq.config.spin, deadline, &SharedFutex, || {
-                let m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+                let m = lock(&self.members);
                 m.iter().any(|x| v.table.entries[x.id.index as usize].seq.load(Ordering::Acquire) != x.last_seen)
             });
             if !ready {

@@ -49,6 +49,7 @@ use clan_shm::trip::{self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, O
 
 use crate::error::TripwireError;
 use crate::event_queue::{EqInner, EventQueue};
+use crate::lock;
 
 pub use clan_shm::trip::Access;
 
@@ -185,7 +186,7 @@ impl WatchOwner {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Create a tripwire.

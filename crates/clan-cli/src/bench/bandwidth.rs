@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use clan::{Aperture, DmaConfig, DmaOptions, DmaTicket, Endpoint, EndpointConfig, Mapping, Nic, NicConfig};
 use serde::Serialize;
 
-use super::report::{Samples, emit, ns, ratio};
+use super::report::{Samples, emit, ns, ratio, timed_batches};
 use super::{Link, PeerProc, Result, arg};
 use crate::sys;
 
@@ -85,21 +85,8 @@ fn run_ring(size: usize, iters: u64, mut put: impl FnMut(usize) -> Result<()>) -
         put(s * size)?;
     }
     let batch = ((64 << 10) / size).clamp(1, 1024) as u64;
-    let mut samples = Samples::new();
     let start = Instant::now();
-    let mut i = 0u64;
-    while i < iters {
-        let n = batch.min(iters - i);
-        let t0 = Instant::now();
-        for k in 0..n {
-            put(((i + k) as usize % slots) * size)?;
-        }
-        let per = t0.elapsed() / n as u32;
-        for _ in 0..n.min(16) {
-            samples.record(per);
-        }
-        i += n;
-    }
+    let samples = timed_batches(iters, batch, |i| put((i as usize % slots) * size))?;
     Ok((start.elapsed(), samples))
 }
 

@@ -100,3 +100,24 @@ pub fn emit<T: Serialize>(json: bool, value: &T, text: impl FnOnce()) {
         text();
     }
 }
+
+/// Run `send(i)` for `i` in `0..iters`, timed in batches of `batch` calls: each batch
+/// records its time per call (up to 16 samples of it), so that timing costs little against
+/// calls of a few nanoseconds.
+pub fn timed_batches(iters: u64, batch: u64, mut send: impl FnMut(u64) -> super::Result<()>) -> super::Result<Samples> {
+    let mut s = Samples::new();
+    let mut i = 0;
+    while i < iters {
+        let n = batch.max(1).min(iters - i);
+        let t0 = std::time::Instant::now();
+        for k in 0..n {
+            send(i + k)?;
+        }
+        let per = t0.elapsed() / n as u32;
+        for _ in 0..n.min(16) {
+            s.record(per);
+        }
+        i += n;
+    }
+    Ok(s)
+}

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use clan::{Aperture, EventQueue, LocalTransport, Nic, NicConfig, Progress, TripwireConfig};
 use clan_testkit::netns::TestNet;
 
-use super::report::Samples;
+use super::report::{Samples, timed_batches};
 use super::{Link, PeerProc, Result, arg};
 use crate::sys;
 
@@ -361,22 +361,10 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
                 m.write(k * size as u64, &src)?;
             }
             m.barrier()?;
-            let mut s = Samples::new();
-            let batch = ((256 << 10) / size).clamp(1, 4096) as u64;
             let start = Instant::now();
-            let mut i = 0;
-            while i < iters {
-                let n = batch.min(iters - i);
-                let t0 = Instant::now();
-                for k in 0..n {
-                    m.write(((i + k) % slots) * size as u64, &src)?;
-                }
-                let per = t0.elapsed() / n as u32;
-                for _ in 0..n.min(16) {
-                    s.record(per);
-                }
-                i += n;
-            }
+            let s = timed_batches(iters, ((256 << 10) / size).clamp(1, 4096) as u64, |i| {
+                Ok(m.write((i % slots) * size as u64, &src)?)
+            })?;
             m.store_u64(ring_bytes as u64, iters)?;
             m.barrier()?;
             let t = start.elapsed();
@@ -421,22 +409,8 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             // Like clan's barrier: the warm-up has been received before the clock starts.
             let mut warm = [0u8; 1];
             sock.read_exact(&mut warm)?;
-            let mut s = Samples::new();
-            let batch = ((256 << 10) / size).clamp(1, 4096) as u64;
             let start = Instant::now();
-            let mut i = 0;
-            while i < iters {
-                let n = batch.min(iters - i);
-                let t0 = Instant::now();
-                for _ in 0..n {
-                    sock.write_all(&src)?;
-                }
-                let per = t0.elapsed() / n as u32;
-                for _ in 0..n.min(16) {
-                    s.record(per);
-                }
-                i += n;
-            }
+            let s = timed_batches(iters, ((256 << 10) / size).clamp(1, 4096) as u64, |_| Ok(sock.write_all(&src)?))?;
             let mut ack = [0u8; 1];
             sock.read_exact(&mut ack)?;
             let t = start.elapsed();
