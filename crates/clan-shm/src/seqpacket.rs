@@ -69,6 +69,27 @@ impl SeqPacket {
         Ok(SeqPacket { fd })
     }
 
+    /// Connect to an abstract name without ever blocking: the result is immediate (a Unix
+    /// socket connects at once or not at all). `WouldBlock` means the listener's backlog is
+    /// full (try again later); `ConnectionRefused` or `NotFound` that nothing listens there.
+    /// The socket is left non-blocking.
+    pub fn connect_abstract_nonblocking(name: &[u8]) -> io::Result<SeqPacket> {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        let addr = SocketAddrUnix::new_abstract_name(name)?;
+        loop {
+            match rustix::net::connect(&fd, &addr) {
+                Ok(()) => return Ok(SeqPacket { fd }),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// A connected pair (for tests and for in-process plumbing).
     pub fn pair() -> io::Result<(SeqPacket, SeqPacket)> {
         let (a, b) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
@@ -104,7 +125,8 @@ impl SeqPacket {
         Ok(PeerCred { pid: c.pid.as_raw_nonzero().get() as u32, uid: c.uid.as_raw(), gid: c.gid.as_raw() })
     }
 
-    /// Send one message with up to [`MAX_FDS`] descriptors.
+    /// Send one message with up to [`MAX_FDS`] descriptors (blocking or not, as the socket
+    /// is set).
     pub fn send(&self, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         if fds.len() > MAX_FDS {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many descriptors"));

@@ -24,7 +24,11 @@
 //! 15    Pong         token u64
 //! 16    Close        status u8
 //! 17    Notify       Target, len u64                  (after a write: tell the exporter it landed)
+//! 18    Welcome      (empty)                          (the acceptor keeps the link: it may carry traffic)
 //! ```
+//!
+//! The link hand-shake (`Hello`, `Auth`, `Welcome`, `Close`) is driven by
+//! [`crate::handshake::Handshake`].
 //!
 //! A nic addr is `family u8 (4 or 6), address [16] (IPv4 mapped), port u16`.
 
@@ -33,7 +37,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use crate::WireError;
 
 /// Protocol version carried in `Hello`.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of the length prefix.
 pub const PREFIX: usize = 4;
 /// Largest data part of a `Write` or `ReadResp` frame.
@@ -67,6 +71,7 @@ pub mod kind {
     pub const PONG: u8 = 15;
     pub const CLOSE: u8 = 16;
     pub const NOTIFY: u8 = 17;
+    pub const WELCOME: u8 = 18;
 }
 
 /// Result codes carried by replies, refusals and `Close`.
@@ -103,6 +108,10 @@ pub enum Status {
     TooManyErrors = 13,
     /// The NIC is closing.
     Shutdown = 14,
+    /// A bounded table is full (imports on one link, pending set-ups): try again later.
+    TooMany = 15,
+    /// The peer did not answer in time.
+    Timeout = 16,
     /// Unknown reason.
     Other = 255,
 }
@@ -127,6 +136,8 @@ impl Status {
             12 => AuthFailed,
             13 => TooManyErrors,
             14 => Shutdown,
+            15 => TooMany,
+            16 => Timeout,
             _ => Other,
         }
     }
@@ -320,6 +331,9 @@ pub enum Frame<'a> {
         /// Its length.
         len: u64,
     },
+    /// The last frame of the hand-shake, from the acceptor: it keeps this connection, and
+    /// traffic may flow.
+    Welcome,
 }
 
 pub(crate) struct Reader<'a>(pub &'a [u8]);
@@ -371,7 +385,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn put_addr(w: &mut Vec<u8>, a: SocketAddr) {
+pub(crate) fn put_addr(w: &mut Vec<u8>, a: SocketAddr) {
     let (fam, oct) = match a.ip() {
         IpAddr::V4(v4) => (4u8, v4.to_ipv6_mapped().octets()),
         IpAddr::V6(v6) => (6u8, v6.octets()),
@@ -518,6 +532,7 @@ impl Frame<'_> {
                 to.put(out);
                 out.extend_from_slice(&len.to_le_bytes());
             }
+            Frame::Welcome => at = begin(out, kind::WELCOME),
         }
         finish(out, at);
     }
@@ -576,6 +591,7 @@ pub(crate) fn decode_small(kind_: u8, body: &[u8]) -> Result<Frame<'_>, WireErro
         kind::PONG => Frame::Pong { token: r.u64()? },
         kind::CLOSE => Frame::Close { status: Status::from_u8(r.u8()?) },
         kind::NOTIFY => Frame::Notify { to: Target::get(&mut r)?, len: r.u64()? },
+        kind::WELCOME => Frame::Welcome,
         other => return Err(WireError::UnknownKind(other)),
     };
     r.done()?;

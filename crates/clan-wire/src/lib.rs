@@ -9,7 +9,19 @@
 //! - [`Decoder`]: a streaming decoder that yields write bursts as sub-bursts of whatever
 //!   arrived, and lets the caller move payload bytes itself (straight into an aperture).
 //! - [`burst`]: splitting a burst at any byte and coalescing adjacent bursts.
-//! - [`LinkState`]: the window of unacknowledged bytes, acknowledgements, keepalive.
+//! - [`LinkState`]: the window of unacknowledged bytes, acknowledgements, keepalive, and
+//!   the limit on a peer that does not read.
+//! - [`handshake`]: link set-up (hello, authentication with a cluster key, the acceptor's
+//!   decision) as a state machine with a deadline.
+//! - [`control`]: the control channel between the NICs of one host: its messages, the
+//!   serving side's per-connection state (verified hello, checked senders) and admission
+//!   limits.
+//! - [`connect`]: the connect/accept hand-shake between endpoints carried by out-of-band
+//!   messages, and the per-endpoint state (backlog, dials) with bounds and expiry.
+//!
+//! Every machine here takes input through `handle_*` (bytes, messages, `now`) and gives
+//! output through `poll_*` (bytes to send, events, its next deadline): the drivers in `clan`
+//! own the sockets and the clock, and never wait inside a machine.
 //!
 //! ## Panic contract
 //!
@@ -19,8 +31,11 @@
 #![warn(missing_docs)]
 
 pub mod burst;
+pub mod connect;
+pub mod control;
 mod decoder;
 pub mod frame;
+pub mod handshake;
 mod link;
 
 pub use decoder::{Decoder, Item, Pending};

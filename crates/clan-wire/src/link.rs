@@ -10,6 +10,11 @@
 //!   across hosts is a ping.
 //! - **Keepalive.** After `keepalive` without hearing anything, ping; after `dead_after`
 //!   without hearing anything, the link is dead (the peer died or the path broke).
+//! - **A peer that does not read.** What we owe the peer (acknowledgements, replies) is
+//!   queued up to `max_queued` bytes; past that the driver stops reading from it (so it cannot
+//!   make us queue more) and reports the queue blocked ([`LinkState::on_tx_blocked`]). A
+//!   queue that stays blocked for `dead_after` ends the link: a peer that never reads is cut
+//!   off, never buffered without limit.
 
 use std::time::{Duration, Instant};
 
@@ -23,13 +28,22 @@ pub struct LinkConfig {
     pub credit: u64,
     /// Probe after this long without traffic from the peer.
     pub keepalive: Duration,
-    /// Declare the link dead after this long without traffic from the peer.
+    /// Declare the link dead after this long without traffic from the peer (or with our
+    /// queue to it blocked).
     pub dead_after: Duration,
+    /// Bytes of frames we owe the peer (replies, acknowledgements) queued before we stop
+    /// reading from it.
+    pub max_queued: usize,
 }
 
 impl Default for LinkConfig {
     fn default() -> Self {
-        LinkConfig { credit: 8 << 20, keepalive: Duration::from_secs(1), dead_after: Duration::from_secs(5) }
+        LinkConfig {
+            credit: 8 << 20,
+            keepalive: Duration::from_millis(250),
+            dead_after: Duration::from_secs(1),
+            max_queued: 4 << 20,
+        }
     }
 }
 
@@ -42,6 +56,8 @@ pub enum Timeout {
     Ping(u64),
     /// The peer is silent for too long: close the link.
     Dead,
+    /// The peer has not read what we owe it for too long: close the link.
+    Stalled,
 }
 
 /// The state of one link.
@@ -57,6 +73,7 @@ pub struct LinkState {
     last_heard: Instant,
     ping: Option<(u64, Instant)>,
     next_token: u64,
+    blocked_since: Option<Instant>,
 }
 
 impl LinkState {
@@ -73,6 +90,7 @@ impl LinkState {
             last_heard: now,
             ping: None,
             next_token: 1,
+            blocked_since: None,
         }
     }
 
@@ -174,16 +192,37 @@ impl LinkState {
         t
     }
 
+    /// Our queue of frames for the peer is over its limit (`blocked`), or drained below it.
+    pub fn on_tx_blocked(&mut self, blocked: bool, now: Instant) {
+        if blocked {
+            self.blocked_since.get_or_insert(now);
+        } else {
+            self.blocked_since = None;
+        }
+    }
+
+    /// Whether our queue to the peer is blocked.
+    pub fn tx_blocked(&self) -> bool {
+        self.blocked_since.is_some()
+    }
+
     /// When [`LinkState::handle_timeout`] should next be called.
     pub fn poll_timeout(&self) -> Instant {
-        match self.ping {
+        let t = match self.ping {
             Some(_) => self.last_heard + self.cfg.dead_after,
             None => self.last_heard + self.cfg.keepalive,
+        };
+        match self.blocked_since {
+            Some(b) => t.min(b + self.cfg.dead_after),
+            None => t,
         }
     }
 
     /// Time passed.
     pub fn handle_timeout(&mut self, now: Instant) -> Timeout {
+        if self.blocked_since.is_some_and(|b| now.saturating_duration_since(b) >= self.cfg.dead_after) {
+            return Timeout::Stalled;
+        }
         let silent = now.saturating_duration_since(self.last_heard);
         if silent >= self.cfg.dead_after {
             return Timeout::Dead;

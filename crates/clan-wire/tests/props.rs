@@ -37,6 +37,7 @@ enum SmallFrame {
     Pong(u64),
     Close(Status),
     Notify(Target, u64),
+    Welcome,
 }
 
 impl SmallFrame {
@@ -59,6 +60,7 @@ impl SmallFrame {
             SmallFrame::Pong(t) => Frame::Pong { token: *t },
             SmallFrame::Close(s) => Frame::Close { status: *s },
             SmallFrame::Notify(t, l) => Frame::Notify { to: *t, len: *l },
+            SmallFrame::Welcome => Frame::Welcome,
         }
     }
 }
@@ -121,6 +123,7 @@ fn small() -> impl Strategy<Value = SmallFrame> {
         any::<u64>().prop_map(SmallFrame::Pong),
         status().prop_map(SmallFrame::Close),
         (target(), any::<u64>()).prop_map(|(t, l)| SmallFrame::Notify(t, l)),
+        Just(SmallFrame::Welcome),
     ]
 }
 
@@ -219,6 +222,7 @@ fn decode_chunked(stream: &[u8], chunks: &[usize], direct: &[bool]) -> Result<Ve
                         Frame::Pong { token } => SmallFrame::Pong(token),
                         Frame::Close { status } => SmallFrame::Close(status),
                         Frame::Notify { to, len } => SmallFrame::Notify(to, len),
+                        Frame::Welcome => SmallFrame::Welcome,
                     };
                     out.push(Owned::Small(s));
                 }
@@ -390,8 +394,12 @@ fn malformed_frames_are_errors() {
 #[test]
 fn keepalive_with_a_virtual_clock() {
     let t0 = Instant::now();
-    let cfg =
-        LinkConfig { credit: 1 << 20, keepalive: Duration::from_millis(100), dead_after: Duration::from_millis(500) };
+    let cfg = LinkConfig {
+        credit: 1 << 20,
+        keepalive: Duration::from_millis(100),
+        dead_after: Duration::from_millis(500),
+        ..LinkConfig::default()
+    };
     let mut s = LinkState::new(cfg, t0);
     assert_eq!(s.handle_timeout(t0 + Duration::from_millis(50)), Timeout::None);
     assert_eq!(s.poll_timeout(), t0 + Duration::from_millis(100));

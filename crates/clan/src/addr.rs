@@ -107,6 +107,18 @@ impl FromStr for EndpointAddr {
     }
 }
 
+impl From<EndpointAddr> for clan_wire::control::EndpointId {
+    fn from(e: EndpointAddr) -> Self {
+        clan_wire::control::EndpointId { nic: e.nic.socket_addr(), port: e.port }
+    }
+}
+
+impl From<clan_wire::control::EndpointId> for EndpointAddr {
+    fn from(e: clan_wire::control::EndpointId) -> Self {
+        EndpointAddr::new(NicAddr::from(e.nic), e.port)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

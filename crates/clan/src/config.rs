@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::addr::{EndpointAddr, NicAddr};
 
 pub use clan_wire::LinkConfig;
+pub use clan_wire::control::AdmissionLimits;
 
 /// Who processes incoming link traffic (writes, reads, messages from other hosts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +41,8 @@ pub struct NicConfig {
     pub port: u16,
     /// Geometry of the NIC's default event queue (shared by endpoints that name no other).
     pub default_queue: EventQueueConfig,
-    /// Bound on every request to another NIC (import, out-of-band message).
+    /// Bound on every request to another NIC (import, out-of-band message) made without a
+    /// timeout of its own, and on setting up a link.
     pub request_timeout: Duration,
     /// Recycle the memory of an unexported aperture once every importing process has
     /// unimported it (default). If false, memory that another process ever mapped is only
@@ -57,7 +59,10 @@ pub struct NicConfig {
     /// How to reach NICs of this host.
     pub local_transport: LocalTransport,
     /// A key shared by the NICs of a cluster: links authenticate both ends with it (and
-    /// refuse a peer without it). Without one, a link trusts the address its peer claims.
+    /// refuse a peer without it). Without one, a link trusts the address its peer claims in
+    /// its hello: anyone who can reach the NIC's TCP port can pretend to be any NIC (though
+    /// never replace a link that is up). The key authenticates the hand-shake, not the frames
+    /// after it: use a private network or a VPN against a man in the middle.
     pub cluster_key: Option<[u8; 32]>,
     /// Reach these NICs at these socket addresses instead of their own (a proxy, NAT).
     pub routes: Vec<(NicAddr, SocketAddr)>,
@@ -65,6 +70,10 @@ pub struct NicConfig {
     pub engine_cpu: Option<usize>,
     /// The DMA engine.
     pub dma: DmaConfig,
+    /// Imports one peer NIC may hold from us over a link.
+    pub max_link_imports: usize,
+    /// Control connections from the processes of this host: per process, per user, in all.
+    pub admission: AdmissionLimits,
 }
 
 /// The DMA engine of a NIC (a thread started with the first DMA request).
@@ -103,6 +112,8 @@ impl Default for NicConfig {
             routes: Vec::new(),
             engine_cpu: None,
             dma: DmaConfig::default(),
+            max_link_imports: 65536,
+            admission: AdmissionLimits::default(),
         }
     }
 }

@@ -1,11 +1,14 @@
-//! Connections between endpoints: a connect/accept handshake carried by out-of-band messages
-//! that exchanges descriptors, and disconnect events.
+//! Connections between endpoints: the connect/accept hand-shake of `clan_wire::connect`
+//! (carried by out-of-band messages, exchanging descriptors and a little private data), and
+//! disconnect events.
 //!
-//! The handshake is the paper's use of OOB messages ("connection setup, tear down and
-//! exceptional conditions"). A client sends `CONNECT(token, its descriptor)`; a listening
-//! endpoint queues the request; the server answers `ACCEPT(token, its descriptor)` or
-//! `REFUSE(token)`. A descriptor is longer than one 40-byte payload, so it travels in
-//! fragments. Either side may send `CLOSE(token)`.
+//! The hand-shake is the paper's use of OOB messages ("connection setup, tear down and
+//! exceptional conditions"); the protocol and its bounds are in `clan_wire::connect`, this
+//! module drives it. A client's [`Endpoint::connect`] waits for the answer with its own
+//! deadline; [`Endpoint::accept`] only ever returns requests that can still be answered (a
+//! client that gave up, expired or died is dropped from the backlog, never reported to
+//! `accept`), and [`ConnectRequest::accept`] never waits for the client: the answer goes out
+//! through the NIC's engine.
 //!
 //! A connection ends — and its endpoint's event queue receives
 //! [`crate::Event::Disconnect`] with the connection's token — when the peer closes it, when
@@ -15,13 +18,14 @@
 //! OOB payloads that begin with the two bytes `C1 A7` are reserved for this protocol; all
 //! others reach the endpoint's OOB queue untouched.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use clan_wire::connect::{self, Answer, Event as HsEvent, Handshakes, Limits, Peer};
+
 use crate::addr::{EndpointAddr, NicAddr};
-use crate::ctl::OOB_PAYLOAD;
 use crate::descriptor::Descriptor;
 use crate::endpoint::{Endpoint, EndpointInner, OobMessage};
 use crate::error::OobError;
@@ -29,25 +33,16 @@ use crate::event_queue::EVENT_DISCONNECT;
 use crate::lock;
 use crate::nic::NicInner;
 
-const MAGIC: [u8; 2] = [0xC1, 0xA7];
-const T_CONNECT: u8 = 1;
-const T_ACCEPT: u8 = 2;
-const T_REFUSE: u8 = 3;
-const T_CLOSE: u8 = 4;
-const T_FRAG: u8 = 5;
-const HEAD: usize = 11;
-const FIRST: usize = OOB_PAYLOAD - HEAD - 2;
-const FRAG: usize = OOB_PAYLOAD - HEAD - 1;
-/// Handshakes being reassembled per endpoint, at most.
-const MAX_PARTIAL: usize = 1024;
-/// Connection requests queued per endpoint, at most (more are refused).
-const MAX_REQUESTS: usize = 1024;
+/// Most bytes of private data a connect or accept carries (as in RDMA CM).
+pub const MAX_PRIVATE_DATA: usize = 256;
+/// How long [`Endpoint::connect`] waits when given no timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why connecting or accepting failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConnectError {
-    /// The server refused (or is not listening).
+    /// The server refused, is not listening, or no such endpoint or NIC exists.
     #[error("{0} refused the connection")]
     Refused(EndpointAddr),
     /// No answer in time.
@@ -56,15 +51,30 @@ pub enum ConnectError {
     /// No connection request arrived in time.
     #[error("no connection request arrived in time")]
     NoRequest,
+    /// The server closed the connection before it was set up, or its process went away.
+    #[error("{0} went away before the connection was set up")]
+    PeerGone(EndpointAddr),
     /// The out-of-band messages could not be sent.
-    #[error("sending the handshake failed: {0}")]
+    #[error("sending the hand-shake failed: {0}")]
     Oob(#[from] OobError),
     /// The peer's descriptor was malformed.
     #[error("{0} sent a malformed descriptor")]
     BadDescriptor(EndpointAddr),
+    /// More private data than a hand-shake carries.
+    #[error("{0} bytes of private data: at most {MAX_PRIVATE_DATA} travel with a connect or accept")]
+    DataTooLong(usize),
+    /// Too many connects in progress on this endpoint.
+    #[error("too many connects in progress on this endpoint")]
+    TooMany,
     /// The endpoint is closed.
     #[error("the endpoint is closed")]
     Closed,
+}
+
+impl Peer for EndpointAddr {
+    fn same_node(&self, other: &Self) -> bool {
+        self.nic == other.nic
+    }
 }
 
 /// Shared liveness of one connection.
@@ -82,125 +92,75 @@ pub(crate) struct ConnRegistry {
     map: Mutex<ConnMap>,
 }
 
-/// Per-endpoint handshake state.
-#[derive(Debug, Default)]
-pub(crate) struct Handshakes {
-    partial: HashMap<(EndpointAddr, u64), (u8, usize, Vec<u8>)>,
-    requests: VecDeque<ConnectRequest>,
-    /// Tokens being waited for: `None` until the answer (`Some(None)`: refused).
-    answers: HashMap<u64, Option<Option<Descriptor>>>,
-    pub listening: bool,
-}
-
-/// The per-endpoint part: state and a condition variable.
-#[derive(Debug, Default)]
+/// The per-endpoint part: the hand-shake machine and a condition variable for its waiters.
+#[derive(Debug)]
 pub(crate) struct EndpointConns {
-    pub state: Mutex<Handshakes>,
+    pub state: Mutex<Handshakes<EndpointAddr>>,
     pub cv: Condvar,
 }
 
+impl Default for EndpointConns {
+    fn default() -> Self {
+        EndpointConns { state: Mutex::new(Handshakes::new(Limits::default())), cv: Condvar::new() }
+    }
+}
+
 /// Whether an OOB payload belongs to this protocol.
-pub(crate) fn is_handshake(payload: &[u8; OOB_PAYLOAD]) -> bool {
-    payload[..2] == MAGIC
+pub(crate) fn is_handshake(payload: &[u8; connect::PAYLOAD]) -> bool {
+    connect::is_handshake(payload)
 }
 
-fn header(kind: u8, token: u64) -> [u8; OOB_PAYLOAD] {
-    let mut p = [0u8; OOB_PAYLOAD];
-    p[..2].copy_from_slice(&MAGIC);
-    p[2] = kind;
-    p[3..11].copy_from_slice(&token.to_le_bytes());
-    p
+/// The blob a CONNECT or ACCEPT carries: descriptor and private data.
+fn blob(desc: &Descriptor, data: &[u8]) -> Vec<u8> {
+    let d = desc.to_bytes();
+    let mut b = Vec::with_capacity(2 + d.len() + data.len());
+    b.extend_from_slice(&(d.len() as u16).to_le_bytes());
+    b.extend_from_slice(&d);
+    b.extend_from_slice(data);
+    b
 }
 
-/// The messages carrying `desc` for a CONNECT or ACCEPT.
-fn messages(kind: u8, token: u64, desc: &Descriptor) -> Vec<[u8; OOB_PAYLOAD]> {
-    let bytes = desc.to_bytes();
-    let mut out = Vec::new();
-    let mut first = header(kind, token);
-    first[HEAD..HEAD + 2].copy_from_slice(&(bytes.len() as u16).to_le_bytes());
-    let n = bytes.len().min(FIRST);
-    first[HEAD + 2..HEAD + 2 + n].copy_from_slice(&bytes[..n]);
-    out.push(first);
-    for (i, chunk) in bytes[n..].chunks(FRAG).enumerate() {
-        let mut f = header(T_FRAG, token);
-        f[HEAD] = (i + 1) as u8;
-        f[HEAD + 1..HEAD + 1 + chunk.len()].copy_from_slice(chunk);
-        out.push(f);
+fn unblob(b: &[u8]) -> Option<(Descriptor, Vec<u8>)> {
+    let n = usize::from(u16::from_le_bytes([*b.first()?, *b.get(1)?]));
+    let d = b.get(2..2 + n)?;
+    let data = b.get(2 + n..)?;
+    if data.len() > MAX_PRIVATE_DATA {
+        return None;
     }
-    out
+    Some((Descriptor::from_bytes(d).ok()?, data.to_vec()))
 }
 
-/// A handshake message arrived for endpoint `ep` (any thread; never blocks).
+/// Run what the machine produced: messages to send (through the engine: never waits) and
+/// events to act on.
+fn drive(ep: &EndpointInner, st: &mut Handshakes<EndpointAddr>) -> Vec<HsEvent<EndpointAddr>> {
+    while let Some((to, p)) = st.poll_transmit() {
+        ep.nic.outbox(ep.addr, to, p);
+    }
+    std::iter::from_fn(|| st.poll_event()).collect()
+}
+
+fn act(ep: &EndpointInner, events: Vec<HsEvent<EndpointAddr>>) {
+    let mut wake = false;
+    for e in events {
+        match e {
+            HsEvent::Request | HsEvent::Answered(_) => wake = true,
+            HsEvent::Closed { from, token } => ep.nic.conns.disconnect(&ep.nic, ep.addr.port, token, Some(from)),
+        }
+    }
+    if wake {
+        ep.conns.cv.notify_all();
+    }
+}
+
+/// A hand-shake message arrived for endpoint `ep` from `msg.from` (verified by the
+/// transport it came through). Any thread; never blocks.
 pub(crate) fn on_message(ep: &EndpointInner, msg: OobMessage) {
-    let p = &msg.payload;
-    let kind = p[2];
-    let token = u64::from_le_bytes(p[3..11].try_into().unwrap_or([0; 8]));
-    let conns = &ep.conns;
-    let mut st = lock(&conns.state);
-    let key = (msg.from, token);
-    let complete = match kind {
-        T_CONNECT | T_ACCEPT => {
-            let total = u16::from_le_bytes([p[HEAD], p[HEAD + 1]]) as usize;
-            if total > crate::descriptor::MAX_BYTES {
-                return;
-            }
-            let n = total.min(FIRST);
-            let data = p[HEAD + 2..HEAD + 2 + n].to_vec();
-            if data.len() == total {
-                Some((kind, data))
-            } else {
-                // Bounded: a peer cannot grow this without limit.
-                if st.partial.len() >= MAX_PARTIAL {
-                    st.partial.clear();
-                }
-                st.partial.insert(key, (kind, total, data));
-                None
-            }
-        }
-        T_FRAG => {
-            let Some((k, total, mut data)) = st.partial.remove(&key) else { return };
-            let n = (total - data.len()).min(FRAG);
-            data.extend_from_slice(&p[HEAD + 1..HEAD + 1 + n]);
-            if data.len() == total {
-                Some((k, data))
-            } else {
-                st.partial.insert(key, (k, total, data));
-                None
-            }
-        }
-        T_REFUSE => {
-            if let Some(a) = st.answers.get_mut(&token) {
-                *a = Some(None);
-                conns.cv.notify_all();
-            }
-            return;
-        }
-        T_CLOSE => {
-            drop(st);
-            ep.nic.conns.disconnect(&ep.nic, ep.addr.port, token, Some(msg.from));
-            return;
-        }
-        _ => return,
+    let events = {
+        let mut st = lock(&ep.conns.state);
+        st.handle_message(msg.from, &msg.payload, Instant::now());
+        drive(ep, &mut st)
     };
-    let Some((kind, bytes)) = complete else { return };
-    let Ok(desc) = Descriptor::from_bytes(&bytes) else { return };
-    match kind {
-        T_CONNECT => {
-            if st.listening && st.requests.len() < MAX_REQUESTS {
-                st.requests.push_back(ConnectRequest { from: msg.from, token, descriptor: desc });
-                conns.cv.notify_all();
-            } else {
-                drop(st);
-                ep.nic.outbox(ep.addr, msg.from, header(T_REFUSE, token));
-            }
-        }
-        _ => {
-            if let Some(a) = st.answers.get_mut(&token) {
-                *a = Some(Some(desc));
-                conns.cv.notify_all();
-            }
-        }
-    }
+    act(ep, events);
 }
 
 impl ConnRegistry {
@@ -210,33 +170,67 @@ impl ConnRegistry {
         s
     }
 
-    /// End connection `(port, token)` (if `from` is given, only if it is the peer's) and
-    /// post the disconnect event.
+    fn set_peer(&self, port: u32, token: u64, peer: EndpointAddr) {
+        if let Some(e) = lock(&self.map).get_mut(&(port, token)) {
+            e.0 = peer;
+        }
+    }
+
+    fn forget(&self, port: u32, token: u64) {
+        lock(&self.map).remove(&(port, token));
+    }
+
+    /// End connection `(port, token)` (if `from` is given, only if it is on the peer's NIC:
+    /// the token is the capability) and post the disconnect event.
     pub(crate) fn disconnect(&self, nic: &NicInner, port: u32, token: u64, from: Option<EndpointAddr>) {
         let e = {
             let mut m = lock(&self.map);
             match m.get(&(port, token)) {
-                Some((peer, _)) if from.is_none_or(|f| f == *peer) => m.remove(&(port, token)),
+                Some((peer, _)) if from.is_none_or(|f| f.nic == peer.nic) => m.remove(&(port, token)),
                 _ => None,
             }
         };
-        if let Some((_, shared)) = e {
+        if let Some((peer, shared)) = e {
             if let Some(s) = shared.upgrade() {
                 s.alive.store(false, Ordering::Release);
             }
+            tracing::debug!(port, token, %peer, "connection ended");
             if let Some(ep) = nic.endpoint(port) {
                 ep.queue.inner.post_local(EVENT_DISCONNECT, u64::from(port), token);
             }
         }
     }
+
+    /// Connections of endpoint `from_port` with `peer`: a message to it could not be
+    /// delivered, so they are over.
+    pub(crate) fn unreachable(&self, nic: &NicInner, from_port: u32, peer: EndpointAddr) {
+        let gone: Vec<u64> = lock(&self.map)
+            .iter()
+            .filter(|((p, _), (q, _))| *p == from_port && *q == peer)
+            .map(|((_, t), _)| *t)
+            .collect();
+        for t in gone {
+            self.disconnect(nic, from_port, t, None);
+        }
+    }
 }
 
-/// Every connection to NIC `peer` ends (its process died or the link broke).
-pub(crate) fn peer_gone(nic: &NicInner, peer: NicAddr) {
+/// Every connection to NIC `peer` ends (its process died or the link broke), and every
+/// endpoint forgets its hand-shakes with it.
+pub(crate) fn peer_gone(nic: &NicInner, peer: NicAddr, endpoints: &[Arc<EndpointInner>]) {
     let gone: Vec<(u32, u64)> =
         lock(&nic.conns.map).iter().filter(|(_, (p, _))| p.nic == peer).map(|(k, _)| *k).collect();
     for (port, token) in gone {
         nic.conns.disconnect(nic, port, token, None);
+    }
+    for ep in endpoints {
+        let events = {
+            let mut st = lock(&ep.conns.state);
+            st.peers_gone(|p| p.nic == peer);
+            drive(ep, &mut st)
+        };
+        act(ep, events);
+        ep.conns.cv.notify_all();
     }
 }
 
@@ -247,11 +241,22 @@ fn random_token() -> u64 {
 }
 
 /// A connection request waiting to be accepted.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ConnectRequest {
     from: EndpointAddr,
     token: u64,
     descriptor: Descriptor,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for ConnectRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectRequest")
+            .field("from", &self.from)
+            .field("token", &self.token)
+            .field("data_len", &self.data.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ConnectRequest {
@@ -263,46 +268,76 @@ impl ConnectRequest {
     pub fn descriptor(&self) -> &Descriptor {
         &self.descriptor
     }
+    /// The client's private data (empty unless it used [`Endpoint::connect_with_data`]).
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
     /// The connection's token.
     pub fn token(&self) -> u64 {
         self.token
     }
 
-    /// Accept, giving the client `local` (typically an aperture exported for it).
+    /// Accept on endpoint `ep` (typically a fresh one for this connection), giving the client
+    /// `local` (typically an aperture exported for it). Returns at once: the answer goes out
+    /// through the NIC's engine; a client that went away meanwhile shows up as the
+    /// connection's end ([`Connection::is_alive`], [`crate::Event::Disconnect`]).
     pub fn accept(self, ep: &Endpoint, local: &Descriptor) -> Result<Connection, ConnectError> {
-        let shared = ep.inner.nic.conns.insert(ep.port(), self.token, self.from);
-        for m in messages(T_ACCEPT, self.token, local) {
-            if let Err(e) = ep.send_oob(self.from, &m) {
-                lock(&ep.inner.nic.conns.map).remove(&(ep.port(), self.token));
-                return Err(e.into());
-            }
+        self.accept_with_data(ep, local, &[])
+    }
+
+    /// [`ConnectRequest::accept`], with private data for the client
+    /// ([`Connection::peer_data`]; at most [`MAX_PRIVATE_DATA`] bytes).
+    pub fn accept_with_data(self, ep: &Endpoint, local: &Descriptor, data: &[u8]) -> Result<Connection, ConnectError> {
+        if data.len() > MAX_PRIVATE_DATA {
+            return Err(ConnectError::DataTooLong(data.len()));
         }
+        if ep.is_closed() {
+            return Err(ConnectError::Closed);
+        }
+        let nic = &ep.inner.nic;
+        let shared = nic.conns.insert(ep.port(), self.token, self.from);
+        for m in connect::encode_accept(self.token, &blob(local, data)) {
+            nic.outbox(ep.addr(), self.from, m);
+        }
+        tracing::debug!(local = %ep.addr(), peer = %self.from, token = self.token, "connection accepted");
         Ok(Connection {
-            nic: Arc::downgrade(&ep.inner.nic),
+            nic: Arc::downgrade(nic),
             local: ep.addr(),
             peer: self.from,
             token: self.token,
             peer_desc: self.descriptor,
+            peer_data: self.data,
             shared,
         })
     }
 
-    /// Refuse.
+    /// Refuse (the client's connect fails with [`ConnectError::Refused`]). Never waits.
     pub fn refuse(self, ep: &Endpoint) -> Result<(), ConnectError> {
-        ep.send_oob(self.from, &header(T_REFUSE, self.token))?;
+        ep.inner.nic.outbox(ep.addr(), self.from, connect::encode_refuse(self.token, connect::RefuseReason::Refused));
         Ok(())
     }
 }
 
 /// A connection between two endpoints, with the peer's descriptor. Dropping it closes it.
-#[derive(Debug)]
 pub struct Connection {
     nic: Weak<NicInner>,
     local: EndpointAddr,
     peer: EndpointAddr,
     token: u64,
     peer_desc: Descriptor,
+    peer_data: Vec<u8>,
     shared: Arc<ConnShared>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("local", &self.local)
+            .field("peer", &self.peer)
+            .field("token", &self.token)
+            .field("alive", &self.is_alive())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Connection {
@@ -310,7 +345,8 @@ impl Connection {
     pub fn local(&self) -> EndpointAddr {
         self.local
     }
-    /// The peer endpoint.
+    /// The peer endpoint (for a client: the endpoint that accepted, which may differ from
+    /// the listening one it dialled).
     pub fn peer(&self) -> EndpointAddr {
         self.peer
     }
@@ -321,6 +357,10 @@ impl Connection {
     /// The descriptor the peer gave.
     pub fn peer_descriptor(&self) -> &Descriptor {
         &self.peer_desc
+    }
+    /// The private data the peer gave.
+    pub fn peer_data(&self) -> &[u8] {
+        &self.peer_data
     }
     /// Whether the connection is up (false after the peer closed, died or its link broke).
     pub fn is_alive(&self) -> bool {
@@ -335,25 +375,34 @@ impl Drop for Connection {
         let Some(nic) = self.nic.upgrade() else { return };
         let was = lock(&nic.conns.map).remove(&(self.local.port, self.token)).is_some();
         if was && self.is_alive() {
-            nic.outbox(self.local, self.peer, header(T_CLOSE, self.token));
+            nic.outbox(self.local, self.peer, connect::encode_close(self.token));
         }
     }
 }
 
+fn send_error(to: EndpointAddr, e: OobError) -> ConnectError {
+    match e {
+        OobError::NoSuchEndpoint(_) | OobError::Unreachable(_) => ConnectError::Refused(to),
+        OobError::Timeout => ConnectError::Timeout(to),
+        OobError::Closed => ConnectError::Closed,
+        other => ConnectError::Oob(other),
+    }
+}
+
 impl Endpoint {
-    /// Release `st` until the handshake state may have changed, at most `left` (and at most
+    /// Release `st` until the hand-shake state may have changed, at most `left` (and at most
     /// 100 ms, so callers recheck their deadlines). With manual progress, replies only
     /// arrive if someone drives the links: this thread does.
     fn await_handshake<'a>(
         &'a self,
-        st: std::sync::MutexGuard<'a, Handshakes>,
+        st: std::sync::MutexGuard<'a, Handshakes<EndpointAddr>>,
         left: Duration,
-    ) -> std::sync::MutexGuard<'a, Handshakes> {
+    ) -> std::sync::MutexGuard<'a, Handshakes<EndpointAddr>> {
         let conns = &self.inner.conns;
         if self.inner.nic.manual_progress() {
             drop(st);
             if !self.inner.nic.progress() {
-                std::thread::sleep(Duration::from_micros(100));
+                std::thread::sleep(left.min(Duration::from_micros(100)));
             }
             lock(&conns.state)
         } else {
@@ -364,68 +413,138 @@ impl Endpoint {
     /// Accept connection requests from now on (they queue until [`Endpoint::accept`]).
     /// Requests that arrive while not listening are refused.
     pub fn listen(&self) {
-        lock(&self.inner.conns.state).listening = true;
+        lock(&self.inner.conns.state).listen(true);
+    }
+
+    /// Stop listening: queued requests are refused.
+    pub fn unlisten(&self) {
+        let events = {
+            let mut st = lock(&self.inner.conns.state);
+            st.listen(false);
+            drive(&self.inner, &mut st)
+        };
+        act(&self.inner, events);
     }
 
     /// Connect to the listening endpoint `to`, giving it `local`; returns the connection and
-    /// the server's descriptor.
+    /// the server's descriptor. Waits at most `timeout` (default
+    /// [`DEFAULT_CONNECT_TIMEOUT`]) in all.
     pub fn connect(
         &self,
         to: EndpointAddr,
         local: &Descriptor,
         timeout: Option<Duration>,
     ) -> Result<Connection, ConnectError> {
+        self.connect_with_data(to, local, &[], timeout)
+    }
+
+    /// [`Endpoint::connect`], with private data for the server
+    /// ([`ConnectRequest::data`]; at most [`MAX_PRIVATE_DATA`] bytes).
+    pub fn connect_with_data(
+        &self,
+        to: EndpointAddr,
+        local: &Descriptor,
+        data: &[u8],
+        timeout: Option<Duration>,
+    ) -> Result<Connection, ConnectError> {
+        if data.len() > MAX_PRIVATE_DATA {
+            return Err(ConnectError::DataTooLong(data.len()));
+        }
+        if self.is_closed() {
+            return Err(ConnectError::Closed);
+        }
+        let timeout = timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        let deadline = Instant::now() + timeout;
         let token = random_token();
         let conns = &self.inner.conns;
-        lock(&conns.state).answers.insert(token, None);
-        let forget = || {
-            lock(&conns.state).answers.remove(&token);
+        let nic = &self.inner.nic;
+        let msgs = lock(&conns.state).dial(to, token, &blob(local, data), timeout).ok_or(ConnectError::TooMany)?;
+        // Registered before the request goes out: a close that follows the answer at once is
+        // never missed.
+        let shared = nic.conns.insert(self.port(), token, to);
+        let give_up = |send_close: bool| {
+            let close = lock(&conns.state).cancel_dial(token);
+            nic.conns.forget(self.port(), token);
+            if let (Some((peer, p)), true) = (close, send_close) {
+                nic.outbox(self.addr(), peer, p);
+            }
         };
-        for m in messages(T_CONNECT, token, local) {
-            if let Err(e) = self.send_oob(to, &m) {
-                forget();
-                return Err(e.into());
+        for (i, m) in msgs.iter().enumerate() {
+            if let Err(e) = self.send_oob_until(to, m, deadline) {
+                give_up(i > 0);
+                tracing::debug!(local = %self.addr(), peer = %to, "connect failed: {e}");
+                return Err(send_error(to, e));
             }
         }
-        let deadline = Instant::now() + timeout.unwrap_or(Duration::from_secs(10));
         let mut st = lock(&conns.state);
         loop {
-            if let Some(Some(a)) = st.answers.get(&token) {
-                let a = a.clone();
-                st.answers.remove(&token);
+            if let Some(a) = st.take_answer(token) {
+                drop(st);
                 return match a {
-                    Some(desc) => {
-                        drop(st);
-                        let shared = self.inner.nic.conns.insert(self.port(), token, to);
-                        Ok(Connection {
-                            nic: Arc::downgrade(&self.inner.nic),
-                            local: self.addr(),
-                            peer: to,
-                            token,
-                            peer_desc: desc,
-                            shared,
-                        })
+                    Answer::Accepted { from, desc } => match unblob(&desc) {
+                        Some((peer_desc, peer_data)) => {
+                            nic.conns.set_peer(self.port(), token, from);
+                            tracing::debug!(local = %self.addr(), peer = %from, token, "connected");
+                            Ok(Connection {
+                                nic: Arc::downgrade(nic),
+                                local: self.addr(),
+                                peer: from,
+                                token,
+                                peer_desc,
+                                peer_data,
+                                shared,
+                            })
+                        }
+                        None => {
+                            nic.conns.forget(self.port(), token);
+                            nic.outbox(self.addr(), from, connect::encode_close(token));
+                            Err(ConnectError::BadDescriptor(from))
+                        }
+                    },
+                    Answer::Refused(reason) => {
+                        nic.conns.forget(self.port(), token);
+                        tracing::debug!(local = %self.addr(), peer = %to, ?reason, "connection refused");
+                        Err(ConnectError::Refused(to))
                     }
-                    None => Err(ConnectError::Refused(to)),
+                    Answer::Closed => {
+                        nic.conns.forget(self.port(), token);
+                        Err(ConnectError::PeerGone(to))
+                    }
                 };
+            }
+            if !shared.alive.load(Ordering::Acquire) {
+                drop(st);
+                give_up(false);
+                return Err(ConnectError::PeerGone(to));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                st.answers.remove(&token);
+                drop(st);
+                give_up(true);
+                tracing::debug!(local = %self.addr(), peer = %to, "connect timed out");
                 return Err(ConnectError::Timeout(to));
+            }
+            if self.is_closed() {
+                drop(st);
+                give_up(true);
+                return Err(ConnectError::Closed);
             }
             st = self.await_handshake(st, left);
         }
     }
 
-    /// Wait for a connection request (after [`Endpoint::listen`]).
+    /// Wait for a connection request (after [`Endpoint::listen`]). Only requests that can
+    /// still be answered are returned: one whose client gave up, died or sent a malformed
+    /// descriptor is dropped here, never reported.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<ConnectRequest, ConnectError> {
-        let conns = &self.inner.conns;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = lock(&conns.state);
+        let mut st = lock(&self.inner.conns.state);
         loop {
-            if let Some(r) = st.requests.pop_front() {
+            if let Some(r) = self.pop_valid(&mut st) {
                 return Ok(r);
+            }
+            if self.is_closed() {
+                return Err(ConnectError::Closed);
             }
             let left = match deadline {
                 Some(d) => {
@@ -441,8 +560,28 @@ impl Endpoint {
         }
     }
 
+    fn pop_valid(&self, st: &mut Handshakes<EndpointAddr>) -> Option<ConnectRequest> {
+        while let Some(r) = st.pop_request(Instant::now()) {
+            match unblob(&r.desc) {
+                Some((descriptor, data)) => {
+                    return Some(ConnectRequest { from: r.from, token: r.token, descriptor, data });
+                }
+                None => {
+                    tracing::debug!(local = %self.addr(), peer = %r.from, "refused a request with a malformed descriptor");
+                    self.inner.nic.outbox(
+                        self.addr(),
+                        r.from,
+                        connect::encode_refuse(r.token, connect::RefuseReason::Refused),
+                    );
+                }
+            }
+        }
+        None
+    }
+
     /// A connection request, if one is waiting (never blocks).
     pub fn try_accept(&self) -> Option<ConnectRequest> {
-        lock(&self.inner.conns.state).requests.pop_front()
+        let mut st = lock(&self.inner.conns.state);
+        self.pop_valid(&mut st)
     }
 }

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use crate::addr::EndpointAddr;
 use crate::aperture::{Aperture, ApertureInner};
 use crate::config::ExportConfig;
-use crate::ctl::{self, Code};
 use crate::descriptor::Descriptor;
 use crate::dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaQueue, DmaRequest, DmaStats, DmaTicket};
 use crate::error::{Denial, DmaError, ExportError, ImportError, OobError, TripwireError};
@@ -18,6 +17,7 @@ use crate::lock;
 use crate::mapping::{Keep, Mapping};
 use crate::nic::NicInner;
 use crate::tripset::Tripset;
+use clan_wire::control::{Code, OOB_PAYLOAD};
 
 /// Capacity of an endpoint's out-of-band queue.
 pub const OOB_QUEUE: usize = 256;
@@ -28,7 +28,7 @@ pub struct OobMessage {
     /// Sending endpoint.
     pub from: EndpointAddr,
     /// Payload (zero-padded).
-    pub payload: [u8; ctl::OOB_PAYLOAD],
+    pub payload: [u8; OOB_PAYLOAD],
 }
 
 /// How an endpoint is created.
@@ -89,7 +89,9 @@ impl EndpointInner {
         self.dma.get().ok_or(DmaError::EndpointClosed)
     }
 
-    /// Queue an out-of-band message and post its event.
+    /// Queue an out-of-band message and post its event. `msg.from` must be what the
+    /// transport verified (the engine's host sessions, the link's authenticated peer, or an
+    /// endpoint of this NIC).
     pub fn deliver_oob(&self, msg: OobMessage) -> Result<(), Code> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Code::NoSuchEndpoint);
@@ -174,9 +176,21 @@ impl Endpoint {
         Ok(ap)
     }
 
+    /// Whether the endpoint was closed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
+    }
+
     /// Import a descriptor: from this process, from another process of this host (the
-    /// memory is mapped here), or from another host (over a link).
+    /// memory is mapped here), or from another host (over a link). Waits at most
+    /// [`crate::NicConfig::request_timeout`] for the exporter.
     pub fn import(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
+        self.import_timeout(desc, self.inner.nic.config.request_timeout)
+    }
+
+    /// [`Endpoint::import`], waiting at most `timeout` for the exporter (and for a link to
+    /// be set up).
+    pub fn import_timeout(&self, desc: &Descriptor, timeout: Duration) -> Result<Mapping, ImportError> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(ImportError::EndpointClosed);
         }
@@ -184,13 +198,20 @@ impl Endpoint {
         if desc.nic() == nic.addr {
             return self.import_local(desc);
         }
-        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory {
-            match crate::peer::import_remote(&self.inner, desc) {
-                Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
-                r => return r,
+        let deadline = Instant::now() + timeout;
+        let r = (|| {
+            if nic.config.local_transport == crate::config::LocalTransport::SharedMemory {
+                match crate::peer::import_remote(&self.inner, desc, deadline, timeout) {
+                    Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
+                    r => return r,
+                }
             }
+            crate::remote::import_over_link(&self.inner, desc, deadline, timeout)
+        })();
+        if let Err(e) = &r {
+            tracing::debug!(importer = %self.addr(), exporter = %desc.nic(), aperture = desc.aperture(), "import failed: {e}");
         }
-        crate::remote::import_over_link(&self.inner, desc)
+        r
     }
 
     fn import_local(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
@@ -222,6 +243,7 @@ impl Endpoint {
             tag: w.tag,
             live: w.live,
             port: w.port.clone(),
+            peer_alive: None,
         };
         Ok(Mapping::new(&self.inner, desc, crate::mapping::Via::Local(window), Keep::Local(ap)))
     }
@@ -232,15 +254,21 @@ impl Endpoint {
     }
 
     /// Send an out-of-band message (at most 40 bytes, zero-padded) to `to`. Returns once it is
-    /// queued at the destination (or with the reason it could not be).
+    /// queued at the destination (or with the reason it could not be), waiting at most
+    /// [`crate::NicConfig::request_timeout`].
     pub fn send_oob(&self, to: EndpointAddr, payload: &[u8]) -> Result<(), OobError> {
-        if payload.len() > ctl::OOB_PAYLOAD {
+        self.send_oob_until(to, payload, Instant::now() + self.inner.nic.config.request_timeout)
+    }
+
+    /// [`Endpoint::send_oob`], giving up at `deadline` ([`OobError::Timeout`]).
+    pub(crate) fn send_oob_until(&self, to: EndpointAddr, payload: &[u8], deadline: Instant) -> Result<(), OobError> {
+        if payload.len() > OOB_PAYLOAD {
             return Err(OobError::TooLong(payload.len()));
         }
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(OobError::Closed);
         }
-        let mut p = [0u8; ctl::OOB_PAYLOAD];
+        let mut p = [0u8; OOB_PAYLOAD];
         p[..payload.len()].copy_from_slice(payload);
         let nic = &self.inner.nic;
         let code = if to.nic == nic.addr {
@@ -249,11 +277,11 @@ impl Endpoint {
                 Err(c) => c,
             }
         } else {
-            match nic.send_oob_host(self.inner.addr, to, p) {
+            match nic.send_oob_host(self.inner.addr, to, p, deadline) {
                 Some(Ok(())) => return Ok(()),
                 Some(Err(HostOob::Code(c))) => c,
                 Some(Err(HostOob::Failed(e))) => return Err(e),
-                None => return crate::remote::oob_over_link(nic, self.inner.addr, to, p, true),
+                None => return crate::remote::oob_over_link(nic, self.inner.addr, to, p, deadline),
             }
         };
         Err(match code {
@@ -353,9 +381,7 @@ pub(crate) enum HostOob {
 pub(crate) fn oob_peer_error(to: EndpointAddr, e: crate::peer::PeerError) -> OobError {
     match e {
         crate::peer::PeerError::Unreachable => OobError::Unreachable(to.nic),
-        crate::peer::PeerError::Timeout(t) => {
-            OobError::Protocol { peer: to.nic, detail: format!("no answer within {t:?}") }
-        }
+        crate::peer::PeerError::Timeout => OobError::Timeout,
         crate::peer::PeerError::Protocol(d) => OobError::Protocol { peer: to.nic, detail: d },
         crate::peer::PeerError::Io(e) => OobError::Protocol { peer: to.nic, detail: e.to_string() },
     }

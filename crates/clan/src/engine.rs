@@ -1,16 +1,36 @@
 //! The NIC engine: the thread that serves the host control channel and drives links.
 //!
-//! It waits in epoll (through mio). Within a host it only serves other NICs' import,
-//! unimport and out-of-band requests: data never passes through it. For links it accepts and
-//! dials TCP connections and runs their handshake (hello, optional authentication, the
-//! tie-break between simultaneous connections), then processes incoming frames (unless the
-//! application drives progress itself), flushes queued control frames and runs the keepalive.
+//! It waits in epoll (through mio) and **never blocks on anything else**: not on a peer, a
+//! link, a hand-shake, a lock held across I/O, or an application thread. Every socket it
+//! owns is non-blocking; every protocol step is taken by a sans-IO machine of `clan_wire`
+//! (the engine feeds it bytes and time, and does what it asks); every table it keeps is
+//! bounded and every set-up has a deadline. What it owns:
 //!
-//! Every request is validated before anything is touched; a host connection that sends
-//! garbage gets an error reply and is dropped after [`MAX_BAD`] bad messages, and one whose
-//! peer does not read its replies is dropped rather than allowed to stall the engine.
+//! - **Host sessions** (`Entry::Host`): connections from other NICs of this host to ours. Each
+//!   is a `clan_wire::control::Session`: a hello within a deadline, whose NIC address is
+//!   verified to belong to the connecting process (a non-blocking connect to that NIC's
+//!   listener, whose credentials must name the same pid), before anything is served; senders
+//!   of out-of-band messages checked against it; bad messages counted. Connections per
+//!   process, per user and in all are bounded (`clan_wire::control::Admission`). A reply that
+//!   does not fit in the socket (the peer does not read) drops the connection.
+//! - **Outgoing host channels** (`Entry::Out`): one non-blocking connection per NIC of this
+//!   host we send to on our own behalf (out-of-band messages from the outbox: connection
+//!   answers and closes) or import from. Messages are one-way and queued (bounded); the
+//!   channel's end is how we learn that the peer's process died (`NicInner::peer_gone`).
+//! - **Link set-ups** (`Entry::Setup`): TCP connections running `clan_wire::handshake`. The
+//!   acceptor's decision (one link per pair of NICs) is made only after the peer is verified:
+//!   the connection dialled by the smaller address wins a simultaneous dial, and an
+//!   established link is never replaced on a peer's word: it is *probed* (a ping), and kept
+//!   if it answers.
+//! - **Links** (`Entry::Link`): frames received and processed here (unless the application
+//!   drives progress itself), queued frames flushed, keepalive; a link whose peer stops
+//!   reading stops being read, and ends (`clan_wire::Timeout::Stalled`).
+//!
+//! Messages the engine sends for others (`NicInner::outbox`) go through the host channel
+//! within a host, or the link (parked while it is dialled, bounded, expiring) across hosts.
+//! A message that cannot be delivered ends its sender's connections with that endpoint.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,23 +39,30 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use clan_shm::seqpacket::{PeerCred, SeqPacket};
-use clan_wire::{Decoder, Frame, Hello, Item, LinkState, Status};
+use clan_wire::control::{Admission, AdmissionLimits, MAX_MSG, Reply, Request, Session, SessionLimits, Step};
+use clan_wire::handshake::{Handshake, HandshakeConfig, HandshakeEvent, Role};
+use clan_wire::{Frame, LinkState, Status};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use crate::addr::NicAddr;
-use crate::config::Progress;
-use crate::ctl::{self, Code, Reply, Request};
-use crate::link::Link;
+use crate::addr::{EndpointAddr, NicAddr};
+use crate::config::{LocalTransport, Progress};
+use crate::link::{Link, LinkError};
 use crate::nic::{Cmd, NicInner};
 
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
 const TCP_LISTENER: Token = Token(2);
-/// Bad messages tolerated on one host connection.
-pub const MAX_BAD: u32 = 8;
 /// Bytes of incoming link traffic processed per link before looking at the others.
 const BUDGET: usize = 1 << 20;
+/// Links being set up at once, at most: more connections are closed at once.
+const MAX_SETUPS: usize = 4096;
+/// Messages parked for one peer while its link is dialled.
+const MAX_PARKED: usize = 1024;
+/// Messages queued on one outgoing host channel.
+const MAX_OUT_QUEUE: usize = 4096;
+/// How often a connect to a host peer whose listener's backlog is full is retried.
+const RETRY: Duration = Duration::from_millis(5);
 
 /// Server-side state of one host connection.
 #[derive(Debug)]
@@ -43,38 +70,61 @@ pub(crate) struct Conn {
     pub sock: SeqPacket,
     pub cred: PeerCred,
     pub id: u64,
+    /// The peer NIC, once its hello is verified.
     pub hello: Option<NicAddr>,
-    /// Whether `hello` was checked to be a NIC of the connecting process.
-    pub verified: Option<bool>,
     pub imports: HashMap<u64, (u32, u32)>,
     pub eqs: HashSet<u32>,
-    pub bad: u32,
+    session: Session,
 }
 
 /// A link being set up.
-struct Handshake {
+struct Setup {
     sock: mio::net::TcpStream,
-    /// The NIC we dialled, for outgoing connections.
-    out: Option<NicAddr>,
+    hs: Handshake,
+    /// Hand-shake bytes not written yet.
+    out: Vec<u8>,
     connected: bool,
-    sent_hello: bool,
-    nonce: [u8; 16],
-    buf: Vec<u8>,
-    peer: Option<Hello>,
-    auth_sent: bool,
-    auth_ok: bool,
-    deadline: Instant,
-    dead: Option<String>,
-    /// Acceptor: the tie-break kept this connection (our hello may go out).
-    accepted: bool,
-    /// Refused as a duplicate by the peer: the winning connection is coming the other way.
-    duplicate: bool,
+    /// The NIC we dialled (for outgoing connections).
+    dialled: Option<NicAddr>,
+    /// Our dial lost the tie-break to the peer's: the link comes the other way, and the end
+    /// of this one is no failure.
+    superseded: bool,
+    /// Deciding while the existing link to the peer is probed: (link, ping token, deadline).
+    probe: Option<(Arc<Link>, u64, Instant)>,
+    /// A connect error, if the dial failed.
+    error: Option<LinkError>,
+}
+
+/// An encoded one-way request, with the endpoints of the out-of-band message it carries.
+type Queued = (Vec<u8>, Option<(EndpointAddr, EndpointAddr)>);
+
+/// Our outgoing channel to another NIC of this host.
+struct Out {
+    peer: NicAddr,
+    /// None while the peer's listener had no room (retried every [`RETRY`]).
+    sock: Option<SeqPacket>,
+    /// Encoded one-way requests, the hello first; with the endpoints of out-of-band messages.
+    queue: VecDeque<Queued>,
+    hello_ok: bool,
+    opened: Instant,
+    /// When the queue last moved (or was empty).
+    moved: Instant,
+    retry_at: Option<Instant>,
 }
 
 enum Entry {
     Host(Conn),
-    Handshake(Handshake),
+    Out(Out),
+    Setup(Box<Setup>),
     Link(Arc<Link>),
+}
+
+/// A message parked while the link to its destination is dialled.
+struct Parked {
+    from: EndpointAddr,
+    to: EndpointAddr,
+    payload: [u8; 40],
+    expires: Instant,
 }
 
 #[derive(Debug)]
@@ -90,6 +140,7 @@ impl Engine {
         listener: SeqPacket,
         tcp: Option<std::net::TcpListener>,
         cpu: Option<usize>,
+        admission: AdmissionLimits,
     ) -> std::io::Result<(Engine, Arc<Waker>)> {
         listener.set_nonblocking(true)?;
         let poll = Poll::new()?;
@@ -112,7 +163,20 @@ impl Engine {
                 set.set(c);
                 let _ = rustix::thread::sched_setaffinity(None, &set);
             }
-            Run { nic, listener, tcp, poll, stop: s, entries: HashMap::new(), next_token: 3 }.run()
+            Run {
+                nic,
+                listener,
+                tcp,
+                poll,
+                stop: s,
+                entries: HashMap::new(),
+                next_token: 3,
+                admission: Admission::new(admission),
+                outs: HashMap::new(),
+                parked: HashMap::new(),
+                setups: 0,
+            }
+            .run()
         })?;
         Ok((Engine { waker: waker.clone(), stop, thread: Some(thread) }, waker))
     }
@@ -137,12 +201,43 @@ struct Run {
     stop: Arc<AtomicBool>,
     entries: HashMap<Token, Entry>,
     next_token: usize,
+    admission: Admission,
+    /// Outgoing host channels by peer.
+    outs: HashMap<NicAddr, Token>,
+    /// Messages waiting for a link, by peer.
+    parked: HashMap<NicAddr, VecDeque<Parked>>,
+    /// Link set-ups in progress.
+    setups: usize,
 }
 
 fn random16() -> [u8; 16] {
     let mut b = [0u8; 16];
     let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
     b
+}
+
+/// Whether `claimed` is a NIC of process `pid`: its listener's credentials (recorded by the
+/// kernel when it started listening) must name that pid. Never blocks: a Unix socket
+/// connects at once or not at all.
+fn verify_nic(claimed: NicAddr, pid: u32, ours: NicAddr) -> bool {
+    if claimed == ours {
+        return false;
+    }
+    match SeqPacket::connect_abstract_nonblocking(&claimed.abstract_name()) {
+        Ok(s) => s.peer_cred().is_ok_and(|c| c.pid == pid),
+        Err(_) => false,
+    }
+}
+
+fn oob_frame(from: EndpointAddr, to: EndpointAddr, payload: [u8; 40]) -> Frame<'static> {
+    // Id 0: one-way (the receiver sends no result).
+    Frame::Oob(clan_wire::Oob {
+        id: 0,
+        from_nic: from.nic.socket_addr(),
+        from_port: from.port,
+        to_port: to.port,
+        payload,
+    })
 }
 
 impl Run {
@@ -159,35 +254,7 @@ impl Run {
         while !self.stop.load(Ordering::Acquire) {
             let Some(nic) = self.nic.upgrade() else { break };
             let now = Instant::now();
-            let mut next = now + Duration::from_secs(1);
-            // Keepalive and handshake deadlines (and, in manual progress, a periodic look at
-            // the links so that a silent application does not let them die).
-            let manual = nic.manual_progress();
-            let mut dead = Vec::new();
-            for (t, e) in &self.entries {
-                match e {
-                    Entry::Link(l) => {
-                        if manual {
-                            l.progress(&nic);
-                        }
-                        next = next.min(l.handle_timeout(now));
-                        if l.is_closed() {
-                            dead.push(*t);
-                        }
-                    }
-                    Entry::Handshake(h) => {
-                        if now >= h.deadline || h.dead.is_some() {
-                            dead.push(*t);
-                        } else {
-                            next = next.min(h.deadline);
-                        }
-                    }
-                    Entry::Host(_) => {}
-                }
-            }
-            for t in dead {
-                self.drop_entry(&nic, t, "handshake timed out");
-            }
+            let next = self.timers(&nic, now, &mut more);
             let timeout = if !more.is_empty() || busy_until.is_some_and(|b| b > now) {
                 Some(Duration::ZERO)
             } else {
@@ -212,7 +279,7 @@ impl Run {
                 match token {
                     WAKER => {
                         self.commands(&nic);
-                        nic.flush_outbox();
+                        self.route_outbox(&nic);
                     }
                     LISTENER => self.accept_host(&nic),
                     TCP_LISTENER => self.accept_tcp(&nic),
@@ -228,10 +295,7 @@ impl Run {
             if let Progress::BusyPoll(d) = nic.config.progress {
                 for (t, e) in &self.entries {
                     if let Entry::Link(l) = e {
-                        if l.engine_receive(&nic, BUDGET) {
-                            more.push(*t);
-                        }
-                        if l.is_closed() {
+                        if l.engine_receive(&nic, BUDGET) || l.is_closed() {
                             more.push(*t);
                         }
                     }
@@ -253,35 +317,159 @@ impl Run {
                         l.close(Status::Shutdown, "NIC closing");
                         nic.link_closed(&l);
                     }
-                    Entry::Handshake(_) => {}
+                    Entry::Setup(_) | Entry::Out(_) => {}
                 }
             }
         }
+    }
+
+    /// Every entry's timers; returns when to look again.
+    fn timers(&mut self, nic: &Arc<NicInner>, now: Instant, more: &mut Vec<Token>) -> Instant {
+        let mut next = now + Duration::from_secs(1);
+        let manual = nic.manual_progress();
+        let mut dead: Vec<(Token, &'static str)> = Vec::new();
+        let mut probes: Vec<(Token, Option<bool>)> = Vec::new();
+        let mut retry: Vec<Token> = Vec::new();
+        let mut out_dead: Vec<(Token, bool, &'static str)> = Vec::new();
+        let timeout = nic.config.request_timeout;
+        for (t, e) in self.entries.iter_mut() {
+            match e {
+                Entry::Link(l) => {
+                    if manual {
+                        // A silent application must not let its links die.
+                        l.progress(nic);
+                    }
+                    next = next.min(l.handle_timeout(now));
+                    if l.is_closed() {
+                        dead.push((*t, "link closed"));
+                    } else if l.take_resume() {
+                        more.push(*t);
+                    }
+                }
+                Entry::Setup(s) => {
+                    s.hs.handle_timeout(now);
+                    if let Some(d) = s.hs.poll_timeout() {
+                        next = next.min(d);
+                    }
+                    if let Some((l, token, deadline)) = &s.probe {
+                        if l.is_closed() {
+                            probes.push((*t, Some(true)));
+                        } else if l.probe_answered(*token) {
+                            probes.push((*t, Some(false)));
+                        } else if now >= *deadline {
+                            probes.push((*t, None));
+                        } else {
+                            next = next.min(*deadline);
+                        }
+                    }
+                    if s.hs.failure().is_some() {
+                        dead.push((*t, "hand-shake failed"));
+                    }
+                }
+                Entry::Host(c) => {
+                    if c.session.handle_timeout(now) {
+                        dead.push((*t, "no verified hello in time"));
+                    } else if let Some(d) = c.session.poll_timeout() {
+                        next = next.min(d);
+                    }
+                }
+                Entry::Out(o) => {
+                    if o.sock.is_none() {
+                        if now >= o.opened + timeout {
+                            out_dead.push((*t, false, "its listener had no room"));
+                        } else if o.retry_at.is_some_and(|r| now >= r) {
+                            retry.push(*t);
+                        } else if let Some(r) = o.retry_at {
+                            next = next.min(r);
+                        }
+                    } else if !o.hello_ok && now >= o.opened + timeout {
+                        out_dead.push((*t, true, "it did not answer our hello"));
+                    } else if !o.queue.is_empty() && now >= o.moved + timeout {
+                        out_dead.push((*t, true, "it does not read"));
+                    } else {
+                        if !o.hello_ok {
+                            next = next.min(o.opened + timeout);
+                        }
+                        if !o.queue.is_empty() {
+                            next = next.min(o.moved + timeout);
+                        }
+                    }
+                }
+            }
+        }
+        for (t, why) in dead {
+            self.drop_entry(nic, t, why);
+        }
+        for (t, verdict) in probes {
+            self.probe_result(nic, t, verdict, now);
+        }
+        for t in retry {
+            self.retry_out(nic, t, now);
+        }
+        for (t, gone, why) in out_dead {
+            self.close_out(nic, t, gone, why);
+        }
+        // Parked messages whose link did not come in time.
+        let mut expired = Vec::new();
+        for q in self.parked.values_mut() {
+            while q.front().is_some_and(|p| p.expires <= now) {
+                expired.extend(q.pop_front());
+            }
+            if let Some(p) = q.front() {
+                next = next.min(p.expires);
+            }
+        }
+        self.parked.retain(|_, q| !q.is_empty());
+        for p in expired {
+            tracing::debug!(from = %p.from, to = %p.to, "out-of-band message dropped: no link in time");
+            nic.conns.unreachable(nic, p.from.port, p.to);
+        }
+        next
     }
 
     fn drop_entry(&mut self, nic: &Arc<NicInner>, t: Token, why: &str) {
         match self.entries.remove(&t) {
             Some(Entry::Host(c)) => {
                 let _ = self.poll.registry().deregister(&mut SourceFd(&c.sock.as_raw_fd()));
+                self.admission.release(c.cred.pid, c.cred.uid);
                 let still = self.entries.values().any(|e| {
                     matches!(e, Entry::Host(o) if o.hello.is_some() && o.hello == c.hello && o.cred.pid == c.cred.pid)
                 });
+                if c.hello.is_some() {
+                    tracing::debug!(peer = ?c.hello, pid = c.cred.pid, "host connection closed: {why}");
+                }
                 nic.connection_closed(c, still);
             }
-            Some(Entry::Handshake(mut h)) => {
-                let _ = self.poll.registry().deregister(&mut h.sock);
-                if let Some(x) = h.out {
-                    let reason = h.dead.take().unwrap_or_else(|| why.to_string());
-                    // Refused as a duplicate: the winning connection comes the other way, and
-                    // waiters keep waiting for it (within their own deadline).
-                    if !h.duplicate && !self.handshaking_with(x) {
-                        nic.links.fail(x, reason);
+            Some(Entry::Setup(mut s)) => {
+                self.setups = self.setups.saturating_sub(1);
+                let _ = self.poll.registry().deregister(&mut s.sock);
+                if let Some((l, token, _)) = s.probe.take() {
+                    l.forget_probe(token);
+                }
+                let reason = s.hs.failure().map_or_else(|| why.to_string(), |e| e.to_string());
+                if let Some(x) = s.dialled {
+                    if s.superseded
+                        || s.hs.failure() == Some(clan_wire::handshake::HandshakeError::Refused(Status::Duplicate))
+                    {
+                        // The winning connection comes the other way: waiters keep waiting.
+                        tracing::debug!(peer = %x, "our dial lost the tie-break: {reason}");
+                    } else if !self.handshaking_with(x) {
+                        tracing::info!(peer = %x, "link set-up failed: {reason}");
+                        let e = s.error.take().unwrap_or(LinkError::Down(reason));
+                        self.drop_parked(nic, x);
+                        nic.links.fail(x, e);
                     }
+                } else if let Some(h) = s.hs.peer_hello() {
+                    tracing::info!(peer = %h.nic, "incoming link set-up failed: {reason}");
                 }
             }
             Some(Entry::Link(l)) => {
                 let _ = self.poll.registry().deregister(&mut SourceFd(&l.sock.as_raw_fd()));
                 nic.link_closed(&l);
+            }
+            Some(Entry::Out(o)) => {
+                self.entries.insert(t, Entry::Out(o));
+                self.close_out(nic, t, false, "closed");
             }
             None => {}
         }
@@ -289,8 +477,9 @@ impl Run {
 
     fn handshaking_with(&self, x: NicAddr) -> bool {
         self.entries.values().any(|e| match e {
-            Entry::Handshake(h) => {
-                h.dead.is_none() && (h.out == Some(x) || h.peer.is_some_and(|p| NicAddr::from(p.nic) == x))
+            Entry::Setup(s) => {
+                s.hs.failure().is_none()
+                    && (s.dialled == Some(x) || s.hs.peer_hello().is_some_and(|p| NicAddr::from(p.nic) == x))
             }
             _ => false,
         })
@@ -299,46 +488,85 @@ impl Run {
     fn commands(&mut self, nic: &Arc<NicInner>) {
         for cmd in nic.take_commands() {
             match cmd {
-                Cmd::Connect(x) => {
-                    // A connection from `x` is already up or being set up (it dialled us
-                    // first): waiters get that one when its handshake completes. Dialling
-                    // too would replace it and break what was sent over it.
-                    if nic.links.ready(x).is_some() {
-                        nic.links.notify();
-                        continue;
-                    }
-                    if self.handshaking_with(x) {
-                        continue;
-                    }
-                    let to = nic.route(x);
-                    match mio::net::TcpStream::connect(to) {
-                        Ok(mut sock) => {
-                            let t = self.token();
-                            let _ = sock.set_nodelay(true);
-                            if self
-                                .poll
-                                .registry()
-                                .register(&mut sock, t, Interest::READABLE | Interest::WRITABLE)
-                                .is_err()
-                            {
-                                nic.links.fail(x, "could not register the connection".into());
-                                continue;
-                            }
-                            self.entries.insert(t, Entry::Handshake(Handshake::new(sock, Some(x), nic)));
-                        }
-                        Err(e) => nic.links.fail(x, format!("connect to {to}: {e}")),
+                Cmd::Connect(x) => self.dial(nic, x),
+                Cmd::Watch(x) => {
+                    if !self.outs.contains_key(&x) {
+                        self.open_out(nic, x);
                     }
                 }
             }
         }
     }
 
+    fn dial(&mut self, nic: &Arc<NicInner>, x: NicAddr) {
+        // A connection from `x` is already up or being set up (it dialled us first):
+        // waiters get that one when its hand-shake completes. Dialling too would only be
+        // refused.
+        if nic.links.ready(x).is_some() {
+            nic.links.notify();
+            return;
+        }
+        if self.handshaking_with(x) {
+            return;
+        }
+        if self.setups >= MAX_SETUPS {
+            nic.links.fail(x, LinkError::Down("too many links being set up".into()));
+            return;
+        }
+        let to = nic.route(x);
+        match mio::net::TcpStream::connect(to) {
+            Ok(mut sock) => {
+                let t = self.token();
+                let _ = sock.set_nodelay(true);
+                if self.poll.registry().register(&mut sock, t, Interest::READABLE | Interest::WRITABLE).is_err() {
+                    nic.links.fail(x, LinkError::Down("could not register the connection".into()));
+                    return;
+                }
+                let hs = Handshake::new(
+                    Role::Dialler { expect: x.socket_addr() },
+                    hs_config(nic),
+                    random16(),
+                    Instant::now(),
+                );
+                self.setups += 1;
+                self.entries.insert(
+                    t,
+                    Entry::Setup(Box::new(Setup {
+                        sock,
+                        hs,
+                        out: Vec::new(),
+                        connected: false,
+                        dialled: Some(x),
+                        superseded: false,
+                        probe: None,
+                        error: None,
+                    })),
+                );
+            }
+            Err(e) => {
+                self.drop_parked(nic, x);
+                nic.links.fail(x, LinkError::Unreachable(format!("connect to {to}: {e}")));
+            }
+        }
+    }
+
+    // ---- the host control channel, serving side -------------------------------------
+
     fn accept_host(&mut self, nic: &Arc<NicInner>) {
         loop {
             match self.listener.accept() {
                 Ok(Some(sock)) => {
                     let Ok(cred) = sock.peer_cred() else { continue };
+                    if !self.admission.admit(cred.pid, cred.uid) {
+                        tracing::warn!(
+                            pid = cred.pid,
+                            uid = cred.uid,
+                            "refused a host connection: too many from that process or user"
+                        );
+                        continue; // closed by the drop
+                    }
                     if sock.set_nonblocking(true).is_err() {
+                        self.admission.release(cred.pid, cred.uid);
                         continue;
                     }
                     let token = self.token();
@@ -348,9 +576,11 @@ impl Run {
                         .register(&mut SourceFd(&sock.as_raw_fd()), token, Interest::READABLE)
                         .is_err()
                     {
+                        self.admission.release(cred.pid, cred.uid);
                         continue;
                     }
                     let id = nic.next_serial();
+                    let session = Session::new(cred.pid, Instant::now(), SessionLimits::default());
                     self.entries.insert(
                         token,
                         Entry::Host(Conn {
@@ -358,10 +588,9 @@ impl Run {
                             cred,
                             id,
                             hello: None,
-                            verified: None,
                             imports: HashMap::new(),
                             eqs: HashSet::new(),
-                            bad: 0,
+                            session,
                         }),
                     );
                 }
@@ -374,12 +603,14 @@ impl Run {
         }
     }
 
+    // ---- links: set-up ----------------------------------------------------------------
+
     fn accept_tcp(&mut self, nic: &Arc<NicInner>) {
         let Some(l) = self.tcp.as_ref() else { return };
         let mut accepted = Vec::new();
         loop {
             match l.accept() {
-                Ok((sock, _)) => accepted.push(sock),
+                Ok((sock, from)) => accepted.push((sock, from)),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     tracing::warn!("clan engine: tcp accept failed: {e}");
@@ -387,372 +618,550 @@ impl Run {
                 }
             }
         }
-        for mut sock in accepted {
+        for (mut sock, from) in accepted {
+            if self.setups >= MAX_SETUPS {
+                tracing::warn!(%from, "refused a link connection: too many set-ups in progress");
+                continue;
+            }
             let _ = sock.set_nodelay(true);
             let t = self.token();
             if self.poll.registry().register(&mut sock, t, Interest::READABLE | Interest::WRITABLE).is_ok() {
-                let mut h = Handshake::new(sock, None, nic);
-                h.connected = true;
-                self.entries.insert(t, Entry::Handshake(h));
+                let hs = Handshake::new(Role::Acceptor, hs_config(nic), random16(), Instant::now());
+                self.setups += 1;
+                self.entries.insert(
+                    t,
+                    Entry::Setup(Box::new(Setup {
+                        sock,
+                        hs,
+                        out: Vec::new(),
+                        connected: true,
+                        dialled: None,
+                        superseded: false,
+                        probe: None,
+                        error: None,
+                    })),
+                );
             }
         }
     }
 
-    /// Returns true if the entry has more to do right away.
-    fn service(&mut self, nic: &Arc<NicInner>, t: Token, readable: bool, writable: bool) -> bool {
-        enum Next {
-            Nothing,
-            Close(&'static str),
-            More,
-            Decide(NicAddr),
-            Ready(NicAddr, Hello, Vec<u8>),
+    /// Drive one link set-up: connect, write, read, and act on what the hand-shake says.
+    /// Returns whether the (new) link has traffic to process.
+    fn service_setup(&mut self, nic: &Arc<NicInner>, t: Token, readable: bool) -> bool {
+        let Some(Entry::Setup(s)) = self.entries.get_mut(&t) else { return false };
+        if !s.connected {
+            if let Ok(Some(e)) | Err(e) = s.sock.take_error() {
+                s.error = Some(LinkError::Unreachable(format!("connect failed: {e}")));
+                self.drop_entry(nic, t, "connect failed");
+                return false;
+            }
+            match s.sock.peer_addr() {
+                Ok(_) => s.connected = true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotConnected => return false,
+                Err(e) => {
+                    s.error = Some(LinkError::Unreachable(format!("connect failed: {e}")));
+                    self.drop_entry(nic, t, "connect failed");
+                    return false;
+                }
+            }
         }
-        let next = match self.entries.get_mut(&t) {
-            None => Next::Nothing,
-            Some(Entry::Host(c)) => {
-                if serve(nic, c) {
-                    Next::Close("closed")
-                } else {
-                    Next::Nothing
+        if !flush_setup(s) {
+            self.drop_entry(nic, t, "could not send the hand-shake");
+            return false;
+        }
+        if readable {
+            let mut tmp = [0u8; 4096];
+            loop {
+                if s.hs.is_ready() || s.hs.failure().is_some() {
+                    break;
+                }
+                match s.sock.read(&mut tmp) {
+                    Ok(0) => {
+                        s.hs.handle_eof();
+                        break;
+                    }
+                    Ok(n) => s.hs.handle_data(&tmp[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        s.hs.handle_eof();
+                        break;
+                    }
                 }
             }
-            Some(Entry::Link(l)) => {
-                if writable {
-                    l.try_flush();
+        }
+        self.setup_events(nic, t)
+    }
+
+    fn setup_events(&mut self, nic: &Arc<NicInner>, t: Token) -> bool {
+        loop {
+            let Some(Entry::Setup(s)) = self.entries.get_mut(&t) else { return false };
+            if !flush_setup(s) {
+                self.drop_entry(nic, t, "could not send the hand-shake");
+                return false;
+            }
+            match s.hs.poll_event() {
+                None => return false,
+                Some(HandshakeEvent::Verified { peer }) => self.decide(nic, t, NicAddr::from(peer)),
+                Some(HandshakeEvent::Ready { peer, credit }) => {
+                    return self.establish(nic, t, NicAddr::from(peer), credit);
                 }
-                let more = readable && !nic.manual_progress() && l.engine_receive(nic, BUDGET);
-                if l.is_closed() {
-                    Next::Close("link closed")
-                } else if more {
-                    Next::More
-                } else {
-                    Next::Nothing
+                Some(HandshakeEvent::Failed(_)) => {
+                    self.drop_entry(nic, t, "hand-shake failed");
+                    return false;
                 }
             }
-            Some(Entry::Handshake(h)) => match h.step(nic) {
-                HsStep::Pending => Next::Nothing,
-                HsStep::Decide => Next::Decide(NicAddr::from(h.peer.expect("decide implies hello").nic)),
-                HsStep::Failed => Next::Close("handshake failed"),
-                HsStep::Ready => {
-                    let hello = h.peer.expect("ready implies hello");
-                    Next::Ready(NicAddr::from(hello.nic), hello, std::mem::take(&mut h.buf))
-                }
-            },
-        };
-        match next {
-            Next::Nothing => false,
-            Next::More => true,
-            Next::Close(why) => {
-                self.drop_entry(nic, t, why);
-                false
-            }
-            Next::Decide(peer) => {
-                if self.accept_link(nic, t, peer) {
-                    // Our hello goes out now; the rest of the handshake continues.
-                    self.service(nic, t, true, true)
-                } else {
-                    false
-                }
-            }
-            Next::Ready(peer, hello, rest) => self.handshake_done(nic, t, peer, hello, rest),
         }
     }
 
-    /// The tie-break, decided by the acceptor before it answers: one link per pair of NICs.
-    /// Returns whether the incoming connection from `peer` is kept.
-    fn accept_link(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr) -> bool {
-        let ours_dialling = self
+    /// The acceptor's decision, once the peer is verified: one link per pair of NICs.
+    fn decide(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr) {
+        if peer == nic.addr {
+            return self.settle(nic, t, false);
+        }
+        if let Some(old) = nic.links.ready(peer) {
+            // A link to that NIC is up. A hello alone never replaces it: if the old link still
+            // answers, the new connection is refused; if it is dead (the peer restarted, the
+            // path broke), the new one replaces it.
+            let token = old.probe();
+            let deadline = Instant::now() + nic.config.link.dead_after;
+            tracing::debug!(%peer, "a second connection from a NIC with a link: probing the link");
+            if let Some(Entry::Setup(s)) = self.entries.get_mut(&t) {
+                s.probe = Some((old, token, deadline));
+            }
+            return;
+        }
+        let ours: Vec<Token> = self
             .entries
             .iter()
-            .any(|(k, e)| *k != t && matches!(e, Entry::Handshake(o) if o.out == Some(peer) && o.dead.is_none()));
-        let keep = match nic.links.ready(peer) {
-            // We dialled a link that the peer accepted, and we win the tie-break: keep ours.
-            Some(l) if l.dialled && nic.addr < peer => false,
-            // The peer dialled again while a link exists: it no longer trusts the old one (it
-            // restarted, or the old one broke on its side).
-            Some(l) => {
-                l.close(Status::Duplicate, "replaced by a new connection from the peer");
-                nic.link_closed(&l);
-                true
-            }
-            None if ours_dialling => {
-                if peer < nic.addr {
-                    // Their connection wins; ours will be refused by them.
-                    for e in self.entries.values_mut() {
-                        if let Entry::Handshake(o) = e {
-                            if o.out == Some(peer) {
-                                o.dead = Some("superseded by the peer's connection".into());
-                                o.duplicate = true;
-                            }
-                        }
-                    }
-                    true
-                } else {
-                    false
+            .filter(|(k, e)| {
+                **k != t && matches!(e, Entry::Setup(s) if s.dialled == Some(peer) && s.hs.failure().is_none())
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        if ours.is_empty() {
+            return self.settle(nic, t, true);
+        }
+        // Both dialled at once: the connection dialled by the smaller address wins.
+        if peer < nic.addr {
+            for k in ours {
+                if let Some(Entry::Setup(s)) = self.entries.get_mut(&k) {
+                    s.superseded = true;
                 }
             }
-            None => true,
-        };
-        match self.entries.get_mut(&t) {
-            Some(Entry::Handshake(h)) if keep => {
-                h.accepted = true;
-                true
-            }
-            Some(Entry::Handshake(h)) => {
-                let mut b = Vec::new();
-                Frame::Close { status: Status::Duplicate }.encode(&mut b);
-                let _ = h.sock.write(&b);
-                h.dead = Some("duplicate".into());
-                self.drop_entry(nic, t, "duplicate");
-                false
-            }
-            _ => false,
+            self.settle(nic, t, true);
+        } else {
+            self.settle(nic, t, false);
         }
     }
 
-    fn handshake_done(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr, hello: Hello, rest: Vec<u8>) -> bool {
-        let Some(Entry::Handshake(h)) = self.entries.remove(&t) else { return false };
-        let Handshake { mut sock, out, .. } = h;
-        if out.is_some() {
-            // A link we dialled is up; a stale one (the peer restarted) goes.
-            if let Some(old) = nic.links.ready(peer) {
-                old.close(Status::Duplicate, "replaced by a new connection");
-                nic.link_closed(&old);
+    fn probe_result(&mut self, nic: &Arc<NicInner>, t: Token, verdict: Option<bool>, _now: Instant) {
+        let Some(Entry::Setup(s)) = self.entries.get_mut(&t) else { return };
+        let Some((old, token, _)) = s.probe.take() else { return };
+        match verdict {
+            Some(false) => {
+                tracing::info!(peer = %old.peer, "refused a second link from a NIC whose link answers");
+                self.settle(nic, t, false);
             }
+            Some(true) => self.settle(nic, t, true),
+            None => {
+                old.forget_probe(token);
+                old.close(Status::Timeout, "did not answer a probe while the peer connected again");
+                nic.link_closed(&old);
+                self.settle(nic, t, true);
+            }
+        }
+    }
+
+    fn settle(&mut self, nic: &Arc<NicInner>, t: Token, keep: bool) {
+        if let Some(Entry::Setup(s)) = self.entries.get_mut(&t) {
+            s.hs.decide(keep);
+        }
+        if self.setup_events(nic, t) {
+            // Its first traffic arrived behind the hand-shake.
+            self.service_link(nic, t, true, false);
+        }
+    }
+
+    fn establish(&mut self, nic: &Arc<NicInner>, t: Token, peer: NicAddr, credit: u64) -> bool {
+        let Some(Entry::Setup(s)) = self.entries.remove(&t) else { return false };
+        self.setups = self.setups.saturating_sub(1);
+        let Setup { mut sock, mut hs, dialled, .. } = *s;
+        let rest = hs.take_rest();
+        if let Some(old) = nic.links.ready(peer) {
+            // The peer welcomed (or we decided, after probing) this connection: the old link
+            // is stale (its process restarted) and goes.
+            old.close(Status::Duplicate, "replaced by a new link");
+            nic.link_closed(&old);
         }
         let _ = self.poll.registry().deregister(&mut sock);
         let mut state = LinkState::new(nic.config.link, Instant::now());
-        state.on_credit(hello.credit);
-        let link = Arc::new(Link::new(peer, nic.next_serial(), out.is_some(), sock, state, nic.config.request_timeout));
+        state.on_credit(credit);
+        let link = Arc::new(Link::new(
+            peer,
+            nic.next_serial(),
+            dialled.is_some(),
+            sock,
+            state,
+            nic.config.request_timeout,
+            nic.config.max_link_imports,
+        ));
         link.preload(&rest);
         let fd = link.sock.as_raw_fd();
         let interest = if nic.manual_progress() { Interest::WRITABLE } else { Interest::READABLE | Interest::WRITABLE };
         if self.poll.registry().register(&mut SourceFd(&fd), t, interest).is_err() {
             link.close(Status::Other, "could not register the link");
-            nic.links.fail(peer, "could not register the link".into());
+            nic.links.fail(peer, LinkError::Down("could not register the link".into()));
             return false;
         }
+        tracing::info!(%peer, dialled = dialled.is_some(), authenticated = nic.config.cluster_key.is_some(), "link up");
         self.entries.insert(t, Entry::Link(link.clone()));
-        nic.links.ready_now(peer, link);
+        nic.links.ready_now(peer, link.clone());
+        if let Some(q) = self.parked.remove(&peer) {
+            for p in q {
+                if !link.send_control_bounded(&oob_frame(p.from, p.to, p.payload)) {
+                    nic.conns.unreachable(nic, p.from.port, p.to);
+                }
+            }
+        }
         !rest.is_empty()
     }
-}
 
-enum HsStep {
-    Pending,
-    /// Acceptor: the peer said hello; keep the connection or refuse it.
-    Decide,
-    Ready,
-    Failed,
-}
+    // ---- service --------------------------------------------------------------------
 
-impl Handshake {
-    fn new(sock: mio::net::TcpStream, out: Option<NicAddr>, nic: &NicInner) -> Handshake {
-        Handshake {
-            sock,
-            out,
-            connected: false,
-            sent_hello: false,
-            nonce: random16(),
-            buf: Vec::new(),
-            peer: None,
-            auth_sent: false,
-            auth_ok: nic.config.cluster_key.is_none(),
-            deadline: Instant::now() + nic.config.request_timeout,
-            dead: None,
-            accepted: false,
-            duplicate: false,
+    /// Handle readiness of entry `t`; returns whether it has more to process at once.
+    fn service(&mut self, nic: &Arc<NicInner>, t: Token, readable: bool, writable: bool) -> bool {
+        match self.entries.get(&t) {
+            None => false,
+            Some(Entry::Host(_)) => {
+                if let Some(why) = self.serve(nic, t) {
+                    self.drop_entry(nic, t, why);
+                }
+                false
+            }
+            Some(Entry::Link(_)) => self.service_link(nic, t, readable, writable),
+            Some(Entry::Setup(_)) => {
+                let more = self.service_setup(nic, t, readable);
+                if more {
+                    return self.service_link(nic, t, true, false);
+                }
+                false
+            }
+            Some(Entry::Out(_)) => {
+                self.service_out(nic, t, readable);
+                false
+            }
         }
     }
 
-    fn fail(&mut self, why: String) -> HsStep {
-        self.dead = Some(why);
-        HsStep::Failed
+    fn service_link(&mut self, nic: &Arc<NicInner>, t: Token, readable: bool, writable: bool) -> bool {
+        let Some(Entry::Link(l)) = self.entries.get(&t) else { return false };
+        let l = l.clone();
+        let mut more = false;
+        if writable {
+            l.try_flush();
+            more |= l.take_resume();
+        }
+        more |= readable && !nic.manual_progress() && l.engine_receive(nic, BUDGET);
+        if l.is_closed() {
+            self.drop_entry(nic, t, "link closed");
+            return false;
+        }
+        more
     }
 
-    fn step(&mut self, nic: &NicInner) -> HsStep {
-        if self.dead.is_some() {
-            return HsStep::Failed;
-        }
-        if !self.connected {
-            if let Ok(Some(e)) | Err(e) = self.sock.take_error() {
-                return self.fail(format!("connect failed: {e}"));
-            }
-            match self.sock.peer_addr() {
-                Ok(_) => self.connected = true,
-                Err(e) if e.kind() == std::io::ErrorKind::NotConnected => return HsStep::Pending,
-                Err(e) => return self.fail(format!("connect failed: {e}")),
-            }
-        }
-        let auth = nic.config.cluster_key;
-        // The dialler speaks first; the acceptor answers only once it has decided to keep the
-        // connection (`Run::accept_link`), so a dialler never starts using a connection that
-        // loses the tie-break.
-        if !self.sent_hello && (self.out.is_some() || self.accepted) {
-            let mut b = Vec::new();
-            Frame::Hello(Hello {
-                version: clan_wire::frame::VERSION,
-                flags: u16::from(auth.is_some()),
-                nic: nic.addr.socket_addr(),
-                nonce: self.nonce,
-                credit: nic.config.link.credit,
-            })
-            .encode(&mut b);
-            if self.sock.write_all(&b).is_err() {
-                return self.fail("could not send hello".into());
-            }
-            self.sent_hello = true;
-        }
-        let mut tmp = [0u8; 1024];
-        // End of stream is acted on only after what came before it is decoded: a refusal
-        // (`Close`) is usually followed at once by the end of the connection.
-        let mut eof = false;
+    /// Serve every pending message of a host connection: None, or why it must be closed.
+    fn serve(&mut self, nic: &Arc<NicInner>, t: Token) -> Option<&'static str> {
+        let Some(Entry::Host(c)) = self.entries.get_mut(&t) else { return None };
+        let mut buf = [0u8; MAX_MSG];
         loop {
-            match self.sock.read(&mut tmp) {
-                Ok(0) => {
-                    eof = true;
-                    break;
-                }
-                Ok(n) => {
-                    if self.buf.len() + n > 64 << 10 {
-                        return self.fail("handshake flood".into());
-                    }
-                    self.buf.extend_from_slice(&tmp[..n]);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return self.fail(format!("handshake failed: {e}")),
-            }
-        }
-        let mut dec = Decoder::new();
-        loop {
-            if self.peer.is_some() && self.out.is_none() && !self.accepted {
-                return HsStep::Decide;
-            }
-            if self.peer.is_some() && self.auth_ok && self.sent_hello {
-                return HsStep::Ready;
-            }
-            let (frame, used) = match dec.next(&self.buf) {
-                Ok(Some((Item::Frame(f), used))) => (f, used),
-                Ok(Some(_)) => return self.fail("data before the handshake finished".into()),
-                Ok(None) if eof => return self.fail("connection closed during handshake".into()),
-                Ok(None) => return HsStep::Pending,
-                Err(e) => return self.fail(format!("bad handshake frame: {e}")),
+            let got = match c.sock.recv(&mut buf) {
+                Ok(g) => g,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return None,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return Some("receive failed"),
             };
-            let action = match frame {
-                Frame::Hello(h) => {
-                    if h.version != clan_wire::frame::VERSION {
-                        Err(format!("peer speaks protocol version {}", h.version))
-                    } else if self.out.is_some_and(|x| x.socket_addr() != h.nic) {
-                        Err(format!("{} answered at the address of {:?}", h.nic, self.out))
-                    } else if (h.flags & 1 != 0) != auth.is_some() {
-                        Err("one side requires authentication, the other does not".into())
+            // Requests never carry descriptors: any that came are closed with `got`.
+            let step = c.session.handle_packet(&buf[..got.len], got.fds.len(), got.truncated);
+            let step = match step {
+                Step::Verify { nic: claimed } => {
+                    let claimed = NicAddr::from(claimed);
+                    let ok = verify_nic(claimed, c.cred.pid, nic.addr);
+                    if ok {
+                        c.hello = Some(claimed);
+                        tracing::debug!(peer = %claimed, pid = c.cred.pid, "host connection verified");
                     } else {
-                        self.peer = Some(h);
-                        Ok(())
+                        tracing::warn!(claimed = %claimed, pid = c.cred.pid, "refused a hello: that NIC is not the connecting process's");
                     }
+                    c.session.hello_verified(ok, nic.addr.socket_addr())
                 }
-                Frame::Auth(proof) => match (auth, self.peer) {
-                    (Some(key), Some(peer)) if proof == auth_proof(&key, &self.nonce, peer.nic) => {
-                        self.auth_ok = true;
-                        Ok(())
-                    }
-                    _ => Err("authentication failed".into()),
-                },
-                Frame::Close { status } => {
-                    self.duplicate = status == Status::Duplicate;
-                    Err(format!("refused by the peer: {status:?}"))
-                }
-                _ => Err("unexpected frame during the handshake".into()),
+                s => s,
             };
-            self.buf.drain(..used);
-            if let Err(why) = action {
-                return self.fail(why);
-            }
-            if let (Some(key), Some(peer), false) = (auth, self.peer, self.auth_sent) {
-                let mut b = Vec::new();
-                Frame::Auth(auth_proof(&key, &peer.nonce, nic.addr.socket_addr())).encode(&mut b);
-                if self.sock.write_all(&b).is_err() {
-                    return self.fail("could not send authentication".into());
+            let (reply, fds): (Option<(u32, Reply)>, Vec<OwnedFd>) = match step {
+                Step::Verify { .. } | Step::Ignore => (None, Vec::new()),
+                Step::Reply(id, r) => {
+                    if let Reply::Err { code, detail } = &r {
+                        tracing::info!(pid = c.cred.pid, ?code, "host request refused: {detail}");
+                    }
+                    (Some((id, r)), Vec::new())
                 }
-                self.auth_sent = true;
+                Step::Close(r, why) => {
+                    if let Some((id, r)) = r {
+                        let _ = c.sock.send(&r.encode(id), &[]);
+                    }
+                    tracing::warn!(pid = c.cred.pid, "dropping a host connection: {why}");
+                    return Some(why);
+                }
+                Step::Serve(id, req) => match req {
+                    Request::Import { importer, want_eq, desc } => {
+                        match nic.grant_import(c, EndpointAddr::from(importer), want_eq, &desc) {
+                            Ok((grant, fds)) => (Some((id, Reply::ImportOk(grant))), fds),
+                            Err((code, detail)) => (Some((id, Reply::Err { code, detail })), Vec::new()),
+                        }
+                    }
+                    Request::Unimport { import_id } => {
+                        if let Some((ap, generation)) = c.imports.remove(&import_id) {
+                            nic.remote_unref(ap, generation, c.id);
+                        }
+                        (None, Vec::new())
+                    }
+                    Request::Oob { from, to_port, payload, reply } => {
+                        let from = EndpointAddr::from(from);
+                        let r = match nic.deliver_oob(from, to_port, payload) {
+                            Ok(()) => Reply::Ok,
+                            Err(code) => Reply::Err { code, detail: String::new() },
+                        };
+                        if let (Reply::Err { code, .. }, false) = (&r, reply) {
+                            tracing::debug!(%from, to_port, ?code, "one-way out-of-band message refused");
+                        }
+                        (reply.then_some((id, r)), Vec::new())
+                    }
+                    Request::Hello { .. } => (None, Vec::new()),
+                },
+            };
+            if let Some((id, r)) = reply {
+                let borrowed: Vec<_> = fds.iter().map(std::os::fd::AsFd::as_fd).collect();
+                if c.sock.send(&r.encode(id), &borrowed).is_err() {
+                    // The peer does not read its replies (or is gone): drop it rather than
+                    // buffer for it.
+                    return Some("the peer does not read its replies");
+                }
             }
+            if got.len == 0 && got.fds.is_empty() {
+                return Some("closed by the peer");
+            }
+        }
+    }
+
+    // ---- the host control channel, our outgoing side ---------------------------------
+
+    /// Open our channel to `peer` (a NIC of this host): Some(token), or None if nothing
+    /// listens at that name on this host.
+    fn open_out(&mut self, nic: &Arc<NicInner>, peer: NicAddr) -> Option<Token> {
+        let hello = Request::Hello { nic: nic.addr.socket_addr(), pid: std::process::id() }.encode(0);
+        let now = Instant::now();
+        let mut o = Out {
+            peer,
+            sock: None,
+            queue: VecDeque::from([(hello, None)]),
+            hello_ok: false,
+            opened: now,
+            moved: now,
+            retry_at: None,
+        };
+        match SeqPacket::connect_abstract_nonblocking(&peer.abstract_name()) {
+            Ok(s) => o.sock = Some(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => o.retry_at = Some(now + RETRY),
+            Err(_) => return None,
+        }
+        let t = self.token();
+        if let Some(s) = &o.sock {
+            if self
+                .poll
+                .registry()
+                .register(&mut SourceFd(&s.as_raw_fd()), t, Interest::READABLE | Interest::WRITABLE)
+                .is_err()
+            {
+                return None;
+            }
+        }
+        self.entries.insert(t, Entry::Out(o));
+        self.outs.insert(peer, t);
+        self.flush_out(nic, t);
+        Some(t)
+    }
+
+    fn retry_out(&mut self, nic: &Arc<NicInner>, t: Token, now: Instant) {
+        let Some(Entry::Out(o)) = self.entries.get_mut(&t) else { return };
+        match SeqPacket::connect_abstract_nonblocking(&o.peer.abstract_name()) {
+            Ok(s) => {
+                if self
+                    .poll
+                    .registry()
+                    .register(&mut SourceFd(&s.as_raw_fd()), t, Interest::READABLE | Interest::WRITABLE)
+                    .is_err()
+                {
+                    return self.close_out(nic, t, false, "could not register");
+                }
+                o.sock = Some(s);
+                o.retry_at = None;
+                self.flush_out(nic, t);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => o.retry_at = Some(now + RETRY),
+            Err(_) => self.close_out(nic, t, true, "its listener is gone"),
+        }
+    }
+
+    fn flush_out(&mut self, nic: &Arc<NicInner>, t: Token) {
+        let Some(Entry::Out(o)) = self.entries.get_mut(&t) else { return };
+        let Some(sock) = &o.sock else { return };
+        while let Some((bytes, _)) = o.queue.front() {
+            match sock.send(bytes, &[]) {
+                Ok(()) => {
+                    o.queue.pop_front();
+                    o.moved = Instant::now();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return self.close_out(nic, t, true, "its connection broke"),
+            }
+        }
+    }
+
+    fn service_out(&mut self, nic: &Arc<NicInner>, t: Token, readable: bool) {
+        self.flush_out(nic, t);
+        if !readable {
+            return;
+        }
+        let Some(Entry::Out(o)) = self.entries.get_mut(&t) else { return };
+        let Some(sock) = &o.sock else { return };
+        let mut buf = [0u8; MAX_MSG];
+        loop {
+            match sock.recv(&mut buf) {
+                Ok(g) if g.len == 0 && g.fds.is_empty() => {
+                    return self.close_out(nic, t, true, "it closed our channel");
+                }
+                Ok(g) => match Reply::decode(&buf[..g.len]) {
+                    Ok((_, Reply::HelloOk { nic: n })) if NicAddr::from(n) == o.peer => o.hello_ok = true,
+                    Ok((_, Reply::Err { code, detail })) => {
+                        tracing::debug!(peer = %o.peer, ?code, "our channel's message refused: {detail}")
+                    }
+                    _ => return self.close_out(nic, t, true, "it answered nonsense"),
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return self.close_out(nic, t, true, "its connection broke"),
+            }
+        }
+    }
+
+    /// Close our channel to a host peer; `gone`: the peer is dead or unusable, so everything
+    /// that depends on it fails.
+    fn close_out(&mut self, nic: &Arc<NicInner>, t: Token, gone: bool, why: &str) {
+        let Some(Entry::Out(o)) = self.entries.remove(&t) else { return };
+        if let Some(s) = &o.sock {
+            let _ = self.poll.registry().deregister(&mut SourceFd(&s.as_raw_fd()));
+        }
+        if self.outs.get(&o.peer) == Some(&t) {
+            self.outs.remove(&o.peer);
+        }
+        for (_, ends) in o.queue {
+            if let Some((from, to)) = ends {
+                nic.conns.unreachable(nic, from.port, to);
+            }
+        }
+        if gone {
+            tracing::debug!(peer = %o.peer, "host peer gone: {why}");
+            nic.peer_gone(o.peer);
+        }
+    }
+
+    // ---- the outbox -------------------------------------------------------------------
+
+    fn route_outbox(&mut self, nic: &Arc<NicInner>) {
+        for (from, to, payload) in nic.take_outbox() {
+            if to.nic == nic.addr {
+                if nic.deliver_oob(from, to.port, payload).is_err() {
+                    nic.conns.unreachable(nic, from.port, to);
+                }
+                continue;
+            }
+            if nic.config.local_transport == LocalTransport::SharedMemory {
+                let t = match self.outs.get(&to.nic) {
+                    Some(t) => Some(*t),
+                    None => self.open_out(nic, to.nic),
+                };
+                if let Some(t) = t {
+                    if let Some(Entry::Out(o)) = self.entries.get_mut(&t) {
+                        if o.queue.len() >= MAX_OUT_QUEUE {
+                            tracing::warn!(peer = %to.nic, "out-of-band message dropped: the peer does not read");
+                            nic.conns.unreachable(nic, from.port, to);
+                        } else {
+                            let req = Request::Oob { from: from.into(), to_port: to.port, payload, reply: false };
+                            o.queue.push_back((req.encode(0), Some((from, to))));
+                        }
+                    }
+                    self.flush_out(nic, t);
+                    continue;
+                }
+            }
+            self.send_over_link(nic, from, to, payload);
+        }
+    }
+
+    fn send_over_link(&mut self, nic: &Arc<NicInner>, from: EndpointAddr, to: EndpointAddr, payload: [u8; 40]) {
+        if !nic.config.tcp {
+            nic.conns.unreachable(nic, from.port, to);
+            return;
+        }
+        if let Some(l) = nic.links.ready(to.nic) {
+            if !l.send_control_bounded(&oob_frame(from, to, payload)) {
+                tracing::warn!(peer = %to.nic, "out-of-band message dropped: the peer does not read");
+                nic.conns.unreachable(nic, from.port, to);
+            }
+            return;
+        }
+        let q = self.parked.entry(to.nic).or_default();
+        if q.len() >= MAX_PARKED {
+            nic.conns.unreachable(nic, from.port, to);
+            return;
+        }
+        q.push_back(Parked { from, to, payload, expires: Instant::now() + nic.config.request_timeout });
+        if !nic.links.connecting(to.nic) {
+            nic.links.start_connecting(to.nic);
+        }
+        self.dial(nic, to.nic);
+    }
+
+    fn drop_parked(&mut self, nic: &Arc<NicInner>, peer: NicAddr) {
+        for p in self.parked.remove(&peer).into_iter().flatten() {
+            nic.conns.unreachable(nic, p.from.port, p.to);
         }
     }
 }
 
-/// Proof that the sender of `addr` holds the cluster key, bound to the receiver's nonce.
-fn auth_proof(key: &[u8; 32], nonce: &[u8; 16], addr: std::net::SocketAddr) -> [u8; 32] {
-    let mut h = blake3::Hasher::new_keyed(key);
-    h.update(b"clan link auth v1");
-    h.update(nonce);
-    h.update(addr.to_string().as_bytes());
-    *h.finalize().as_bytes()
+/// Write what the hand-shake has to send, without blocking; false if the connection broke.
+fn flush_setup(s: &mut Setup) -> bool {
+    s.hs.poll_transmit(&mut s.out);
+    while !s.out.is_empty() && s.connected {
+        match s.sock.write(&s.out) {
+            Ok(0) => return false,
+            Ok(n) => {
+                s.out.drain(..n);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    true
 }
 
-/// Serve every pending message of a host connection. Returns true if it must be closed.
-fn serve(nic: &Arc<NicInner>, c: &mut Conn) -> bool {
-    let mut buf = [0u8; ctl::MAX_MSG];
-    loop {
-        let got = match c.sock.recv(&mut buf) {
-            Ok(g) => g,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return true,
-        };
-        if got.len == 0 && got.fds.is_empty() {
-            return true; // orderly close, or the process died
-        }
-        // Requests never carry descriptors: any that came are closed here.
-        let req = if got.truncated || !got.fds.is_empty() { None } else { Request::decode(&buf[..got.len]).ok() };
-        let (reply, fds): (Option<Reply>, Vec<OwnedFd>) = match req {
-            None => {
-                c.bad += 1;
-                (Some(Reply::Err { code: Code::Malformed, detail: "malformed request".into() }), Vec::new())
-            }
-            Some(Request::Hello { nic: addr, pid }) => {
-                if pid != c.cred.pid {
-                    c.bad += 1;
-                    (
-                        Some(Reply::Err { code: Code::Malformed, detail: "pid does not match credentials".into() }),
-                        Vec::new(),
-                    )
-                } else {
-                    c.hello = Some(addr);
-                    (Some(Reply::HelloOk { nic: nic.addr }), Vec::new())
-                }
-            }
-            Some(_) if c.hello.is_none() => {
-                c.bad += 1;
-                (Some(Reply::Err { code: Code::NeedHello, detail: "hello first".into() }), Vec::new())
-            }
-            Some(Request::Import { importer, want_eq, desc }) => match nic.grant_import(c, importer, want_eq, &desc) {
-                Ok((grant, fds)) => (Some(Reply::ImportOk(grant)), fds),
-                Err((code, detail)) => (Some(Reply::Err { code, detail }), Vec::new()),
-            },
-            Some(Request::Unimport { import_id }) => {
-                if let Some((ap, generation)) = c.imports.remove(&import_id) {
-                    nic.remote_unref(ap, generation, c.id);
-                }
-                (None, Vec::new())
-            }
-            Some(Request::Oob { from, to_port, payload }) => {
-                let r = match nic.deliver_oob(from, to_port, payload) {
-                    Ok(()) => Reply::Ok,
-                    Err(code) => Reply::Err { code, detail: String::new() },
-                };
-                (Some(r), Vec::new())
-            }
-        };
-        if let Some(r) = reply {
-            let borrowed: Vec<_> = fds.iter().map(std::os::fd::AsFd::as_fd).collect();
-            if c.sock.send(&r.encode(), &borrowed).is_err() {
-                return true; // the peer does not read: drop it rather than stall
-            }
-        }
-        if c.bad >= MAX_BAD {
-            tracing::warn!("clan engine: dropping connection from pid {} after {} bad messages", c.cred.pid, c.bad);
-            return true;
-        }
+fn hs_config(nic: &NicInner) -> HandshakeConfig {
+    HandshakeConfig {
+        local: nic.addr.socket_addr(),
+        credit: nic.config.link.credit,
+        key: nic.config.cluster_key,
+        timeout: nic.config.request_timeout,
     }
 }

@@ -129,6 +129,13 @@ pub enum ImportError {
     /// The exporter has no room for another producer in the aperture's event queue.
     #[error("the exporter's event queue has no free producer ring (too many importing processes)")]
     TooManyProducers,
+    /// The exporter holds as many imports from this NIC as it allows
+    /// ([`crate::NicConfig::max_link_imports`]): release some first.
+    #[error("{peer} holds as many imports from this NIC as it allows: release some first")]
+    TooMany {
+        /// The exporter.
+        peer: NicAddr,
+    },
     /// Out of file descriptors.
     #[error("out of file descriptors while importing: raise RLIMIT_NOFILE (ulimit -n)")]
     FdLimit,
@@ -194,7 +201,9 @@ pub enum AccessError {
     #[error("the aperture was unexported; the mapping is stale")]
     Revoked,
     /// The link to the exporter's host broke, or its process went away: import again.
-    #[error("the link to the exporter is down; import the descriptor again")]
+    #[error(
+        "the exporter is gone (its process died, its NIC closed, or the link to its host broke): import the descriptor again"
+    )]
     Disconnected,
     /// The exporter did not answer in time.
     #[error("the exporter did not answer in time")]
@@ -282,7 +291,7 @@ pub enum OobError {
     #[error("no NIC reachable at {0}")]
     Unreachable(NicAddr),
     /// Waiting timed out.
-    #[error("timed out waiting for an out-of-band message")]
+    #[error("timed out (waiting for an out-of-band message, or for the destination to take one)")]
     Timeout,
     /// The endpoint was closed.
     #[error("the endpoint is closed")]

@@ -58,7 +58,6 @@ mod addr;
 mod aperture;
 mod config;
 mod conn;
-mod ctl;
 mod descriptor;
 mod dma;
 mod endpoint;
@@ -85,9 +84,10 @@ pub use addr::{AddrParseError, EndpointAddr, NicAddr};
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;
 pub use config::{
-    DmaConfig, EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport, NicConfig, Progress,
+    AdmissionLimits, DmaConfig, EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport, NicConfig,
+    Progress,
 };
-pub use conn::{ConnectError, ConnectRequest, Connection};
+pub use conn::{ConnectError, ConnectRequest, Connection, DEFAULT_CONNECT_TIMEOUT, MAX_PRIVATE_DATA};
 pub use descriptor::{Descriptor, MAX_CAVEATS, Rights};
 pub use dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaRequest, DmaStats, DmaTicket};
 pub use endpoint::{Endpoint, EndpointConfig, OOB_QUEUE, OobMessage};
@@ -102,4 +102,4 @@ pub use tripset::Tripset;
 pub use tripwire::{Access, Actions, Tripwire, TripwireConfig, TripwireId};
 
 /// Size of an out-of-band payload.
-pub const OOB_PAYLOAD: usize = ctl::OOB_PAYLOAD;
+pub const OOB_PAYLOAD: usize = clan_wire::control::OOB_PAYLOAD;

@@ -12,6 +12,14 @@
 //! thread blocked on a full socket keeps receiving meanwhile, so two NICs that both send can
 //! never deadlock on each other's full buffers.
 //!
+//! ## A peer that does not read
+//!
+//! What we owe the peer (acknowledgements, read answers, refusals, pongs) is queued, never
+//! sent by blocking the receiving thread. The queue is bounded: past
+//! [`clan_wire::LinkConfig::max_queued`] bytes we stop reading from the peer (so it cannot make
+//! us queue more: TCP's window pushes back on it), and a queue that stays over the limit for
+//! `dead_after` ends the link (`clan_wire::Timeout::Stalled`).
+//!
 //! ## Receiving
 //!
 //! The engine thread (or, in manual progress, the application through
@@ -62,6 +70,8 @@ const SMALL_FRAME: usize = 128;
 /// Why a link operation failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum LinkError {
+    /// No link could be made: nothing answers at the peer's address.
+    Unreachable(String),
     /// The link is closed (peer closed, died, path broke, protocol violation).
     Down(String),
     /// No answer in time.
@@ -190,11 +200,24 @@ pub(crate) struct Link {
     pub targets: Mutex<HashMap<u64, Weak<TargetState>>>,
     pub stats: LinkStats,
     pub timeout: Duration,
+    /// Bytes of owed frames past which we stop reading from the peer.
+    max_queued: usize,
+    /// We stopped reading because the queue was over `max_queued`.
+    rx_paused: AtomicBool,
+    /// Imports the peer may hold from us.
+    pub max_imports: usize,
+    /// Its end was reported (`NicInner::link_closed`).
+    gone: AtomicBool,
 }
 
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Link").field("peer", &self.peer).field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("Link")
+            .field("peer", &self.peer)
+            .field("id", &self.id)
+            .field("dialled", &self.dialled)
+            .field("closed", &self.is_closed())
+            .finish_non_exhaustive()
     }
 }
 
@@ -214,7 +237,9 @@ impl Link {
         sock: mio::net::TcpStream,
         state: LinkState,
         timeout: Duration,
+        max_imports: usize,
     ) -> Link {
+        let max_queued = state.config().max_queued;
         Link {
             peer,
             id,
@@ -241,7 +266,16 @@ impl Link {
             targets: Mutex::new(HashMap::new()),
             stats: LinkStats::default(),
             timeout,
+            max_queued,
+            rx_paused: AtomicBool::new(false),
+            max_imports,
+            gone: AtomicBool::new(false),
         }
+    }
+
+    /// Whether this is the first report of the link's end.
+    pub fn take_gone(&self) -> bool {
+        !self.gone.swap(true, Ordering::AcqRel)
     }
 
     /// Bytes that arrived behind the handshake, to be processed first.
@@ -270,7 +304,9 @@ impl Link {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        *lock(&self.reason) = why.into();
+        let why = why.into();
+        tracing::info!(peer = %self.peer, ?status, "link closed: {why}");
+        *lock(&self.reason) = why;
         let mut b = Vec::new();
         Frame::Close { status }.encode(&mut b);
         let _ = (&self.sock).write(&b);
@@ -321,10 +357,59 @@ impl Link {
         !lock(&self.overflow).is_empty()
     }
 
+    /// Bytes of frames queued for the peer.
+    pub fn queued(&self) -> usize {
+        lock(&self.overflow).len()
+    }
+
+    /// Queue a frame the engine sends on its own behalf (an out-of-band message of the
+    /// outbox): refused if the peer is not reading what it is owed already.
+    pub fn send_control_bounded(&self, f: &Frame<'_>) -> bool {
+        if self.queued() > self.max_queued {
+            return false;
+        }
+        self.send_control(f);
+        true
+    }
+
     /// Flush queued control frames without blocking; returns whether all went out.
     pub fn try_flush(&self) -> bool {
         let Ok(_tx) = self.tx.try_lock() else { return false };
         self.flush_overflow_nonblocking()
+    }
+
+    /// Whether receiving stopped because the peer does not read (and the queue has drained
+    /// since: the caller must receive again, no new readiness edge will come).
+    pub fn take_resume(&self) -> bool {
+        if !self.rx_paused.load(Ordering::Acquire) || self.queued() > self.max_queued / 2 {
+            return false;
+        }
+        lock(&self.state).on_tx_blocked(false, Instant::now());
+        self.rx_paused.swap(false, Ordering::AcqRel)
+    }
+
+    /// Send a `Ping` whose `Pong` proves the peer still answers on this link; returns its
+    /// token (see [`Link::probe_answered`]).
+    pub fn probe(&self) -> u64 {
+        let token = lock(&self.state).next_token();
+        lock(&self.waits).pongs.insert(token, false);
+        self.send_control(&Frame::Ping { token });
+        token
+    }
+
+    /// Whether the probe `token` was answered (and forget it if so).
+    pub fn probe_answered(&self, token: u64) -> bool {
+        let mut w = lock(&self.waits);
+        if w.pongs.get(&token) == Some(&true) {
+            w.pongs.remove(&token);
+            return true;
+        }
+        false
+    }
+
+    /// Forget probe `token`.
+    pub fn forget_probe(&self, token: u64) {
+        lock(&self.waits).pongs.remove(&token);
     }
 
     fn flush_overflow_nonblocking(&self) -> bool {
@@ -381,8 +466,8 @@ impl Link {
         head: &[u8],
         payload: &Payload<'_>,
         len: usize,
+        deadline: Instant,
     ) -> Result<(), LinkError> {
-        let deadline = Instant::now() + self.timeout;
         // Queued control frames first (frames never interleave: they are whole).
         loop {
             if self.flush_overflow_nonblocking() {
@@ -439,13 +524,20 @@ impl Link {
         Ok(())
     }
 
-    /// Send one frame's bytes (and optional payload), blocking.
-    fn send_blocking(&self, nic: &NicInner, head: &[u8], payload: Payload<'_>, len: usize) -> Result<(), LinkError> {
+    /// Send one frame's bytes (and optional payload), blocking until `deadline`.
+    fn send_blocking(
+        &self,
+        nic: &NicInner,
+        head: &[u8],
+        payload: Payload<'_>,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<(), LinkError> {
         if self.is_closed() {
             return Err(self.down());
         }
         let _tx = lock(&self.tx);
-        self.write_all_locked(nic, head, &payload, len)?;
+        self.write_all_locked(nic, head, &payload, len, deadline)?;
         // Control frames queued while we were sending.
         if self.has_queued() {
             self.flush_overflow_nonblocking();
@@ -453,11 +545,16 @@ impl Link {
         Ok(())
     }
 
-    /// Send a control frame, blocking until it is written.
+    /// Send a control frame, blocking until it is written (at most the link's timeout).
     pub fn send_frame_blocking(&self, nic: &NicInner, f: &Frame<'_>) -> Result<(), LinkError> {
+        self.send_frame_until(nic, f, Instant::now() + self.timeout)
+    }
+
+    /// Send a control frame, blocking until it is written or `deadline` passes.
+    pub fn send_frame_until(&self, nic: &NicInner, f: &Frame<'_>, deadline: Instant) -> Result<(), LinkError> {
         let mut b = Vec::with_capacity(128);
         f.encode(&mut b);
-        self.send_blocking(nic, &b, Payload::Bytes(&[]), 0)
+        self.send_blocking(nic, &b, Payload::Bytes(&[]), 0, deadline)
     }
 
     /// Wait for room in the window for `bytes`.
@@ -499,7 +596,7 @@ impl Link {
                 Payload::Bytes(d) => Payload::Bytes(&d[done..done + n]),
                 Payload::Seg(s, off) => Payload::Seg(s, off + done),
             };
-            self.send_blocking(nic, &head, p, n)?;
+            self.send_blocking(nic, &head, p, n, Instant::now() + self.timeout)?;
             self.stats.bursts_out.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
             done += n;
@@ -677,6 +774,14 @@ impl Link {
             if self.is_closed() {
                 return did;
             }
+            if self.queued() > self.max_queued {
+                // The peer does not read what it is owed: read no more from it until it does.
+                if !self.rx_paused.swap(true, Ordering::AcqRel) {
+                    lock(&self.state).on_tx_blocked(true, Instant::now());
+                    tracing::debug!(peer = %self.peer, queued = self.queued(), "link: the peer does not read; pausing");
+                }
+                break;
+            }
             if taken >= budget || drained {
                 break;
             }
@@ -780,6 +885,9 @@ impl Link {
 
     fn decode_buffered(&self, nic: &NicInner, rx: &mut Rx) -> Result<(), clan_wire::WireError> {
         while rx.head < rx.tail {
+            if self.queued() > self.max_queued {
+                return Ok(());
+            }
             let (item, used) = {
                 let Some((item, used)) = rx.dec.next(&rx.buf[rx.head..rx.tail])? else { break };
                 (owned_item(item), used)
@@ -1037,11 +1145,17 @@ impl Link {
                     } else {
                         match nic.deliver_oob(from, o.to_port, o.payload) {
                             Ok(()) => Status::Ok,
-                            Err(crate::ctl::Code::QueueFull) => Status::QueueFull,
+                            Err(clan_wire::control::Code::QueueFull) => Status::QueueFull,
                             Err(_) => Status::NoSuchEndpoint,
                         }
                     };
-                    self.send_control(&Frame::OobResult { id: o.id, status });
+                    if status != Status::Ok {
+                        tracing::debug!(peer = %self.peer, to_port = o.to_port, ?status, "link: out-of-band message refused");
+                    }
+                    // Id 0: the sender does not wait for the result.
+                    if o.id != 0 {
+                        self.send_control(&Frame::OobResult { id: o.id, status });
+                    }
                 }
                 SmallOwned::OobResult { id, status } => {
                     let mut w = lock(&self.waits);
@@ -1058,7 +1172,8 @@ impl Link {
                     Ok(ap) => ap.post_notification(to.offset, len),
                     Err(status) => self.refuse(rx, status, to.key, to.offset),
                 },
-                SmallOwned::Hello | SmallOwned::Auth => {
+                SmallOwned::Hello | SmallOwned::Auth | SmallOwned::Welcome => {
+                    // Hand-shake frames have no place on an established link.
                     self.refuse(rx, Status::Malformed, 0, 0);
                 }
             },
@@ -1072,7 +1187,10 @@ impl Link {
         match t {
             Timeout::None => {}
             Timeout::Ping(token) => self.send_control(&Frame::Ping { token }),
-            Timeout::Dead => self.close(Status::Other, format!("{} silent for too long", self.peer)),
+            Timeout::Dead => self.close(Status::Timeout, format!("{} silent for too long", self.peer)),
+            Timeout::Stalled => {
+                self.close(Status::TooManyErrors, format!("{} does not read what it is owed", self.peer))
+            }
         }
         lock(&self.state).poll_timeout()
     }
@@ -1123,6 +1241,7 @@ enum SmallOwned {
     Notify { to: Target, len: u64 },
     Hello,
     Auth,
+    Welcome,
 }
 
 fn owned_item(i: Item<'_>) -> OwnedItem {
@@ -1152,6 +1271,7 @@ fn owned_item(i: Item<'_>) -> OwnedItem {
             Frame::Notify { to, len } => OwnedFrame::Other(SmallOwned::Notify { to, len }),
             Frame::Hello(_) => OwnedFrame::Other(SmallOwned::Hello),
             Frame::Auth(_) => OwnedFrame::Other(SmallOwned::Auth),
+            Frame::Welcome => OwnedFrame::Other(SmallOwned::Welcome),
         }),
     }
 }

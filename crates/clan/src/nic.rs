@@ -12,11 +12,11 @@ use clan_wire::{ImportReply, Status};
 
 use clan_shm::cam::live_state;
 use clan_shm::seqpacket::{PeerCred, SeqPacket};
+use clan_wire::control::{Code, ImportGrant, OOB_PAYLOAD};
 
 use crate::addr::{EndpointAddr, NicAddr};
 use crate::aperture::{Aperture, ApertureInner, ApertureMem, MAX_APERTURE, aperture_tag};
 use crate::config::{EventQueueConfig, ExportConfig, NicConfig};
-use crate::ctl::{Code, ImportGrant, OOB_PAYLOAD};
 use crate::descriptor::{Descriptor, Rights, aperture_key};
 use crate::endpoint::{Endpoint, EndpointConfig, EndpointInner, OobMessage};
 use crate::engine::{Conn, Engine};
@@ -24,7 +24,7 @@ use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
 use crate::event_queue::{EqInner, EventQueue};
 use crate::link::{ExportRec, Link, LinkError};
 use crate::lock;
-use crate::peer::{PeerConn, PeerError};
+use crate::peer::PeerConn;
 use crate::tripwire::WatchOwner;
 use crate::window::Window;
 
@@ -50,13 +50,15 @@ pub(crate) fn own_cred() -> PeerCred {
 pub(crate) enum Cmd {
     /// Dial the NIC at this address.
     Connect(NicAddr),
+    /// Watch the liveness of this NIC of the host (we import from it).
+    Watch(NicAddr),
 }
 
 #[derive(Debug)]
 enum Slot {
     Connecting,
     Ready(Arc<Link>),
-    Failed(String, Instant),
+    Failed(LinkError, Instant),
 }
 
 /// The links of a NIC, by peer.
@@ -94,12 +96,25 @@ impl LinkTable {
     }
 
     /// Dialling `peer` failed.
-    pub fn fail(&self, peer: NicAddr, reason: String) {
+    pub fn fail(&self, peer: NicAddr, e: LinkError) {
         let mut m = self.map();
         if matches!(m.get(&peer), Some(Slot::Connecting) | None) {
-            m.insert(peer, Slot::Failed(reason, Instant::now()));
+            m.insert(peer, Slot::Failed(e, Instant::now()));
         }
         self.cv.notify_all();
+    }
+
+    /// Whether a link to `peer` is being dialled (at the engine's request).
+    pub fn connecting(&self, peer: NicAddr) -> bool {
+        matches!(self.map().get(&peer), Some(Slot::Connecting))
+    }
+
+    /// The engine dials `peer` on its own behalf.
+    pub fn start_connecting(&self, peer: NicAddr) {
+        let mut m = self.map();
+        if !matches!(m.get(&peer), Some(Slot::Ready(l)) if !l.is_closed()) {
+            m.insert(peer, Slot::Connecting);
+        }
     }
 
     fn remove(&self, link: &Arc<Link>) {
@@ -175,6 +190,7 @@ pub(crate) struct NicInner {
     peers: Mutex<HashMap<NicAddr, Arc<PeerConn>>>,
     pub links: LinkTable,
     pub conns: crate::conn::ConnRegistry,
+    /// Out-of-band messages for the engine to send (from contexts that must not wait).
     outbox: Mutex<Vec<(EndpointAddr, EndpointAddr, [u8; OOB_PAYLOAD])>>,
     cmds: Mutex<Vec<Cmd>>,
     waker: OnceLock<Arc<mio::Waker>>,
@@ -278,32 +294,38 @@ impl NicInner {
         self.config.routes.iter().find(|(n, _)| *n == peer).map_or(peer.socket_addr(), |(_, s)| *s)
     }
 
-    /// The link to `peer`, dialled on demand.
-    pub fn link(&self, peer: NicAddr) -> Result<Arc<Link>, LinkError> {
+    /// Ask the engine to do something (never waits).
+    pub fn command(&self, cmd: Cmd) {
+        lock(&self.cmds).push(cmd);
+        if let Some(w) = self.waker.get() {
+            let _ = w.wake();
+        }
+    }
+
+    /// The link to `peer`, dialled on demand (by the engine), waiting until `deadline` at
+    /// most. Called by application threads only: the engine never waits for a link.
+    pub fn link(&self, peer: NicAddr, deadline: Instant) -> Result<Arc<Link>, LinkError> {
         if !self.config.tcp {
-            return Err(LinkError::Down("links are disabled on this NIC (NicConfig::tcp)".into()));
+            return Err(LinkError::Unreachable("links are disabled on this NIC (NicConfig::tcp)".into()));
         }
         let start = Instant::now();
-        let deadline = start + self.config.request_timeout;
         let mut m = self.links.map();
         loop {
             match m.get(&peer) {
                 Some(Slot::Ready(l)) if !l.is_closed() => return Ok(l.clone()),
                 Some(Slot::Connecting) => {}
-                Some(Slot::Failed(r, at)) if *at >= start => return Err(LinkError::Down(r.clone())),
+                Some(Slot::Failed(e, at)) if *at >= start => return Err(e.clone()),
                 _ => {
                     m.insert(peer, Slot::Connecting);
-                    lock(&self.cmds).push(Cmd::Connect(peer));
-                    if let Some(w) = self.waker.get() {
-                        let _ = w.wake();
-                    }
+                    drop(m);
+                    self.command(Cmd::Connect(peer));
+                    m = self.links.map();
+                    continue;
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                if matches!(m.get(&peer), Some(Slot::Connecting)) {
-                    m.insert(peer, Slot::Failed("timed out".into(), Instant::now()));
-                }
+                // The dial goes on in the engine (others may wait for it): only we give up.
                 return Err(LinkError::Timeout);
             }
             m = self.links.cv.wait_timeout(m, left).unwrap_or_else(|e| e.into_inner()).0;
@@ -340,16 +362,26 @@ impl NicInner {
         did
     }
 
-    /// A link closed: forget it and tell the endpoints that had connections over it.
+    /// A link closed: forget it and tell the endpoints that had connections over it (once
+    /// per link, however many times this is called).
     pub fn link_closed(&self, link: &Arc<Link>) {
         self.links.remove(link);
         lock(&link.exports).clear();
-        self.peer_gone(link.peer);
+        if link.take_gone() {
+            self.peer_gone(link.peer);
+        }
     }
 
-    /// Another NIC went away (its process died, or the link to it broke).
+    /// Another NIC went away (its process died or its NIC closed, or the link to it
+    /// broke): its connections end, the hand-shakes with it are forgotten, and the mappings
+    /// imported from it fail from now on.
     pub fn peer_gone(&self, peer: NicAddr) {
-        crate::conn::peer_gone(self, peer);
+        if let Some(p) = lock(&self.peers).remove(&peer) {
+            p.mark_gone();
+        }
+        let eps: Vec<Arc<EndpointInner>> = lock(&self.endpoints).0.values().filter_map(Weak::upgrade).collect();
+        tracing::debug!(%peer, "peer NIC gone");
+        crate::conn::peer_gone(self, peer, &eps);
     }
 
     /// Serve an import request that arrived over `link`.
@@ -373,6 +405,9 @@ impl NicInner {
                 return Err(Status::Denied);
             }
             let mut exports = lock(&link.exports);
+            if exports.len() >= link.max_imports {
+                return Err(Status::TooMany);
+            }
             let key = loop {
                 let mut b = [0u8; 8];
                 let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
@@ -405,10 +440,12 @@ impl NicInner {
         match r {
             Ok(g) => {
                 self.imports_granted.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%importer, link = %link.peer, "import granted over a link");
                 g
             }
             Err(status) => {
                 self.imports_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%importer, link = %link.peer, ?status, "import over a link refused");
                 refuse(status)
             }
         }
@@ -418,16 +455,25 @@ impl NicInner {
         self.serial.fetch_add(1, Ordering::Relaxed)
     }
 
-    pub fn peer(&self, addr: NicAddr) -> Result<Arc<PeerConn>, PeerError> {
+    /// The control connection to NIC `addr` of this host (made by its first request: no
+    /// I/O here, and the table's lock is never held across any).
+    pub fn peer(&self, addr: NicAddr) -> Arc<PeerConn> {
         let mut peers = lock(&self.peers);
         if let Some(p) = peers.get(&addr) {
             if !p.is_broken() {
-                return Ok(p.clone());
+                return p.clone();
             }
         }
-        let p = Arc::new(PeerConn::connect(self.addr, addr, self.config.request_timeout)?);
+        let p = Arc::new(PeerConn::new(self.addr, addr));
         peers.insert(addr, p.clone());
-        Ok(p)
+        p
+    }
+
+    /// Have the engine watch `peer`'s liveness (once per connection to it).
+    pub fn watch(&self, peer: &PeerConn) {
+        if !peer.take_watch() {
+            self.command(Cmd::Watch(peer.addr));
+        }
     }
 
     // ---- endpoints -------------------------------------------------------------------
@@ -449,26 +495,32 @@ impl NicInner {
         eps.0.get(&port).and_then(Weak::upgrade)
     }
 
-    /// Send an out-of-band message through the host channel if `to` is on this host:
-    /// `None` if it is not (or this NIC reaches its host's NICs through links).
+    /// Send an out-of-band message through the host channel if `to` is on this host, by
+    /// `deadline`: `None` if it is not (or this NIC reaches its host's NICs through links).
+    /// Application threads only.
     pub fn send_oob_host(
         &self,
         from: EndpointAddr,
         to: EndpointAddr,
         payload: [u8; OOB_PAYLOAD],
+        deadline: Instant,
     ) -> Option<Result<(), crate::endpoint::HostOob>> {
         use crate::endpoint::{HostOob, oob_peer_error};
+        use clan_wire::control::{Reply, Request};
         if self.config.local_transport != crate::config::LocalTransport::SharedMemory {
             return None;
         }
-        let peer = match self.peer(to.nic) {
-            Ok(p) => p,
-            Err(PeerError::Unreachable) => return None,
+        let peer = self.peer(to.nic);
+        let session = match peer.session(deadline) {
+            Ok(s) => s,
+            Err(crate::peer::PeerError::Unreachable) => return None,
             Err(e) => return Some(Err(HostOob::Failed(oob_peer_error(to, e)))),
         };
-        Some(match peer.request(&crate::ctl::Request::Oob { from, to_port: to.port, payload }) {
-            Ok((crate::ctl::Reply::Ok, _)) => Ok(()),
-            Ok((crate::ctl::Reply::Err { code, .. }, _)) => Err(HostOob::Code(code)),
+        self.watch(&peer);
+        let req = Request::Oob { from: from.into(), to_port: to.port, payload, reply: true };
+        Some(match session.request(&req, deadline) {
+            Ok((Reply::Ok, _)) => Ok(()),
+            Ok((Reply::Err { code, .. }, _)) => Err(HostOob::Code(code)),
             Ok((other, _)) => Err(HostOob::Failed(crate::error::OobError::Protocol {
                 peer: to.nic,
                 detail: format!("unexpected reply {other:?}"),
@@ -477,8 +529,10 @@ impl NicInner {
         })
     }
 
-    /// Queue an out-of-band message to be sent by the engine (from contexts that must not
-    /// block: a receive path, a destructor). Delivery is best effort.
+    /// Queue an out-of-band message for the engine to send (from contexts that must not
+    /// wait: a receive path, a destructor, an answer to a peer that may not be listening).
+    /// Delivery is best effort; if `to` turns out to be unreachable, the connections of
+    /// `from` with `to` end.
     pub fn outbox(&self, from: EndpointAddr, to: EndpointAddr, payload: [u8; OOB_PAYLOAD]) {
         lock(&self.outbox).push((from, to, payload));
         if let Some(w) = self.waker.get() {
@@ -486,16 +540,9 @@ impl NicInner {
         }
     }
 
-    /// Send what the outbox holds (the engine calls this).
-    pub fn flush_outbox(&self) {
-        let msgs = std::mem::take(&mut *lock(&self.outbox));
-        for (from, to, payload) in msgs {
-            if to.nic == self.addr {
-                let _ = self.deliver_oob(from, to.port, payload);
-            } else if self.send_oob_host(from, to, payload).is_none() {
-                let _ = crate::remote::oob_over_link(self, from, to, payload, false);
-            }
-        }
+    /// What the outbox holds (the engine takes it).
+    pub fn take_outbox(&self) -> Vec<(EndpointAddr, EndpointAddr, [u8; OOB_PAYLOAD])> {
+        std::mem::take(&mut *lock(&self.outbox))
     }
 
     // ---- apertures -------------------------------------------------------------------
@@ -557,6 +604,7 @@ impl NicInner {
             tag,
             live: live_state(generation),
             port: eq.port.clone(),
+            peer_alive: None,
         };
         let inner = Arc::new(ApertureInner {
             nic: self.clone(),
@@ -717,8 +765,14 @@ impl NicInner {
     ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
         let r = self.grant_import_inner(c, importer, want_eq, desc);
         match &r {
-            Ok(_) => self.imports_granted.fetch_add(1, Ordering::Relaxed),
-            Err(_) => self.imports_refused.fetch_add(1, Ordering::Relaxed),
+            Ok((g, _)) => {
+                self.imports_granted.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%importer, pid = c.cred.pid, import = g.import_id, "import granted");
+            }
+            Err((code, detail)) => {
+                self.imports_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%importer, pid = c.cred.pid, ?code, "import refused {detail}");
+            }
         };
         r
     }
@@ -748,16 +802,9 @@ impl NicInner {
             return Err((Code::DeniedPid, String::new()));
         }
         if !p.endpoints.is_empty() {
-            // The importing endpoint must be on the NIC that said hello, and that NIC must
-            // belong to the connecting process (its listener's credentials say so).
-            let verified = *c.verified.get_or_insert_with(|| {
-                c.hello.is_some_and(|h| {
-                    SeqPacket::connect_abstract(&h.abstract_name())
-                        .and_then(|s| s.peer_cred())
-                        .is_ok_and(|cred| cred.pid == c.cred.pid)
-                })
-            });
-            if !verified || Some(importer.nic) != c.hello || !p.endpoints.contains(&importer) {
+            // The importing endpoint must be on the NIC that said hello (which the engine
+            // verified to belong to the connecting process before serving anything).
+            if Some(importer.nic) != c.hello || !p.endpoints.contains(&importer) {
                 return Err((Code::DeniedEndpoint, String::new()));
             }
         }
@@ -872,8 +919,10 @@ impl Nic {
             .map_err(|e| NicError::Config(format!("default event queue: {e}")))?;
         inner.remember_queue(&q);
         let _ = inner.default_queue.set(EventQueue { inner: q });
-        let (engine, waker) = Engine::start(Arc::downgrade(&inner), listener, tcp, inner.config.engine_cpu)
-            .map_err(|source| NicError::Io { context: "starting the NIC engine", source })?;
+        let (engine, waker) =
+            Engine::start(Arc::downgrade(&inner), listener, tcp, inner.config.engine_cpu, inner.config.admission)
+                .map_err(|source| NicError::Io { context: "starting the NIC engine", source })?;
+        tracing::info!(addr = %inner.addr, tcp = inner.config.tcp, "NIC open");
         let _ = inner.waker.set(waker);
         *lock(&inner.engine) = Some(engine);
         Ok(Nic { inner })

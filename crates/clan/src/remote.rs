@@ -9,7 +9,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clan_shm::segment::{self, Segment};
 use clan_wire::{Frame, Import, Status, Target};
@@ -47,7 +47,7 @@ impl Drop for LinkTarget {
 
 pub(crate) fn link_error(e: LinkError) -> AccessError {
     match e {
-        LinkError::Down(_) => AccessError::Disconnected,
+        LinkError::Down(_) | LinkError::Unreachable(_) => AccessError::Disconnected,
         LinkError::Timeout => AccessError::Timeout,
     }
 }
@@ -161,16 +161,11 @@ pub(crate) fn check_status(status: Status, state: &TargetState) -> Result<(), Ac
     }
 }
 
-fn import_error(peer: crate::addr::NicAddr, e: LinkError) -> ImportError {
+fn import_error(peer: crate::addr::NicAddr, e: LinkError, timeout: Duration) -> ImportError {
     match e {
-        LinkError::Down(d) => {
-            if d.contains("connect") || d.contains("refused") || d.contains("timed out") {
-                ImportError::Unreachable(peer)
-            } else {
-                ImportError::Protocol { peer, detail: d }
-            }
-        }
-        LinkError::Timeout => ImportError::Timeout { peer, timeout: std::time::Duration::from_secs(0) },
+        LinkError::Unreachable(_) => ImportError::Unreachable(peer),
+        LinkError::Down(d) => ImportError::Protocol { peer, detail: d },
+        LinkError::Timeout => ImportError::Timeout { peer, timeout },
     }
 }
 
@@ -178,9 +173,14 @@ fn import_error(peer: crate::addr::NicAddr, e: LinkError) -> ImportError {
 /// request went out on dies before any answer (a link that broke just before, whose end had
 /// not been noticed yet), the request is repeated once on a fresh link: importing is safe to
 /// repeat (the dead link took any half-made import with it).
-pub(crate) fn import_over_link(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
-    match import_once(ep, desc) {
-        Err(Retry::Again(_)) => match import_once(ep, desc) {
+pub(crate) fn import_over_link(
+    ep: &Arc<EndpointInner>,
+    desc: &Descriptor,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Mapping, ImportError> {
+    match import_once(ep, desc, deadline, timeout) {
+        Err(Retry::Again(_)) => match import_once(ep, desc, deadline, timeout) {
             Err(Retry::Again(e)) | Err(Retry::Final(e)) => Err(e),
             Ok(m) => Ok(m),
         },
@@ -194,15 +194,20 @@ enum Retry {
     Final(ImportError),
 }
 
-fn import_once(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, Retry> {
+fn import_once(
+    ep: &Arc<EndpointInner>,
+    desc: &Descriptor,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Mapping, Retry> {
     let nic = &ep.nic;
     let peer = desc.nic();
-    let link = nic.link(peer).map_err(|e| Retry::Final(import_error(peer, e)))?;
+    let link = nic.link(peer, deadline).map_err(|e| Retry::Final(import_error(peer, e, timeout)))?;
     let again = |e: LinkError| {
         if matches!(e, LinkError::Down(_)) {
-            Retry::Again(import_error(peer, e))
+            Retry::Again(import_error(peer, e, timeout))
         } else {
-            Retry::Final(import_error(peer, e))
+            Retry::Final(import_error(peer, e, timeout))
         }
     };
     let id = link.next_id();
@@ -214,15 +219,14 @@ fn import_once(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, Re
         importer_port: ep.addr.port,
         desc: &bytes,
     });
-    if let Err(e) = link.send_frame_blocking(nic, &req) {
+    if let Err(e) = link.send_frame_until(nic, &req, deadline) {
         lock(&link.waits).imports.remove(&id);
         return Err(again(e));
     }
-    let deadline = Instant::now() + link.timeout;
     let reply = link.wait_until(nic, deadline, |w| w.imports.get(&id).copied().flatten(), false);
     lock(&link.waits).imports.remove(&id);
     let reply = reply.map_err(|e| match e {
-        LinkError::Timeout => Retry::Final(ImportError::Timeout { peer, timeout: link.timeout }),
+        LinkError::Timeout => Retry::Final(ImportError::Timeout { peer, timeout }),
         e => again(e),
     })?;
     finish_import(ep, desc, link, reply).map_err(Retry::Final)
@@ -243,6 +247,7 @@ fn finish_import(
         }
         Status::BadKey => return Err(ImportError::BadKey),
         Status::Denied => return Err(ImportError::Denied(Denial::Policy)),
+        Status::TooMany => return Err(ImportError::TooMany { peer }),
         other => return Err(ImportError::Protocol { peer, detail: format!("import refused: {other:?}") }),
     }
     let rights_ok = Rights::READ_WRITE.contains(desc.rights()) && reply.rights == desc.rights().bits();
@@ -269,17 +274,17 @@ fn finish_import(
     Ok(Mapping::new(ep, desc, Via::Link(target), Keep::None))
 }
 
-/// Send an out-of-band message over a link and wait for its delivery result (repeated once
-/// on a fresh link if the link dies before the message went out).
+/// Send an out-of-band message over a link and wait (until `deadline`) for its delivery
+/// result (repeated once on a fresh link if the link dies before the message went out).
 pub(crate) fn oob_over_link(
     nic: &NicInner,
     from: EndpointAddr,
     to: EndpointAddr,
     payload: [u8; 40],
-    wait: bool,
+    deadline: Instant,
 ) -> Result<(), OobError> {
-    match oob_once(nic, from, to, payload, wait) {
-        Err((true, _)) => oob_once(nic, from, to, payload, wait).map_err(|(_, e)| e),
+    match oob_once(nic, from, to, payload, deadline) {
+        Err((true, _)) => oob_once(nic, from, to, payload, deadline).map_err(|(_, e)| e),
         r => r.map_err(|(_, e)| e),
     }
 }
@@ -290,13 +295,14 @@ fn oob_once(
     from: EndpointAddr,
     to: EndpointAddr,
     payload: [u8; 40],
-    wait: bool,
+    deadline: Instant,
 ) -> Result<(), (bool, OobError)> {
-    let link = nic.link(to.nic).map_err(|_| (false, OobError::Unreachable(to.nic)))?;
+    let link = nic.link(to.nic, deadline).map_err(|e| match e {
+        LinkError::Timeout => (false, OobError::Timeout),
+        _ => (false, OobError::Unreachable(to.nic)),
+    })?;
     let id = link.next_id();
-    if wait {
-        lock(&link.waits).oobs.insert(id, None);
-    }
+    lock(&link.waits).oobs.insert(id, None);
     let f = Frame::Oob(clan_wire::Oob {
         id,
         from_nic: from.nic.socket_addr(),
@@ -304,19 +310,14 @@ fn oob_once(
         to_port: to.port,
         payload,
     });
-    if !wait {
-        link.send_control(&f);
-        return Ok(());
-    }
     let down = |d: String| OobError::Protocol { peer: to.nic, detail: d };
-    if let Err(e) = link.send_frame_blocking(nic, &f) {
+    if let Err(e) = link.send_frame_until(nic, &f, deadline) {
         lock(&link.waits).oobs.remove(&id);
         return Err(match e {
-            LinkError::Down(d) => (true, down(d)),
-            LinkError::Timeout => (false, down("timed out".into())),
+            LinkError::Down(d) | LinkError::Unreachable(d) => (true, down(d)),
+            LinkError::Timeout => (false, OobError::Timeout),
         });
     }
-    let deadline = Instant::now() + link.timeout;
     let r = link.wait_until(nic, deadline, |w| w.oobs.get(&id).copied().flatten(), false);
     lock(&link.waits).oobs.remove(&id);
     // Once sent, it may have been delivered: never repeated (no duplicates).
@@ -325,7 +326,7 @@ fn oob_once(
         Ok(Status::QueueFull) => Err((false, OobError::QueueFull(to))),
         Ok(Status::NoSuchEndpoint) => Err((false, OobError::NoSuchEndpoint(to))),
         Ok(s) => Err((false, down(format!("{s:?}")))),
-        Err(LinkError::Down(d)) => Err((false, down(d))),
-        Err(LinkError::Timeout) => Err((false, down("no answer in time".into()))),
+        Err(LinkError::Down(d) | LinkError::Unreachable(d)) => Err((false, down(d))),
+        Err(LinkError::Timeout) => Err((false, OobError::Timeout)),
     }
 }

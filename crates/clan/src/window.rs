@@ -45,6 +45,9 @@ pub(crate) struct Window {
     pub live: u64,
     /// Where firings are posted (our ring in the exporter's queue).
     pub port: Arc<EqPort>,
+    /// For another process's aperture: false once that process (or its NIC) is gone, or the
+    /// control connection the import came through broke.
+    pub peer_alive: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 fn seg_err(e: clan_shm::segment::SegmentError) -> AccessError {
@@ -60,9 +63,15 @@ fn seg_err(e: clan_shm::segment::SegmentError) -> AccessError {
 }
 
 impl Window {
-    /// Whether the export is still live.
+    /// Whether the export is still live (and its exporter).
     #[inline]
     pub fn check_live(&self) -> Result<(), AccessError> {
+        if let Some(a) = &self.peer_alive {
+            // SYNC POINT: pairs with the Release store in `PeerConn::mark_gone`.
+            if !a.load(Ordering::Acquire) {
+                return Err(AccessError::Disconnected);
+            }
+        }
         // SYNC POINT: pairs with the exporter's Release store of 0 on unexport.
         if self.cam.view().header.state.load(Ordering::Acquire) == self.live {
             Ok(())

@@ -42,6 +42,7 @@ impl Raw {
             credit: 1 << 20,
         }));
         assert!(matches!(r.next(), Got::Frame(_, k) if k == frame::kind::HELLO));
+        assert!(matches!(r.next(), Got::Frame(_, k) if k == frame::kind::WELCOME));
         r
     }
     fn send(&mut self, f: &Frame<'_>) {

@@ -1,0 +1,631 @@
+//! Connections between endpoints, sans-IO: the connect/accept hand-shake carried by
+//! out-of-band messages, and the per-endpoint state that drives it.
+//!
+//! A client sends `CONNECT(token, timeout, its descriptor)`; a listening endpoint queues the
+//! request (its *backlog*) until the application accepts it, then answers
+//! `ACCEPT(token, its descriptor)`, or `REFUSE(token, reason)`. Either side may send
+//! `CLOSE(token)`: before the answer it withdraws the request (a client that gave up), after
+//! it ends the connection. A descriptor is longer than one 40-byte payload, so `CONNECT` and
+//! `ACCEPT` carry its first bytes and `FRAG` messages the rest.
+//!
+//! ```text
+//! payload (40 bytes):  C1 A7 | kind u8 | token u64 | …
+//!   1 CONNECT  total u16, timeout_ms u32, first 23 descriptor bytes
+//!   2 ACCEPT   total u16, first 27 descriptor bytes
+//!   3 REFUSE   reason u8
+//!   4 CLOSE
+//!   5 FRAG     index u8 (1, 2, …), next 28 descriptor bytes
+//! ```
+//!
+//! [`Handshakes`] is one endpoint's state. It keeps nothing unbounded and nothing forever:
+//! partly received messages, queued requests and dials all have limits and expire
+//! ([`Limits`]). A request withdrawn by its client, expired, or from a peer that went away
+//! ([`Handshakes::peer_gone`]) never reaches the application: `accept` only ever sees
+//! requests that can still be answered, and one client's failure is never reported to
+//! another's `accept` (as in Linux). Messages may be lost, duplicated or reordered: a
+//! duplicate of a queued request is ignored, a fragment without its head is dropped, and the
+//! client's own deadline covers a lost answer.
+//!
+//! Peers are named by a type of the driver's ([`Peer`]), which must be what the transport
+//! *verified* the message came from: the machine trusts it. A server may answer from another
+//! endpoint than the one dialled (a fresh endpoint per connection), on the same node: that
+//! endpoint is the connection's peer from then on ([`Answer::Accepted`]). An `ACCEPT` that
+//! answers no dial (a client that gave up) is answered with `CLOSE`, so the server never keeps
+//! a connection its client does not have.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+/// Size of an out-of-band payload.
+pub const PAYLOAD: usize = 40;
+/// The first two bytes of every message of this protocol (other payloads are the
+/// application's).
+pub const MAGIC: [u8; 2] = [0xC1, 0xA7];
+/// Longest descriptor a hand-shake carries.
+pub const MAX_DESC: usize = 23 + 255 * 28;
+
+const K_CONNECT: u8 = 1;
+const K_ACCEPT: u8 = 2;
+const K_REFUSE: u8 = 3;
+const K_CLOSE: u8 = 4;
+const K_FRAG: u8 = 5;
+const HEAD: usize = 11;
+const CONNECT_FIRST: usize = PAYLOAD - HEAD - 6;
+const ACCEPT_FIRST: usize = PAYLOAD - HEAD - 2;
+const FRAG_LEN: usize = PAYLOAD - HEAD - 1;
+
+/// One out-of-band payload.
+pub type Payload = [u8; PAYLOAD];
+
+/// Whether `p` belongs to this protocol.
+pub fn is_handshake(p: &Payload) -> bool {
+    p[..2] == MAGIC
+}
+
+/// Why a connection was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefuseReason {
+    /// The application refused it.
+    Refused,
+    /// The endpoint is not listening.
+    NotListening,
+    /// The backlog is full.
+    BacklogFull,
+    /// The server gave up on it (expired before it was accepted).
+    Expired,
+    /// A reason this version does not know.
+    Other,
+}
+
+impl RefuseReason {
+    fn from_u8(b: u8) -> RefuseReason {
+        match b {
+            1 => RefuseReason::Refused,
+            2 => RefuseReason::NotListening,
+            3 => RefuseReason::BacklogFull,
+            4 => RefuseReason::Expired,
+            _ => RefuseReason::Other,
+        }
+    }
+    fn to_u8(self) -> u8 {
+        match self {
+            RefuseReason::Refused => 1,
+            RefuseReason::NotListening => 2,
+            RefuseReason::BacklogFull => 3,
+            RefuseReason::Expired => 4,
+            RefuseReason::Other => 255,
+        }
+    }
+}
+
+/// A decoded message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Message<'a> {
+    /// A connection request (with the first bytes of the client's descriptor).
+    Connect {
+        /// The connection's token (chosen by the client).
+        token: u64,
+        /// Bytes of the descriptor in all.
+        total: u16,
+        /// How long the client waits for an answer.
+        timeout_ms: u32,
+        /// The first bytes.
+        chunk: &'a [u8],
+    },
+    /// The answer (with the first bytes of the server's descriptor).
+    Accept {
+        /// The token.
+        token: u64,
+        /// Bytes of the descriptor in all.
+        total: u16,
+        /// The first bytes.
+        chunk: &'a [u8],
+    },
+    /// More descriptor bytes.
+    Frag {
+        /// The token.
+        token: u64,
+        /// 1 for the first fragment after the head.
+        index: u8,
+        /// Bytes (the receiver takes what it still needs).
+        chunk: &'a [u8],
+    },
+    /// A refusal.
+    Refuse {
+        /// The token.
+        token: u64,
+        /// Why.
+        reason: RefuseReason,
+    },
+    /// Withdraw the request, or end the connection.
+    Close {
+        /// The token.
+        token: u64,
+    },
+}
+
+/// A payload that is not a message of this protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotHandshake;
+
+impl std::fmt::Display for NotHandshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not a connection hand-shake message")
+    }
+}
+
+impl std::error::Error for NotHandshake {}
+
+impl Message<'_> {
+    /// Decode one payload. Never panics.
+    pub fn decode(p: &Payload) -> Result<Message<'_>, NotHandshake> {
+        if !is_handshake(p) {
+            return Err(NotHandshake);
+        }
+        let token = u64::from_le_bytes(p[3..11].try_into().map_err(|_| NotHandshake)?);
+        let u16_at = |i: usize| u16::from_le_bytes([p[i], p[i + 1]]);
+        Ok(match p[2] {
+            K_CONNECT => Message::Connect {
+                token,
+                total: u16_at(HEAD),
+                timeout_ms: u32::from_le_bytes([p[HEAD + 2], p[HEAD + 3], p[HEAD + 4], p[HEAD + 5]]),
+                chunk: &p[HEAD + 6..],
+            },
+            K_ACCEPT => Message::Accept { token, total: u16_at(HEAD), chunk: &p[HEAD + 2..] },
+            K_FRAG => Message::Frag { token, index: p[HEAD], chunk: &p[HEAD + 1..] },
+            K_REFUSE => Message::Refuse { token, reason: RefuseReason::from_u8(p[HEAD]) },
+            K_CLOSE => Message::Close { token },
+            _ => return Err(NotHandshake),
+        })
+    }
+}
+
+fn header(kind: u8, token: u64) -> Payload {
+    let mut p = [0u8; PAYLOAD];
+    p[..2].copy_from_slice(&MAGIC);
+    p[2] = kind;
+    p[3..11].copy_from_slice(&token.to_le_bytes());
+    p
+}
+
+fn with_desc(mut first: Payload, at: usize, room: usize, token: u64, desc: &[u8]) -> Vec<Payload> {
+    let n = desc.len().min(room);
+    first[at..at + n].copy_from_slice(&desc[..n]);
+    let mut out = vec![first];
+    for (i, c) in desc[n..].chunks(FRAG_LEN).enumerate() {
+        let mut f = header(K_FRAG, token);
+        f[HEAD] = (i + 1) as u8;
+        f[HEAD + 1..HEAD + 1 + c.len()].copy_from_slice(c);
+        out.push(f);
+    }
+    out
+}
+
+/// The messages of a `CONNECT` carrying `desc` (at most [`MAX_DESC`] bytes: longer is cut).
+pub fn encode_connect(token: u64, timeout: Duration, desc: &[u8]) -> Vec<Payload> {
+    let desc = &desc[..desc.len().min(MAX_DESC)];
+    let mut p = header(K_CONNECT, token);
+    p[HEAD..HEAD + 2].copy_from_slice(&(desc.len() as u16).to_le_bytes());
+    let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+    p[HEAD + 2..HEAD + 6].copy_from_slice(&ms.to_le_bytes());
+    with_desc(p, HEAD + 6, CONNECT_FIRST, token, desc)
+}
+
+/// The messages of an `ACCEPT` carrying `desc`.
+pub fn encode_accept(token: u64, desc: &[u8]) -> Vec<Payload> {
+    let desc = &desc[..desc.len().min(MAX_DESC)];
+    let mut p = header(K_ACCEPT, token);
+    p[HEAD..HEAD + 2].copy_from_slice(&(desc.len() as u16).to_le_bytes());
+    with_desc(p, HEAD + 2, ACCEPT_FIRST, token, desc)
+}
+
+/// A `REFUSE`.
+pub fn encode_refuse(token: u64, reason: RefuseReason) -> Payload {
+    let mut p = header(K_REFUSE, token);
+    p[HEAD] = reason.to_u8();
+    p
+}
+
+/// A `CLOSE`.
+pub fn encode_close(token: u64) -> Payload {
+    header(K_CLOSE, token)
+}
+
+/// How the driver names endpoints.
+pub trait Peer: Copy + Eq + Hash + std::fmt::Debug {
+    /// Whether the two are on the same node (NIC): an answer to a dial may come from any
+    /// endpoint of the dialled node.
+    fn same_node(&self, other: &Self) -> bool {
+        self == other
+    }
+}
+
+impl Peer for u32 {}
+
+/// Bounds of one endpoint's hand-shake state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Messages being reassembled, in all.
+    pub max_partial: usize,
+    /// Messages being reassembled from one peer.
+    pub max_partial_per_peer: usize,
+    /// A partial message not completed within this is dropped.
+    pub partial_ttl: Duration,
+    /// Requests queued for the application.
+    pub backlog: usize,
+    /// Requests queued from one peer.
+    pub backlog_per_peer: usize,
+    /// A queued request expires after the client's own timeout, but never later than this.
+    pub max_request_ttl: Duration,
+    /// Connections being dialled at once.
+    pub max_dials: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_partial: 1024,
+            max_partial_per_peer: 64,
+            partial_ttl: Duration::from_secs(10),
+            backlog: 1024,
+            backlog_per_peer: 256,
+            max_request_ttl: Duration::from_secs(60),
+            max_dials: 4096,
+        }
+    }
+}
+
+/// A complete connection request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request<P> {
+    /// The client (as the transport verified it).
+    pub from: P,
+    /// The connection's token.
+    pub token: u64,
+    /// The client's descriptor, in its binary form (not yet parsed).
+    pub desc: Vec<u8>,
+    /// When the client stops waiting.
+    pub expires: Instant,
+}
+
+/// The server's answer to a dial.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer<P> {
+    /// Accepted by endpoint `from` (the connection's peer), with its descriptor (binary
+    /// form, not yet parsed).
+    Accepted {
+        /// The server's endpoint for this connection.
+        from: P,
+        /// Its descriptor.
+        desc: Vec<u8>,
+    },
+    /// Refused.
+    Refused(RefuseReason),
+    /// The server closed before answering, or went away.
+    Closed,
+}
+
+/// What the driver must act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event<P> {
+    /// A request is waiting in the backlog (wake `accept`).
+    Request,
+    /// The dial with this token has its answer (wake `connect`).
+    Answered(u64),
+    /// The peer closed connection `token` (one the application holds, or held).
+    Closed {
+        /// The peer.
+        from: P,
+        /// The connection's token.
+        token: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Partial {
+    kind: u8,
+    total: usize,
+    next: u8,
+    data: Vec<u8>,
+    timeout_ms: u32,
+    expires: Instant,
+}
+
+#[derive(Debug)]
+struct Dial<P> {
+    peer: P,
+    answer: Option<Answer<P>>,
+}
+
+/// One endpoint's connection hand-shakes: its backlog (when listening) and its dials.
+#[derive(Debug)]
+pub struct Handshakes<P> {
+    limits: Limits,
+    listening: bool,
+    partial: HashMap<(P, u64), Partial>,
+    backlog: VecDeque<Request<P>>,
+    dials: HashMap<u64, Dial<P>>,
+    out: VecDeque<(P, Payload)>,
+    events: VecDeque<Event<P>>,
+}
+
+impl<P: Peer> Handshakes<P> {
+    /// Empty state with `limits`, not listening.
+    pub fn new(limits: Limits) -> Handshakes<P> {
+        Handshakes {
+            limits,
+            listening: false,
+            partial: HashMap::new(),
+            backlog: VecDeque::new(),
+            dials: HashMap::new(),
+            out: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Whether requests are queued (rather than refused).
+    pub fn is_listening(&self) -> bool {
+        self.listening
+    }
+
+    /// Start or stop listening; stopping refuses what the backlog holds.
+    pub fn listen(&mut self, on: bool) {
+        self.listening = on;
+        if !on {
+            for r in std::mem::take(&mut self.backlog) {
+                self.out.push_back((r.from, encode_refuse(r.token, RefuseReason::NotListening)));
+            }
+        }
+    }
+
+    /// Requests waiting.
+    pub fn backlog_len(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// Partial messages held.
+    pub fn partial_len(&self) -> usize {
+        self.partial.len()
+    }
+
+    /// Dials in progress.
+    pub fn dials_len(&self) -> usize {
+        self.dials.len()
+    }
+
+    /// A message of this protocol arrived from `from` (verified by the transport).
+    pub fn handle_message(&mut self, from: P, payload: &Payload, now: Instant) {
+        let Ok(m) = Message::decode(payload) else { return };
+        match m {
+            Message::Connect { token, total, timeout_ms, chunk } => {
+                self.head(from, K_CONNECT, token, total, timeout_ms, chunk, now)
+            }
+            Message::Accept { token, total, chunk } => self.head(from, K_ACCEPT, token, total, 0, chunk, now),
+            Message::Frag { token, index, chunk } => {
+                let Some(p) = self.partial.get_mut(&(from, token)) else { return };
+                if index != p.next {
+                    // Out of order or duplicated: the message cannot be rebuilt.
+                    self.partial.remove(&(from, token));
+                    return;
+                }
+                let n = (p.total - p.data.len()).min(chunk.len());
+                p.data.extend_from_slice(&chunk[..n]);
+                p.next = p.next.wrapping_add(1);
+                if p.data.len() == p.total {
+                    if let Some(p) = self.partial.remove(&(from, token)) {
+                        self.complete(from, token, p.kind, p.data, p.timeout_ms, now);
+                    }
+                }
+            }
+            Message::Refuse { token, reason } => self.answer(from, token, Answer::Refused(reason)),
+            Message::Close { token } => {
+                self.partial.remove(&(from, token));
+                let before = self.backlog.len();
+                self.backlog.retain(|r| !(r.from == from && r.token == token));
+                if self.backlog.len() != before {
+                    return; // a request withdrawn before it was accepted
+                }
+                if self.answerable(from, token) {
+                    return self.answer(from, token, Answer::Closed);
+                }
+                self.events.push_back(Event::Closed { from, token });
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn head(&mut self, from: P, kind: u8, token: u64, total: u16, timeout_ms: u32, chunk: &[u8], now: Instant) {
+        let total = usize::from(total);
+        if total == 0 || total > MAX_DESC {
+            return;
+        }
+        if kind == K_ACCEPT && !self.answerable(from, token) {
+            // An answer nobody waits for (a dial given up): the server must not keep it.
+            if !self.dials.contains_key(&token) {
+                self.out.push_back((from, encode_close(token)));
+            }
+            return;
+        }
+        let n = total.min(chunk.len());
+        if n == total {
+            return self.complete(from, token, kind, chunk[..n].to_vec(), timeout_ms, now);
+        }
+        if self.partial.contains_key(&(from, token)) {
+            return; // a duplicate head
+        }
+        self.expire_partial(now);
+        let mine = self.partial.keys().filter(|(p, _)| *p == from).count();
+        if self.partial.len() >= self.limits.max_partial || mine >= self.limits.max_partial_per_peer {
+            // Full: the new message is dropped (its sender's deadline covers it), never an
+            // older one (a flood cannot push out other peers' hand-shakes).
+            if kind == K_CONNECT {
+                self.out.push_back((from, encode_refuse(token, RefuseReason::BacklogFull)));
+            }
+            return;
+        }
+        self.partial.insert(
+            (from, token),
+            Partial {
+                kind,
+                total,
+                next: 1,
+                data: chunk[..n].to_vec(),
+                timeout_ms,
+                expires: now + self.limits.partial_ttl,
+            },
+        );
+    }
+
+    fn complete(&mut self, from: P, token: u64, kind: u8, desc: Vec<u8>, timeout_ms: u32, now: Instant) {
+        if kind == K_ACCEPT {
+            return self.answer(from, token, Answer::Accepted { from, desc });
+        }
+        if !self.listening {
+            self.out.push_back((from, encode_refuse(token, RefuseReason::NotListening)));
+            return;
+        }
+        if self.backlog.iter().any(|r| r.from == from && r.token == token) {
+            return; // a duplicate
+        }
+        self.expire_backlog(now);
+        let mine = self.backlog.iter().filter(|r| r.from == from).count();
+        if self.backlog.len() >= self.limits.backlog || mine >= self.limits.backlog_per_peer {
+            self.out.push_back((from, encode_refuse(token, RefuseReason::BacklogFull)));
+            return;
+        }
+        let ttl = Duration::from_millis(u64::from(timeout_ms)).min(self.limits.max_request_ttl);
+        self.backlog.push_back(Request { from, token, desc, expires: now + ttl });
+        self.events.push_back(Event::Request);
+    }
+
+    fn answerable(&self, from: P, token: u64) -> bool {
+        self.dials.get(&token).is_some_and(|d| d.peer.same_node(&from) && d.answer.is_none())
+    }
+
+    fn answer(&mut self, from: P, token: u64, a: Answer<P>) {
+        if self.answerable(from, token) {
+            if let Some(d) = self.dials.get_mut(&token) {
+                d.answer = Some(a);
+                self.events.push_back(Event::Answered(token));
+            }
+        }
+    }
+
+    fn expire_partial(&mut self, now: Instant) {
+        self.partial.retain(|_, p| p.expires > now);
+    }
+
+    fn expire_backlog(&mut self, now: Instant) {
+        // A client waits no longer than its timeout: a request past it is dropped without
+        // an answer (a refusal would reach nobody).
+        self.backlog.retain(|r| r.expires > now);
+    }
+
+    /// The oldest request that can still be answered (expired ones are dropped).
+    pub fn pop_request(&mut self, now: Instant) -> Option<Request<P>> {
+        self.expire_backlog(now);
+        self.backlog.pop_front()
+    }
+
+    /// Start dialling `peer` with `token`; returns the messages to send, or None if too many
+    /// dials are in progress or the token is taken.
+    pub fn dial(&mut self, peer: P, token: u64, desc: &[u8], timeout: Duration) -> Option<Vec<Payload>> {
+        if self.dials.len() >= self.limits.max_dials || self.dials.contains_key(&token) {
+            return None;
+        }
+        self.dials.insert(token, Dial { peer, answer: None });
+        Some(encode_connect(token, timeout, desc))
+    }
+
+    /// The answer to dial `token`, once there is one (the dial is then over).
+    pub fn take_answer(&mut self, token: u64) -> Option<Answer<P>> {
+        if self.dials.get(&token)?.answer.is_some() {
+            return self.dials.remove(&token).and_then(|d| d.answer);
+        }
+        None
+    }
+
+    /// Give up dial `token`: returns the `CLOSE` that withdraws it (to send to the peer).
+    pub fn cancel_dial(&mut self, token: u64) -> Option<(P, Payload)> {
+        let d = self.dials.remove(&token)?;
+        Some((d.peer, encode_close(token)))
+    }
+
+    /// The peers for which `gone` holds went away (a process died, a link broke): forget
+    /// what they sent and fail the dials to them.
+    pub fn peers_gone(&mut self, gone: impl Fn(&P) -> bool) {
+        self.partial.retain(|(p, _), _| !gone(p));
+        self.backlog.retain(|r| !gone(&r.from));
+        let tokens: Vec<(u64, P)> =
+            self.dials.iter().filter(|(_, d)| gone(&d.peer) && d.answer.is_none()).map(|(t, d)| (*t, d.peer)).collect();
+        for (t, p) in tokens {
+            self.answer(p, t, Answer::Closed);
+        }
+    }
+
+    /// Time passed: drop what expired.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.expire_partial(now);
+        self.expire_backlog(now);
+    }
+
+    /// When [`Handshakes::handle_timeout`] has something to drop.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.partial.values().map(|p| p.expires).chain(self.backlog.iter().map(|r| r.expires)).min()
+    }
+
+    /// A message to send.
+    pub fn poll_transmit(&mut self) -> Option<(P, Payload)> {
+        self.out.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<Event<P>> {
+        self.events.pop_front()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(n: usize) -> Vec<u8> {
+        (0..n).map(|i| i as u8).collect()
+    }
+
+    #[test]
+    fn connect_accept_round_trip_with_fragments() {
+        let now = Instant::now();
+        let mut server = Handshakes::<u32>::new(Limits::default());
+        let mut client = Handshakes::<u32>::new(Limits::default());
+        server.listen(true);
+        for n in [1, 23, 24, 100, 124, 500] {
+            let msgs = client.dial(2, n as u64, &desc(n), Duration::from_secs(1)).unwrap();
+            for m in &msgs {
+                server.handle_message(1, m, now);
+            }
+            let r = server.pop_request(now).unwrap();
+            assert_eq!((r.from, r.token, r.desc), (1, n as u64, desc(n)));
+            for m in encode_accept(r.token, &desc(n + 1)) {
+                client.handle_message(2, &m, now);
+            }
+            assert_eq!(client.take_answer(n as u64), Some(Answer::Accepted { from: 2, desc: desc(n + 1) }));
+        }
+    }
+
+    #[test]
+    fn withdrawn_and_expired_requests_never_reach_accept() {
+        let now = Instant::now();
+        let mut s = Handshakes::<u32>::new(Limits::default());
+        s.listen(true);
+        for m in encode_connect(1, Duration::from_millis(100), &desc(10)) {
+            s.handle_message(7, &m, now);
+        }
+        for m in encode_connect(2, Duration::from_secs(100), &desc(10)) {
+            s.handle_message(7, &m, now);
+        }
+        s.handle_message(7, &encode_close(2), now);
+        assert_eq!(s.pop_request(now + Duration::from_secs(1)), None);
+    }
+}
