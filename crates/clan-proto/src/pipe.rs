@@ -44,7 +44,7 @@
 
 use std::time::{Duration, Instant};
 
-use clan::{AccessError, Aperture, Mapping, Tripwire, TripwireConfig};
+use clan::{AccessError, Aperture, Tripwire, TripwireConfig};
 
 use crate::wait::{SLICE, WaitError, wait_check, wait_sliced, wait_tripwire};
 
@@ -105,7 +105,7 @@ pub(crate) struct PipeTx {
     /// Our side (the peer writes `CTL_*` here).
     mine: std::sync::Arc<Aperture>,
     /// The peer's side.
-    peer: Mapping,
+    peer: std::sync::Arc<crate::side::PeerSide>,
     cap: u64,
     post_cap: u64,
     /// Bytes written.
@@ -124,7 +124,7 @@ pub(crate) struct PipeTx {
 impl PipeTx {
     pub fn new(
         mine: std::sync::Arc<Aperture>,
-        peer: Mapping,
+        peer: std::sync::Arc<crate::side::PeerSide>,
         cap: u64,
         post_cap: u64,
         spin: Duration,
@@ -191,14 +191,14 @@ impl PipeTx {
                 if self.redirect.is_none_or(|r| r.0 != seq) {
                     // Acknowledge first: the receiver learns where the direct part begins
                     // before any of it (and before RX_WRITE moves past it).
-                    self.peer.store_u64(RX_ACK_AT, self.write)?;
-                    self.peer.store_u64(RX_ACK_SEQ, seq)?;
+                    self.peer.get()?.store_u64(RX_ACK_AT, self.write)?;
+                    self.peer.get()?.store_u64(RX_ACK_SEQ, seq)?;
                     self.redirect = Some((seq, at, len, self.write));
                 }
                 let n = (data.len() as u64).min(at + len - self.write);
                 let to = RING + self.cap + (self.write - at);
                 self.write += n;
-                self.peer.write_then_store_u64(to, &data[..n as usize], RX_WRITE, self.write)?;
+                self.peer.get()?.write_then_store_u64(to, &data[..n as usize], RX_WRITE, self.write)?;
                 return Ok(n as usize);
             }
         }
@@ -217,7 +217,7 @@ impl PipeTx {
         let n = (data.len() as u64).min(room).min(self.cap - at).min(chunk(self.cap));
         // The bytes, then the counter that publishes them (one snooped transfer).
         self.write += n;
-        self.peer.write_then_store_u64(RING + at, &data[..n as usize], RX_WRITE, self.write)?;
+        self.peer.get()?.write_then_store_u64(RING + at, &data[..n as usize], RX_WRITE, self.write)?;
         Ok(n as usize)
     }
 
@@ -233,7 +233,7 @@ impl PipeTx {
             return Ok(());
         }
         self.fin = true;
-        self.peer.store_u64(RX_FIN, FIN | self.write)?;
+        self.peer.get()?.store_u64(RX_FIN, FIN | self.write)?;
         Ok(())
     }
 }
@@ -253,7 +253,7 @@ pub struct Redirection {
 #[derive(Debug)]
 pub(crate) struct PipeRx {
     mine: std::sync::Arc<Aperture>,
-    peer: Mapping,
+    peer: std::sync::Arc<crate::side::PeerSide>,
     cap: u64,
     post_cap: u64,
     read: u64,
@@ -274,7 +274,7 @@ pub(crate) struct PipeRx {
 impl PipeRx {
     pub fn new(
         mine: std::sync::Arc<Aperture>,
-        peer: Mapping,
+        peer: std::sync::Arc<crate::side::PeerSide>,
         cap: u64,
         post_cap: u64,
         spin: Duration,
@@ -422,7 +422,7 @@ impl PipeRx {
     /// shut down and gone no longer has memory to write into; that is not an error.
     fn publish_read(&mut self) -> Result<(), PipeError> {
         self.published = self.read;
-        match self.peer.store_u64(CTL_READ, self.read) {
+        match self.peer.get().and_then(|m| m.store_u64(CTL_READ, self.read)) {
             Ok(()) => Ok(()),
             Err(_) if self.fin()?.is_some() => Ok(()),
             Err(e) => Err(e.into()),
@@ -535,10 +535,10 @@ impl PipeRx {
         self.next_seq += 2;
         let at = self.read;
         // Seqlock: odd while the record is rewritten.
-        self.peer.store_u64(CTL_POST_SEQ, seq - 1)?;
-        self.peer.store_u64(CTL_POST_AT, at)?;
-        self.peer.store_u64(CTL_POST_LEN, len)?;
-        self.peer.store_u64(CTL_POST_SEQ, seq)?;
+        self.peer.get()?.store_u64(CTL_POST_SEQ, seq - 1)?;
+        self.peer.get()?.store_u64(CTL_POST_AT, at)?;
+        self.peer.get()?.store_u64(CTL_POST_LEN, len)?;
+        self.peer.get()?.store_u64(CTL_POST_SEQ, seq)?;
         self.post = Some((seq, at, len));
         Ok(at)
     }

@@ -25,7 +25,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clan::{AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Mapping, Nic, Tripwire};
+use clan::{AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Nic, Tripwire};
 
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RING, RX_WRITE};
@@ -103,6 +103,21 @@ pub enum QueueError {
     BadConfig(&'static str),
 }
 
+impl From<QueueError> for std::io::Error {
+    fn from(e: QueueError) -> std::io::Error {
+        use std::io::ErrorKind as K;
+        match e {
+            QueueError::Setup(x) => x.into(),
+            QueueError::Access(x) => x.into(),
+            QueueError::Dma(x) => x.into(),
+            QueueError::Protocol(_) => std::io::Error::new(K::InvalidData, e),
+            QueueError::Disconnected => std::io::Error::new(K::ConnectionReset, e),
+            QueueError::Timeout => std::io::Error::new(K::TimedOut, e),
+            QueueError::BadConfig(_) => std::io::Error::new(K::InvalidInput, e),
+        }
+    }
+}
+
 fn wait_err(e: WaitError) -> QueueError {
     match e {
         WaitError::Timeout => QueueError::Timeout,
@@ -155,7 +170,7 @@ impl QueueListener {
     pub fn accept(&self, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
         let req = self.ep.accept(timeout).map_err(SetupError::from)?;
         let g = Geometry { cap: self.cfg.slots * self.cfg.slot_size, post_cap: 0, slot: self.cfg.slot_size };
-        let s = side::accept(&self.nic, None, req, g)?;
+        let s = side::accept(&self.nic, None, req, g, self.cfg.connect_timeout)?;
         MsgReceiver::new(s, &self.cfg)
     }
 }
@@ -163,10 +178,10 @@ impl QueueListener {
 /// The sending end.
 #[derive(Debug)]
 pub struct MsgSender {
-    ep: Endpoint,
+    ep: Arc<Endpoint>,
     conn: clan::Connection,
     mine: Arc<Aperture>,
-    peer: Mapping,
+    peer: Arc<crate::side::PeerSide>,
     slots: u64,
     slot: u64,
     write: u64,
@@ -235,7 +250,7 @@ impl MsgSender {
         h[4..8].copy_from_slice(&flags.to_le_bytes());
         h[8..16].copy_from_slice(&meta.to_le_bytes());
         h[16..24].copy_from_slice(&total.to_le_bytes());
-        self.peer.write_then_store_u64(at + 8, &h, at, self.write + 1)?;
+        self.peer.get()?.write_then_store_u64(at + 8, &h, at, self.write + 1)?;
         Ok(())
     }
 
@@ -266,7 +281,7 @@ impl MsgSender {
             // the body is still on its way.
             self.write_header(at, n, flags, meta, total)?;
             self.write += 1;
-            self.peer.write_then_store_u64(
+            self.peer.get()?.write_then_store_u64(
                 at + HEADER,
                 &data[done as usize..(done + n) as usize],
                 RX_WRITE,
@@ -300,9 +315,9 @@ impl MsgSender {
         let at = self.slot_off(self.write);
         self.write_header(at, len, FIRST, meta, len)?;
         if len <= self.dma_threshold {
-            self.peer.write_from(at + HEADER, src, off, len)?;
+            self.peer.get()?.write_from(at + HEADER, src, off, len)?;
             self.write += 1;
-            self.peer.store_u64(RX_WRITE, self.write)?;
+            self.peer.get()?.store_u64(RX_WRITE, self.write)?;
             return Ok(None);
         }
         self.write += 1;
@@ -311,8 +326,8 @@ impl MsgSender {
         let staged = RING + (self.write % self.slots) * 8;
         self.mine.store_u64(staged, self.write)?;
         let chain = vec![
-            DmaRequest::write(src, off, &self.peer, at + HEADER, len)?,
-            DmaRequest::write(&self.mine, staged, &self.peer, RX_WRITE, 8)?,
+            DmaRequest::write(src, off, self.peer.get()?, at + HEADER, len)?,
+            DmaRequest::write(&self.mine, staged, self.peer.get()?, RX_WRITE, 8)?,
         ];
         Ok(Some(self.ep.dma_chain(chain, DmaOptions::new())?))
     }
@@ -326,10 +341,10 @@ impl MsgSender {
 /// The receiving end.
 #[derive(Debug)]
 pub struct MsgReceiver {
-    _ep: Endpoint,
+    _ep: Arc<Endpoint>,
     conn: clan::Connection,
     mine: Arc<Aperture>,
-    peer: Mapping,
+    peer: Arc<crate::side::PeerSide>,
     slots: u64,
     slot: u64,
     read: u64,
@@ -414,7 +429,7 @@ impl MsgReceiver {
         // read; waiting for more notices the connection is down.
         if self.read - self.published >= (self.slots / 4).max(1) {
             self.published = self.read;
-            let _ = self.peer.store_u64(CTL_READ, self.read);
+            let _ = self.peer.get().and_then(|m| m.store_u64(CTL_READ, self.read));
         }
         Ok(())
     }

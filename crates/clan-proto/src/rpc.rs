@@ -67,6 +67,21 @@ pub enum RpcError {
     Timeout,
 }
 
+impl From<RpcError> for std::io::Error {
+    fn from(e: RpcError) -> std::io::Error {
+        use std::io::ErrorKind as K;
+        match e {
+            RpcError::Setup(x) => x.into(),
+            RpcError::Access(x) => x.into(),
+            RpcError::EventQueue(x) => x.into(),
+            RpcError::TooLong { .. } => std::io::Error::new(K::InvalidInput, e),
+            RpcError::Protocol(_) => std::io::Error::new(K::InvalidData, e),
+            RpcError::Disconnected => std::io::Error::new(K::ConnectionReset, e),
+            RpcError::Timeout => std::io::Error::new(K::TimedOut, e),
+        }
+    }
+}
+
 fn wait_err(e: WaitError) -> RpcError {
     match e {
         WaitError::Timeout => RpcError::Timeout,
@@ -215,14 +230,14 @@ impl Party {
         Ok(InPlace::new(&self.sides.mine, MSG, len))
     }
 
-    fn writer(&self) -> Writer<'_> {
-        Writer {
-            peer: &self.sides.peer,
+    fn writer(&self) -> Result<Writer<'_>, RpcError> {
+        Ok(Writer {
+            peer: self.sides.peer.get()?,
             max: self.sides.peer_cap.min(u64::from(u32::MAX)),
             len: 0,
             small: [0; SMALL],
             direct: false,
-        }
+        })
     }
 }
 
@@ -250,7 +265,8 @@ impl RpcListener {
     /// Accept a channel sender: the receiving end.
     pub fn accept_channel(&self, timeout: Option<Duration>) -> Result<ChannelReceiver, RpcError> {
         let req = self.ep.accept(timeout).map_err(SetupError::from)?;
-        let s = side::accept(&self.nic, None, req, Geometry::bytes(self.cfg.max_msg.max(2), 0))?;
+        let s =
+            side::accept(&self.nic, None, req, Geometry::bytes(self.cfg.max_msg.max(2), 0), self.cfg.connect_timeout)?;
         Ok(ChannelReceiver { p: Party::new(s, self.cfg.spin, None)? })
     }
 }
@@ -294,7 +310,7 @@ impl ChannelSender {
             wait_err,
         )?;
         let seq = self.p.seq + 1;
-        let mut w = self.p.writer();
+        let mut w = self.p.writer()?;
         fill(&mut w)?;
         w.publish(seq)?;
         self.p.seq = seq;
@@ -319,7 +335,7 @@ impl ChannelReceiver {
         self.p.wait_flag(self.p.seq + 1, timeout.map(|t| Instant::now() + t))?;
         self.p.seq += 1;
         let r = f(self.p.message()?);
-        self.p.sides.peer.store_u64(CTL_READ, self.p.seq)?;
+        self.p.sides.peer.get()?.store_u64(CTL_READ, self.p.seq)?;
         Ok(r)
     }
 
@@ -362,7 +378,7 @@ impl RpcClient {
             return Err(RpcError::Protocol("a call is already in flight on this client"));
         }
         let seq = self.p.seq + 1;
-        let mut w = self.p.writer();
+        let mut w = self.p.writer()?;
         fill(&mut w)?;
         w.publish(seq)?;
         self.p.seq = seq;
@@ -496,7 +512,13 @@ impl RpcServer {
     pub fn accept_pending(&mut self) -> Result<usize, RpcError> {
         let mut n = 0;
         while let Some(req) = self.listener.try_accept() {
-            let s = side::accept(&self.nic, Some(&self.queue), req, Geometry::bytes(self.cfg.max_msg.max(2), 0))?;
+            let s = side::accept(
+                &self.nic,
+                Some(&self.queue),
+                req,
+                Geometry::bytes(self.cfg.max_msg.max(2), 0),
+                self.cfg.connect_timeout,
+            )?;
             let id = match self.free.pop() {
                 Some(id) => id,
                 None => {
@@ -543,7 +565,7 @@ impl RpcServer {
         }
         c.p.seq = flag;
         let req = c.p.message()?;
-        let mut w = c.p.writer();
+        let mut w = c.p.writer()?;
         handler(ConnId(id), req, &mut w);
         if w.publish(c.p.seq).is_err() {
             self.drop_conn(id);

@@ -1,24 +1,21 @@
-//! Connection setup shared by the protocols: each party exports one *side* aperture, says its
-//! geometry in the side's header, and the two exchange descriptors with clan's connect /
-//! accept handshake (out-of-band messages).
+//! Connection setup shared by the protocols: each party exports one *side* aperture, and the
+//! two exchange descriptors and the sides' geometry (ring and post area sizes, as the
+//! private data of clan's connect / accept hand-shake). No read of the peer's memory is
+//! needed to set up, and the accepting side never waits for the client ([`PeerSide`]).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use clan::{
-    Aperture, ConnectError, ConnectRequest, Connection, Endpoint, EndpointAddr, EndpointConfig, EventQueue, Mapping,
-    Nic,
+    AccessError, Aperture, ConnectError, ConnectRequest, Connection, Descriptor, Endpoint, EndpointAddr,
+    EndpointConfig, EventQueue, Mapping, Nic,
 };
 
+use crate::lock;
 use crate::pipe;
 
-/// Where a side says how big its ring and post area are (written once by its owner).
-const SIDE_CAP: u64 = 192;
-const SIDE_POST_CAP: u64 = 200;
-const SIDE_MAGIC: u64 = 208;
-/// Slot size of a message queue's ring (0: a byte ring).
-const SIDE_SLOT: u64 = 216;
-const MAGIC: u64 = 0xC1A4_51DE_0000_0001;
+/// The first word of a side's geometry (the private data of the connect hand-shake).
+const MAGIC: u64 = 0xC1A4_51DE_0000_0002;
 
 /// Most bytes a ring or post area may have.
 pub const MAX_RING: u64 = 1 << 30;
@@ -53,10 +50,11 @@ pub enum SetupError {
 /// Both ends of a connection, once set up.
 #[derive(Debug)]
 pub(crate) struct Sides {
-    pub ep: Endpoint,
+    pub ep: Arc<Endpoint>,
     pub conn: Connection,
     pub mine: Arc<Aperture>,
-    pub peer: Mapping,
+    /// The peer's side (imported when first used, on the accepting side).
+    pub peer: Arc<PeerSide>,
     /// The peer's ring and post area (what our writes go into).
     pub peer_cap: u64,
     pub peer_post_cap: u64,
@@ -76,6 +74,91 @@ impl Geometry {
     pub fn bytes(cap: u64, post_cap: u64) -> Geometry {
         Geometry { cap, post_cap, slot: 0 }
     }
+
+    /// As private data of the connect hand-shake.
+    fn encode(&self) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        for (i, v) in [MAGIC, self.cap, self.post_cap, self.slot].into_iter().enumerate() {
+            b[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// The peer's geometry, checked against what its descriptor grants (`len` bytes).
+    fn decode(b: &[u8], len: u64) -> Result<Geometry, SetupError> {
+        if b.len() != 32 {
+            return Err(SetupError::BadPeer("not a clan-proto peer (no geometry)"));
+        }
+        let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        if w(0) != MAGIC {
+            return Err(SetupError::BadPeer("no magic"));
+        }
+        let g = Geometry { cap: w(1), post_cap: w(2), slot: w(3) };
+        if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING || pipe::side_len(g.cap, g.post_cap) > len {
+            return Err(SetupError::BadPeer("sizes do not fit its aperture"));
+        }
+        if g.slot != 0 && (g.slot > g.cap || g.cap % g.slot != 0) {
+            return Err(SetupError::BadPeer("its slots do not divide its ring"));
+        }
+        Ok(g)
+    }
+}
+
+/// The peer's side aperture. The connecting side imports it before the connection is
+/// returned; the accepting side imports it when first used (its first write, or the first
+/// time its reader tells the peer where it is), so that `accept` never waits for a client:
+/// a client that died or stalls after connecting costs only its own connection, whose first
+/// use then fails.
+pub(crate) struct PeerSide {
+    ep: Arc<Endpoint>,
+    desc: Descriptor,
+    timeout: Duration,
+    map: OnceLock<Mapping>,
+    failed: OnceLock<AccessError>,
+    importing: Mutex<()>,
+}
+
+impl std::fmt::Debug for PeerSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSide")
+            .field("peer", &self.desc.nic())
+            .field("imported", &self.map.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerSide {
+    /// The mapping, importing it first if need be (an import that failed fails every time:
+    /// the peer is gone).
+    #[inline]
+    pub fn get(&self) -> Result<&Mapping, AccessError> {
+        match self.map.get() {
+            Some(m) => Ok(m),
+            None => self.import(),
+        }
+    }
+
+    #[cold]
+    fn import(&self) -> Result<&Mapping, AccessError> {
+        let _one = lock(&self.importing);
+        if let Some(m) = self.map.get() {
+            return Ok(m);
+        }
+        if let Some(e) = self.failed.get() {
+            return Err(e.clone());
+        }
+        match self.ep.import_timeout(&self.desc, self.timeout) {
+            Ok(m) => Ok(self.map.get_or_init(|| m)),
+            Err(e) => {
+                let a = match e {
+                    clan::ImportError::Revoked { .. } => AccessError::Revoked,
+                    clan::ImportError::Timeout { .. } => AccessError::Timeout,
+                    _ => AccessError::Disconnected,
+                };
+                Err(self.failed.get_or_init(|| a).clone())
+            }
+        }
+    }
 }
 
 fn endpoint(nic: &Nic, queue: Option<&EventQueue>) -> Result<Endpoint, SetupError> {
@@ -86,33 +169,11 @@ fn export_side(ep: &Endpoint, g: Geometry) -> Result<Arc<Aperture>, SetupError> 
     if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING {
         return Err(SetupError::BadConfig("ring between 2 bytes and 1 GiB, post area at most 1 GiB"));
     }
-    let ap = ep.export(pipe::side_len(g.cap, g.post_cap))?;
-    ap.store_u64(SIDE_CAP, g.cap)?;
-    ap.store_u64(SIDE_POST_CAP, g.post_cap)?;
-    ap.store_u64(SIDE_SLOT, g.slot)?;
-    ap.store_u64(SIDE_MAGIC, MAGIC)?;
-    Ok(Arc::new(ap))
+    Ok(Arc::new(ep.export(pipe::side_len(g.cap, g.post_cap))?))
 }
 
-fn import_side(ep: &Endpoint, conn: &Connection) -> Result<(Mapping, u64, u64, u64), SetupError> {
-    let m = ep.import(conn.peer_descriptor())?;
-    // One read of the peer's memory, at setup only: its geometry.
-    if m.load_u64(SIDE_MAGIC)? != MAGIC {
-        return Err(SetupError::BadPeer("no magic"));
-    }
-    let cap = m.load_u64(SIDE_CAP)?;
-    let post_cap = m.load_u64(SIDE_POST_CAP)?;
-    let slot = m.load_u64(SIDE_SLOT)?;
-    if !(2..=MAX_RING).contains(&cap) || post_cap > MAX_RING || pipe::side_len(cap, post_cap) > m.len() {
-        return Err(SetupError::BadPeer("sizes do not fit its aperture"));
-    }
-    if slot != 0 && (slot > cap || cap % slot != 0) {
-        return Err(SetupError::BadPeer("its slots do not divide its ring"));
-    }
-    Ok((m, cap, post_cap, slot))
-}
-
-/// Connect from a fresh endpoint of `nic` to the listening endpoint `to`.
+/// Connect from a fresh endpoint of `nic` to the listening endpoint `to`, within `timeout`
+/// in all (hand-shake and import of the peer's side).
 pub(crate) fn connect(
     nic: &Nic,
     queue: Option<&EventQueue>,
@@ -120,23 +181,68 @@ pub(crate) fn connect(
     g: Geometry,
     timeout: Duration,
 ) -> Result<Sides, SetupError> {
-    let ep = endpoint(nic, queue)?;
+    let deadline = Instant::now() + timeout;
+    let ep = Arc::new(endpoint(nic, queue)?);
     let mine = export_side(&ep, g)?;
-    let conn = ep.connect(to, &mine.descriptor(), Some(timeout))?;
-    let (peer, peer_cap, peer_post_cap, peer_slot) = import_side(&ep, &conn)?;
-    Ok(Sides { ep, conn, mine, peer, peer_cap, peer_post_cap, peer_slot })
+    let conn = ep.connect_with_data(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
+    let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len())?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let m = ep.import_timeout(conn.peer_descriptor(), left)?;
+    let peer = Arc::new(PeerSide {
+        ep: ep.clone(),
+        desc: conn.peer_descriptor().clone(),
+        timeout,
+        map: OnceLock::from(m),
+        failed: OnceLock::new(),
+        importing: Mutex::new(()),
+    });
+    Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
 }
 
-/// Accept `req` on a fresh endpoint of `nic`.
+/// Accept `req` on a fresh endpoint of `nic`. Never waits for the client: its side is
+/// imported when first used ([`PeerSide`]). Fails only for our own reasons (resources), or
+/// with [`SetupError::BadPeer`] for a request that is not from a clan-proto peer (refused).
 pub(crate) fn accept(
     nic: &Nic,
     queue: Option<&EventQueue>,
     req: ConnectRequest,
     g: Geometry,
+    timeout: Duration,
 ) -> Result<Sides, SetupError> {
-    let ep = endpoint(nic, queue)?;
+    let pg = match Geometry::decode(req.data(), req.descriptor().len()) {
+        Ok(pg) => pg,
+        Err(e) => {
+            let ep = nic.endpoint()?;
+            let _ = req.refuse(&ep);
+            return Err(e);
+        }
+    };
+    let ep = Arc::new(endpoint(nic, queue)?);
     let mine = export_side(&ep, g)?;
-    let conn = req.accept(&ep, &mine.descriptor())?;
-    let (peer, peer_cap, peer_post_cap, peer_slot) = import_side(&ep, &conn)?;
-    Ok(Sides { ep, conn, mine, peer, peer_cap, peer_post_cap, peer_slot })
+    let desc = req.descriptor().clone();
+    let conn = req.accept_with_data(&ep, &mine.descriptor(), &g.encode())?;
+    let peer = Arc::new(PeerSide {
+        ep: ep.clone(),
+        desc,
+        timeout,
+        map: OnceLock::new(),
+        failed: OnceLock::new(),
+        importing: Mutex::new(()),
+    });
+    Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
+}
+
+impl From<SetupError> for std::io::Error {
+    fn from(e: SetupError) -> std::io::Error {
+        use std::io::ErrorKind as K;
+        match e {
+            SetupError::Connect(c) => c.into(),
+            SetupError::Export(x) => x.into(),
+            SetupError::Import(x) => x.into(),
+            SetupError::Endpoint(x) => x.into(),
+            SetupError::Access(x) => x.into(),
+            SetupError::BadPeer(_) => std::io::Error::new(K::InvalidData, e),
+            SetupError::BadConfig(_) => std::io::Error::new(K::InvalidInput, e),
+        }
+    }
 }

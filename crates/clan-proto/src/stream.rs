@@ -54,19 +54,7 @@ impl Default for StreamConfig {
 }
 
 fn setup_error(e: SetupError) -> io::Error {
-    match e {
-        SetupError::Connect(ConnectError::Refused(a)) => {
-            io::Error::new(io::ErrorKind::ConnectionRefused, format!("{a} refused the connection"))
-        }
-        SetupError::Connect(ConnectError::Timeout(a)) => {
-            io::Error::new(io::ErrorKind::TimedOut, format!("no answer from {a} in time"))
-        }
-        SetupError::Connect(ConnectError::NoRequest) => {
-            io::Error::new(io::ErrorKind::WouldBlock, "no connection request pending")
-        }
-        SetupError::BadConfig(_) => io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
-        other => io::Error::other(other),
-    }
+    e.into()
 }
 
 pub(crate) fn pipe_error(e: PipeError) -> io::Error {
@@ -78,9 +66,9 @@ pub(crate) fn pipe_error(e: PipeError) -> io::Error {
             io::Error::new(io::ErrorKind::ConnectionReset, "the peer closed its end of the connection")
         }
         PipeError::Access(clan::AccessError::Disconnected) => {
-            io::Error::new(io::ErrorKind::ConnectionReset, "the link to the peer broke")
+            io::Error::new(io::ErrorKind::ConnectionReset, "the peer went away (its process, NIC or link)")
         }
-        PipeError::Access(a) => io::Error::other(a),
+        PipeError::Access(a) => a.into(),
         PipeError::Dead => io::Error::new(io::ErrorKind::ConnectionReset, "the peer went away"),
         PipeError::Timeout => io::Error::new(io::ErrorKind::TimedOut, "timed out"),
         PipeError::Shutdown => io::Error::new(io::ErrorKind::BrokenPipe, "the stream was shut down for writing"),
@@ -134,31 +122,52 @@ impl Listener {
         &self.ep
     }
 
-    /// Accept the next connection (blocking unless non-blocking mode is on).
+    /// Accept the next connection (blocking unless non-blocking mode is on). As with TCP, a
+    /// client that gives up, dies or misbehaves during the hand-shake is never reported
+    /// here: its request is dropped and the next one taken. Errors are this side's own
+    /// (the listener closed, out of memory or descriptors).
     pub fn accept(&self) -> io::Result<(Stream, EndpointAddr)> {
-        let req = if self.nonblocking.load(Ordering::Acquire) {
-            self.ep.try_accept().ok_or_else(|| io::Error::new(io::ErrorKind::WouldBlock, "no connection pending"))?
-        } else {
-            self.ep.accept(None).map_err(|e| setup_error(e.into()))?
-        };
-        let from = req.from();
-        let s =
-            side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area))
-                .map_err(setup_error)?;
-        Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
+        loop {
+            let req = if self.nonblocking.load(Ordering::Acquire) {
+                self.ep
+                    .try_accept()
+                    .ok_or_else(|| io::Error::new(io::ErrorKind::WouldBlock, "no connection pending"))?
+            } else {
+                self.ep.accept(None).map_err(|e| setup_error(e.into()))?
+            };
+            if let Some(r) = self.finish(req)? {
+                return Ok(r);
+            }
+        }
     }
 
-    /// Accept with a time limit.
+    /// Accept with a time limit (`TimedOut` when none came in time).
     pub fn accept_timeout(&self, timeout: Duration) -> io::Result<(Stream, EndpointAddr)> {
-        let req = self.ep.accept(Some(timeout)).map_err(|e| match e {
-            ConnectError::NoRequest => io::Error::new(io::ErrorKind::TimedOut, "no connection within the timeout"),
-            other => setup_error(other.into()),
-        })?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let req = self.ep.accept(Some(left)).map_err(|e| match e {
+                ConnectError::NoRequest => io::Error::new(io::ErrorKind::TimedOut, "no connection within the timeout"),
+                other => setup_error(other.into()),
+            })?;
+            if let Some(r) = self.finish(req)? {
+                return Ok(r);
+            }
+        }
+    }
+
+    /// Set up the stream of `req`: None if the request is the client's fault (dropped).
+    fn finish(&self, req: clan::ConnectRequest) -> io::Result<Option<(Stream, EndpointAddr)>> {
         let from = req.from();
-        let s =
-            side::accept(&self.nic, self.queue.as_ref(), req, side::Geometry::bytes(self.cfg.ring, self.cfg.post_area))
-                .map_err(setup_error)?;
-        Ok((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))
+        let g = side::Geometry::bytes(self.cfg.ring, self.cfg.post_area);
+        match side::accept(&self.nic, self.queue.as_ref(), req, g, self.cfg.connect_timeout) {
+            Ok(s) => Ok(Some((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))),
+            Err(SetupError::BadPeer(why)) => {
+                tracing::debug!(peer = %from, "refused a connection: {why}");
+                Ok(None)
+            }
+            Err(e) => Err(setup_error(e)),
+        }
     }
 
     /// Make [`Listener::accept`] return `WouldBlock` instead of waiting.
@@ -167,7 +176,7 @@ impl Listener {
         Ok(())
     }
 
-    /// Accepted streams, forever.
+    /// Accepted streams, forever (an error is this side's own: see [`Listener::accept`]).
     pub fn incoming(&self) -> impl Iterator<Item = io::Result<Stream>> + '_ {
         std::iter::from_fn(move || Some(self.accept().map(|(s, _)| s)))
     }
@@ -181,7 +190,7 @@ struct Inner {
     conn: Connection,
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     side: Arc<clan::Aperture>,
-    ep: Endpoint,
+    ep: Arc<Endpoint>,
     local: EndpointAddr,
     peer: EndpointAddr,
     nonblocking: AtomicBool,

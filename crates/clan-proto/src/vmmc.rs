@@ -98,6 +98,23 @@ pub enum VmmcError {
     Thread(String),
 }
 
+impl From<VmmcError> for std::io::Error {
+    fn from(e: VmmcError) -> std::io::Error {
+        use std::io::ErrorKind as K;
+        match e {
+            VmmcError::Export(x) => x.into(),
+            VmmcError::Import(x) => x.into(),
+            VmmcError::Access(x) => x.into(),
+            VmmcError::Dma(x) => x.into(),
+            VmmcError::Endpoint(x) => x.into(),
+            VmmcError::EventQueue(x) => x.into(),
+            VmmcError::NotWaitable => std::io::Error::new(K::InvalidInput, e),
+            VmmcError::Timeout => std::io::Error::new(K::TimedOut, e),
+            VmmcError::Thread(_) => std::io::Error::other(e),
+        }
+    }
+}
+
 /// Settings of a [`Vmmc`].
 #[derive(Debug, Clone)]
 pub struct VmmcConfig {

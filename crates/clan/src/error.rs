@@ -397,3 +397,184 @@ pub enum DmaError {
     #[error("could not start the DMA engine: {0}")]
     Engine(String),
 }
+
+// ---- conversion into `std::io::Error` ---------------------------------------------------
+//
+// Every error converts into an `io::Error` whose kind says what a caller written against
+// `std::net` expects (a refused connection is `ConnectionRefused`, a time-out `TimedOut`, a
+// dead peer `ConnectionReset`, a bad argument `InvalidInput`, …); the clan error stays
+// inside (`io::Error::get_ref`/`into_inner`), so nothing is lost.
+
+use io::ErrorKind as K;
+
+fn wrap<E: std::error::Error + Send + Sync + 'static>(kind: K, e: E) -> io::Error {
+    io::Error::new(kind, e)
+}
+
+impl From<NicError> for io::Error {
+    fn from(e: NicError) -> io::Error {
+        let k = match &e {
+            NicError::AddrInUse(_) => K::AddrInUse,
+            NicError::NoFreePort => K::AddrNotAvailable,
+            NicError::Config(_) => K::InvalidInput,
+            NicError::Io { source, .. } => source.kind(),
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<EndpointError> for io::Error {
+    fn from(e: EndpointError) -> io::Error {
+        let k = match &e {
+            EndpointError::PortInUse(_) => K::AddrInUse,
+            EndpointError::ReservedPort | EndpointError::ForeignQueue => K::InvalidInput,
+            EndpointError::Closed => K::NotConnected,
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<ExportError> for io::Error {
+    fn from(e: ExportError) -> io::Error {
+        let k = match &e {
+            ExportError::Empty | ExportError::TooLarge { .. } => K::InvalidInput,
+            ExportError::EndpointClosed => K::NotConnected,
+            ExportError::FdLimit { .. } | ExportError::TooMany => K::Other,
+            ExportError::Io { source, .. } => source.kind(),
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<ImportError> for io::Error {
+    fn from(e: ImportError) -> io::Error {
+        let k = match &e {
+            ImportError::Revoked { .. } => K::NotFound,
+            ImportError::BadKey | ImportError::Denied(_) => K::PermissionDenied,
+            ImportError::Unreachable(_) => K::ConnectionRefused,
+            ImportError::TooManyProducers | ImportError::TooMany { .. } => K::ResourceBusy,
+            ImportError::FdLimit => K::Other,
+            ImportError::EndpointClosed => K::NotConnected,
+            ImportError::Protocol { .. } => K::InvalidData,
+            ImportError::Timeout { .. } => K::TimedOut,
+            ImportError::Io { source, .. } => source.kind(),
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<AccessError> for io::Error {
+    fn from(e: AccessError) -> io::Error {
+        let k = match &e {
+            AccessError::OutOfBounds { .. } | AccessError::Misaligned { .. } => K::InvalidInput,
+            AccessError::NotWritable | AccessError::NotReadable => K::PermissionDenied,
+            AccessError::Revoked | AccessError::Disconnected => K::ConnectionReset,
+            AccessError::Timeout => K::TimedOut,
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<TripwireError> for io::Error {
+    fn from(e: TripwireError) -> io::Error {
+        let k = match &e {
+            TripwireError::EmptyRange
+            | TripwireError::OutOfBounds { .. }
+            | TripwireError::Foreign
+            | TripwireError::InTripset => K::InvalidInput,
+            TripwireError::TableFull { .. } | TripwireError::TripsetsFull { .. } => K::Other,
+            TripwireError::Stale => K::NotConnected,
+            TripwireError::Timeout => K::TimedOut,
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<EventQueueError> for io::Error {
+    fn from(e: EventQueueError) -> io::Error {
+        let k = match &e {
+            EventQueueError::Timeout => K::TimedOut,
+            EventQueueError::Config(_) => K::InvalidInput,
+            EventQueueError::Io { source, .. } => source.kind(),
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<OobError> for io::Error {
+    fn from(e: OobError) -> io::Error {
+        let k = match &e {
+            OobError::TooLong(_) => K::InvalidInput,
+            OobError::NoSuchEndpoint(_) | OobError::Unreachable(_) => K::ConnectionRefused,
+            OobError::QueueFull(_) => K::WouldBlock,
+            OobError::Timeout => K::TimedOut,
+            OobError::Closed => K::NotConnected,
+            OobError::Protocol { .. } => K::InvalidData,
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<DescriptorError> for io::Error {
+    fn from(e: DescriptorError) -> io::Error {
+        wrap(K::InvalidInput, e)
+    }
+}
+
+impl From<DmaFailure> for io::Error {
+    fn from(e: DmaFailure) -> io::Error {
+        let k = match &e {
+            DmaFailure::Cancelled | DmaFailure::ChainAborted => K::Interrupted,
+            DmaFailure::Revoked | DmaFailure::Disconnected => K::ConnectionReset,
+            DmaFailure::Timeout => K::TimedOut,
+            DmaFailure::NicClosed => K::NotConnected,
+        };
+        wrap(k, e)
+    }
+}
+
+impl From<DmaError> for io::Error {
+    fn from(e: DmaError) -> io::Error {
+        match e {
+            DmaError::Access(a) => a.into(),
+            DmaError::Failed(f) => f.into(),
+            e => {
+                let k = match &e {
+                    DmaError::EndpointClosed => K::NotConnected,
+                    DmaError::EmptyChain | DmaError::ChainTooLong { .. } => K::InvalidInput,
+                    DmaError::Timeout => K::TimedOut,
+                    _ => K::Other,
+                };
+                wrap(k, e)
+            }
+        }
+    }
+}
+
+impl From<crate::conn::ConnectError> for io::Error {
+    fn from(e: crate::conn::ConnectError) -> io::Error {
+        use crate::conn::ConnectError as C;
+        match e {
+            C::Oob(o) => o.into(),
+            e => {
+                let k = match &e {
+                    C::Refused(_) => K::ConnectionRefused,
+                    C::Timeout(_) | C::NoRequest => K::TimedOut,
+                    C::PeerGone(_) => K::ConnectionReset,
+                    C::BadDescriptor(_) => K::InvalidData,
+                    C::DataTooLong(_) => K::InvalidInput,
+                    C::TooMany => K::ResourceBusy,
+                    C::Closed => K::NotConnected,
+                    C::Oob(_) => K::Other,
+                };
+                wrap(k, e)
+            }
+        }
+    }
+}
+
+impl From<crate::addr::AddrParseError> for io::Error {
+    fn from(e: crate::addr::AddrParseError) -> io::Error {
+        wrap(K::InvalidInput, e)
+    }
+}
