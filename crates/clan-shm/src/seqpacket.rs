@@ -57,7 +57,7 @@ impl SeqPacket {
         let fd = socket()?;
         let addr = SocketAddrUnix::new_abstract_name(name)?;
         rustix::net::bind(&fd, &addr)?;
-        rustix::net::listen(&fd, 1024)?;
+        rustix::net::listen(&fd, 4096)?;
         Ok(SeqPacket { fd })
     }
 

@@ -58,6 +58,9 @@ pub struct HandshakeConfig {
     pub key: Option<[u8; 32]>,
     /// How long the whole hand-shake may take.
     pub timeout: Duration,
+    /// How long an acceptor waits for the peer's first hello (connections that say nothing
+    /// go early).
+    pub hello_timeout: Duration,
 }
 
 impl std::fmt::Debug for HandshakeConfig {
@@ -67,6 +70,7 @@ impl std::fmt::Debug for HandshakeConfig {
             .field("credit", &self.credit)
             .field("key", &self.key.map(|_| "<set>"))
             .field("timeout", &self.timeout)
+            .field("hello_timeout", &self.hello_timeout)
             .finish()
     }
 }
@@ -183,6 +187,8 @@ pub struct Handshake {
     nonce: [u8; 16],
     state: State,
     deadline: Instant,
+    /// The acceptor's deadline for the first hello.
+    hello_deadline: Option<Instant>,
     peer: Option<Hello>,
     buf: Vec<u8>,
     out: Vec<u8>,
@@ -237,6 +243,7 @@ impl Handshake {
                 Role::Acceptor => State::AwaitHello,
             },
             deadline: now + cfg.timeout,
+            hello_deadline: (role == Role::Acceptor).then(|| now + cfg.hello_timeout.min(cfg.timeout)),
             peer: None,
             buf: Vec::new(),
             out: Vec::new(),
@@ -352,16 +359,23 @@ impl Handshake {
         }
     }
 
+    fn current_deadline(&self) -> Instant {
+        match (self.peer, self.hello_deadline) {
+            (None, Some(h)) => h,
+            _ => self.deadline,
+        }
+    }
+
     /// Time passed.
     pub fn handle_timeout(&mut self, now: Instant) {
-        if now >= self.deadline && !matches!(self.state, State::Ready | State::Failed(_)) {
+        if now >= self.current_deadline() && !matches!(self.state, State::Ready | State::Failed(_)) {
             self.fail(HandshakeError::Timeout);
         }
     }
 
     /// When [`Handshake::handle_timeout`] must be called next (None once it is over).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        (!matches!(self.state, State::Ready | State::Failed(_))).then_some(self.deadline)
+        (!matches!(self.state, State::Ready | State::Failed(_))).then(|| self.current_deadline())
     }
 
     /// Bytes to send: appended to `out` (the machine forgets them).
@@ -530,7 +544,13 @@ mod tests {
     use super::*;
 
     fn cfg(local: &str, key: Option<[u8; 32]>) -> HandshakeConfig {
-        HandshakeConfig { local: local.parse().unwrap(), credit: 1 << 20, key, timeout: Duration::from_secs(5) }
+        HandshakeConfig {
+            local: local.parse().unwrap(),
+            credit: 1 << 20,
+            key,
+            timeout: Duration::from_secs(5),
+            hello_timeout: Duration::from_secs(2),
+        }
     }
 
     /// Run both machines against each other until quiet; the acceptor keeps the link.

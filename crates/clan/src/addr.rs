@@ -41,8 +41,9 @@ impl NicAddr {
         SocketAddr::new(self.ip, self.port)
     }
 
-    /// The abstract socket name of this NIC's control channel.
-    pub(crate) fn abstract_name(&self) -> Vec<u8> {
+    /// The abstract socket name of this NIC's control channel (in the network namespace of
+    /// the process), for diagnostics and tests.
+    pub fn abstract_name(&self) -> Vec<u8> {
         format!("clan/nic/{}", self.socket_addr()).into_bytes()
     }
 }

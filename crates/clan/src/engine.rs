@@ -75,6 +75,10 @@ pub(crate) struct Conn {
     pub imports: HashMap<u64, (u32, u32)>,
     pub eqs: HashSet<u32>,
     session: Session,
+    /// A hello whose NIC could not be verified yet (its listener's backlog was full): the
+    /// NIC claimed and when to try again. Nothing more is read from the connection until
+    /// it is settled.
+    verify: Option<(NicAddr, Instant)>,
 }
 
 /// A link being set up.
@@ -106,6 +110,9 @@ struct Out {
     /// Encoded one-way requests, the hello first; with the endpoints of out-of-band messages.
     queue: VecDeque<Queued>,
     hello_ok: bool,
+    /// Messages sent before the peer accepted our hello: if it refuses the hello it drops
+    /// them, and they are sent again on the next connection.
+    unconfirmed: Vec<Queued>,
     opened: Instant,
     /// When the queue last moved (or was empty).
     moved: Instant,
@@ -216,17 +223,40 @@ fn random16() -> [u8; 16] {
     b
 }
 
+/// What checking a hello's NIC found.
+enum Probe {
+    /// The NIC is the connecting process's.
+    Yes,
+    /// It is not (or nothing listens there).
+    No,
+    /// Its listener's backlog is full: try again shortly.
+    Busy,
+}
+
 /// Whether `claimed` is a NIC of process `pid`: its listener's credentials (recorded by the
 /// kernel when it started listening) must name that pid. Never blocks: a Unix socket
 /// connects at once or not at all.
-fn verify_nic(claimed: NicAddr, pid: u32, ours: NicAddr) -> bool {
+fn verify_nic(claimed: NicAddr, pid: u32, ours: NicAddr) -> Probe {
     if claimed == ours {
-        return false;
+        return Probe::No;
     }
     match SeqPacket::connect_abstract_nonblocking(&claimed.abstract_name()) {
-        Ok(s) => s.peer_cred().is_ok_and(|c| c.pid == pid),
-        Err(_) => false,
+        Ok(s) if s.peer_cred().is_ok_and(|c| c.pid == pid) => Probe::Yes,
+        Ok(_) => Probe::No,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Probe::Busy,
+        Err(_) => Probe::No,
     }
+}
+
+/// The verdict on a hello: the session's answer.
+fn settle_hello(c: &mut Conn, claimed: NicAddr, ok: bool, ours: NicAddr) -> Step {
+    if ok {
+        c.hello = Some(claimed);
+        tracing::debug!(peer = %claimed, pid = c.cred.pid, "host connection verified");
+    } else {
+        tracing::warn!(claimed = %claimed, pid = c.cred.pid, "refused a hello: that NIC is not the connecting process's");
+    }
+    c.session.hello_verified(ok, ours.socket_addr())
 }
 
 fn oob_frame(from: EndpointAddr, to: EndpointAddr, payload: [u8; 40]) -> Frame<'static> {
@@ -330,6 +360,7 @@ impl Run {
         let mut dead: Vec<(Token, &'static str)> = Vec::new();
         let mut probes: Vec<(Token, Option<bool>)> = Vec::new();
         let mut retry: Vec<Token> = Vec::new();
+        let mut reverify: Vec<Token> = Vec::new();
         let mut out_dead: Vec<(Token, bool, &'static str)> = Vec::new();
         let timeout = nic.config.request_timeout;
         for (t, e) in self.entries.iter_mut() {
@@ -368,9 +399,21 @@ impl Run {
                 }
                 Entry::Host(c) => {
                     if c.session.handle_timeout(now) {
+                        if c.verify.is_some() {
+                            // Say why, so that the peer does not take it for our death.
+                            let r = Reply::err(clan_wire::control::Code::Unverified, "could not verify in time");
+                            let _ = c.sock.send(&r.encode(0), &[]);
+                        }
                         dead.push((*t, "no verified hello in time"));
-                    } else if let Some(d) = c.session.poll_timeout() {
-                        next = next.min(d);
+                    } else {
+                        if let Some(d) = c.session.poll_timeout() {
+                            next = next.min(d);
+                        }
+                        match c.verify {
+                            Some((_, at)) if now >= at => reverify.push(*t),
+                            Some((_, at)) => next = next.min(at),
+                            None => {}
+                        }
                     }
                 }
                 Entry::Out(o) => {
@@ -405,6 +448,11 @@ impl Run {
         }
         for t in retry {
             self.retry_out(nic, t, now);
+        }
+        for t in reverify {
+            if let Some(why) = self.verify_hello(nic, t) {
+                self.drop_entry(nic, t, why);
+            }
         }
         for (t, gone, why) in out_dead {
             self.close_out(nic, t, gone, why);
@@ -591,6 +639,7 @@ impl Run {
                             imports: HashMap::new(),
                             eqs: HashSet::new(),
                             session,
+                            verify: None,
                         }),
                     );
                 }
@@ -873,6 +922,9 @@ impl Run {
     /// Serve every pending message of a host connection: None, or why it must be closed.
     fn serve(&mut self, nic: &Arc<NicInner>, t: Token) -> Option<&'static str> {
         let Some(Entry::Host(c)) = self.entries.get_mut(&t) else { return None };
+        if c.verify.is_some() {
+            return None; // settled first (`verify_hello`)
+        }
         let mut buf = [0u8; MAX_MSG];
         loop {
             let got = match c.sock.recv(&mut buf) {
@@ -886,14 +938,13 @@ impl Run {
             let step = match step {
                 Step::Verify { nic: claimed } => {
                     let claimed = NicAddr::from(claimed);
-                    let ok = verify_nic(claimed, c.cred.pid, nic.addr);
-                    if ok {
-                        c.hello = Some(claimed);
-                        tracing::debug!(peer = %claimed, pid = c.cred.pid, "host connection verified");
-                    } else {
-                        tracing::warn!(claimed = %claimed, pid = c.cred.pid, "refused a hello: that NIC is not the connecting process's");
+                    match verify_nic(claimed, c.cred.pid, nic.addr) {
+                        Probe::Busy => {
+                            c.verify = Some((claimed, Instant::now() + RETRY));
+                            return None;
+                        }
+                        p => settle_hello(c, claimed, matches!(p, Probe::Yes), nic.addr),
                     }
-                    c.session.hello_verified(ok, nic.addr.socket_addr())
                 }
                 s => s,
             };
@@ -953,6 +1004,34 @@ impl Run {
         }
     }
 
+    /// Try again to verify the hello of host connection `t`; once settled, serve what came
+    /// behind it. Returns why the connection must close, if it must.
+    fn verify_hello(&mut self, nic: &Arc<NicInner>, t: Token) -> Option<&'static str> {
+        let Some(Entry::Host(c)) = self.entries.get_mut(&t) else { return None };
+        let (claimed, _) = c.verify?;
+        let step = match verify_nic(claimed, c.cred.pid, nic.addr) {
+            Probe::Busy => {
+                c.verify = Some((claimed, Instant::now() + RETRY));
+                return None;
+            }
+            p => settle_hello(c, claimed, matches!(p, Probe::Yes), nic.addr),
+        };
+        c.verify = None;
+        match step {
+            Step::Reply(id, r) if c.sock.send(&r.encode(id), &[]).is_err() => {
+                return Some("the peer does not read its replies");
+            }
+            Step::Close(r, why) => {
+                if let Some((id, r)) = r {
+                    let _ = c.sock.send(&r.encode(id), &[]);
+                }
+                return Some(why);
+            }
+            _ => {}
+        }
+        self.serve(nic, t)
+    }
+
     // ---- the host control channel, our outgoing side ---------------------------------
 
     /// Open our channel to `peer` (a NIC of this host): Some(token), or None if nothing
@@ -965,6 +1044,7 @@ impl Run {
             sock: None,
             queue: VecDeque::from([(hello, None)]),
             hello_ok: false,
+            unconfirmed: Vec::new(),
             opened: now,
             moved: now,
             retry_at: None,
@@ -1018,7 +1098,11 @@ impl Run {
         while let Some((bytes, _)) = o.queue.front() {
             match sock.send(bytes, &[]) {
                 Ok(()) => {
-                    o.queue.pop_front();
+                    if let Some(q) = o.queue.pop_front() {
+                        if !o.hello_ok && q.1.is_some() {
+                            o.unconfirmed.push(q);
+                        }
+                    }
                     o.moved = Instant::now();
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -1042,7 +1126,17 @@ impl Run {
                     return self.close_out(nic, t, true, "it closed our channel");
                 }
                 Ok(g) => match Reply::decode(&buf[..g.len]) {
-                    Ok((_, Reply::HelloOk { nic: n })) if NicAddr::from(n) == o.peer => o.hello_ok = true,
+                    Ok((_, Reply::HelloOk { nic: n })) if NicAddr::from(n) == o.peer => {
+                        o.hello_ok = true;
+                        o.unconfirmed.clear();
+                    }
+                    Ok((_, Reply::Err { code, detail })) if !o.hello_ok => {
+                        // Our hello was refused (it could not verify us in time, or we hold too
+                        // many connections): what we sent behind it was dropped. Try again on
+                        // a new connection, within our deadline.
+                        tracing::debug!(peer = %o.peer, ?code, "our hello was refused: {detail}");
+                        return self.reopen_out(t);
+                    }
                     Ok((_, Reply::Err { code, detail })) => {
                         tracing::debug!(peer = %o.peer, ?code, "our channel's message refused: {detail}")
                     }
@@ -1055,6 +1149,23 @@ impl Run {
         }
     }
 
+    /// Start our channel to a host peer again: its hello first, then what the peer dropped.
+    fn reopen_out(&mut self, t: Token) {
+        let Some(Entry::Out(o)) = self.entries.get_mut(&t) else { return };
+        if let Some(s) = o.sock.take() {
+            let _ = self.poll.registry().deregister(&mut SourceFd(&s.as_raw_fd()));
+        }
+        let hello = Request::Hello {
+            nic: self.nic.upgrade().map_or(o.peer, |n| n.addr).socket_addr(),
+            pid: std::process::id(),
+        };
+        let mut q: VecDeque<Queued> = std::mem::take(&mut o.unconfirmed).into();
+        q.push_front((hello.encode(0), None));
+        q.extend(o.queue.drain(..).filter(|m| m.1.is_some()));
+        o.queue = q;
+        o.retry_at = Some(Instant::now() + RETRY * 10);
+    }
+
     /// Close our channel to a host peer; `gone`: the peer is dead or unusable, so everything
     /// that depends on it fails.
     fn close_out(&mut self, nic: &Arc<NicInner>, t: Token, gone: bool, why: &str) {
@@ -1065,7 +1176,7 @@ impl Run {
         if self.outs.get(&o.peer) == Some(&t) {
             self.outs.remove(&o.peer);
         }
-        for (_, ends) in o.queue {
+        for (_, ends) in o.queue.into_iter().chain(o.unconfirmed) {
             if let Some((from, to)) = ends {
                 nic.conns.unreachable(nic, from.port, to);
             }
@@ -1163,5 +1274,6 @@ fn hs_config(nic: &NicInner) -> HandshakeConfig {
         credit: nic.config.link.credit,
         key: nic.config.cluster_key,
         timeout: nic.config.request_timeout,
+        hello_timeout: SessionLimits::default().hello_timeout,
     }
 }

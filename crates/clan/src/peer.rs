@@ -201,32 +201,46 @@ impl PeerSession<'_> {
     fn connect(&self, deadline: Instant) -> Result<(), PeerError> {
         let c = self.conn;
         let name = c.addr.abstract_name();
-        let sock = loop {
-            match SeqPacket::connect_abstract_nonblocking(&name) {
-                Ok(s) => break s,
-                Err(e) => match rustix::io::Errno::from_io_error(&e) {
-                    Some(rustix::io::Errno::CONNREFUSED) | Some(rustix::io::Errno::NOENT) => {
-                        return Err(PeerError::Unreachable);
-                    }
-                    Some(rustix::io::Errno::AGAIN) => {
-                        // The listener's backlog is full: the peer is busy (or flooded).
-                        if Instant::now() >= deadline {
-                            return Err(PeerError::Timeout);
+        loop {
+            let sock = loop {
+                match SeqPacket::connect_abstract_nonblocking(&name) {
+                    Ok(s) => break s,
+                    Err(e) => match rustix::io::Errno::from_io_error(&e) {
+                        Some(rustix::io::Errno::CONNREFUSED) | Some(rustix::io::Errno::NOENT) => {
+                            return Err(PeerError::Unreachable);
                         }
-                        std::thread::sleep(Duration::from_millis(1));
+                        Some(rustix::io::Errno::AGAIN) => {
+                            // The listener's backlog is full: the peer is busy (or flooded).
+                            if Instant::now() >= deadline {
+                                return Err(PeerError::Timeout);
+                            }
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        _ => return Err(PeerError::Io(e)),
+                    },
+                }
+            };
+            *lock(&c.sock) = Some(Arc::new(sock));
+            let hello = Request::Hello { nic: c.local.socket_addr(), pid: std::process::id() };
+            match self.request(&hello, deadline) {
+                Ok((Reply::HelloOk { nic }, _)) if NicAddr::from(nic) == c.addr => return Ok(()),
+                Ok((Reply::Err { code: Code::Unverified | Code::TooMany, detail }, _)) => {
+                    // Refused for now (it could not verify us in time: its listener's backlog
+                    // is flooded; or we hold too many connections): again, within our time.
+                    *lock(&c.sock) = None;
+                    if Instant::now() + Duration::from_millis(5) >= deadline {
+                        return Err(PeerError::Protocol(format!("hello refused: {detail}")));
                     }
-                    _ => return Err(PeerError::Io(e)),
-                },
-            }
-        };
-        *lock(&c.sock) = Some(Arc::new(sock));
-        match self.request(&Request::Hello { nic: c.local.socket_addr(), pid: std::process::id() }, deadline) {
-            Ok((Reply::HelloOk { nic }, _)) if NicAddr::from(nic) == c.addr => Ok(()),
-            Ok((Reply::Err { code, detail }, _)) => Err(c.break_with(format!("hello refused: {code:?} {detail}"))),
-            Ok((other, _)) => Err(c.break_with(format!("unexpected answer to hello: {other:?}"))),
-            Err(e) => {
-                *lock(&c.sock) = None;
-                Err(e)
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok((Reply::Err { code, detail }, _)) => {
+                    return Err(c.break_with(format!("hello refused: {code:?} {detail}")));
+                }
+                Ok((other, _)) => return Err(c.break_with(format!("unexpected answer to hello: {other:?}"))),
+                Err(e) => {
+                    *lock(&c.sock) = None;
+                    return Err(e);
+                }
             }
         }
     }
@@ -320,6 +334,8 @@ pub(crate) fn import_remote(
     let nic = &ep.nic;
     let peer = nic.peer(desc.nic());
     let session = peer.session(deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
+    // The engine watches the exporter: when its process dies, our mappings of it fail.
+    nic.watch(&peer);
     let req = Request::Import { importer: ep.addr.into(), want_eq: false, desc: desc.to_bytes() };
     let (reply, mut fds) = session.request(&req, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
     let g = match reply {

@@ -115,6 +115,12 @@ impl Peer {
         let _ = self.child.wait();
     }
 
+    /// Close the child's stdin (children end when it closes) and read its last line.
+    pub fn finish(&mut self) -> Option<String> {
+        self.input = None;
+        self.recv()
+    }
+
     pub fn wait_ok(mut self) {
         self.input = None;
         let st = self.child.wait().expect("wait child");
