@@ -76,13 +76,33 @@ pub(crate) fn pipe_error(e: PipeError) -> io::Error {
 }
 
 /// A listening endpoint.
-#[derive(Debug)]
 pub struct Listener {
     nic: Nic,
     ep: Endpoint,
     cfg: StreamConfig,
     queue: Option<EventQueue>,
     nonblocking: AtomicBool,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("addr", &format_args!("{}", self.ep.addr()))
+            .field("nonblocking", &self.nonblocking.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = &self.inner;
+        f.debug_struct("Stream")
+            .field("local", &format_args!("{}", i.local))
+            .field("peer", &format_args!("{}", i.peer))
+            .field("alive", &i.alive())
+            .field("nonblocking", &i.nonblocking.load(Ordering::Relaxed))
+            .finish()
+    }
 }
 
 impl Listener {
@@ -215,7 +235,7 @@ impl Drop for Inner {
 }
 
 /// A connected byte stream. See the module documentation.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Stream {
     inner: Arc<Inner>,
 }

@@ -144,7 +144,7 @@ pub struct Candidate {
 }
 
 /// One index as seen by a process.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct CamView<'a> {
     /// Header.
     pub header: &'a CamHeader,
@@ -156,6 +156,13 @@ pub struct CamView<'a> {
     pub heads: &'a [AtomicU32],
     /// Watched length (trusted: from our own import, not from the header).
     pub len: u64,
+}
+
+// Shared-memory views print their geometry, never their contents (megabytes of tables).
+impl std::fmt::Debug for CamView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CamView").field("len", &self.len).field("lines", &self.heads.len()).finish_non_exhaustive()
+    }
 }
 
 /// Whether any bit in `[lo, hi]` is set.

@@ -137,7 +137,7 @@ impl EqLayout {
 }
 
 /// A queue's segment as seen by one process.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EqView<'a> {
     /// Header.
     pub header: &'a EqHeader,
@@ -149,6 +149,15 @@ pub struct EqView<'a> {
     pub table: TripTable<'a>,
 }
 
+impl std::fmt::Debug for EqView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EqView")
+            .field("rings", &self.ring_headers.len())
+            .field("tripwires", &self.table.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
 impl<'a> EqView<'a> {
     /// The rings, for producers and the consumer.
     pub fn rings(&self) -> Rings<'_> {
@@ -156,8 +165,13 @@ impl<'a> EqView<'a> {
     }
 }
 
+impl std::fmt::Debug for EqModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EqModel").field("rings", &self.rings.len()).finish_non_exhaustive()
+    }
+}
+
 /// A heap-allocated queue with the same structure, for tests and loom models.
-#[derive(Debug)]
 pub struct EqModel {
     header: EqHeader,
     rings: Vec<RingHeader>,
@@ -191,8 +205,13 @@ impl EqModel {
     }
 }
 
+impl std::fmt::Debug for CamModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CamModel").field("lines", &self.heads.len()).finish_non_exhaustive()
+    }
+}
+
 /// A heap-allocated index, for tests, loom models and mapping-side (outgoing) tripwires.
-#[derive(Debug)]
 pub struct CamModel {
     header: crate::cam::CamHeader,
     watch: Vec<AtomicU64>,
@@ -238,12 +257,23 @@ mod mapped {
     use crate::segment::{Segment, SegmentError};
 
     /// An event queue segment mapped in this process, with its view.
-    #[derive(Debug)]
     pub struct EqMap {
         // Field order: the view (borrowing the mapping) is dropped before the mapping.
         view: EqView<'static>,
         layout: EqLayout,
         seg: Arc<Segment>,
+    }
+
+    impl std::fmt::Debug for EqMap {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("EqMap").field("params", &self.layout.params).field("size", &self.layout.size).finish()
+        }
+    }
+
+    impl std::fmt::Debug for CamMap {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("CamMap").field("len", &self.view.len).finish_non_exhaustive()
+        }
     }
 
     impl EqMap {
@@ -292,7 +322,6 @@ mod mapped {
     }
 
     /// An index mapped in this process, with its view.
-    #[derive(Debug)]
     pub struct CamMap {
         view: CamView<'static>,
         layout: CamLayout,

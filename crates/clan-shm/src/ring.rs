@@ -138,7 +138,7 @@ impl Default for QueueWords {
 }
 
 /// The rings of one queue as seen by one process.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct Rings<'a> {
     /// Queue-wide words.
     pub words: &'a QueueWords,
@@ -146,6 +146,12 @@ pub struct Rings<'a> {
     pub headers: &'a [&'a RingHeader],
     /// Slots of each ring (each of the same power-of-two length).
     pub slots: &'a [&'a [EventSlot]],
+}
+
+impl std::fmt::Debug for Rings<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rings").field("rings", &self.headers.len()).finish_non_exhaustive()
+    }
 }
 
 /// What a post did.

@@ -164,7 +164,7 @@ impl Default for TripsetWord {
 }
 
 /// The tripwire table of one event queue.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct TripTable<'a> {
     /// Entries.
     pub entries: &'a [TripEntry],
@@ -172,6 +172,15 @@ pub struct TripTable<'a> {
     pub bitmap: &'a [AtomicU64],
     /// Tripset wake words.
     pub tripsets: &'a [TripsetWord],
+}
+
+impl std::fmt::Debug for TripTable<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TripTable")
+            .field("entries", &self.entries.len())
+            .field("tripsets", &self.tripsets.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// What [`fire`] asks the caller to do after the in-memory actions.

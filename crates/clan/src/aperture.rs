@@ -153,7 +153,6 @@ impl Drop for ApertureInner {
 }
 
 /// An exported region of memory. Dropping it unexports it. `Send` and `Sync`.
-#[derive(Debug)]
 pub struct Aperture {
     pub(crate) inner: Arc<ApertureInner>,
 }
@@ -267,5 +266,18 @@ impl Aperture {
 impl Drop for Aperture {
     fn drop(&mut self) {
         self.inner.unexport();
+    }
+}
+
+impl std::fmt::Debug for Aperture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = &self.inner;
+        f.debug_struct("Aperture")
+            .field("endpoint", &format_args!("{}", i.endpoint))
+            .field("id", &i.id)
+            .field("generation", &i.generation)
+            .field("len", &i.len)
+            .field("exported", &!i.revoked.load(Ordering::Acquire))
+            .finish()
     }
 }

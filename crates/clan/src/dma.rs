@@ -149,10 +149,16 @@ impl Completion {
 
 /// A handle on a posted request (or chain). Dropping it does not cancel anything.
 /// `Send` and `Sync`; cheap to clone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct DmaTicket {
     done: Arc<Completion>,
     spin: Duration,
+}
+
+impl std::fmt::Debug for DmaTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaTicket").field("complete", &self.is_complete()).finish_non_exhaustive()
+    }
 }
 
 impl DmaTicket {

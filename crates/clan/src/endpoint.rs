@@ -137,7 +137,6 @@ impl Drop for EndpointInner {
 
 /// An endpoint. Dropping it (or [`Endpoint::close`]) unexports its apertures and frees its
 /// port. `Send` and `Sync`: share it across threads with `Arc`.
-#[derive(Debug)]
 pub struct Endpoint {
     pub(crate) inner: Arc<EndpointInner>,
 }
@@ -384,5 +383,15 @@ pub(crate) fn oob_peer_error(to: EndpointAddr, e: crate::peer::PeerError) -> Oob
         crate::peer::PeerError::Timeout => OobError::Timeout,
         crate::peer::PeerError::Protocol(d) => OobError::Protocol { peer: to.nic, detail: d },
         crate::peer::PeerError::Io(e) => OobError::Protocol { peer: to.nic, detail: e.to_string() },
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("addr", &format_args!("{}", self.inner.addr))
+            .field("queue", &self.inner.queue.inner.id)
+            .field("closed", &self.is_closed())
+            .finish()
     }
 }

@@ -251,6 +251,10 @@ pub enum TripwireError {
     /// Waiting timed out.
     #[error("timed out waiting for the tripwire")]
     Timeout,
+    /// The tripwire watches a mapping whose exporter is gone (its process died, its NIC
+    /// closed, or the link to its host broke).
+    #[error("the exporter of the watched mapping is gone")]
+    Disconnected,
 }
 
 /// Event queues.
@@ -484,6 +488,7 @@ impl From<TripwireError> for io::Error {
             | TripwireError::InTripset => K::InvalidInput,
             TripwireError::TableFull { .. } | TripwireError::TripsetsFull { .. } => K::Other,
             TripwireError::Stale => K::NotConnected,
+            TripwireError::Disconnected => K::ConnectionReset,
             TripwireError::Timeout => K::TimedOut,
         };
         wrap(k, e)

@@ -514,9 +514,21 @@ impl EqInner {
 
 /// An event queue. Cheap to clone (clones share the queue); `Send` and `Sync`: any thread may
 /// take events, and several may wait at once.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EventQueue {
     pub(crate) inner: Arc<EqInner>,
+}
+
+impl std::fmt::Debug for EventQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = self.inner.layout.params;
+        f.debug_struct("EventQueue")
+            .field("id", &self.inner.id)
+            .field("producers", &p.nrings)
+            .field("ring_capacity", &p.ring_cap)
+            .field("tripwires", &p.trip_cap)
+            .finish()
+    }
 }
 
 impl EventQueue {

@@ -68,7 +68,7 @@ pub(crate) struct MappingInner {
 
 /// An imported descriptor. Cheap to clone (clones share the import); `Send` and `Sync`.
 /// The import is released when the last clone is dropped.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Mapping {
     pub(crate) inner: Arc<MappingInner>,
 }
@@ -464,12 +464,34 @@ impl Mapping {
                     .map_err(|_| TripwireError::TableFull { capacity: i.importer_eq.layout.params.trip_cap })?;
                 let cam = CamMap::new(Arc::new(seg), 0, i.len).map_err(|_| TripwireError::Stale)?;
                 let tag = (1u64 << 63) | i.serial;
-                let o = Arc::new(WatchOwner::new(i.importer_eq.clone(), Arc::new(cam), tag, i.len, 0, i.importer_port));
+                let mut o = WatchOwner::new(i.importer_eq.clone(), Arc::new(cam), tag, i.len, 0, i.importer_port);
+                // Weak: the mapping owns the index, not the other way round.
+                let m = Arc::downgrade(&self.inner);
+                o.alive = Some(Box::new(move || {
+                    m.upgrade()
+                        .is_some_and(|m| !matches!(Mapping { inner: m }.check_live(), Err(AccessError::Disconnected)))
+                }));
+                let o = Arc::new(o);
                 let _ = i.outgoing.set(o);
                 i.outgoing.get().cloned().ok_or(TripwireError::Stale)?
             }
         };
         owner.add(&cfg)
+    }
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = &self.inner.desc;
+        f.debug_struct("Mapping")
+            .field("exporter", &format_args!("{}", d.nic()))
+            .field("aperture", &d.aperture())
+            .field("offset", &self.inner.off)
+            .field("len", &self.inner.len)
+            .field("rights", &format_args!("{}", self.inner.rights))
+            .field("remote", &self.is_remote())
+            .field("live", &self.is_live())
+            .finish()
     }
 }
 
@@ -480,11 +502,16 @@ enum ReadState {
 }
 
 /// A read in flight ([`Mapping::read_async`]).
-#[derive(Debug)]
 pub struct PendingRead {
     mapping: Mapping,
     off: u64,
     state: ReadState,
+}
+
+impl std::fmt::Debug for PendingRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingRead").field("off", &self.off).field("done", &self.is_done()).finish_non_exhaustive()
+    }
 }
 
 impl PendingRead {

@@ -725,7 +725,6 @@ impl NicInner {
         // (connections are kept for the NIC's life), unless the engine saw another channel
         // from the same NIC and process still open (`still_connected`).
         if let (Some(peer), false) = (c.hello, still_connected) {
-            lock(&self.peers).remove(&peer);
             self.peer_gone(peer);
         }
         let mut recycle = Vec::new();
@@ -874,9 +873,19 @@ impl NicInner {
 /// A software NIC, embedded in this process. Cheap to clone (clones share the NIC);
 /// `Send` and `Sync`. The NIC closes when the last clone and the last object made from it
 /// (endpoint, aperture, mapping, queue) are gone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Nic {
     pub(crate) inner: Arc<NicInner>,
+}
+
+impl std::fmt::Debug for Nic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nic")
+            .field("addr", &format_args!("{}", self.inner.addr))
+            .field("tcp", &self.inner.config.tcp)
+            .field("links", &self.inner.links.all().len())
+            .finish()
+    }
 }
 
 impl Nic {

@@ -24,12 +24,21 @@ struct Member {
 /// Each member links to the tripset's wake word in the event queue's segment; a firing of
 /// any member bumps it and wakes the waiters, who then find which members fired by comparing
 /// their firing sequence numbers (no system call when nothing sleeps).
-#[derive(Debug)]
 pub struct Tripset {
     eq: Arc<EqInner>,
     endpoint: u32,
     slot: u32,
     members: Mutex<Vec<Member>>,
+}
+
+impl std::fmt::Debug for Tripset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tripset")
+            .field("queue", &self.eq.id)
+            .field("endpoint", &self.endpoint)
+            .field("members", &crate::lock(&self.members).len())
+            .finish()
+    }
 }
 
 impl Tripset {

@@ -166,7 +166,6 @@ struct OwnerState {
 }
 
 /// The owner of one index (an aperture's, or a mapping's outgoing one) and its tripwires.
-#[derive(Debug)]
 pub(crate) struct WatchOwner {
     pub eq: Arc<EqInner>,
     pub cam: Arc<CamMap>,
@@ -178,11 +177,20 @@ pub(crate) struct WatchOwner {
     pub base: u64,
     pub endpoint: u32,
     state: Mutex<OwnerState>,
+    /// For a mapping's (outgoing) index: whether the mapping's exporter is still there (a
+    /// wait on such a tripwire ends with an error once it is not).
+    pub alive: Option<Box<dyn Fn() -> bool + Send + Sync>>,
+}
+
+impl std::fmt::Debug for WatchOwner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchOwner").field("tag", &self.tag).field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl WatchOwner {
     pub fn new(eq: Arc<EqInner>, cam: Arc<CamMap>, tag: u64, len: u64, base: u64, endpoint: u32) -> WatchOwner {
-        WatchOwner { eq, cam, tag, len, base, endpoint, state: Mutex::new(OwnerState::default()) }
+        WatchOwner { eq, cam, tag, len, base, endpoint, state: Mutex::new(OwnerState::default()), alive: None }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
@@ -270,14 +278,26 @@ impl WatchOwner {
     }
 }
 
+/// How often a wait on a mapping's tripwire looks whether the exporter is still there.
+const ALIVE_SLICE: Duration = Duration::from_millis(50);
+
 /// A tripwire. Dropping it destroys it. `Send` and `Sync`.
-#[derive(Debug)]
 pub struct Tripwire {
     pub(crate) owner: Arc<WatchOwner>,
     pub(crate) id: TripwireId,
     range: Range<u64>,
     /// The `seq` value the last `arm`/`wait`/`take_fired` observed.
     pub(crate) last_seen: AtomicU32,
+}
+
+impl std::fmt::Debug for Tripwire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tripwire")
+            .field("id", &self.id)
+            .field("range", &self.range)
+            .field("armed", &self.is_armed())
+            .finish()
+    }
 }
 
 impl Tripwire {
@@ -372,9 +392,25 @@ impl Tripwire {
                 }
             }
         }
-        let ok = trip::wait_until(&e.seq, &e.waiters, spin, deadline, &SharedFutex, || {
-            e.seq.load(Ordering::Acquire) != seen
-        });
+        let fired = || e.seq.load(Ordering::Acquire) != seen;
+        let ok = match &self.owner.alive {
+            None => trip::wait_until(&e.seq, &e.waiters, spin, deadline, &SharedFutex, fired),
+            // A mapping's tripwire: its exporter may go away, and nothing would fire then.
+            // Sleep in slices and look.
+            Some(alive) => loop {
+                let slice = Instant::now() + ALIVE_SLICE;
+                let until = deadline.map_or(slice, |d| d.min(slice));
+                if trip::wait_until(&e.seq, &e.waiters, spin, Some(until), &SharedFutex, fired) {
+                    break true;
+                }
+                if !alive() {
+                    return Err(TripwireError::Disconnected);
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    break false;
+                }
+            },
+        };
         if ok {
             self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
             Ok(())
