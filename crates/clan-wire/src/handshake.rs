@@ -132,6 +132,9 @@ impl std::fmt::Display for HandshakeError {
                 write!(f, "one side requires authentication (a cluster key), the other does not")
             }
             HandshakeError::AuthFailed => write!(f, "authentication failed: the peer does not hold the cluster key"),
+            HandshakeError::Refused(Status::AuthFailed) => {
+                write!(f, "the peer refused us: authentication failed (a missing or different cluster key)")
+            }
             HandshakeError::Refused(s) => write!(f, "refused by the peer ({s:?})"),
             HandshakeError::Declined => write!(f, "declined (another link to that NIC is kept)"),
             HandshakeError::Unexpected(k) => write!(f, "unexpected frame of kind {k} during the hand-shake"),
@@ -310,6 +313,18 @@ impl Handshake {
         self.events.push_back(HandshakeEvent::Failed(e));
     }
 
+    /// Fail, telling the peer why (it then reports a refusal, not a broken connection).
+    fn refuse(&mut self, e: HandshakeError) {
+        if !matches!(self.state, State::Failed(_) | State::Ready) {
+            let status = match e {
+                HandshakeError::AuthFailed | HandshakeError::AuthMismatch => Status::AuthFailed,
+                _ => Status::Malformed,
+            };
+            self.send(Frame::Close { status });
+        }
+        self.fail(e);
+    }
+
     fn ready(&mut self) {
         let Some(p) = self.peer else { return };
         self.state = State::Ready;
@@ -443,7 +458,7 @@ impl Handshake {
         match (self.state, self.role, f) {
             (State::AwaitHello, role, OwnedFrame::Hello(h)) => {
                 if h.version != frame::VERSION {
-                    return self.fail(HandshakeError::Version(h.version));
+                    return self.refuse(HandshakeError::Version(h.version));
                 }
                 if let Role::Dialler { expect } = role {
                     if h.nic != expect {
@@ -451,7 +466,7 @@ impl Handshake {
                     }
                 }
                 if (h.flags & FLAG_AUTH != 0) != self.keyed() {
-                    return self.fail(HandshakeError::AuthMismatch);
+                    return self.refuse(HandshakeError::AuthMismatch);
                 }
                 self.peer = Some(h);
                 match (role, self.cfg.key) {
@@ -475,7 +490,7 @@ impl Handshake {
                     return self.fail(HandshakeError::Unexpected(frame::kind::AUTH));
                 };
                 if !constant_time_eq(&p, &self.their_proof(&key, &h)) {
-                    return self.fail(HandshakeError::AuthFailed);
+                    return self.refuse(HandshakeError::AuthFailed);
                 }
                 let mine = self.our_proof(&key, &h);
                 self.send(Frame::Auth(mine));
@@ -486,7 +501,7 @@ impl Handshake {
                     return self.fail(HandshakeError::Unexpected(frame::kind::AUTH));
                 };
                 if !constant_time_eq(&p, &self.their_proof(&key, &h)) {
-                    return self.fail(HandshakeError::AuthFailed);
+                    return self.refuse(HandshakeError::AuthFailed);
                 }
                 self.state = State::Deciding;
                 self.events.push_back(HandshakeEvent::Verified { peer: h.nic });
@@ -599,5 +614,105 @@ mod tests {
         run(&mut d, &mut a);
         assert_eq!(d.failure(), Some(HandshakeError::AuthFailed));
         assert!(!a.is_ready());
+    }
+
+    fn hello(nic: &str, nonce: [u8; 16], keyed: bool) -> Vec<u8> {
+        let mut b = Vec::new();
+        Frame::Hello(Hello {
+            version: frame::VERSION,
+            flags: if keyed { FLAG_AUTH } else { 0 },
+            nic: nic.parse().unwrap(),
+            nonce,
+            credit: 1,
+        })
+        .encode(&mut b);
+        b
+    }
+
+    fn auth(p: [u8; 32]) -> Vec<u8> {
+        let mut b = Vec::new();
+        Frame::Auth(p).encode(&mut b);
+        b
+    }
+
+    /// The proof in an acceptor's answer.
+    fn proof_in(bytes: &[u8]) -> [u8; 32] {
+        let mut dec = Decoder::new();
+        let mut at = 0;
+        while let Ok(Some((item, used))) = dec.next(&bytes[at..]) {
+            if let Item::Frame(Frame::Auth(p)) = item {
+                return p;
+            }
+            at += used;
+        }
+        panic!("no proof");
+    }
+
+    /// An attacker without the key, claiming to be D at acceptor A, cannot use any proof it
+    /// can get hold of: A's own (reflected), one from an earlier hand-shake (replayed), or a
+    /// proof made for the other direction.
+    #[test]
+    fn proofs_from_elsewhere_are_refused() {
+        let key = [9u8; 32];
+        let (d, a) = ("10.77.0.1:1", "10.77.0.2:1");
+        let now = Instant::now();
+        let acceptor = |nonce| {
+            let mut h = Handshake::new(Role::Acceptor, cfg(a, Some(key)), nonce, now);
+            h.handle_data(&hello(d, [5; 16], true));
+            let mut out = Vec::new();
+            h.poll_transmit(&mut out);
+            (h, out)
+        };
+        // Reflection: A's own proof sent back.
+        let (mut h, out) = acceptor([1; 16]);
+        h.handle_data(&auth(proof_in(&out)));
+        assert_eq!(h.failure(), Some(HandshakeError::AuthFailed));
+        // Replay: D's genuine proof from an earlier hand-shake with A (another nonce of A's).
+        let earlier = proof(
+            &key,
+            Role::Dialler { expect: a.parse().unwrap() },
+            &[5; 16],
+            &[1; 16],
+            d.parse().unwrap(),
+            a.parse().unwrap(),
+        );
+        let (mut h, _) = acceptor([2; 16]);
+        h.handle_data(&auth(earlier));
+        assert_eq!(h.failure(), Some(HandshakeError::AuthFailed));
+        // Direction: a proof made by an acceptor for the same nonces and addresses.
+        let other_way = proof(&key, Role::Acceptor, &[5; 16], &[3; 16], d.parse().unwrap(), a.parse().unwrap());
+        let (mut h, _) = acceptor([3; 16]);
+        h.handle_data(&auth(other_way));
+        assert_eq!(h.failure(), Some(HandshakeError::AuthFailed));
+        // And the genuine one for this hand-shake is accepted.
+        let right = proof(
+            &key,
+            Role::Dialler { expect: a.parse().unwrap() },
+            &[5; 16],
+            &[4; 16],
+            d.parse().unwrap(),
+            a.parse().unwrap(),
+        );
+        let (mut h, _) = acceptor([4; 16]);
+        h.handle_data(&auth(right));
+        assert_eq!(h.poll_event(), Some(HandshakeEvent::Verified { peer: d.parse().unwrap() }));
+    }
+
+    /// Nothing is decided before the peer is verified: an acceptor with a key raises no
+    /// `Verified` on a hello alone, and a dialler sends no traffic before `Welcome`.
+    #[test]
+    fn no_decision_before_verification() {
+        let key = [9u8; 32];
+        let now = Instant::now();
+        let mut a = Handshake::new(Role::Acceptor, cfg("10.77.0.2:1", Some(key)), [1; 16], now);
+        a.handle_data(&hello("10.77.0.1:1", [5; 16], true));
+        assert_eq!(a.poll_event(), None);
+        assert!(!a.is_deciding());
+        let mut unkeyed = Handshake::new(Role::Acceptor, cfg("10.77.0.2:1", None), [1; 16], now);
+        unkeyed.handle_data(&hello("10.77.0.1:1", [5; 16], true));
+        assert_eq!(unkeyed.failure(), Some(HandshakeError::AuthMismatch));
+        let mut out = Vec::new();
+        unkeyed.poll_transmit(&mut out);
+        assert!(!out.is_empty(), "the refusal says why (Close)");
     }
 }

@@ -32,8 +32,8 @@ pub enum LocalTransport {
     Link,
 }
 
-/// How a NIC is opened.
-#[derive(Debug, Clone)]
+/// How a NIC is opened. (Its `Debug` never shows the cluster key.)
+#[derive(Clone)]
 pub struct NicConfig {
     /// Host address of the NIC (default 127.0.0.1).
     pub ip: IpAddr,
@@ -115,6 +115,21 @@ impl Default for NicConfig {
             max_link_imports: 65536,
             admission: AdmissionLimits::default(),
         }
+    }
+}
+
+impl std::fmt::Debug for NicConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NicConfig")
+            .field("ip", &self.ip)
+            .field("port", &self.port)
+            .field("request_timeout", &self.request_timeout)
+            .field("tcp", &self.tcp)
+            .field("progress", &self.progress)
+            .field("local_transport", &self.local_transport)
+            .field("cluster_key", &self.cluster_key.map(|_| "<secret>"))
+            .field("routes", &self.routes.len())
+            .finish_non_exhaustive()
     }
 }
 

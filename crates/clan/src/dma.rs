@@ -202,11 +202,21 @@ enum Op {
 }
 
 /// One request of a chain ([`crate::Endpoint::dma_chain`]), checked when it is made.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct DmaRequest {
     op: Op,
     len: u64,
     notify: bool,
+}
+
+impl std::fmt::Debug for DmaRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.op {
+            Op::Write { .. } => "write",
+            _ => "read",
+        };
+        f.debug_struct("DmaRequest").field("op", &kind).field("len", &self.len).field("notify", &self.notify).finish()
+    }
 }
 
 impl DmaRequest {

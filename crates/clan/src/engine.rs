@@ -503,7 +503,21 @@ impl Run {
                         tracing::debug!(peer = %x, "our dial lost the tie-break: {reason}");
                     } else if !self.handshaking_with(x) {
                         tracing::info!(peer = %x, "link set-up failed: {reason}");
-                        let e = s.error.take().unwrap_or(LinkError::Down(reason));
+                        use clan_wire::handshake::HandshakeError as H;
+                        let e = match (s.error.take(), s.hs.failure()) {
+                            (Some(e), _) => e,
+                            (
+                                None,
+                                Some(
+                                    H::AuthFailed
+                                    | H::AuthMismatch
+                                    | H::Version(_)
+                                    | H::WrongPeer { .. }
+                                    | H::Refused(Status::AuthFailed),
+                                ),
+                            ) => LinkError::Refused(reason),
+                            _ => LinkError::Down(reason),
+                        };
                         self.drop_parked(nic, x);
                         nic.links.fail(x, e);
                     }

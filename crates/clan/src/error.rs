@@ -139,6 +139,16 @@ pub enum ImportError {
     /// Out of file descriptors.
     #[error("out of file descriptors while importing: raise RLIMIT_NOFILE (ulimit -n)")]
     FdLimit,
+    /// No link to the exporter's host could be set up: the hand-shake refused it or was
+    /// refused (a missing or wrong [`crate::NicConfig::cluster_key`], another protocol
+    /// version).
+    #[error("no link to {peer}: {detail}")]
+    LinkRefused {
+        /// The exporter.
+        peer: NicAddr,
+        /// Why.
+        detail: String,
+    },
     /// The endpoint was closed.
     #[error("the endpoint is closed")]
     EndpointClosed,
@@ -454,7 +464,7 @@ impl From<ImportError> for io::Error {
     fn from(e: ImportError) -> io::Error {
         let k = match &e {
             ImportError::Revoked { .. } => K::NotFound,
-            ImportError::BadKey | ImportError::Denied(_) => K::PermissionDenied,
+            ImportError::BadKey | ImportError::Denied(_) | ImportError::LinkRefused { .. } => K::PermissionDenied,
             ImportError::Unreachable(_) => K::ConnectionRefused,
             ImportError::TooManyProducers | ImportError::TooMany { .. } => K::ResourceBusy,
             ImportError::FdLimit => K::Other,

@@ -74,6 +74,8 @@ pub(crate) enum LinkError {
     Unreachable(String),
     /// The link is closed (peer closed, died, path broke, protocol violation).
     Down(String),
+    /// The hand-shake refused the peer or was refused by it (authentication, version).
+    Refused(String),
     /// No answer in time.
     Timeout,
 }

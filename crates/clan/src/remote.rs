@@ -47,7 +47,7 @@ impl Drop for LinkTarget {
 
 pub(crate) fn link_error(e: LinkError) -> AccessError {
     match e {
-        LinkError::Down(_) | LinkError::Unreachable(_) => AccessError::Disconnected,
+        LinkError::Down(_) | LinkError::Unreachable(_) | LinkError::Refused(_) => AccessError::Disconnected,
         LinkError::Timeout => AccessError::Timeout,
     }
 }
@@ -164,6 +164,7 @@ pub(crate) fn check_status(status: Status, state: &TargetState) -> Result<(), Ac
 fn import_error(peer: crate::addr::NicAddr, e: LinkError, timeout: Duration) -> ImportError {
     match e {
         LinkError::Unreachable(_) => ImportError::Unreachable(peer),
+        LinkError::Refused(detail) => ImportError::LinkRefused { peer, detail },
         LinkError::Down(d) => ImportError::Protocol { peer, detail: d },
         LinkError::Timeout => ImportError::Timeout { peer, timeout },
     }
@@ -299,6 +300,7 @@ fn oob_once(
 ) -> Result<(), (bool, OobError)> {
     let link = nic.link(to.nic, deadline).map_err(|e| match e {
         LinkError::Timeout => (false, OobError::Timeout),
+        LinkError::Refused(d) => (false, OobError::Protocol { peer: to.nic, detail: d }),
         _ => (false, OobError::Unreachable(to.nic)),
     })?;
     let id = link.next_id();
@@ -314,7 +316,7 @@ fn oob_once(
     if let Err(e) = link.send_frame_until(nic, &f, deadline) {
         lock(&link.waits).oobs.remove(&id);
         return Err(match e {
-            LinkError::Down(d) | LinkError::Unreachable(d) => (true, down(d)),
+            LinkError::Down(d) | LinkError::Unreachable(d) | LinkError::Refused(d) => (true, down(d)),
             LinkError::Timeout => (false, OobError::Timeout),
         });
     }
@@ -326,7 +328,7 @@ fn oob_once(
         Ok(Status::QueueFull) => Err((false, OobError::QueueFull(to))),
         Ok(Status::NoSuchEndpoint) => Err((false, OobError::NoSuchEndpoint(to))),
         Ok(s) => Err((false, down(format!("{s:?}")))),
-        Err(LinkError::Down(d) | LinkError::Unreachable(d)) => Err((false, down(d))),
+        Err(LinkError::Down(d) | LinkError::Unreachable(d) | LinkError::Refused(d)) => Err((false, down(d))),
         Err(LinkError::Timeout) => Err((false, OobError::Timeout)),
     }
 }
