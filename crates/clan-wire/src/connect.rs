@@ -404,8 +404,11 @@ impl<P: Peer> Handshakes<P> {
             Message::Accept { token, total, chunk } => self.head(from, K_ACCEPT, token, total, 0, chunk, now),
             Message::Frag { token, index, chunk } => {
                 let Some(p) = self.partial.get_mut(&(from, token)) else { return };
+                if index < p.next {
+                    return; // a duplicate of a fragment we have
+                }
                 if index != p.next {
-                    // Out of order or duplicated: the message cannot be rebuilt.
+                    // One is missing (lost, or reordered): the message cannot be rebuilt.
                     self.partial.remove(&(from, token));
                     return;
                 }

@@ -35,6 +35,8 @@ pub mod connect;
 pub mod control;
 mod decoder;
 pub mod frame;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handshake;
 mod link;
 

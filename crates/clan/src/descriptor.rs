@@ -319,6 +319,29 @@ impl FromStr for Descriptor {
     }
 }
 
+/// Fuzz harness (see `fuzz/fuzz_targets/descriptor.rs`): not part of the API.
+#[doc(hidden)]
+pub fn fuzz(data: &[u8]) {
+    let Some((&ctl, rest)) = data.split_first() else { return };
+    let d = if ctl & 1 == 0 {
+        Descriptor::from_bytes(rest).ok()
+    } else {
+        std::str::from_utf8(rest).ok().and_then(|s| s.parse::<Descriptor>().ok())
+    };
+    let Some(d) = d else { return };
+    // Whatever decodes encodes back to the same value, in both forms.
+    assert_eq!(Descriptor::from_bytes(&d.to_bytes()).as_ref(), Ok(&d));
+    assert_eq!(d.to_string().parse::<Descriptor>().as_ref(), Ok(&d));
+    assert!(d.offset().checked_add(d.len()).is_some_and(|end| end <= d.aperture_len()));
+    // Narrowing never widens, never adds rights, and never panics.
+    let off = u64::from(ctl >> 1) % d.len().max(1);
+    if let Ok(n) = d.derive(off, d.len() - off, d.rights()) {
+        assert!(n.offset() >= d.offset() && n.offset() + n.len() <= d.offset() + d.len());
+        assert!(d.rights().contains(n.rights()));
+        assert_eq!(Descriptor::from_bytes(&n.to_bytes()).as_ref(), Ok(&n));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -101,5 +101,11 @@ pub use nic::{Nic, NicStats, fd_limit};
 pub use tripset::Tripset;
 pub use tripwire::{Access, Actions, Tripwire, TripwireConfig, TripwireId};
 
+/// Fuzz harnesses (`fuzz/`): not part of the API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::descriptor::fuzz as descriptor;
+}
+
 /// Size of an out-of-band payload.
 pub const OOB_PAYLOAD: usize = clan_wire::control::OOB_PAYLOAD;

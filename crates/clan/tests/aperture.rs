@@ -230,3 +230,35 @@ fn nic_addresses() {
         other => panic!("expected AddrInUse, got {other:?}"),
     }
 }
+
+/// The descriptor fuzzer's corpus (real descriptors: whole, narrowed, text) through its
+/// harness. Regenerate the seeds with `CLAN_WRITE_CORPUS=1 cargo test -p clan --test aperture
+/// descriptor_corpus`.
+#[test]
+fn descriptor_corpus_replays() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/descriptor");
+    if std::env::var_os("CLAN_WRITE_CORPUS").is_some() {
+        std::fs::create_dir_all(&dir).unwrap();
+        let nic = clan::Nic::open_default().unwrap();
+        let ep = nic.endpoint().unwrap();
+        let ap = ep.export(1 << 20).unwrap();
+        let d = ap.descriptor();
+        let n = d.derive(4096, 8192, clan::Rights::READ).unwrap();
+        let nn = n.derive(0, 64, clan::Rights::READ).unwrap();
+        for (name, ctl, bytes) in [
+            ("whole", 0u8, d.to_bytes()),
+            ("narrowed", 2, n.to_bytes()),
+            ("narrowed_twice", 4, nn.to_bytes()),
+            ("text", 1, d.to_string().into_bytes()),
+            ("text_narrowed", 3, n.to_string().into_bytes()),
+        ] {
+            std::fs::write(dir.join(name), [vec![ctl], bytes].concat()).unwrap();
+        }
+    }
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        clan::fuzzing::descriptor(&std::fs::read(e.path()).unwrap());
+        n += 1;
+    }
+    assert!(n > 0, "the descriptor corpus is empty");
+}
