@@ -50,6 +50,9 @@ enum BenchCmd {
     Stream(bench::proto::StreamArgs),
     /// The event-driven server: RTT and requests/s against N endpoints.
     Server(bench::server::ServerArgs),
+    /// Connection set-up: connect + first echoed byte, and connections/s, against kernel TCP
+    /// and Unix sockets.
+    Connect(bench::connect::ConnectArgs),
     /// Every figure of the papers clan can produce, with baselines, into a report folder.
     Paper(bench::paper::PaperArgs),
 }
@@ -65,6 +68,7 @@ fn main() {
         Cmd::Bench(BenchCmd::Rpc(a)) => bench::proto::rpc(&a),
         Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
         Cmd::Bench(BenchCmd::Server(a)) => bench::server::run(&a),
+        Cmd::Bench(BenchCmd::Connect(a)) => bench::connect::run(&a),
         Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),

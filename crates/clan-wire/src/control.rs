@@ -15,6 +15,8 @@
 //!  3 Unimport import_id u64      (no reply)    0x83 Ok
 //!  4 Oob      from, to_port u32, payload [40]  0x84 Err      code u16, detail
 //!  5 OobOneWay  the same, no reply
+//!  6 OobBatch   from, to_port u32, n u8, n × payload [40]   (in order; one reply)
+//!  7 OobBatchOneWay  the same, no reply
 //! ```
 //!
 //! ## A connection on the serving side ([`Session`])
@@ -39,7 +41,9 @@ use crate::WireError;
 use crate::frame::{Reader, put_addr};
 
 /// Largest control message.
-pub const MAX_MSG: usize = 512;
+pub const MAX_MSG: usize = 1024;
+/// Most out-of-band payloads one batch carries (a connect hand-shake's fragments).
+pub const MAX_BATCH: usize = 16;
 /// Out-of-band payload size.
 pub const OOB_PAYLOAD: usize = 40;
 /// Longest descriptor an import request carries.
@@ -88,6 +92,18 @@ pub enum Request {
         to_port: u32,
         /// The payload.
         payload: [u8; OOB_PAYLOAD],
+        /// Whether the sender waits for the result.
+        reply: bool,
+    },
+    /// Deliver out-of-band messages, in order (1 to [`MAX_BATCH`]); the reply is the first
+    /// refusal, or `Ok`.
+    OobBatch {
+        /// The sending endpoint (must be on the connection's verified NIC).
+        from: EndpointId,
+        /// The destination endpoint on the serving NIC.
+        to_port: u32,
+        /// The payloads.
+        payloads: Vec<[u8; OOB_PAYLOAD]>,
         /// Whether the sender waits for the result.
         reply: bool,
     },
@@ -230,6 +246,14 @@ fn get_bool(r: &mut Reader<'_>) -> Result<bool, WireError> {
 }
 
 impl Request {
+    /// Whether the sender waits for a reply.
+    pub fn wants_reply(&self) -> bool {
+        !matches!(
+            self,
+            Request::Unimport { .. } | Request::Oob { reply: false, .. } | Request::OobBatch { reply: false, .. }
+        )
+    }
+
     /// Encode with request id `id`.
     pub fn encode(&self, id: u32) -> Vec<u8> {
         let mut w = Vec::with_capacity(128);
@@ -239,6 +263,8 @@ impl Request {
             Request::Unimport { .. } => 3,
             Request::Oob { reply: true, .. } => 4,
             Request::Oob { reply: false, .. } => 5,
+            Request::OobBatch { reply: true, .. } => 6,
+            Request::OobBatch { reply: false, .. } => 7,
         };
         w.push(kind);
         w.extend_from_slice(&id.to_le_bytes());
@@ -261,6 +287,15 @@ impl Request {
                 put_ep(&mut w, *from);
                 w.extend_from_slice(&to_port.to_le_bytes());
                 w.extend_from_slice(payload);
+            }
+            Request::OobBatch { from, to_port, payloads, .. } => {
+                let n = payloads.len().min(MAX_BATCH);
+                put_ep(&mut w, *from);
+                w.extend_from_slice(&to_port.to_le_bytes());
+                w.push(n as u8);
+                for p in &payloads[..n] {
+                    w.extend_from_slice(p);
+                }
             }
         }
         w
@@ -285,6 +320,19 @@ impl Request {
             3 => Request::Unimport { import_id: r.u64()? },
             k @ (4 | 5) => {
                 Request::Oob { from: get_ep(&mut r)?, to_port: r.u32()?, payload: r.array()?, reply: k == 4 }
+            }
+            k @ (6 | 7) => {
+                let from = get_ep(&mut r)?;
+                let to_port = r.u32()?;
+                let n = usize::from(r.u8()?);
+                if n == 0 || n > MAX_BATCH {
+                    return Err(WireError::BadField);
+                }
+                let mut payloads = Vec::with_capacity(n);
+                for _ in 0..n {
+                    payloads.push(r.array()?);
+                }
+                Request::OobBatch { from, to_port, payloads, reply: k == 6 }
             }
             k => return Err(WireError::UnknownKind(k)),
         };
@@ -486,18 +534,14 @@ impl Session {
             }
             (SessionState::AwaitHello | SessionState::Verifying(..), r) => {
                 let s = self.bad(id, Reply::err(Code::NeedHello, "a verified hello must come first"));
-                if matches!(r, Request::Unimport { .. } | Request::Oob { reply: false, .. }) {
-                    s.without_reply()
-                } else {
-                    s
-                }
+                if r.wants_reply() { s } else { s.without_reply() }
             }
-            (SessionState::Open(nic), Request::Oob { from, to_port, payload, reply }) => {
+            (SessionState::Open(nic), r @ (Request::Oob { from, .. } | Request::OobBatch { from, .. })) => {
                 if from.nic != nic {
                     let s = self.bad(id, Reply::err(Code::ForgedSender, "the sender is not on this connection's NIC"));
-                    return if reply { s } else { s.without_reply() };
+                    return if r.wants_reply() { s } else { s.without_reply() };
                 }
-                Step::Serve(id, Request::Oob { from, to_port, payload, reply })
+                Step::Serve(id, r)
             }
             (SessionState::Open(_), r) => Step::Serve(id, r),
             (SessionState::Closed, _) => Step::Close(None, "closed"),
@@ -620,6 +664,8 @@ mod tests {
             Request::Unimport { import_id: u64::MAX },
             Request::Oob { from: ep, to_port: 3, payload: [7; 40], reply: true },
             Request::Oob { from: ep, to_port: 3, payload: [7; 40], reply: false },
+            Request::OobBatch { from: ep, to_port: 3, payloads: vec![[1; 40], [2; 40], [3; 40]], reply: true },
+            Request::OobBatch { from: ep, to_port: 3, payloads: vec![[1; 40]], reply: false },
         ];
         for q in reqs {
             assert_eq!(Request::decode(&q.encode(7)).unwrap(), (7, q));

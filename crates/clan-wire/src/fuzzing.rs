@@ -75,7 +75,7 @@ pub fn control(data: &[u8]) {
                 let peer = s.peer();
                 assert!(peer.is_some(), "served before a verified hello");
                 assert!(ctl & 3 == 0, "served a packet with descriptors or truncated");
-                if let Request::Oob { from, .. } = req {
+                if let Request::Oob { from, .. } | Request::OobBatch { from, .. } = req {
                     assert_eq!(Some(from.nic), peer, "an out-of-band message served from another NIC");
                 }
                 assert!(!matches!(req, Request::Hello { .. }), "a hello is never served");

@@ -296,9 +296,7 @@ impl ConnectRequest {
         }
         let nic = &ep.inner.nic;
         let shared = nic.conns.insert(ep.port(), self.token, self.from);
-        for m in connect::encode_accept(self.token, &blob(local, data)) {
-            nic.outbox(ep.addr(), self.from, m);
-        }
+        nic.send_oneway(ep.addr(), self.from, &connect::encode_accept(self.token, &blob(local, data)));
         tracing::debug!(local = %ep.addr(), peer = %self.from, token = self.token, "connection accepted");
         Ok(Connection {
             nic: Arc::downgrade(nic),
@@ -313,7 +311,11 @@ impl ConnectRequest {
 
     /// Refuse (the client's connect fails with [`ConnectError::Refused`]). Never waits.
     pub fn refuse(self, ep: &Endpoint) -> Result<(), ConnectError> {
-        ep.inner.nic.outbox(ep.addr(), self.from, connect::encode_refuse(self.token, connect::RefuseReason::Refused));
+        ep.inner.nic.send_oneway(
+            ep.addr(),
+            self.from,
+            &[connect::encode_refuse(self.token, connect::RefuseReason::Refused)],
+        );
         Ok(())
     }
 }
@@ -375,7 +377,7 @@ impl Drop for Connection {
         let Some(nic) = self.nic.upgrade() else { return };
         let was = lock(&nic.conns.map).remove(&(self.local.port, self.token)).is_some();
         if was && self.is_alive() {
-            nic.outbox(self.local, self.peer, connect::encode_close(self.token));
+            nic.send_oneway(self.local, self.peer, &[connect::encode_close(self.token)]);
         }
     }
 }
@@ -469,12 +471,11 @@ impl Endpoint {
                 nic.outbox(self.addr(), peer, p);
             }
         };
-        for (i, m) in msgs.iter().enumerate() {
-            if let Err(e) = self.send_oob_until(to, m, deadline) {
-                give_up(i > 0);
-                tracing::debug!(local = %self.addr(), peer = %to, "connect failed: {e}");
-                return Err(send_error(to, e));
-            }
+        // All the fragments at once: one round trip.
+        if let Err(e) = self.send_oobs_until(to, &msgs, deadline) {
+            give_up(msgs.len() > 1);
+            tracing::debug!(local = %self.addr(), peer = %to, "connect failed: {e}");
+            return Err(send_error(to, e));
         }
         let mut st = lock(&conns.state);
         loop {

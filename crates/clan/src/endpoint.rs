@@ -264,23 +264,34 @@ impl Endpoint {
         if payload.len() > OOB_PAYLOAD {
             return Err(OobError::TooLong(payload.len()));
         }
+        let mut p = [0u8; OOB_PAYLOAD];
+        p[..payload.len()].copy_from_slice(payload);
+        self.send_oobs_until(to, &[p], deadline)
+    }
+
+    /// Several out-of-band messages to `to`, in order, sent at once (one round trip for all:
+    /// a hand-shake's fragments); the first refusal is the result.
+    pub(crate) fn send_oobs_until(
+        &self,
+        to: EndpointAddr,
+        payloads: &[[u8; OOB_PAYLOAD]],
+        deadline: Instant,
+    ) -> Result<(), OobError> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(OobError::Closed);
         }
-        let mut p = [0u8; OOB_PAYLOAD];
-        p[..payload.len()].copy_from_slice(payload);
         let nic = &self.inner.nic;
         let code = if to.nic == nic.addr {
-            match nic.deliver_oob(self.inner.addr, to.port, p) {
-                Ok(()) => return Ok(()),
-                Err(c) => c,
+            match payloads.iter().map(|p| nic.deliver_oob(self.inner.addr, to.port, *p)).find(Result::is_err) {
+                None | Some(Ok(())) => return Ok(()),
+                Some(Err(c)) => c,
             }
         } else {
-            match nic.send_oob_host(self.inner.addr, to, p, deadline) {
+            match nic.send_oob_host(self.inner.addr, to, payloads, deadline) {
                 Some(Ok(())) => return Ok(()),
                 Some(Err(HostOob::Code(c))) => c,
                 Some(Err(HostOob::Failed(e))) => return Err(e),
-                None => return crate::remote::oob_over_link(nic, self.inner.addr, to, p, deadline),
+                None => return crate::remote::oob_over_link(nic, self.inner.addr, to, payloads, deadline),
             }
         };
         Err(match code {

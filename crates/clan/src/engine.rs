@@ -248,6 +248,22 @@ fn verify_nic(claimed: NicAddr, pid: u32, ours: NicAddr) -> Probe {
     }
 }
 
+/// Deliver out-of-band messages from a verified sender, in order; the reply (if wanted) is
+/// the first refusal or `Ok`.
+fn deliver(nic: &NicInner, from: EndpointAddr, to_port: u32, payloads: &[[u8; 40]], reply: bool) -> Option<Reply> {
+    let mut r = Reply::Ok;
+    for p in payloads {
+        if let Err(code) = nic.deliver_oob(from, to_port, *p) {
+            r = Reply::Err { code, detail: String::new() };
+            break;
+        }
+    }
+    if let (Reply::Err { code, .. }, false) = (&r, reply) {
+        tracing::debug!(%from, to_port, ?code, "one-way out-of-band message refused");
+    }
+    reply.then_some(r)
+}
+
 /// The verdict on a hello: the session's answer.
 fn settle_hello(c: &mut Conn, claimed: NicAddr, ok: bool, ours: NicAddr) -> Step {
     if ok {
@@ -990,16 +1006,12 @@ impl Run {
                         }
                         (None, Vec::new())
                     }
-                    Request::Oob { from, to_port, payload, reply } => {
-                        let from = EndpointAddr::from(from);
-                        let r = match nic.deliver_oob(from, to_port, payload) {
-                            Ok(()) => Reply::Ok,
-                            Err(code) => Reply::Err { code, detail: String::new() },
-                        };
-                        if let (Reply::Err { code, .. }, false) = (&r, reply) {
-                            tracing::debug!(%from, to_port, ?code, "one-way out-of-band message refused");
-                        }
-                        (reply.then_some((id, r)), Vec::new())
+                    Request::Oob { from, to_port, payload, reply } => (
+                        deliver(nic, EndpointAddr::from(from), to_port, &[payload], reply).map(|r| (id, r)),
+                        Vec::new(),
+                    ),
+                    Request::OobBatch { from, to_port, payloads, reply } => {
+                        (deliver(nic, EndpointAddr::from(from), to_port, &payloads, reply).map(|r| (id, r)), Vec::new())
                     }
                     Request::Hello { .. } => (None, Vec::new()),
                 },
@@ -1204,9 +1216,19 @@ impl Run {
     // ---- the outbox -------------------------------------------------------------------
 
     fn route_outbox(&mut self, nic: &Arc<NicInner>) {
+        // Consecutive messages between the same two endpoints travel as one batch.
+        let mut batches: Vec<(EndpointAddr, EndpointAddr, Vec<[u8; 40]>)> = Vec::new();
         for (from, to, payload) in nic.take_outbox() {
+            match batches.last_mut() {
+                Some((f, t, ps)) if *f == from && *t == to && ps.len() < clan_wire::control::MAX_BATCH => {
+                    ps.push(payload)
+                }
+                _ => batches.push((from, to, vec![payload])),
+            }
+        }
+        for (from, to, payloads) in batches {
             if to.nic == nic.addr {
-                if nic.deliver_oob(from, to.port, payload).is_err() {
+                if payloads.iter().any(|p| nic.deliver_oob(from, to.port, *p).is_err()) {
                     nic.conns.unreachable(nic, from.port, to);
                 }
                 continue;
@@ -1222,7 +1244,7 @@ impl Run {
                             tracing::warn!(peer = %to.nic, "out-of-band message dropped: the peer does not read");
                             nic.conns.unreachable(nic, from.port, to);
                         } else {
-                            let req = Request::Oob { from: from.into(), to_port: to.port, payload, reply: false };
+                            let req = Request::OobBatch { from: from.into(), to_port: to.port, payloads, reply: false };
                             o.queue.push_back((req.encode(0), Some((from, to))));
                         }
                     }
@@ -1230,7 +1252,9 @@ impl Run {
                     continue;
                 }
             }
-            self.send_over_link(nic, from, to, payload);
+            for p in payloads {
+                self.send_over_link(nic, from, to, p);
+            }
         }
     }
 

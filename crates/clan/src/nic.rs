@@ -495,14 +495,14 @@ impl NicInner {
         eps.0.get(&port).and_then(Weak::upgrade)
     }
 
-    /// Send an out-of-band message through the host channel if `to` is on this host, by
-    /// `deadline`: `None` if it is not (or this NIC reaches its host's NICs through links).
-    /// Application threads only.
+    /// Send out-of-band messages (in order, one round trip for all) through the host channel
+    /// if `to` is on this host, by `deadline`: `None` if it is not (or this NIC reaches its
+    /// host's NICs through links). The first refusal is the result. Application threads only.
     pub fn send_oob_host(
         &self,
         from: EndpointAddr,
         to: EndpointAddr,
-        payload: [u8; OOB_PAYLOAD],
+        payloads: &[[u8; OOB_PAYLOAD]],
         deadline: Instant,
     ) -> Option<Result<(), crate::endpoint::HostOob>> {
         use crate::endpoint::{HostOob, oob_peer_error};
@@ -517,14 +517,26 @@ impl NicInner {
             Err(e) => return Some(Err(HostOob::Failed(oob_peer_error(to, e)))),
         };
         self.watch(&peer);
-        let req = Request::Oob { from: from.into(), to_port: to.port, payload, reply: true };
-        Some(match session.request(&req, deadline) {
-            Ok((Reply::Ok, _)) => Ok(()),
-            Ok((Reply::Err { code, .. }, _)) => Err(HostOob::Code(code)),
-            Ok((other, _)) => Err(HostOob::Failed(crate::error::OobError::Protocol {
-                peer: to.nic,
-                detail: format!("unexpected reply {other:?}"),
-            })),
+        let reqs: Vec<Request> = payloads
+            .chunks(clan_wire::control::MAX_BATCH)
+            .map(|c| match c {
+                [payload] => Request::Oob { from: from.into(), to_port: to.port, payload: *payload, reply: true },
+                _ => Request::OobBatch { from: from.into(), to_port: to.port, payloads: c.to_vec(), reply: true },
+            })
+            .collect();
+        Some(match session.request_many(&reqs, deadline) {
+            Ok(replies) => replies
+                .into_iter()
+                .map(|(r, _)| match r {
+                    Reply::Ok => Ok(()),
+                    Reply::Err { code, .. } => Err(HostOob::Code(code)),
+                    other => Err(HostOob::Failed(crate::error::OobError::Protocol {
+                        peer: to.nic,
+                        detail: format!("unexpected reply {other:?}"),
+                    })),
+                })
+                .find(Result::is_err)
+                .unwrap_or(Ok(())),
             Err(e) => Err(HostOob::Failed(oob_peer_error(to, e))),
         })
     }
@@ -537,6 +549,29 @@ impl NicInner {
         lock(&self.outbox).push((from, to, payload));
         if let Some(w) = self.waker.get() {
             let _ = w.wake();
+        }
+    }
+
+    /// Send one-way out-of-band messages without ever waiting: straight on our control
+    /// connection to `to`'s NIC when we have one and it takes them at once (no engine hop),
+    /// else through the engine ([`NicInner::outbox`]).
+    pub fn send_oneway(&self, from: EndpointAddr, to: EndpointAddr, payloads: &[[u8; OOB_PAYLOAD]]) {
+        if to.nic != self.addr && self.config.local_transport == crate::config::LocalTransport::SharedMemory {
+            let peer = lock(&self.peers).get(&to.nic).cloned();
+            if let Some(p) = peer {
+                let req = clan_wire::control::Request::OobBatch {
+                    from: from.into(),
+                    to_port: to.port,
+                    payloads: payloads.to_vec(),
+                    reply: false,
+                };
+                if payloads.len() <= clan_wire::control::MAX_BATCH && p.try_send_oneway(&req) {
+                    return;
+                }
+            }
+        }
+        for p in payloads {
+            self.outbox(from, to, *p);
         }
     }
 

@@ -178,6 +178,13 @@ impl PeerConn {
         Ok(s)
     }
 
+    /// Send a one-way message at once if the connection is up and its socket has room:
+    /// whether it went (one message, so it never interleaves with a request in progress).
+    pub fn try_send_oneway(&self, req: &Request) -> bool {
+        let Some(sock) = lock(&self.sock).clone() else { return false };
+        !self.is_broken() && !req.wants_reply() && sock.send(&req.encode(0), &[]).is_ok()
+    }
+
     /// Send a message that has no reply, without waiting (dropped if the socket is full).
     pub fn notify(&self, req: &Request) {
         let Some(sock) = lock(&self.sock).clone() else { return };
@@ -247,25 +254,45 @@ impl PeerSession<'_> {
 
     /// Send a request and wait for its reply until `deadline`.
     pub fn request(&self, req: &Request, deadline: Instant) -> Result<(Reply, Vec<OwnedFd>), PeerError> {
+        let mut r = self.request_many(std::slice::from_ref(req), deadline)?;
+        r.pop().ok_or_else(|| PeerError::Protocol("no reply".into()))
+    }
+
+    /// Send several requests at once and wait for all their replies (in order) until
+    /// `deadline`: one round trip for the lot.
+    pub fn request_many(&self, reqs: &[Request], deadline: Instant) -> Result<Vec<(Reply, Vec<OwnedFd>)>, PeerError> {
         let c = self.conn;
         let sock = lock(&c.sock).clone().ok_or_else(|| PeerError::Protocol("not connected".into()))?;
-        let id = c.id();
-        let bytes = req.encode(id);
-        loop {
-            match sock.send(&bytes, &[]) {
-                Ok(()) => break,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    poll_one(&sock, rustix::event::PollFlags::OUT, deadline)?;
+        let mut ids = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let id = c.id();
+            ids.push(id);
+            let bytes = req.encode(id);
+            loop {
+                match sock.send(&bytes, &[]) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        poll_one(&sock, rustix::event::PollFlags::OUT, deadline)?;
+                    }
+                    Err(e) => return Err(c.break_with(format!("sending to {}: {e}", c.addr))),
                 }
-                Err(e) => return Err(c.break_with(format!("sending to {}: {e}", c.addr))),
             }
         }
+        let mut out = Vec::with_capacity(reqs.len());
+        for id in ids {
+            out.push(self.reply(&sock, id, deadline)?);
+        }
+        Ok(out)
+    }
+
+    fn reply(&self, sock: &SeqPacket, id: u32, deadline: Instant) -> Result<(Reply, Vec<OwnedFd>), PeerError> {
+        let c = self.conn;
         let mut buf = [0u8; MAX_MSG];
         loop {
             let got = match sock.recv(&mut buf) {
                 Ok(g) => g,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    poll_one(&sock, rustix::event::PollFlags::IN, deadline)?;
+                    poll_one(sock, rustix::event::PollFlags::IN, deadline)?;
                     continue;
                 }
                 Err(e) => return Err(c.break_with(format!("receiving from {}: {e}", c.addr))),

@@ -275,27 +275,27 @@ fn finish_import(
     Ok(Mapping::new(ep, desc, Via::Link(target), Keep::None))
 }
 
-/// Send an out-of-band message over a link and wait (until `deadline`) for its delivery
-/// result (repeated once on a fresh link if the link dies before the message went out).
+/// Send out-of-band messages over a link, all at once, and wait (until `deadline`) for their
+/// delivery results (repeated once on a fresh link if the link dies before they went out).
 pub(crate) fn oob_over_link(
     nic: &NicInner,
     from: EndpointAddr,
     to: EndpointAddr,
-    payload: [u8; 40],
+    payloads: &[[u8; 40]],
     deadline: Instant,
 ) -> Result<(), OobError> {
-    match oob_once(nic, from, to, payload, deadline) {
-        Err((true, _)) => oob_once(nic, from, to, payload, deadline).map_err(|(_, e)| e),
+    match oob_once(nic, from, to, payloads, deadline) {
+        Err((true, _)) => oob_once(nic, from, to, payloads, deadline).map_err(|(_, e)| e),
         r => r.map_err(|(_, e)| e),
     }
 }
 
-/// One attempt; the flag says whether repeating it is safe (the message did not go out).
+/// One attempt; the flag says whether repeating it is safe (nothing went out).
 fn oob_once(
     nic: &NicInner,
     from: EndpointAddr,
     to: EndpointAddr,
-    payload: [u8; 40],
+    payloads: &[[u8; 40]],
     deadline: Instant,
 ) -> Result<(), (bool, OobError)> {
     let link = nic.link(to.nic, deadline).map_err(|e| match e {
@@ -303,32 +303,50 @@ fn oob_once(
         LinkError::Refused(d) => (false, OobError::Protocol { peer: to.nic, detail: d }),
         _ => (false, OobError::Unreachable(to.nic)),
     })?;
-    let id = link.next_id();
-    lock(&link.waits).oobs.insert(id, None);
-    let f = Frame::Oob(clan_wire::Oob {
-        id,
-        from_nic: from.nic.socket_addr(),
-        from_port: from.port,
-        to_port: to.port,
-        payload,
-    });
     let down = |d: String| OobError::Protocol { peer: to.nic, detail: d };
-    if let Err(e) = link.send_frame_until(nic, &f, deadline) {
-        lock(&link.waits).oobs.remove(&id);
-        return Err(match e {
-            LinkError::Down(d) | LinkError::Unreachable(d) | LinkError::Refused(d) => (true, down(d)),
-            LinkError::Timeout => (false, OobError::Timeout),
+    let mut ids = Vec::with_capacity(payloads.len());
+    let forget = |ids: &[u64]| {
+        let mut w = lock(&link.waits);
+        for id in ids {
+            w.oobs.remove(id);
+        }
+    };
+    for (i, payload) in payloads.iter().enumerate() {
+        let id = link.next_id();
+        lock(&link.waits).oobs.insert(id, None);
+        ids.push(id);
+        let f = Frame::Oob(clan_wire::Oob {
+            id,
+            from_nic: from.nic.socket_addr(),
+            from_port: from.port,
+            to_port: to.port,
+            payload: *payload,
         });
+        if let Err(e) = link.send_frame_until(nic, &f, deadline) {
+            forget(&ids);
+            return Err(match e {
+                LinkError::Down(d) | LinkError::Unreachable(d) | LinkError::Refused(d) => (i == 0, down(d)),
+                LinkError::Timeout => (false, OobError::Timeout),
+            });
+        }
     }
-    let r = link.wait_until(nic, deadline, |w| w.oobs.get(&id).copied().flatten(), false);
-    lock(&link.waits).oobs.remove(&id);
-    // Once sent, it may have been delivered: never repeated (no duplicates).
-    match r {
-        Ok(Status::Ok) => Ok(()),
-        Ok(Status::QueueFull) => Err((false, OobError::QueueFull(to))),
-        Ok(Status::NoSuchEndpoint) => Err((false, OobError::NoSuchEndpoint(to))),
-        Ok(s) => Err((false, down(format!("{s:?}")))),
-        Err(LinkError::Down(d) | LinkError::Unreachable(d) | LinkError::Refused(d)) => Err((false, down(d))),
-        Err(LinkError::Timeout) => Err((false, OobError::Timeout)),
+    // Once sent, they may have been delivered: never repeated (no duplicates).
+    let mut result = Ok(());
+    for id in &ids {
+        let r = link.wait_until(nic, deadline, |w| w.oobs.get(id).copied().flatten(), false);
+        let r = match r {
+            Ok(Status::Ok) => Ok(()),
+            Ok(Status::QueueFull) => Err((false, OobError::QueueFull(to))),
+            Ok(Status::NoSuchEndpoint) => Err((false, OobError::NoSuchEndpoint(to))),
+            Ok(s) => Err((false, down(format!("{s:?}")))),
+            Err(LinkError::Down(d) | LinkError::Unreachable(d) | LinkError::Refused(d)) => Err((false, down(d))),
+            Err(LinkError::Timeout) => Err((false, OobError::Timeout)),
+        };
+        if let Err(e) = r {
+            result = Err(e);
+            break;
+        }
     }
+    forget(&ids);
+    result
 }

@@ -2,6 +2,7 @@
 //! its baseline in the same run, with the same message sizes and the same placement.
 
 pub mod bandwidth;
+pub mod connect;
 pub mod latency;
 pub mod paper;
 pub mod proto;
@@ -107,6 +108,7 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
         r if r.starts_with("pq-") => proto::queue_peer(r, args),
         r if r.starts_with("prpc-") => proto::rpc_peer(r, args),
         r if r.starts_with("pst-") => proto::stream_peer(r, args),
+        "conn-server" => connect::peer(role, args),
         r if r.starts_with("lat-") => latency::peer(r, args),
         r if r.starts_with("bw-") => bandwidth::peer(r, args),
         other => Err(format!("unknown peer role {other}").into()),
