@@ -127,6 +127,7 @@ impl ApertureInner {
         if self.revoked.swap(true, Ordering::AcqRel) {
             return;
         }
+        tracing::debug!(endpoint = %self.endpoint, aperture = self.id, generation = self.generation, "unexported");
         self.mem().revoke();
         self.watch.clear();
         self.nic.aperture_unexported(self.id, self.generation);

@@ -429,8 +429,9 @@ impl DmaQueue {
         c.moved = 0;
         c.waiting = false;
         self.completed.fetch_add(1, Ordering::Relaxed);
-        if result.is_err() {
+        if let Err(f) = result {
             self.failed.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(endpoint = self.port, failure = ?f, "DMA request failed");
         }
         if !job.last {
             if let Err(f) = result {

@@ -117,6 +117,7 @@ impl EndpointInner {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        tracing::debug!(endpoint = %self.addr, "endpoint closed");
         let aps = std::mem::take(&mut *lock(&self.apertures));
         for a in aps.iter().filter_map(Weak::upgrade) {
             a.unexport();

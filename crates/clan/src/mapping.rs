@@ -134,12 +134,21 @@ impl Mapping {
     #[inline]
     fn check(&self, off: u64, len: u64, need: Rights) -> Result<u64, AccessError> {
         let i = &self.inner;
-        if !i.rights.contains(need) {
-            return Err(if need == Rights::WRITE { AccessError::NotWritable } else { AccessError::NotReadable });
+        let r = if !i.rights.contains(need) {
+            Err(if need == Rights::WRITE { AccessError::NotWritable } else { AccessError::NotReadable })
+        } else {
+            check_range(off, len, i.len).and_then(|()| self.check_live())
+        };
+        match r {
+            Ok(()) => Ok(i.off + off),
+            Err(e) => Err(self.refused(e, off, len)),
         }
-        check_range(off, len, i.len)?;
-        self.check_live()?;
-        Ok(i.off + off)
+    }
+
+    #[cold]
+    fn refused(&self, e: AccessError, off: u64, len: u64) -> AccessError {
+        tracing::debug!(exporter = %self.inner.desc.nic(), aperture = self.inner.desc.aperture(), off, len, "access refused: {e}");
+        e
     }
 
     #[inline]

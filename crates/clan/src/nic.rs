@@ -54,6 +54,9 @@ pub(crate) enum Cmd {
     Watch(NicAddr),
 }
 
+/// How long a failed dial is remembered (for the waiters of that dial).
+const FAILURE_MEMORY: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[derive(Debug)]
 enum Slot {
     Connecting,
@@ -98,6 +101,9 @@ impl LinkTable {
     /// Dialling `peer` failed.
     pub fn fail(&self, peer: NicAddr, e: LinkError) {
         let mut m = self.map();
+        // Failures are kept only as long as a waiter could care (bounded by time).
+        let now = Instant::now();
+        m.retain(|_, s| !matches!(s, Slot::Failed(_, at) if now.duration_since(*at) > FAILURE_MEMORY));
         if matches!(m.get(&peer), Some(Slot::Connecting) | None) {
             m.insert(peer, Slot::Failed(e, Instant::now()));
         }
@@ -211,6 +217,7 @@ impl std::fmt::Debug for NicInner {
 
 impl Drop for NicInner {
     fn drop(&mut self) {
+        tracing::info!(addr = %self.addr, "NIC closing");
         if let Some(mut d) = self.dma.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             d.stop();
         }

@@ -326,6 +326,7 @@ pub(crate) struct ImportGuard {
 
 impl Drop for ImportGuard {
     fn drop(&mut self) {
+        tracing::debug!(exporter = %self.peer.addr, import = self.import_id, "unimported");
         self.peer.notify(&Request::Unimport { import_id: self.import_id });
     }
 }

@@ -404,6 +404,7 @@ impl Tripwire {
                     break true;
                 }
                 if !alive() {
+                    tracing::debug!(tripwire = ?self.id, "wait ended: the mapping's exporter is gone");
                     return Err(TripwireError::Disconnected);
                 }
                 if deadline.is_some_and(|d| Instant::now() >= d) {
