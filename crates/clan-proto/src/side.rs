@@ -115,7 +115,9 @@ pub(crate) struct PeerSide {
     timeout: Duration,
     map: OnceLock<Mapping>,
     failed: OnceLock<AccessError>,
-    importing: Mutex<()>,
+    /// The import, started at accept if that cost no wait (its round trip then overlaps the
+    /// client's own set-up).
+    importing: Mutex<Option<clan::PendingImport>>,
 }
 
 impl std::fmt::Debug for PeerSide {
@@ -140,14 +142,18 @@ impl PeerSide {
 
     #[cold]
     fn import(&self) -> Result<&Mapping, AccessError> {
-        let _one = lock(&self.importing);
+        let mut pending = lock(&self.importing);
         if let Some(m) = self.map.get() {
             return Ok(m);
         }
         if let Some(e) = self.failed.get() {
             return Err(e.clone());
         }
-        match self.ep.import_timeout(&self.desc, self.timeout) {
+        let r = match pending.take() {
+            Some(p) => p.finish(self.timeout),
+            None => self.ep.import_timeout(&self.desc, self.timeout),
+        };
+        match r {
             Ok(m) => Ok(self.map.get_or_init(|| m)),
             Err(e) => {
                 let a = match e {
@@ -194,7 +200,7 @@ pub(crate) fn connect(
         timeout,
         map: OnceLock::from(m),
         failed: OnceLock::new(),
-        importing: Mutex::new(()),
+        importing: Mutex::new(None),
     });
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
 }
@@ -221,13 +227,14 @@ pub(crate) fn accept(
     let mine = export_side(&ep, g)?;
     let desc = req.descriptor().clone();
     let conn = req.accept_with_data(&ep, &mine.descriptor(), &g.encode())?;
+    let pending = ep.import_begin(&desc);
     let peer = Arc::new(PeerSide {
         ep: ep.clone(),
         desc,
         timeout,
         map: OnceLock::new(),
         failed: OnceLock::new(),
-        importing: Mutex::new(()),
+        importing: Mutex::new(Some(pending)),
     });
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
 }

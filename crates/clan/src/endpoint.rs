@@ -191,31 +191,89 @@ impl Endpoint {
     /// [`Endpoint::import`], waiting at most `timeout` for the exporter (and for a link to
     /// be set up).
     pub fn import_timeout(&self, desc: &Descriptor, timeout: Duration) -> Result<Mapping, ImportError> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(ImportError::EndpointClosed);
-        }
-        let nic = &self.inner.nic;
-        if desc.nic() == nic.addr {
-            return self.import_local(desc);
-        }
-        let deadline = Instant::now() + timeout;
-        let r = (|| {
-            if nic.config.local_transport == crate::config::LocalTransport::SharedMemory {
-                match crate::peer::import_remote(&self.inner, desc, deadline, timeout) {
-                    Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
-                    r => return r,
-                }
-            }
-            crate::remote::import_over_link(&self.inner, desc, deadline, timeout)
-        })();
-        if let Err(e) = &r {
-            tracing::debug!(importer = %self.addr(), exporter = %desc.nic(), aperture = desc.aperture(), "import failed: {e}");
-        }
-        r
+        import_timeout(&self.inner, desc, timeout)
     }
 
-    fn import_local(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
-        let nic = &self.inner.nic;
+    /// Start importing `desc` without ever waiting: the request goes out now if a control
+    /// connection to the exporter's NIC is up and has room; [`PendingImport::finish`] collects
+    /// the answer (or, if nothing could be sent yet, makes the whole import). Meant for an
+    /// import that may be needed soon, started where nothing may wait (a server accepting a
+    /// connection), so that its round trip overlaps other work.
+    pub fn import_begin(&self, desc: &Descriptor) -> PendingImport {
+        let started = if desc.nic() != self.inner.nic.addr && !self.is_closed() {
+            crate::peer::try_begin_import(&self.inner, desc)
+        } else {
+            None
+        };
+        PendingImport { ep: self.inner.clone(), desc: desc.clone(), started }
+    }
+}
+
+/// An import started without waiting ([`Endpoint::import_begin`]).
+pub struct PendingImport {
+    ep: Arc<EndpointInner>,
+    desc: Descriptor,
+    started: Option<crate::peer::PendingImport>,
+}
+
+impl std::fmt::Debug for PendingImport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingImport")
+            .field("exporter", &format_args!("{}", self.desc.nic()))
+            .field("started", &self.started.is_some())
+            .finish()
+    }
+}
+
+impl PendingImport {
+    /// Whether the request went out already.
+    pub fn is_started(&self) -> bool {
+        self.started.is_some()
+    }
+
+    /// The mapping: waits at most `timeout` for the answer (or for the whole import, if it
+    /// could not be started without waiting).
+    pub fn finish(self, timeout: Duration) -> Result<Mapping, ImportError> {
+        match self.started {
+            Some(p) => {
+                let r = crate::peer::finish_import(&self.ep, &self.desc, p, Instant::now() + timeout, timeout);
+                if let Err(e) = &r {
+                    tracing::debug!(importer = %self.ep.addr, exporter = %self.desc.nic(), "import failed: {e}");
+                }
+                r
+            }
+            None => import_timeout(&self.ep, &self.desc, timeout),
+        }
+    }
+}
+
+fn import_timeout(inner: &Arc<EndpointInner>, desc: &Descriptor, timeout: Duration) -> Result<Mapping, ImportError> {
+    if inner.closed.load(Ordering::Acquire) {
+        return Err(ImportError::EndpointClosed);
+    }
+    let nic = &inner.nic;
+    if desc.nic() == nic.addr {
+        return import_local(inner, desc);
+    }
+    let deadline = Instant::now() + timeout;
+    let r = (|| {
+        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory {
+            match crate::peer::import_remote(inner, desc, deadline, timeout) {
+                Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
+                r => return r,
+            }
+        }
+        crate::remote::import_over_link(inner, desc, deadline, timeout)
+    })();
+    if let Err(e) = &r {
+        tracing::debug!(importer = %inner.addr, exporter = %desc.nic(), aperture = desc.aperture(), "import failed: {e}");
+    }
+    r
+}
+
+fn import_local(inner: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
+    {
+        let nic = &inner.nic;
         let revoked = || ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() };
         let ap = nic.live_aperture(desc.aperture(), desc.generation()).ok_or_else(revoked)?;
         if !desc.verify(&ap.key) {
@@ -232,7 +290,7 @@ impl Endpoint {
         if !p.pids.is_empty() && !p.pids.contains(&me.pid) {
             return Err(ImportError::Denied(Denial::Pid));
         }
-        if !p.endpoints.is_empty() && !p.endpoints.contains(&self.inner.addr) {
+        if !p.endpoints.is_empty() && !p.endpoints.contains(&inner.addr) {
             return Err(ImportError::Denied(Denial::Endpoint));
         }
         let w = &ap.window;
@@ -245,9 +303,11 @@ impl Endpoint {
             port: w.port.clone(),
             peer_alive: None,
         };
-        Ok(Mapping::new(&self.inner, desc, crate::mapping::Via::Local(window), Keep::Local(ap)))
+        Ok(Mapping::new(inner, desc, crate::mapping::Via::Local(window), Keep::Local(ap)))
     }
+}
 
+impl Endpoint {
     /// A tripset for tripwires of this endpoint.
     pub fn tripset(&self) -> Result<Tripset, TripwireError> {
         Tripset::new(self.inner.queue.inner.clone(), self.inner.addr.port)

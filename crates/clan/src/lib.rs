@@ -90,7 +90,7 @@ pub use config::{
 pub use conn::{ConnectError, ConnectRequest, Connection, DEFAULT_CONNECT_TIMEOUT, MAX_PRIVATE_DATA};
 pub use descriptor::{Descriptor, MAX_CAVEATS, Rights};
 pub use dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaRequest, DmaStats, DmaTicket};
-pub use endpoint::{Endpoint, EndpointConfig, OOB_QUEUE, OobMessage};
+pub use endpoint::{Endpoint, EndpointConfig, OOB_QUEUE, OobMessage, PendingImport};
 pub use error::{
     AccessError, Denial, DescriptorError, DmaError, DmaFailure, EndpointError, EventQueueError, ExportError,
     ImportError, NicError, OobError, TripwireError,

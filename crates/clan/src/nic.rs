@@ -476,6 +476,11 @@ impl NicInner {
         p
     }
 
+    /// The table of control connections to the NICs of this host.
+    pub fn peers_table(&self) -> &Mutex<HashMap<NicAddr, Arc<PeerConn>>> {
+        &self.peers
+    }
+
     /// Have the engine watch `peer`'s liveness (once per connection to it).
     pub fn watch(&self, peer: &PeerConn) {
         if !peer.take_watch() {
@@ -518,12 +523,6 @@ impl NicInner {
             return None;
         }
         let peer = self.peer(to.nic);
-        let session = match peer.session(deadline) {
-            Ok(s) => s,
-            Err(crate::peer::PeerError::Unreachable) => return None,
-            Err(e) => return Some(Err(HostOob::Failed(oob_peer_error(to, e)))),
-        };
-        self.watch(&peer);
         let reqs: Vec<Request> = payloads
             .chunks(clan_wire::control::MAX_BATCH)
             .map(|c| match c {
@@ -531,7 +530,12 @@ impl NicInner {
                 _ => Request::OobBatch { from: from.into(), to_port: to.port, payloads: c.to_vec(), reply: true },
             })
             .collect();
-        Some(match session.request_many(&reqs, deadline) {
+        let r = peer.request_many(&reqs, deadline);
+        if matches!(r, Err(crate::peer::PeerError::Unreachable)) {
+            return None;
+        }
+        self.watch(&peer);
+        Some(match r {
             Ok(replies) => replies
                 .into_iter()
                 .map(|(r, _)| match r {
@@ -856,14 +860,15 @@ impl NicInner {
             if read_only { mem.memfd.reopen_read_only() } else { mem.memfd.try_clone_fd() }.map_err(internal)?;
         let eq = ap.watch.eq.clone();
         let ring = eq.ring_for(c.id).ok_or((Code::TooManyProducers, String::new()))?;
-        let eq_fds = want_eq || !c.eqs.contains(&eq.id);
-        let mut fds = vec![ap_fd];
-        if eq_fds {
-            fds.push(eq.memfd.try_clone_fd().map_err(internal)?);
-            fds.push(eq.port.eventfd.try_clone_fd().map_err(internal)?);
-            c.eqs.insert(eq.id);
-            self.remember_queue(&eq);
-        }
+        // The queue's descriptors go with every import (the importer maps a queue it does not
+        // know yet and closes the copies of one it does): concurrent imports through one
+        // connection never depend on each other's order.
+        let _ = want_eq;
+        let eq_fds = true;
+        let fds =
+            vec![ap_fd, eq.memfd.try_clone_fd().map_err(internal)?, eq.port.eventfd.try_clone_fd().map_err(internal)?];
+        c.eqs.insert(eq.id);
+        self.remember_queue(&eq);
         let import_id = self.next_serial();
         c.imports.insert(import_id, (ap.id, ap.generation));
         {

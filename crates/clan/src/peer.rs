@@ -1,19 +1,20 @@
 //! The client side of the control channel to another NIC of this host, and importing
 //! descriptors exported there.
 //!
-//! One connection per pair of NICs, made by the first request and kept. Requests are made by
-//! the calling (application) thread, one at a time per connection, each bounded by the
-//! caller's own deadline: waiting for the connection to be free, connecting, sending and
-//! receiving all stop at that deadline, and no lock shared with other peers is held
-//! meanwhile. Replies carry their request's id, so a reply that comes after its requester
-//! gave up is recognised and dropped (a late import grant is released at once). The engine
-//! thread never makes requests here: what it sends to other NICs goes through its own
-//! non-blocking channel (`crate::engine`).
+//! One connection per pair of NICs, made (and said hello on) by the first request and kept.
+//! Requests are made by the calling (application) threads, several at once if they like:
+//! each carries an id, its reply carries the same, and whichever waiter reads the socket
+//! hands the others their replies. Each waits at most until its own deadline; connecting,
+//! sending and receiving all stop there, and no lock shared with other peers is held
+//! meanwhile. A reply that comes after its requester gave up is recognised and dropped (a
+//! late import grant is released as soon as it is read: by the next request on that
+//! connection, or with the connection). The engine thread never makes requests here:
+//! what it sends to other NICs goes through its own non-blocking channel (`crate::engine`).
 //!
 //! Everything the exporter sends is checked before it is used: the geometry it announces
 //! against the descriptor and the memfds' real (sealed) sizes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -82,13 +83,35 @@ impl Drop for GateGuard<'_> {
     }
 }
 
+/// Replies waited for, and those that came.
+#[derive(Default)]
+struct Mail {
+    waiting: HashSet<u32>,
+    arrived: HashMap<u32, (Reply, Vec<OwnedFd>)>,
+    /// A waiter is reading the socket (the others sleep on `cv`).
+    reading: bool,
+}
+
+/// One connected socket and its mailbox.
+struct Channel {
+    sock: SeqPacket,
+    mail: Mutex<Mail>,
+    cv: Condvar,
+}
+
+/// A request sent whose reply has not been collected ([`PeerConn::finish`]).
+pub(crate) struct Sent {
+    chan: Arc<Channel>,
+    id: u32,
+}
+
 /// A connection to another NIC of this host.
 pub(crate) struct PeerConn {
     pub addr: NicAddr,
     local: NicAddr,
-    gate: Gate,
-    /// The socket, once connected (non-blocking). Replaced only by the gate's holder.
-    sock: Mutex<Option<Arc<SeqPacket>>>,
+    /// Connecting and saying hello, one caller at a time.
+    connecting: Gate,
+    chan: Mutex<Option<Arc<Channel>>>,
     broken: AtomicBool,
     next_id: AtomicU32,
     /// False once the peer NIC is known to be gone (its process died or its NIC closed):
@@ -129,8 +152,8 @@ impl PeerConn {
         PeerConn {
             addr,
             local,
-            gate: Gate::default(),
-            sock: Mutex::new(None),
+            connecting: Gate::default(),
+            chan: Mutex::new(None),
             broken: AtomicBool::new(false),
             next_id: AtomicU32::new(1),
             alive: Arc::new(AtomicBool::new(true)),
@@ -149,6 +172,10 @@ impl PeerConn {
         self.broken.store(true, Ordering::Release);
         // SYNC POINT: pairs with the Acquire load in `Window::check_live`.
         self.alive.store(false, Ordering::Release);
+        if let Some(c) = lock(&self.chan).as_ref() {
+            let _m = lock(&c.mail);
+            c.cv.notify_all();
+        }
     }
 
     /// The connection is unusable: close it. The exporter then releases everything it
@@ -156,7 +183,7 @@ impl PeerConn {
     /// from now on.
     fn break_with(&self, why: impl Into<String>) -> PeerError {
         self.mark_gone();
-        *lock(&self.sock) = None;
+        *lock(&self.chan) = None;
         PeerError::Protocol(why.into())
     }
 
@@ -165,49 +192,31 @@ impl PeerConn {
         self.watched.swap(true, Ordering::AcqRel)
     }
 
-    /// One request at a time through this connection, until `deadline`.
-    pub fn session(&self, deadline: Instant) -> Result<PeerSession<'_>, PeerError> {
-        let g = self.gate.enter(deadline).ok_or(PeerError::Timeout)?;
-        if self.is_broken() {
-            return Err(PeerError::Protocol("the connection to the peer NIC broke".into()));
-        }
-        let s = PeerSession { conn: self, _gate: g };
-        if lock(&self.sock).is_none() {
-            s.connect(deadline)?;
-        }
-        Ok(s)
-    }
-
-    /// Send a one-way message at once if the connection is up and its socket has room:
-    /// whether it went (one message, so it never interleaves with a request in progress).
-    pub fn try_send_oneway(&self, req: &Request) -> bool {
-        let Some(sock) = lock(&self.sock).clone() else { return false };
-        !self.is_broken() && !req.wants_reply() && sock.send(&req.encode(0), &[]).is_ok()
-    }
-
-    /// Send a message that has no reply, without waiting (dropped if the socket is full).
-    pub fn notify(&self, req: &Request) {
-        let Some(sock) = lock(&self.sock).clone() else { return };
-        if !self.is_broken() {
-            let _ = sock.send(&req.encode(0), &[]);
-        }
-    }
-
     fn id(&self) -> u32 {
         self.next_id.fetch_add(1, Ordering::Relaxed).max(1)
     }
-}
 
-/// The holder of a connection's gate.
-pub(crate) struct PeerSession<'a> {
-    conn: &'a PeerConn,
-    _gate: GateGuard<'a>,
-}
+    /// The connected channel, if there is one (never waits).
+    fn connected(&self) -> Option<Arc<Channel>> {
+        if self.is_broken() { None } else { lock(&self.chan).clone() }
+    }
 
-impl PeerSession<'_> {
-    fn connect(&self, deadline: Instant) -> Result<(), PeerError> {
-        let c = self.conn;
-        let name = c.addr.abstract_name();
+    /// The connected channel, connecting (and saying hello) first if need be, by `deadline`.
+    fn channel(&self, deadline: Instant) -> Result<Arc<Channel>, PeerError> {
+        if self.is_broken() {
+            return Err(PeerError::Protocol("the connection to the peer NIC broke".into()));
+        }
+        if let Some(c) = self.connected() {
+            return Ok(c);
+        }
+        let _g = self.connecting.enter(deadline).ok_or(PeerError::Timeout)?;
+        if let Some(c) = self.connected() {
+            return Ok(c);
+        }
+        if self.is_broken() {
+            return Err(PeerError::Protocol("the connection to the peer NIC broke".into()));
+        }
+        let name = self.addr.abstract_name();
         loop {
             let sock = loop {
                 match SeqPacket::connect_abstract_nonblocking(&name) {
@@ -227,92 +236,161 @@ impl PeerSession<'_> {
                     },
                 }
             };
-            *lock(&c.sock) = Some(Arc::new(sock));
-            let hello = Request::Hello { nic: c.local.socket_addr(), pid: std::process::id() };
-            match self.request(&hello, deadline) {
-                Ok((Reply::HelloOk { nic }, _)) if NicAddr::from(nic) == c.addr => return Ok(()),
+            let chan = Arc::new(Channel { sock, mail: Mutex::new(Mail::default()), cv: Condvar::new() });
+            let hello = Request::Hello { nic: self.local.socket_addr(), pid: std::process::id() };
+            let r = self.send(&chan, &hello, deadline).and_then(|s| self.finish(s, deadline));
+            match r {
+                Ok((Reply::HelloOk { nic }, _)) if NicAddr::from(nic) == self.addr => {
+                    *lock(&self.chan) = Some(chan.clone());
+                    return Ok(chan);
+                }
                 Ok((Reply::Err { code: Code::Unverified | Code::TooMany, detail }, _)) => {
                     // Refused for now (it could not verify us in time: its listener's backlog
                     // is flooded; or we hold too many connections): again, within our time.
-                    *lock(&c.sock) = None;
                     if Instant::now() + Duration::from_millis(5) >= deadline {
                         return Err(PeerError::Protocol(format!("hello refused: {detail}")));
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Ok((Reply::Err { code, detail }, _)) => {
-                    return Err(c.break_with(format!("hello refused: {code:?} {detail}")));
+                    return Err(self.break_with(format!("hello refused: {code:?} {detail}")));
                 }
-                Ok((other, _)) => return Err(c.break_with(format!("unexpected answer to hello: {other:?}"))),
+                Ok((other, _)) => return Err(self.break_with(format!("unexpected answer to hello: {other:?}"))),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn send(&self, chan: &Arc<Channel>, req: &Request, deadline: Instant) -> Result<Sent, PeerError> {
+        let id = self.id();
+        // Registered first: a reply faster than this thread is kept for it.
+        lock(&chan.mail).waiting.insert(id);
+        let bytes = req.encode(id);
+        loop {
+            match chan.sock.send(&bytes, &[]) {
+                Ok(()) => return Ok(Sent { chan: chan.clone(), id }),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if let Err(e) = poll_one(&chan.sock, rustix::event::PollFlags::OUT, deadline) {
+                        lock(&chan.mail).waiting.remove(&id);
+                        return Err(e);
+                    }
+                }
                 Err(e) => {
-                    *lock(&c.sock) = None;
-                    return Err(e);
+                    lock(&chan.mail).waiting.remove(&id);
+                    return Err(self.break_with(format!("sending to {}: {e}", self.addr)));
                 }
             }
         }
     }
 
-    /// Send a request and wait for its reply until `deadline`.
-    pub fn request(&self, req: &Request, deadline: Instant) -> Result<(Reply, Vec<OwnedFd>), PeerError> {
-        let mut r = self.request_many(std::slice::from_ref(req), deadline)?;
-        r.pop().ok_or_else(|| PeerError::Protocol("no reply".into()))
+    /// Send `req` now (connecting first if need be, by `deadline`); collect the reply with
+    /// [`PeerConn::finish`].
+    pub fn begin(&self, req: &Request, deadline: Instant) -> Result<Sent, PeerError> {
+        let chan = self.channel(deadline)?;
+        self.send(&chan, req, deadline)
+    }
+
+    /// Send `req` only if that costs no wait at all (connected, room in the socket).
+    pub fn try_begin(&self, req: &Request) -> Option<Sent> {
+        let chan = self.connected()?;
+        let id = self.id();
+        lock(&chan.mail).waiting.insert(id);
+        match chan.sock.send(&req.encode(id), &[]) {
+            Ok(()) => Some(Sent { chan, id }),
+            Err(_) => {
+                lock(&chan.mail).waiting.remove(&id);
+                None
+            }
+        }
+    }
+
+    /// The reply to `sent`, waiting until `deadline` at most (reading the socket for every
+    /// waiter while no one else does).
+    pub fn finish(&self, sent: Sent, deadline: Instant) -> Result<(Reply, Vec<OwnedFd>), PeerError> {
+        let Sent { chan, id } = sent;
+        let mut m = lock(&chan.mail);
+        loop {
+            if let Some(r) = m.arrived.remove(&id) {
+                m.waiting.remove(&id);
+                return Ok(r);
+            }
+            let give_up = |m: &mut Mail, e: PeerError| {
+                m.waiting.remove(&id);
+                Err(e)
+            };
+            if self.is_broken() {
+                return give_up(&mut m, PeerError::Protocol(format!("the connection to {} broke", self.addr)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return give_up(&mut m, PeerError::Timeout);
+            }
+            if m.reading {
+                m = chan.cv.wait_timeout(m, left).unwrap_or_else(|e| e.into_inner()).0;
+                continue;
+            }
+            m.reading = true;
+            drop(m);
+            let r = self.read(&chan, deadline);
+            m = lock(&chan.mail);
+            m.reading = false;
+            chan.cv.notify_all();
+            if let Err(e) = r {
+                return give_up(&mut m, e);
+            }
+        }
+    }
+
+    /// Wait for the socket to be readable (until `deadline`), then take every reply there is
+    /// and hand it to its waiter.
+    fn read(&self, chan: &Channel, deadline: Instant) -> Result<(), PeerError> {
+        poll_one(&chan.sock, rustix::event::PollFlags::IN, deadline)?;
+        let mut buf = [0u8; MAX_MSG];
+        loop {
+            let got = match chan.sock.recv(&mut buf) {
+                Ok(g) => g,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(self.break_with(format!("receiving from {}: {e}", self.addr))),
+            };
+            if got.len == 0 && got.fds.is_empty() {
+                return Err(self.break_with(format!("{} closed the connection", self.addr)));
+            }
+            if got.truncated {
+                return Err(self.break_with("reply or its descriptors truncated (out of file descriptors?)"));
+            }
+            let (rid, reply) =
+                Reply::decode(&buf[..got.len]).map_err(|e| self.break_with(format!("malformed reply: {e}")))?;
+            let mut m = lock(&chan.mail);
+            if m.waiting.contains(&rid) {
+                m.arrived.insert(rid, (reply, got.fds));
+            } else if let Reply::ImportOk(g) = reply {
+                // The answer to a request whose caller gave up: the grant is released.
+                drop(m);
+                let _ = chan.sock.send(&Request::Unimport { import_id: g.import_id }.encode(0), &[]);
+            }
+        }
     }
 
     /// Send several requests at once and wait for all their replies (in order) until
     /// `deadline`: one round trip for the lot.
     pub fn request_many(&self, reqs: &[Request], deadline: Instant) -> Result<Vec<(Reply, Vec<OwnedFd>)>, PeerError> {
-        let c = self.conn;
-        let sock = lock(&c.sock).clone().ok_or_else(|| PeerError::Protocol("not connected".into()))?;
-        let mut ids = Vec::with_capacity(reqs.len());
-        for req in reqs {
-            let id = c.id();
-            ids.push(id);
-            let bytes = req.encode(id);
-            loop {
-                match sock.send(&bytes, &[]) {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        poll_one(&sock, rustix::event::PollFlags::OUT, deadline)?;
-                    }
-                    Err(e) => return Err(c.break_with(format!("sending to {}: {e}", c.addr))),
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(reqs.len());
-        for id in ids {
-            out.push(self.reply(&sock, id, deadline)?);
-        }
-        Ok(out)
+        let chan = self.channel(deadline)?;
+        let sent = reqs.iter().map(|r| self.send(&chan, r, deadline)).collect::<Result<Vec<_>, _>>()?;
+        sent.into_iter().map(|s| self.finish(s, deadline)).collect()
     }
 
-    fn reply(&self, sock: &SeqPacket, id: u32, deadline: Instant) -> Result<(Reply, Vec<OwnedFd>), PeerError> {
-        let c = self.conn;
-        let mut buf = [0u8; MAX_MSG];
-        loop {
-            let got = match sock.recv(&mut buf) {
-                Ok(g) => g,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    poll_one(sock, rustix::event::PollFlags::IN, deadline)?;
-                    continue;
-                }
-                Err(e) => return Err(c.break_with(format!("receiving from {}: {e}", c.addr))),
-            };
-            if got.len == 0 && got.fds.is_empty() {
-                return Err(c.break_with(format!("{} closed the connection", c.addr)));
-            }
-            if got.truncated {
-                return Err(c.break_with("reply or its descriptors truncated (out of file descriptors?)"));
-            }
-            let (rid, reply) =
-                Reply::decode(&buf[..got.len]).map_err(|e| c.break_with(format!("malformed reply: {e}")))?;
-            if rid != id {
-                // The answer to a request whose caller gave up: a grant in it is released.
-                if let Reply::ImportOk(g) = reply {
-                    let _ = sock.send(&Request::Unimport { import_id: g.import_id }.encode(0), &[]);
-                }
-                continue;
-            }
-            return Ok((reply, got.fds));
+    /// Send a one-way message at once if the connection is up and its socket has room:
+    /// whether it went.
+    pub fn try_send_oneway(&self, req: &Request) -> bool {
+        let Some(chan) = self.connected() else { return false };
+        !req.wants_reply() && chan.sock.send(&req.encode(0), &[]).is_ok()
+    }
+
+    /// Send a message that has no reply, without waiting (dropped if the socket is full).
+    pub fn notify(&self, req: &Request) {
+        if let Some(chan) = self.connected() {
+            let _ = chan.sock.send(&req.encode(0), &[]);
         }
     }
 }
@@ -352,6 +430,22 @@ fn fd_err(e: std::io::Error, context: &'static str) -> ImportError {
     }
 }
 
+/// An import from a NIC of this host whose request went out ([`begin_import`]).
+pub(crate) struct PendingImport {
+    peer: Arc<PeerConn>,
+    sent: Sent,
+}
+
+impl std::fmt::Debug for PendingImport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingImport").field("exporter", &self.peer.addr).finish_non_exhaustive()
+    }
+}
+
+fn request(ep: &EndpointInner, desc: &Descriptor) -> Request {
+    Request::Import { importer: ep.addr.into(), want_eq: false, desc: desc.to_bytes() }
+}
+
 /// Import `desc`, exported by another NIC of this host, for endpoint `ep`, by `deadline`.
 pub(crate) fn import_remote(
     ep: &Arc<EndpointInner>,
@@ -359,13 +453,46 @@ pub(crate) fn import_remote(
     deadline: Instant,
     timeout: Duration,
 ) -> Result<Mapping, ImportError> {
+    let p = begin_import(ep, desc, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
+    finish_import(ep, desc, p, deadline, timeout)
+}
+
+/// Send the import request for `desc` (connecting first if need be, by `deadline`).
+pub(crate) fn begin_import(
+    ep: &Arc<EndpointInner>,
+    desc: &Descriptor,
+    deadline: Instant,
+) -> Result<PendingImport, PeerError> {
+    let peer = ep.nic.peer(desc.nic());
+    let sent = peer.begin(&request(ep, desc), deadline)?;
+    Ok(PendingImport { peer, sent })
+}
+
+/// Send the import request for `desc` only if that needs no wait at all (a connection to
+/// the exporter's NIC is up and has room): the start of an import that may never be needed,
+/// made where nothing may wait (accepting a connection).
+pub(crate) fn try_begin_import(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Option<PendingImport> {
+    if ep.nic.config.local_transport != crate::config::LocalTransport::SharedMemory {
+        return None;
+    }
+    let peer = lock(ep.nic.peers_table()).get(&desc.nic()).cloned()?;
+    let sent = peer.try_begin(&request(ep, desc))?;
+    Some(PendingImport { peer, sent })
+}
+
+/// The reply to an import request, checked and mapped.
+pub(crate) fn finish_import(
+    ep: &Arc<EndpointInner>,
+    desc: &Descriptor,
+    p: PendingImport,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Mapping, ImportError> {
     let nic = &ep.nic;
-    let peer = nic.peer(desc.nic());
-    let session = peer.session(deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
+    let PendingImport { peer, sent } = p;
+    let (reply, mut fds) = peer.finish(sent, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
     // The engine watches the exporter: when its process dies, our mappings of it fail.
     nic.watch(&peer);
-    let req = Request::Import { importer: ep.addr.into(), want_eq: false, desc: desc.to_bytes() };
-    let (reply, mut fds) = session.request(&req, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
     let g = match reply {
         Reply::ImportOk(g) => g,
         Reply::Err { code, detail } => {
@@ -383,25 +510,28 @@ pub(crate) fn import_remote(
     };
     // From here on the exporter counts the import: release it on every error path.
     let guard = ImportGuard { peer: peer.clone(), import_id: g.import_id };
-    let want_fds = if g.eq_fds { 3 } else { 1 };
-    if fds.len() != want_fds {
-        return Err(protocol(desc.nic(), format!("{} descriptors received, {want_fds} expected", fds.len())));
+    if !g.eq_fds || fds.len() != 3 {
+        return Err(protocol(desc.nic(), format!("{} descriptors received, 3 expected", fds.len())));
     }
     check_grant(desc, &g).map_err(|d| protocol(desc.nic(), d))?;
-    let port = if g.eq_fds {
-        let eventfd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
-        let eq_fd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
-        let port = Arc::new(map_eq(&g, eq_fd, eventfd).map_err(|e| match e {
-            MapErr::Io(e, ctx) => fd_err(e, ctx),
-            MapErr::Bad(d) => protocol(desc.nic(), d),
-        })?);
-        lock(&peer.eqs).insert(g.eq_id, port.clone());
-        port
-    } else {
-        let eqs = lock(&peer.eqs);
-        eqs.get(&g.eq_id).cloned().ok_or_else(|| protocol(desc.nic(), "event queue descriptors missing"))?
+    let eventfd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
+    let eq_fd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
+    let port = {
+        // The queue is mapped once (several imports may bring its descriptors at once); the
+        // copies of a queue we know are closed here.
+        let mut eqs = lock(&peer.eqs);
+        match eqs.get(&g.eq_id) {
+            Some(p) => p.clone(),
+            None => {
+                let port = Arc::new(map_eq(&g, eq_fd, eventfd).map_err(|e| match e {
+                    MapErr::Io(e, ctx) => fd_err(e, ctx),
+                    MapErr::Bad(d) => protocol(desc.nic(), d),
+                })?);
+                eqs.insert(g.eq_id, port.clone());
+                port
+            }
+        }
     };
-    drop(session);
     if lock(&port.producer).ring() != g.ring as usize {
         return Err(protocol(desc.nic(), "producer ring changed"));
     }

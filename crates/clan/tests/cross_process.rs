@@ -42,6 +42,30 @@ fn child() {
             say("done");
             let _ = hear();
         }
+        "import_many" => {
+            // Many threads import from the parent at once (one control connection: the
+            // requests are in flight together), then one gives up on a deadline too short.
+            let ds: Vec<Descriptor> = hear().unwrap().split(' ').map(|d| d.parse().unwrap()).collect();
+            let ep = std::sync::Arc::new(ep);
+            let threads: Vec<_> = ds
+                .chunks(4)
+                .map(|c| {
+                    let (c, ep) = (c.to_vec(), ep.clone());
+                    std::thread::spawn(move || {
+                        for d in c {
+                            let m = ep.import(&d).unwrap();
+                            m.store_u64(0, 7).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            let late = ep.import_timeout(&ds[0], Duration::from_nanos(1));
+            say(format!("done {}", late.is_err()));
+            let _ = hear();
+        }
         "try_import" => {
             let d: Descriptor = hear().unwrap().parse().unwrap();
             match ep.import(&d) {
@@ -418,4 +442,32 @@ fn hostile_process_cannot_crash_or_hang_us() {
     assert!(matches!(q2.wait(Some(Duration::from_secs(10))), Ok(Event::Tripwire { cookie: 3, .. })));
     assert_eq!(tw2.count(), 1);
     assert!(ops > 10);
+}
+
+/// Imports from many threads of one process share one control connection, each with its own
+/// request in flight (replies matched by id); an import abandoned on its deadline is an error
+/// to its caller only, and everything the process held is released when it goes.
+#[test]
+fn concurrent_imports_through_one_connection() {
+    let _wd = Watchdog::new("concurrent imports", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let aps: Vec<_> = (0..32).map(|_| ep.export(4096).unwrap()).collect();
+    let mut child = Peer::spawn("child", "import_many", &[]);
+    child.send(&aps.iter().map(|a| a.descriptor().to_string()).collect::<Vec<_>>().join(" "));
+    let line = child.expect("done");
+    assert!(line.starts_with("done"), "{line}");
+    for a in &aps {
+        assert_eq!(a.load_u64(0).unwrap(), 7, "every import landed its write");
+    }
+    drop(child);
+    // The child is gone: every import it held (including one it may have given up on, whose
+    // grant came late) is released, so the memory of each unexported aperture is recycled.
+    let before = nic.stats().cached_bytes;
+    drop(aps);
+    let t = std::time::Instant::now();
+    while nic.stats().cached_bytes < before + 32 * 4096 {
+        assert!(t.elapsed() < Duration::from_secs(30), "imports were not released: {:?}", nic.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
