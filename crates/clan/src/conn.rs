@@ -471,11 +471,16 @@ impl Endpoint {
                 nic.outbox(self.addr(), peer, p);
             }
         };
-        // All the fragments at once: one round trip.
-        if let Err(e) = self.send_oobs_until(to, &msgs, deadline) {
-            give_up(msgs.len() > 1);
-            tracing::debug!(local = %self.addr(), peer = %to, "connect failed: {e}");
-            return Err(send_error(to, e));
+        // All the fragments at once. When a control connection to that NIC is up already,
+        // one-way, without waiting for the delivery result (an undeliverable request is
+        // refused by the server's NIC); otherwise one round trip, which also tells us at once
+        // whether the NIC exists.
+        if !nic.send_oneway_direct(self.addr(), to, &msgs) {
+            if let Err(e) = self.send_oobs_until(to, &msgs, deadline) {
+                give_up(msgs.len() > 1);
+                tracing::debug!(local = %self.addr(), peer = %to, "connect failed: {e}");
+                return Err(send_error(to, e));
+            }
         }
         let mut st = lock(&conns.state);
         loop {

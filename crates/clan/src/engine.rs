@@ -253,7 +253,8 @@ fn verify_nic(claimed: NicAddr, pid: u32, ours: NicAddr) -> Probe {
 fn deliver(nic: &NicInner, from: EndpointAddr, to_port: u32, payloads: &[[u8; 40]], reply: bool) -> Option<Reply> {
     let mut r = Reply::Ok;
     for p in payloads {
-        if let Err(code) = nic.deliver_oob(from, to_port, *p) {
+        let d = if reply { nic.deliver_oob(from, to_port, *p) } else { nic.deliver_oneway(from, to_port, *p) };
+        if let Err(code) = d {
             r = Reply::Err { code, detail: String::new() };
             break;
         }

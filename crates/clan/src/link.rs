@@ -1145,7 +1145,12 @@ impl Link {
                     let status = if NicAddr::from(o.from_nic) != self.peer {
                         Status::Denied
                     } else {
-                        match nic.deliver_oob(from, o.to_port, o.payload) {
+                        let d = if o.id == 0 {
+                            nic.deliver_oneway(from, o.to_port, o.payload)
+                        } else {
+                            nic.deliver_oob(from, o.to_port, o.payload)
+                        };
+                        match d {
                             Ok(()) => Status::Ok,
                             Err(clan_wire::control::Code::QueueFull) => Status::QueueFull,
                             Err(_) => Status::NoSuchEndpoint,

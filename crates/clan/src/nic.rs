@@ -501,6 +501,22 @@ impl NicInner {
         self.endpoint(port).ok_or(Code::NoSuchEndpoint)?.deliver_oob(OobMessage { from, payload })
     }
 
+    /// Deliver a message whose sender does not wait for the result: a connection request
+    /// that cannot be delivered is answered with a refusal (as a closed TCP port answers a
+    /// SYN with a reset), so that its client does not wait for its timeout.
+    pub fn deliver_oneway(&self, from: EndpointAddr, port: u32, payload: [u8; OOB_PAYLOAD]) -> Result<(), Code> {
+        let r = self.deliver_oob(from, port, payload);
+        if r.is_err() {
+            if let Ok(clan_wire::connect::Message::Connect { token, .. }) =
+                clan_wire::connect::Message::decode(&payload)
+            {
+                let refuse = clan_wire::connect::encode_refuse(token, clan_wire::connect::RefuseReason::NotListening);
+                self.outbox(EndpointAddr::new(self.addr, port), from, refuse);
+            }
+        }
+        r
+    }
+
     /// The open endpoint with this port.
     pub fn endpoint(&self, port: u32) -> Option<Arc<EndpointInner>> {
         let eps = lock(&self.endpoints);
@@ -567,23 +583,30 @@ impl NicInner {
     /// connection to `to`'s NIC when we have one and it takes them at once (no engine hop),
     /// else through the engine ([`NicInner::outbox`]).
     pub fn send_oneway(&self, from: EndpointAddr, to: EndpointAddr, payloads: &[[u8; OOB_PAYLOAD]]) {
-        if to.nic != self.addr && self.config.local_transport == crate::config::LocalTransport::SharedMemory {
-            let peer = lock(&self.peers).get(&to.nic).cloned();
-            if let Some(p) = peer {
-                let req = clan_wire::control::Request::OobBatch {
-                    from: from.into(),
-                    to_port: to.port,
-                    payloads: payloads.to_vec(),
-                    reply: false,
-                };
-                if payloads.len() <= clan_wire::control::MAX_BATCH && p.try_send_oneway(&req) {
-                    return;
-                }
+        if !self.send_oneway_direct(from, to, payloads) {
+            for p in payloads {
+                self.outbox(from, to, *p);
             }
         }
-        for p in payloads {
-            self.outbox(from, to, *p);
+    }
+
+    /// Send one-way messages straight on our control connection to `to`'s NIC, if one is up
+    /// and has room: whether they went.
+    pub fn send_oneway_direct(&self, from: EndpointAddr, to: EndpointAddr, payloads: &[[u8; OOB_PAYLOAD]]) -> bool {
+        if to.nic == self.addr
+            || self.config.local_transport != crate::config::LocalTransport::SharedMemory
+            || payloads.len() > clan_wire::control::MAX_BATCH
+        {
+            return false;
         }
+        let Some(p) = lock(&self.peers).get(&to.nic).cloned() else { return false };
+        let req = clan_wire::control::Request::OobBatch {
+            from: from.into(),
+            to_port: to.port,
+            payloads: payloads.to_vec(),
+            reply: false,
+        };
+        p.try_send_oneway(&req)
     }
 
     /// What the outbox holds (the engine takes it).
