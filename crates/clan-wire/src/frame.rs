@@ -112,6 +112,8 @@ pub enum Status {
     TooMany = 15,
     /// The peer did not answer in time.
     Timeout = 16,
+    /// The exporter's endpoint restriction excludes the importer.
+    DeniedEndpoint = 17,
     /// Unknown reason.
     Other = 255,
 }
@@ -138,6 +140,7 @@ impl Status {
             14 => Shutdown,
             15 => TooMany,
             16 => Timeout,
+            17 => DeniedEndpoint,
             _ => Other,
         }
     }

@@ -18,6 +18,8 @@
 //!   limits.
 //! - [`connect`]: the connect/accept hand-shake between endpoints carried by out-of-band
 //!   messages, and the per-endpoint state (backlog, dials) with bounds and expiry.
+//! - [`grant`]: the import grant: one policy decision for every path, one vocabulary of
+//!   refusals.
 //!
 //! Every machine here takes input through `handle_*` (bytes, messages, `now`) and gives
 //! output through `poll_*` (bytes to send, events, its next deadline): the drivers in `clan`
@@ -37,6 +39,7 @@ mod decoder;
 pub mod frame;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod grant;
 pub mod handshake;
 mod link;
 

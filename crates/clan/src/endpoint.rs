@@ -11,7 +11,7 @@ use crate::aperture::{Aperture, ApertureInner};
 use crate::config::ExportConfig;
 use crate::descriptor::Descriptor;
 use crate::dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaQueue, DmaRequest, DmaStats, DmaTicket};
-use crate::error::{Denial, DmaError, ExportError, ImportError, OobError, TripwireError};
+use crate::error::{DmaError, ExportError, ImportError, OobError, TripwireError};
 use crate::event_queue::{EVENT_OOB, EventQueue};
 use crate::lock;
 use crate::mapping::{Keep, Mapping};
@@ -274,25 +274,14 @@ fn import_timeout(inner: &Arc<EndpointInner>, desc: &Descriptor, timeout: Durati
 fn import_local(inner: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping, ImportError> {
     {
         let nic = &inner.nic;
-        let revoked = || ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() };
-        let ap = nic.live_aperture(desc.aperture(), desc.generation()).ok_or_else(revoked)?;
-        if !desc.verify(&ap.key) {
-            return Err(ImportError::BadKey);
-        }
-        if desc.aperture_len() != ap.len {
-            return Err(ImportError::BadKey);
-        }
-        let p = &ap.policy;
         let me = crate::nic::own_cred();
-        if !p.uids.is_empty() && !p.uids.contains(&me.uid) {
-            return Err(ImportError::Denied(Denial::Uid));
-        }
-        if !p.pids.is_empty() && !p.pids.contains(&me.pid) {
-            return Err(ImportError::Denied(Denial::Pid));
-        }
-        if !p.endpoints.is_empty() && !p.endpoints.contains(&inner.addr) {
-            return Err(ImportError::Denied(Denial::Endpoint));
-        }
+        let who = clan_wire::grant::Importer::Process {
+            uid: me.uid,
+            pid: me.pid,
+            endpoint: inner.addr.into(),
+            verified_nic: Some(nic.addr.socket_addr()),
+        };
+        let ap = nic.check_import(desc, &who).map_err(|r| ImportError::refused(r, desc))?;
         let w = &ap.window;
         let window = crate::window::Window {
             data: w.data.clone(),

@@ -179,6 +179,26 @@ pub enum ImportError {
     },
 }
 
+impl ImportError {
+    /// What the importer reports of the exporter's refusal (the one vocabulary of
+    /// `clan_wire::grant`, whichever path the import took).
+    pub(crate) fn refused(r: clan_wire::grant::Refusal, desc: &crate::Descriptor) -> ImportError {
+        use clan_wire::grant::Refusal as R;
+        let peer = desc.nic();
+        match r {
+            R::Revoked => ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() },
+            R::BadKey => ImportError::BadKey,
+            R::DeniedUid => ImportError::Denied(Denial::Uid),
+            R::DeniedPid => ImportError::Denied(Denial::Pid),
+            R::DeniedEndpoint => ImportError::Denied(Denial::Endpoint),
+            R::DeniedCredentials => ImportError::Denied(Denial::Policy),
+            R::TooManyProducers => ImportError::TooManyProducers,
+            R::TooMany => ImportError::TooMany { peer },
+            R::Malformed | R::NotOurs | R::Internal => ImportError::Protocol { peer, detail: r.to_string() },
+        }
+    }
+}
+
 /// Programmed I/O through a mapping, and local access to an aperture.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -13,6 +13,7 @@ use clan_wire::{ImportReply, Status};
 use clan_shm::cam::live_state;
 use clan_shm::seqpacket::{PeerCred, SeqPacket};
 use clan_wire::control::{Code, ImportGrant, OOB_PAYLOAD};
+use clan_wire::grant::{Importer, Refusal};
 
 use crate::addr::{EndpointAddr, NicAddr};
 use crate::aperture::{Aperture, ApertureInner, ApertureMem, MAX_APERTURE, aperture_tag};
@@ -393,27 +394,22 @@ impl NicInner {
 
     /// Serve an import request that arrived over `link`.
     pub fn grant_link_import(&self, link: &Link, importer: EndpointAddr, desc: &[u8], id: u64) -> ImportReply {
-        let refuse = |status| ImportReply { id, status, key: 0, aperture_len: 0, offset: 0, len: 0, rights: 0 };
+        let refuse = |r: Refusal| ImportReply {
+            id,
+            status: Status::from(r),
+            key: 0,
+            aperture_len: 0,
+            offset: 0,
+            len: 0,
+            rights: 0,
+        };
         let r = (|| {
-            let desc = Descriptor::from_bytes(desc).map_err(|_| Status::Malformed)?;
-            if desc.nic() != self.addr {
-                return Err(Status::NotOurs);
-            }
-            let ap = self.live_aperture(desc.aperture(), desc.generation()).ok_or(Status::Revoked)?;
-            if !desc.verify(&ap.key) {
-                return Err(Status::BadKey);
-            }
-            let p = &ap.policy;
-            // Process credentials cannot be verified across hosts: such restrictions deny.
-            if !p.uids.is_empty() || !p.pids.is_empty() {
-                return Err(Status::Denied);
-            }
-            if !p.endpoints.is_empty() && (importer.nic != link.peer || !p.endpoints.contains(&importer)) {
-                return Err(Status::Denied);
-            }
+            let desc = Descriptor::from_bytes(desc).map_err(|_| Refusal::Malformed)?;
+            let who = Importer::Remote { endpoint: importer.into(), link_peer: link.peer.socket_addr() };
+            let ap = self.check_import(&desc, &who)?;
             let mut exports = lock(&link.exports);
             if exports.len() >= link.max_imports {
-                return Err(Status::TooMany);
+                return Err(Refusal::TooMany);
             }
             let key = loop {
                 let mut b = [0u8; 8];
@@ -450,12 +446,29 @@ impl NicInner {
                 tracing::debug!(%importer, link = %link.peer, "import granted over a link");
                 g
             }
-            Err(status) => {
+            Err(refusal) => {
                 self.imports_refused.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(%importer, link = %link.peer, ?status, "import over a link refused");
-                refuse(status)
+                tracing::info!(%importer, link = %link.peer, "import over a link refused: {refusal}");
+                refuse(refusal)
             }
         }
+    }
+
+    /// The one import policy, for every path: the descriptor names this NIC and a live
+    /// aperture whose key verifies it, and the aperture's policy allows `who`.
+    pub fn check_import(&self, desc: &Descriptor, who: &Importer) -> Result<Arc<ApertureInner>, Refusal> {
+        if desc.nic() != self.addr {
+            return Err(Refusal::NotOurs);
+        }
+        let ap = self.live_aperture(desc.aperture(), desc.generation()).ok_or(Refusal::Revoked)?;
+        if !desc.verify(&ap.key) || desc.aperture_len() != ap.len {
+            return Err(Refusal::BadKey);
+        }
+        let p = &ap.policy;
+        let endpoints: Vec<clan_wire::control::EndpointId> = p.endpoints.iter().map(|e| (*e).into()).collect();
+        let policy = clan_wire::grant::Policy { uids: &p.uids, pids: &p.pids, endpoints: &endpoints };
+        clan_wire::grant::decide(&policy, who)?;
+        Ok(ap)
     }
 
     pub fn next_serial(&self) -> u64 {
@@ -852,37 +865,24 @@ impl NicInner {
         want_eq: bool,
         desc: &[u8],
     ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
-        let desc = Descriptor::from_bytes(desc).map_err(|e| (Code::Malformed, e.to_string()))?;
-        if desc.nic() != self.addr {
-            return Err((Code::NotOurs, format!("descriptor is for {}", desc.nic())));
-        }
-        let ap = self
-            .live_aperture(desc.aperture(), desc.generation())
-            .ok_or((Code::Revoked, String::from("aperture not exported")))?;
-        if !desc.verify(&ap.key) {
-            return Err((Code::BadKey, String::new()));
-        }
-        let p = &ap.policy;
-        if !p.uids.is_empty() && !p.uids.contains(&c.cred.uid) {
-            return Err((Code::DeniedUid, String::new()));
-        }
-        if !p.pids.is_empty() && !p.pids.contains(&c.cred.pid) {
-            return Err((Code::DeniedPid, String::new()));
-        }
-        if !p.endpoints.is_empty() {
-            // The importing endpoint must be on the NIC that said hello (which the engine
-            // verified to belong to the connecting process before serving anything).
-            if Some(importer.nic) != c.hello || !p.endpoints.contains(&importer) {
-                return Err((Code::DeniedEndpoint, String::new()));
-            }
-        }
+        let refused = |r: Refusal| (Code::from(r), r.to_string());
+        let desc = Descriptor::from_bytes(desc).map_err(|_| refused(Refusal::Malformed))?;
+        // The importing endpoint's NIC is the one the connection's hello named, which the
+        // engine verified to belong to the connecting process before serving anything.
+        let who = Importer::Process {
+            uid: c.cred.uid,
+            pid: c.cred.pid,
+            endpoint: importer.into(),
+            verified_nic: c.hello.map(|h| h.socket_addr()),
+        };
+        let ap = self.check_import(&desc, &who).map_err(refused)?;
         let mem = ap.mem();
         let read_only = !desc.rights().contains(Rights::WRITE);
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
         let ap_fd =
             if read_only { mem.memfd.reopen_read_only() } else { mem.memfd.try_clone_fd() }.map_err(internal)?;
         let eq = ap.watch.eq.clone();
-        let ring = eq.ring_for(c.id).ok_or((Code::TooManyProducers, String::new()))?;
+        let ring = eq.ring_for(c.id).ok_or_else(|| refused(Refusal::TooManyProducers))?;
         // The queue's descriptors go with every import (the importer maps a queue it does not
         // know yet and closes the copies of one it does): concurrent imports through one
         // connection never depend on each other's order.

@@ -32,7 +32,7 @@ use clan_wire::control::{Code, ImportGrant, MAX_MSG, Reply, Request};
 use crate::addr::NicAddr;
 use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
-use crate::error::{Denial, ImportError};
+use crate::error::ImportError;
 use crate::event_queue::EqPort;
 use crate::lock;
 use crate::mapping::{Keep, Mapping};
@@ -496,14 +496,9 @@ pub(crate) fn finish_import(
     let g = match reply {
         Reply::ImportOk(g) => g,
         Reply::Err { code, detail } => {
-            return Err(match code {
-                Code::Revoked => ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() },
-                Code::BadKey => ImportError::BadKey,
-                Code::DeniedUid => ImportError::Denied(Denial::Uid),
-                Code::DeniedPid => ImportError::Denied(Denial::Pid),
-                Code::DeniedEndpoint => ImportError::Denied(Denial::Endpoint),
-                Code::TooManyProducers => ImportError::TooManyProducers,
-                _ => protocol(desc.nic(), format!("{code:?}: {detail}")),
+            return Err(match clan_wire::grant::Refusal::from_code(code) {
+                Some(r) => ImportError::refused(r, desc),
+                None => protocol(desc.nic(), format!("{code:?}: {detail}")),
             });
         }
         other => return Err(protocol(desc.nic(), format!("unexpected reply {other:?}"))),

@@ -17,7 +17,7 @@ use clan_wire::{Frame, Import, Status, Target};
 use crate::addr::EndpointAddr;
 use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
-use crate::error::{AccessError, Denial, ImportError, OobError};
+use crate::error::{AccessError, ImportError, OobError};
 use crate::link::{Link, LinkError, Payload, TargetState};
 use crate::lock;
 use crate::mapping::{Keep, Mapping, Via};
@@ -243,13 +243,12 @@ fn finish_import(
     let peer = desc.nic();
     match reply.status {
         Status::Ok => {}
-        Status::Revoked => {
-            return Err(ImportError::Revoked { aperture: desc.aperture(), generation: desc.generation() });
+        other => {
+            return Err(match clan_wire::grant::Refusal::from_status(other) {
+                Some(r) => ImportError::refused(r, desc),
+                None => ImportError::Protocol { peer, detail: format!("import refused: {other:?}") },
+            });
         }
-        Status::BadKey => return Err(ImportError::BadKey),
-        Status::Denied => return Err(ImportError::Denied(Denial::Policy)),
-        Status::TooMany => return Err(ImportError::TooMany { peer }),
-        other => return Err(ImportError::Protocol { peer, detail: format!("import refused: {other:?}") }),
     }
     let rights_ok = Rights::READ_WRITE.contains(desc.rights()) && reply.rights == desc.rights().bits();
     if reply.offset != desc.offset()
