@@ -134,13 +134,19 @@ fn serve(l: &Listener, served: &Arc<AtomicU64>) -> std::io::Result<()> {
         let s = s?;
         let served = served.clone();
         std::thread::spawn(move || {
-            let mut b = [0u8; 1];
-            if (&s).read_exact(&mut b).is_ok() && (&s).write_all(&b).is_ok() {
-                served.fetch_add(1, Ordering::Relaxed);
+            // Echo everything until the client goes (closes, exits, or is killed).
+            let mut b = [0u8; 64];
+            let mut first = true;
+            while let Ok(n @ 1..) = (&s).read(&mut b) {
+                if first {
+                    // Counted before the echo: a client that has its echo has been counted.
+                    served.fetch_add(1, Ordering::Relaxed);
+                    first = false;
+                }
+                if (&s).write_all(&b[..n]).is_err() {
+                    break;
+                }
             }
-            // Then until the client goes (closes, exits, or is killed).
-            let mut sink = [0u8; 64];
-            while matches!((&s).read(&mut sink), Ok(n) if n > 0) {}
         });
     }
     Ok(())
@@ -538,6 +544,9 @@ fn hostile_link() {
                 for i in 0..64 {
                     Frame::ReadReq(ReadReq { id: i, from: to, len: 1 << 20 }).encode(&mut flood);
                     Frame::Ping { token: i }.encode(&mut flood);
+                    // Imports by the thousand: each granted one is a record the server keeps.
+                    Frame::Import(Import { id: 100 + i, importer_nic: me, importer_port: 1, desc: &d })
+                        .encode(&mut flood);
                 }
                 let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
                 let t = Instant::now();
@@ -658,6 +667,15 @@ fn legit_connects(server: EndpointAddr, n: u64, fresh: u64, link: bool, min: Dur
     (fails, worst)
 }
 
+/// 50 bytes out and echoed back whole: the server still holds the connection.
+fn round_trip(s: &Stream, what: &str) {
+    let out: Vec<u8> = (0..50u8).collect();
+    (&*s).write_all(&out).unwrap_or_else(|e| panic!("{what}: write failed: {e}"));
+    let mut back = vec![0u8; 50];
+    (&*s).read_exact(&mut back).unwrap_or_else(|e| panic!("{what}: no echo: {e}"));
+    assert_eq!(back, out, "{what}");
+}
+
 /// The attacker's report: every defence was met at least once.
 fn check_seen(line: Option<String>, what: &str) {
     let line = line.unwrap_or_default();
@@ -697,7 +715,7 @@ fn sequential_connects_from_fresh_and_old_clients_never_fail() {
 fn concurrent_clients_and_clients_that_exit_without_closing() {
     let _wd = Watchdog::new("concurrent clients", Duration::from_secs(180));
     let mut server = Server::start(false);
-    let (base, _, _) = server.stats();
+    let (base, rss0, _) = server.stats();
     let mut peers: Vec<Peer> = (0..5).map(|_| spawn_clients(&server, 40, "normal", false)).collect();
     let mut vanishers: Vec<Peer> = (0..5).map(|_| spawn_clients(&server, 5, "vanish", false)).collect();
     for p in &mut peers {
@@ -709,8 +727,9 @@ fn concurrent_clients_and_clients_that_exit_without_closing() {
     }
     drop(peers);
     drop(vanishers);
-    let (_, _, served) = server.stats();
+    let (_, rss1, served) = server.stats();
     assert_eq!(served, 5 * 40 + 5 * 5);
+    assert!(rss1 < rss0 + 32 * 1024, "the churn grew the server from {rss0} to {rss1} KiB");
     // Clients that exited with connections open: the server notices, ends them, frees them.
     server.settle_fds(base, "after clients exited without closing");
 }
@@ -767,9 +786,7 @@ fn a_hostile_local_process_cannot_stall_or_lock_out_others() {
     let mut hostile = hostile_peer("hostile-local", &env);
     assert_eq!(hostile.expect("attacking"), "attacking");
     let (fails, worst) = legit_connects(server.addr, 60, 10, false, Duration::from_secs(4));
-    for i in 0..50u8 {
-        (&keep).write_all(&[i]).unwrap();
-    }
+    round_trip(&keep, "the long-lived stream (hellos claimed its NIC, senders forged its endpoints)");
     let (_, rss1, _) = server.stats();
     let report = hostile.finish();
     if std::env::var("CLAN_ATTACKS").is_err() {
@@ -800,11 +817,8 @@ fn a_hostile_link_peer_cannot_stall_or_lock_out_others() {
     let mut hostile = hostile_peer("hostile-link", &env);
     assert_eq!(hostile.expect("attacking"), "attacking");
     let (fails, worst) = legit_connects(server.addr, 40, 10, true, Duration::from_secs(4));
-    // The long-lived stream survived hellos that claimed its NIC's address.
-    for i in 0..50u8 {
-        (&keep).write_all(&[i]).unwrap();
-    }
-    (&keep).write_all(b"x").unwrap();
+    // The long-lived stream (and its link) survived hellos that claimed its NIC's address.
+    round_trip(&keep, "the long-lived stream (hellos claimed its NIC's address)");
     let (_, rss1, _) = server.stats();
     check_seen(hostile.finish(), "hostile link peer");
     drop(hostile);
