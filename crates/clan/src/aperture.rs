@@ -139,8 +139,8 @@ impl ApertureInner {
 
     /// Post a notification for `len` bytes at `offset` to the owner's event queue.
     pub fn post_notification(&self, offset: u64, len: u64) {
-        let id = u64::from(self.id) | (u64::from(self.generation) << 32);
-        self.window.port.post([crate::event_queue::EVENT_NOTIFY, id, offset, len]);
+        let (aperture, generation) = (self.id, self.generation);
+        self.window.port.post(crate::event_queue::Word::Notification { aperture, generation, offset, len });
     }
 }
 

@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use clan_wire::connect::{self, Answer, Event as HsEvent, Handshakes, Limits, Peer};
@@ -29,14 +29,22 @@ use crate::addr::{EndpointAddr, NicAddr};
 use crate::descriptor::Descriptor;
 use crate::endpoint::{Endpoint, EndpointInner, OobMessage};
 use crate::error::OobError;
-use crate::event_queue::EVENT_DISCONNECT;
+use crate::event_queue::Word;
 use crate::lock;
 use crate::nic::NicInner;
+use crate::progress::{self, Deadline};
 
 /// Most bytes of private data a connect or accept carries (as in RDMA CM).
 pub const MAX_PRIVATE_DATA: usize = 256;
 /// How long [`Endpoint::connect`] waits when given no timeout.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest a thread waiting in a hand-shake sleeps before it looks again.
+const HANDSHAKE_SLICE: Duration = Duration::from_millis(100);
+
+/// With manual progress, how long a thread waiting in a hand-shake that found nothing to do
+/// on the links naps before it looks again.
+const HANDSHAKE_NAP: Duration = Duration::from_micros(100);
 
 /// Why connecting or accepting failed.
 #[derive(Debug, thiserror::Error)]
@@ -196,7 +204,7 @@ impl ConnRegistry {
             }
             tracing::debug!(port, token, %peer, "connection ended");
             if let Some(ep) = nic.endpoint(port) {
-                ep.queue.inner.post_local(EVENT_DISCONNECT, u64::from(port), token);
+                ep.queue.inner.post_local(Word::Disconnect { endpoint: port, token });
             }
         }
     }
@@ -392,24 +400,26 @@ fn send_error(to: EndpointAddr, e: OobError) -> ConnectError {
 }
 
 impl Endpoint {
-    /// Release `st` until the hand-shake state may have changed, at most `left` (and at most
-    /// 100 ms, so callers recheck their deadlines). With manual progress, replies only
-    /// arrive if someone drives the links: this thread does.
-    fn await_handshake<'a>(
-        &'a self,
-        st: std::sync::MutexGuard<'a, Handshakes<EndpointAddr>>,
-        left: Duration,
-    ) -> std::sync::MutexGuard<'a, Handshakes<EndpointAddr>> {
+    /// Wait until `check` (run with the hand-shake state locked) finds something, or
+    /// `deadline` passes. With manual progress, replies from other hosts only arrive if
+    /// someone drives the links: this thread does.
+    fn await_handshake<T>(
+        &self,
+        deadline: Deadline,
+        check: impl FnMut(&mut MutexGuard<'_, Handshakes<EndpointAddr>>) -> Option<T>,
+    ) -> Option<T> {
         let conns = &self.inner.conns;
-        if self.inner.nic.manual_progress() {
-            drop(st);
-            if !self.inner.nic.progress() {
-                std::thread::sleep(left.min(Duration::from_micros(100)));
-            }
-            lock(&conns.state)
+        let nic = &self.inner.nic;
+        let step = || nic.progress();
+        // Replies from this host come through the engine, which notifies the condition
+        // variable this thread is not on now: nap briefly.
+        let park = |nap: Option<Duration>| std::thread::sleep(nap.map_or(HANDSHAKE_NAP, |n| n.min(HANDSHAKE_NAP)));
+        let drive = if nic.manual_progress() {
+            progress::Drive::Itself { step: &step, park: Some(&park) }
         } else {
-            conns.cv.wait_timeout(st, left.min(Duration::from_millis(100))).unwrap_or_else(|e| e.into_inner()).0
-        }
+            progress::Drive::Others
+        };
+        progress::wait_locked(&conns.state, &conns.cv, deadline, Some(HANDSHAKE_SLICE), drive, check)
     }
 
     /// Accept connection requests from now on (they queue until [`Endpoint::accept`]).
@@ -482,60 +492,63 @@ impl Endpoint {
                 return Err(send_error(to, e));
             }
         }
-        let mut st = lock(&conns.state);
-        loop {
+        enum Outcome {
+            Answer(Answer<EndpointAddr>),
+            Gone,
+            Closed,
+        }
+        let outcome = self.await_handshake(Deadline::at(deadline), |st| {
             if let Some(a) = st.take_answer(token) {
-                drop(st);
-                return match a {
-                    Answer::Accepted { from, desc } => match unblob(&desc) {
-                        Some((peer_desc, peer_data)) => {
-                            nic.conns.set_peer(self.port(), token, from);
-                            tracing::debug!(local = %self.addr(), peer = %from, token, "connected");
-                            Ok(Connection {
-                                nic: Arc::downgrade(nic),
-                                local: self.addr(),
-                                peer: from,
-                                token,
-                                peer_desc,
-                                peer_data,
-                                shared,
-                            })
-                        }
-                        None => {
-                            nic.conns.forget(self.port(), token);
-                            nic.outbox(self.addr(), from, connect::encode_close(token));
-                            Err(ConnectError::BadDescriptor(from))
-                        }
-                    },
-                    Answer::Refused(reason) => {
-                        nic.conns.forget(self.port(), token);
-                        tracing::debug!(local = %self.addr(), peer = %to, ?reason, "connection refused");
-                        Err(ConnectError::Refused(to))
-                    }
-                    Answer::Closed => {
-                        nic.conns.forget(self.port(), token);
-                        Err(ConnectError::PeerGone(to))
-                    }
-                };
+                return Some(Outcome::Answer(a));
             }
             if !shared.alive.load(Ordering::Acquire) {
-                drop(st);
-                give_up(false);
-                return Err(ConnectError::PeerGone(to));
+                return Some(Outcome::Gone);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                drop(st);
+            self.is_closed().then_some(Outcome::Closed)
+        });
+        match outcome {
+            Some(Outcome::Answer(Answer::Accepted { from, desc })) => match unblob(&desc) {
+                Some((peer_desc, peer_data)) => {
+                    nic.conns.set_peer(self.port(), token, from);
+                    tracing::debug!(local = %self.addr(), peer = %from, token, "connected");
+                    Ok(Connection {
+                        nic: Arc::downgrade(nic),
+                        local: self.addr(),
+                        peer: from,
+                        token,
+                        peer_desc,
+                        peer_data,
+                        shared,
+                    })
+                }
+                None => {
+                    nic.conns.forget(self.port(), token);
+                    nic.outbox(self.addr(), from, connect::encode_close(token));
+                    Err(ConnectError::BadDescriptor(from))
+                }
+            },
+            Some(Outcome::Answer(Answer::Refused(reason))) => {
+                nic.conns.forget(self.port(), token);
+                tracing::debug!(local = %self.addr(), peer = %to, ?reason, "connection refused");
+                Err(ConnectError::Refused(to))
+            }
+            Some(Outcome::Answer(Answer::Closed)) => {
+                nic.conns.forget(self.port(), token);
+                Err(ConnectError::PeerGone(to))
+            }
+            Some(Outcome::Gone) => {
+                give_up(false);
+                Err(ConnectError::PeerGone(to))
+            }
+            Some(Outcome::Closed) => {
+                give_up(true);
+                Err(ConnectError::Closed)
+            }
+            None => {
                 give_up(true);
                 tracing::debug!(local = %self.addr(), peer = %to, "connect timed out");
-                return Err(ConnectError::Timeout(to));
+                Err(ConnectError::Timeout(to))
             }
-            if self.is_closed() {
-                drop(st);
-                give_up(true);
-                return Err(ConnectError::Closed);
-            }
-            st = self.await_handshake(st, left);
         }
     }
 
@@ -543,27 +556,11 @@ impl Endpoint {
     /// still be answered are returned: one whose client gave up, died or sent a malformed
     /// descriptor is dropped here, never reported.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<ConnectRequest, ConnectError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = lock(&self.inner.conns.state);
-        loop {
-            if let Some(r) = self.pop_valid(&mut st) {
-                return Ok(r);
-            }
-            if self.is_closed() {
-                return Err(ConnectError::Closed);
-            }
-            let left = match deadline {
-                Some(d) => {
-                    let l = d.saturating_duration_since(Instant::now());
-                    if l.is_zero() {
-                        return Err(ConnectError::NoRequest);
-                    }
-                    l
-                }
-                None => Duration::from_millis(100),
-            };
-            st = self.await_handshake(st, left);
-        }
+        self.await_handshake(Deadline::after(timeout), |st| match self.pop_valid(st) {
+            Some(r) => Some(Ok(r)),
+            None => self.is_closed().then_some(Err(ConnectError::Closed)),
+        })
+        .unwrap_or(Err(ConnectError::NoRequest))
     }
 
     fn pop_valid(&self, st: &mut Handshakes<EndpointAddr>) -> Option<ConnectRequest> {

@@ -39,9 +39,10 @@ use clan_shm::trip::{self, Access};
 use crate::aperture::{Aperture, ApertureInner};
 use crate::config::DmaConfig;
 use crate::error::{AccessError, DmaError, DmaFailure};
-use crate::event_queue::{EVENT_DMA, EventQueue};
+use crate::event_queue::{EventQueue, Word};
 use crate::lock;
-use crate::mapping::{Mapping, Via};
+use crate::mapping::Mapping;
+use crate::progress::{self, Deadline};
 use crate::window::check_range;
 
 /// Least bytes a turn moves over a link (whatever [`crate::DmaConfig::quantum`] says).
@@ -183,8 +184,14 @@ impl DmaTicket {
     /// [`DmaTicket::wait`] with an explicit spin time (zero when the engine shares this
     /// thread's CPU: spinning would only delay it).
     pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<(), DmaError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        trip::wait_until(&self.done.word, &self.done.waiters, spin, deadline, &SharedFutex, || self.is_complete());
+        let poll = || self.is_complete().then_some(());
+        let sleep = |nap: Option<Duration>| {
+            let until = nap.map(|n| Instant::now() + n);
+            trip::wait_until(&self.done.word, &self.done.waiters, Duration::ZERO, until, &SharedFutex, || {
+                self.is_complete()
+            });
+        };
+        progress::wait(spin, Deadline::after(timeout), None, poll, sleep);
         match self.result() {
             None => Err(DmaError::Timeout),
             Some(Ok(())) => Ok(()),
@@ -445,11 +452,11 @@ impl DmaQueue {
         };
         // The event first: a thread that sees the completion word finds the event queued.
         if let Some(tag) = job.event {
-            let code = match result {
+            let failure = match result {
                 Ok(()) => 0,
-                Err(f) => u64::from(failure_code(f)),
+                Err(f) => failure_code(f),
             };
-            self.events.inner.post_local(EVENT_DMA | (code << 8), u64::from(self.port), tag);
+            self.events.inner.post_local(Word::Dma { endpoint: self.port, tag, failure });
         }
         job.done.complete(result);
     }
@@ -671,12 +678,12 @@ fn step(q: &Arc<DmaQueue>, job: &Job, at: u64, quantum: u64) -> Result<Step, Dma
             if n == 0 {
                 return Ok(Step::Moved(0));
             }
-            match &src.inner.via {
-                Via::Local(_) => {
+            match src.is_remote() {
+                false => {
                     src.read_into_aperture(src_off + at, dst, dst_off + at, n).map_err(access_failure)?;
                     Ok(Step::Moved(n))
                 }
-                Via::Link(_) => {
+                true => {
                     // The engine is not busy while the other host answers: ask for more.
                     let n = left.min(u64::from(crate::link::MAX_READ));
                     let qq = q.clone();

@@ -12,7 +12,7 @@ use crate::config::ExportConfig;
 use crate::descriptor::Descriptor;
 use crate::dma::{DEFAULT_DMA_QUEUE, DmaOptions, DmaQueue, DmaRequest, DmaStats, DmaTicket};
 use crate::error::{DmaError, ExportError, ImportError, OobError, TripwireError};
-use crate::event_queue::{EVENT_OOB, EventQueue};
+use crate::event_queue::{EventQueue, Word};
 use crate::lock;
 use crate::mapping::{Keep, Mapping};
 use crate::nic::NicInner;
@@ -98,7 +98,7 @@ impl EndpointInner {
         }
         if crate::conn::is_handshake(&msg.payload) {
             crate::conn::on_message(self, msg);
-            self.queue.inner.post_local(EVENT_OOB, u64::from(self.addr.port), 0);
+            self.queue.inner.post_local(Word::Oob { endpoint: self.addr.port });
             return Ok(());
         }
         {
@@ -109,7 +109,7 @@ impl EndpointInner {
             q.push_back(msg);
         }
         self.oob_cv.notify_all();
-        self.queue.inner.post_local(EVENT_OOB, u64::from(self.addr.port), 0);
+        self.queue.inner.post_local(Word::Oob { endpoint: self.addr.port });
         Ok(())
     }
 
@@ -292,7 +292,7 @@ fn import_local(inner: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping
             port: w.port.clone(),
             peer_alive: None,
         };
-        Ok(Mapping::new(inner, desc, crate::mapping::Via::Local(window), Keep::Local(ap)))
+        Ok(Mapping::new(inner, desc, crate::transport::Via::Mapped(window), Keep::Local(ap)))
     }
 }
 
@@ -358,26 +358,15 @@ impl Endpoint {
 
     /// Wait for an out-of-band message.
     pub fn wait_oob(&self, timeout: Option<Duration>) -> Result<OobMessage, OobError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut q = lock(&self.inner.oob);
-        loop {
-            if let Some(m) = q.pop_front() {
-                return Ok(m);
+        let i = &self.inner;
+        let drive = crate::progress::Drive::Others;
+        crate::progress::wait_locked(&i.oob, &i.oob_cv, crate::progress::Deadline::after(timeout), None, drive, |q| {
+            match q.pop_front() {
+                Some(m) => Some(Ok(m)),
+                None => i.closed.load(Ordering::Acquire).then_some(Err(OobError::Closed)),
             }
-            if self.inner.closed.load(Ordering::Acquire) {
-                return Err(OobError::Closed);
-            }
-            q = match deadline {
-                None => self.inner.oob_cv.wait(q).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(OobError::Timeout);
-                    }
-                    self.inner.oob_cv.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0
-                }
-            };
-        }
+        })
+        .unwrap_or(Err(OobError::Timeout))
     }
 
     /// Queue a DMA write of `len` bytes of `src` (an aperture of this process) at `src_off`

@@ -33,7 +33,7 @@
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clan_shm::eq::{EQ_MAGIC, EqLayout, EqMap, EqParams, EqView};
 use clan_shm::eventfd::EventFd;
@@ -48,6 +48,7 @@ use crate::config::EventQueueConfig;
 use crate::error::EventQueueError;
 use crate::lock;
 use crate::nic::NicInner;
+use crate::progress::{self, Deadline};
 use crate::tripwire::TripwireId;
 
 const KIND_TRIP: u64 = 1;
@@ -57,6 +58,82 @@ const KIND_USER: u64 = 4;
 const KIND_READ: u64 = 5;
 const KIND_DMA: u64 = 6;
 const KIND_NOTIFY: u64 = 7;
+
+/// One event as it travels through a ring: four words, written here and read back here only
+/// ([`Word::encode`], [`Word::decode`]). Words from another process's ring are untrusted:
+/// `decode` rejects what is not well formed, and the consumer checks the rest (a tripwire's
+/// generation, which kinds another process may post).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Word {
+    /// A tripwire of the queue's table fired.
+    Trip { index: u32, generation: u32, access: Access },
+    /// Out-of-band mail for an endpoint (this process only).
+    Oob { endpoint: u32 },
+    /// An endpoint's peer went away (this process only).
+    Disconnect { endpoint: u32, token: u64 },
+    /// [`EventQueue::post_user`] (this process only).
+    User(u64),
+    /// An asynchronous read completed (this process only).
+    ReadComplete { token: u64 },
+    /// A DMA request completed; `failure` is [`crate::dma::failure_code`], 0 for success
+    /// (this process only).
+    Dma { endpoint: u32, tag: u64, failure: u8 },
+    /// A writer says a message landed (any producer).
+    Notification { aperture: u32, generation: u32, offset: u64, len: u64 },
+}
+
+impl Word {
+    /// The ring words.
+    pub fn encode(self) -> [u64; 4] {
+        match self {
+            Word::Trip { index, generation, access } => {
+                let a = match access {
+                    Access::Read => 1,
+                    Access::Write => 2,
+                };
+                [KIND_TRIP | (a << 8), u64::from(index) | (u64::from(generation) << 32), 0, 0]
+            }
+            Word::Oob { endpoint } => [KIND_OOB, u64::from(endpoint), 0, 0],
+            Word::Disconnect { endpoint, token } => [KIND_DISCONNECT, u64::from(endpoint), token, 0],
+            Word::User(v) => [KIND_USER, v, 0, 0],
+            Word::ReadComplete { token } => [KIND_READ, token, 0, 0],
+            Word::Dma { endpoint, tag, failure } => [KIND_DMA | (u64::from(failure) << 8), u64::from(endpoint), tag, 0],
+            Word::Notification { aperture, generation, offset, len } => {
+                [KIND_NOTIFY, u64::from(aperture) | (u64::from(generation) << 32), offset, len]
+            }
+        }
+    }
+
+    /// The event in ring words, if they are well formed.
+    pub fn decode(w: [u64; 4]) -> Option<Word> {
+        let sub = w[0] >> 8;
+        Some(match w[0] & 0xff {
+            KIND_TRIP => Word::Trip {
+                index: w[1] as u32,
+                generation: (w[1] >> 32) as u32,
+                access: match sub {
+                    1 => Access::Read,
+                    2 => Access::Write,
+                    _ => return None,
+                },
+            },
+            KIND_OOB => Word::Oob { endpoint: u32::try_from(w[1]).ok()? },
+            KIND_DISCONNECT => Word::Disconnect { endpoint: u32::try_from(w[1]).ok()?, token: w[2] },
+            KIND_USER => Word::User(w[1]),
+            KIND_READ => Word::ReadComplete { token: w[1] },
+            KIND_DMA => Word::Dma { endpoint: u32::try_from(w[1]).ok()?, tag: w[2], failure: u8::try_from(sub).ok()? },
+            KIND_NOTIFY => {
+                Word::Notification { aperture: w[1] as u32, generation: (w[1] >> 32) as u32, offset: w[2], len: w[3] }
+            }
+            _ => return None,
+        })
+    }
+
+    /// Whether only the consumer's own process may post it (on its ring 0).
+    pub fn local_only(&self) -> bool {
+        !matches!(self, Word::Trip { .. } | Word::Notification { .. })
+    }
+}
 
 /// Something that happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,11 +227,11 @@ impl EqPort {
         self.map.view()
     }
 
-    /// Post raw event words on our ring; signals the eventfd if the consumer asked for it.
-    pub fn post(&self, words: [u64; 4]) -> bool {
+    /// Post an event on our ring; signals the eventfd if the consumer asked for it.
+    pub fn post(&self, word: Word) -> bool {
         let posted = {
             let mut p = lock(&self.producer);
-            p.post(&self.view().rings(), words, &SharedFutex)
+            p.post(&self.view().rings(), word.encode(), &SharedFutex)
         };
         if posted.signal_fd {
             self.eventfd.signal();
@@ -179,11 +256,7 @@ impl Sink for PortSink<'_> {
         &SharedFutex
     }
     fn post(&self, index: u32, generation: u32, access: Access) {
-        let a = match access {
-            Access::Read => 1,
-            Access::Write => 2,
-        };
-        self.port.post([KIND_TRIP | (a << 8), u64::from(index) | (u64::from(generation) << 32), 0, 0]);
+        self.port.post(Word::Trip { index, generation, access });
     }
 }
 
@@ -414,61 +487,51 @@ impl EqInner {
     }
 
     fn decode(&self, ring: usize, w: [u64; 4]) -> Option<Event> {
-        match w[0] & 0xff {
-            KIND_TRIP => {
-                let access = match (w[0] >> 8) & 0xff {
-                    1 => Access::Read,
-                    2 => Access::Write,
-                    _ => {
-                        self.malformed.fetch_add(1, Ordering::Relaxed);
-                        return None;
-                    }
-                };
-                let index = w[1] as u32;
-                let generation = (w[1] >> 32) as u32;
+        let word = match Word::decode(w) {
+            // Only our own process posts these, on ring 0.
+            Some(word) if ring == 0 || !word.local_only() => word,
+            _ => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        };
+        Some(match word {
+            Word::Trip { index, generation, access } => {
                 let meta = self.meta.read().unwrap_or_else(|e| e.into_inner());
                 match meta.get(index as usize) {
-                    Some(m) if m.live && m.registered && m.generation == generation => Some(Event::Tripwire {
+                    Some(m) if m.live && m.registered && m.generation == generation => Event::Tripwire {
                         id: TripwireId { queue: self.id, index, generation },
                         cookie: m.cookie,
                         endpoint: m.endpoint,
                         access,
-                    }),
+                    },
                     Some(_) => {
                         self.stale.fetch_add(1, Ordering::Relaxed);
-                        None
+                        return None;
                     }
                     None => {
                         self.malformed.fetch_add(1, Ordering::Relaxed);
-                        None
+                        return None;
                     }
                 }
             }
-            // Only our own process posts these, on ring 0.
-            KIND_OOB if ring == 0 => Some(Event::Oob { endpoint: w[1] as u32 }),
-            KIND_DISCONNECT if ring == 0 => Some(Event::Disconnect { endpoint: w[1] as u32, token: w[2] }),
-            KIND_USER if ring == 0 => Some(Event::User(w[1])),
-            KIND_READ if ring == 0 => Some(Event::ReadComplete { token: w[1] }),
-            KIND_DMA if ring == 0 => {
-                let result = match crate::dma::failure_from_code((w[0] >> 8) as u8) {
+            Word::Oob { endpoint } => Event::Oob { endpoint },
+            Word::Disconnect { endpoint, token } => Event::Disconnect { endpoint, token },
+            Word::User(v) => Event::User(v),
+            Word::ReadComplete { token } => Event::ReadComplete { token },
+            Word::Dma { endpoint, tag, failure } => {
+                let result = match crate::dma::failure_from_code(failure) {
                     Some(f) => Err(f),
                     None => Ok(()),
                 };
-                Some(Event::DmaComplete { endpoint: w[1] as u32, tag: w[2], result })
+                Event::DmaComplete { endpoint, tag, result }
             }
             // Any producer may post these (a writer in another process): plain numbers,
             // checked by the consumer against its apertures.
-            KIND_NOTIFY => Some(Event::Notification {
-                aperture: w[1] as u32,
-                generation: (w[1] >> 32) as u32,
-                offset: w[2],
-                len: w[3],
-            }),
-            _ => {
-                self.malformed.fetch_add(1, Ordering::Relaxed);
-                None
+            Word::Notification { aperture, generation, offset, len } => {
+                Event::Notification { aperture, generation, offset, len }
             }
-        }
+        })
     }
 
     pub fn try_take(&self) -> Option<Event> {
@@ -507,8 +570,9 @@ impl EqInner {
         !ring::maybe_nonempty(&rings)
     }
 
-    pub fn post_local(&self, kind: u64, a: u64, b: u64) -> bool {
-        self.port.post([kind, a, b, 0])
+    /// Post an event from this process (on our ring, ring 0 of our own queues).
+    pub fn post_local(&self, word: Word) -> bool {
+        self.port.post(word)
     }
 }
 
@@ -565,51 +629,24 @@ impl EventQueue {
     /// queue's descriptor together, so that traffic from another host wakes it directly (no
     /// second thread in between).
     pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<Event, EventQueueError> {
-        let nic = self.inner.nic.upgrade().filter(|n| n.manual_progress());
-        let take = || {
+        let nic = progress::driver(self.inner.nic.upgrade());
+        let poll = || {
             if let Some(n) = &nic {
                 n.progress();
             }
             self.try_take()
         };
-        if let Some(ev) = take() {
-            return Ok(ev);
-        }
-        let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
-        if !spin.is_zero() {
-            let until = start + spin.min(timeout.unwrap_or(spin));
-            while Instant::now() < until {
-                std::hint::spin_loop();
-                if let Some(ev) = take() {
-                    return Ok(ev);
+        let sleep = |nap: Option<Duration>| {
+            if let Some(n) = &nic {
+                // Sleep on the links and the queue's descriptor together (armed first; not
+                // at all if events are pending).
+                if !self.arm() || progress::sleep_on_links(n, Some(self.as_fd()), nap) {
+                    return;
                 }
             }
-        }
-        loop {
-            let left = match deadline {
-                Some(d) => {
-                    let l = d.saturating_duration_since(Instant::now());
-                    if l.is_zero() {
-                        return Err(EventQueueError::Timeout);
-                    }
-                    Some(l)
-                }
-                None => None,
-            };
-            let slept = match &nic {
-                // Sleep on the links and the queue's descriptor together.
-                Some(n) if self.arm() => n.wait_links(Some(self.as_fd()), left),
-                Some(_) => true, // events already pending
-                None => false,
-            };
-            if !slept {
-                ring::sleep(&self.inner.view().rings(), &SharedFutex, left);
-            }
-            if let Some(ev) = take() {
-                return Ok(ev);
-            }
-        }
+            ring::sleep(&self.inner.view().rings(), &SharedFutex, nap);
+        };
+        progress::wait(spin, Deadline::after(timeout), None, poll, sleep).ok_or(EventQueueError::Timeout)
     }
 
     /// Arm the file descriptor before sleeping on it in an epoll/mio/tokio loop. Returns
@@ -628,7 +665,7 @@ impl EventQueue {
     /// Post [`Event::User`]`(value)`: wakes a sleeping consumer, e.g. from another thread.
     /// Returns false if the queue's own ring is full (the loss is reported as overflow).
     pub fn post_user(&self, value: u64) -> bool {
-        self.inner.post_local(KIND_USER, value, 0)
+        self.inner.post_local(Word::User(value))
     }
 
     /// Counters.
@@ -702,9 +739,3 @@ impl mio::event::Source for EventQueue {
         mio::unix::SourceFd(&self.as_raw_fd()).deregister(registry)
     }
 }
-
-pub(crate) const EVENT_OOB: u64 = KIND_OOB;
-pub(crate) const EVENT_DISCONNECT: u64 = KIND_DISCONNECT;
-pub(crate) const EVENT_READ: u64 = KIND_READ;
-pub(crate) const EVENT_DMA: u64 = KIND_DMA;
-pub(crate) const EVENT_NOTIFY: u64 = KIND_NOTIFY;

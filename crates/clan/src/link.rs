@@ -39,8 +39,6 @@ use std::time::{Duration, Instant};
 
 use clan_shm::cam::Candidate;
 use clan_shm::segment::Segment;
-use clan_shm::snoop::{self, Watch};
-use clan_shm::trip::Access;
 use clan_wire::frame::{self, MAX_DATA};
 use clan_wire::{Decoder, Frame, Item, LinkState, Pending, ReadReq, Refused, Status, Target, Timeout};
 
@@ -50,6 +48,7 @@ use crate::descriptor::Rights;
 use crate::event_queue::EqInner;
 use crate::lock;
 use crate::nic::NicInner;
+use crate::progress::{self, Deadline};
 
 /// Bad frames tolerated from a peer before it is disconnected.
 pub const MAX_BAD_FRAMES: u32 = 16;
@@ -66,6 +65,10 @@ pub const MAX_READ: u32 = 1 << 20;
 /// Frames up to this size (header and payload) are copied into one buffer and sent with one
 /// system call rather than vectored.
 const SMALL_FRAME: usize = 128;
+
+/// The longest a thread waiting for a reply sleeps before it looks again (deadlines, a
+/// closed link).
+const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 /// Why a link operation failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,7 +159,6 @@ pub(crate) struct LinkStats {
 
 #[derive(Debug)]
 struct BurstCtx {
-    key: u64,
     end: u64,
     ap: Option<Arc<ApertureInner>>,
     /// An aligned 4- or 8-byte burst is applied as one atomic store, even if its bytes come
@@ -336,7 +338,7 @@ impl Link {
             (into.done)(Err(Status::Other));
         }
         for (eq, token) in notes {
-            eq.post_local(crate::event_queue::EVENT_READ, token, 0);
+            eq.post_local(crate::event_queue::Word::ReadComplete { token });
         }
     }
 
@@ -617,43 +619,30 @@ impl Link {
         mut check: impl FnMut(&mut Waits) -> Option<T>,
         window: bool,
     ) -> Result<T, LinkError> {
-        let manual = nic.manual_progress();
-        loop {
-            {
-                let mut w = lock(&self.waits);
-                if let Some(t) = check(&mut w) {
-                    return Ok(t);
-                }
-                if window && lock(&self.state).window_allows(1) {
-                    // Used by `wait_window`: any acknowledgement is worth a re-check.
-                    return Err(LinkError::Timeout);
-                }
-                if self.is_closed() {
-                    return Err(self.down());
-                }
-                if Instant::now() >= deadline {
-                    return Err(LinkError::Timeout);
-                }
+        let step = || self.progress(nic);
+        // Nobody else reads the link with manual progress: sleep on the socket itself.
+        let park = |nap: Option<Duration>| {
+            use rustix::event::{PollFd, PollFlags, poll};
+            let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
+            let nap = nap.unwrap_or(WAIT_SLICE);
+            let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: nap.as_nanos() as i64 };
+            let _ = poll(&mut fds, Some(&ts));
+        };
+        let drive = progress::Drive::Itself {
+            step: &step,
+            park: nic.manual_progress().then_some(&park as &dyn Fn(Option<Duration>)),
+        };
+        progress::wait_locked(&self.waits, &self.cv, Deadline::at(deadline), Some(WAIT_SLICE), drive, |w| {
+            if let Some(t) = check(w) {
+                return Some(Ok(t));
             }
-            if self.progress(nic) {
-                continue;
+            if window && lock(&self.state).window_allows(1) {
+                // Used by `wait_window`: any acknowledgement is worth a re-check.
+                return Some(Err(LinkError::Timeout));
             }
-            let w = lock(&self.waits);
-            let left = deadline.saturating_duration_since(Instant::now());
-            if manual {
-                drop(w);
-                // Nobody else reads the link: sleep on the socket itself.
-                use rustix::event::{PollFd, PollFlags, poll};
-                let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
-                let ts = rustix::time::Timespec {
-                    tv_sec: 0,
-                    tv_nsec: left.min(Duration::from_millis(50)).as_nanos() as i64,
-                };
-                let _ = poll(&mut fds, Some(&ts));
-            } else {
-                let _ = self.cv.wait_timeout(w, left.min(Duration::from_millis(50)));
-            }
-        }
+            self.is_closed().then(|| Err(self.down()))
+        })
+        .unwrap_or(Err(LinkError::Timeout))
     }
 
     /// Ask for an ordering barrier: returns once every write sent before has been applied.
@@ -865,17 +854,13 @@ impl Link {
         let ctx = rx.burst.as_ref().expect("checked by the caller");
         let ap = ctx.ap.as_ref().expect("checked by the caller").clone();
         let end = ctx.end;
-        let w = &ap.window;
-        let v = w.port.view();
-        let watch = Watch { cam: w.cam.view(), table: &v.table, tag: w.tag };
-        let stop = snoop::next_stop(Access::Write, &watch, to.offset, to.offset + remaining, end, &mut rx.scratch);
-        let n = w.data.read_from(&self.sock, (to.offset - w.data_base) as usize, (stop - to.offset) as usize)?;
+        let n = ap.window.receive_piece(to.offset, remaining, end, &mut rx.scratch, |seg, rel, len| {
+            seg.read_from(&self.sock, rel, len)
+        })?;
         if n == 0 {
             return Ok(0);
         }
         rx.dec.consume_payload(n as u64).map_err(|e| std::io::Error::other(e.to_string()))?;
-        let sink = w.port.sink();
-        snoop::commit_piece(Access::Write, &watch, &sink, to.offset, n as u64, end, &mut rx.scratch);
         lock(&self.state).on_write_applied(false, n as u64);
         self.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
         lock(&self.state).on_heard(Instant::now());
@@ -949,7 +934,7 @@ impl Link {
                     }
                 };
                 let word = ((len == 8 || len == 4) && to.offset % len == 0).then_some((to.offset, [0u8; 8], 0usize));
-                rx.burst = Some(BurstCtx { key: to.key, end: to.offset + len, ap, word });
+                rx.burst = Some(BurstCtx { end: to.offset + len, ap, word });
             }
             OwnedItem::WriteData { to, len, last } => {
                 let data = &rx.buf[data_at..data_at + len];
@@ -969,27 +954,8 @@ impl Link {
                             };
                         }
                     } else if let Some(ap) = &ctx.ap {
-                        let w = &ap.window;
-                        {
-                            let v = w.port.view();
-                            let watch = Watch { cam: w.cam.view(), table: &v.table, tag: w.tag };
-                            let sink = w.port.sink();
-                            let _ = snoop::transfer_piece(
-                                Access::Write,
-                                &watch,
-                                &sink,
-                                to.offset,
-                                len as u64,
-                                ctx.end,
-                                &mut rx.scratch,
-                                |o, l| {
-                                    let from = (o - to.offset) as usize;
-                                    w.data.write((o - w.data_base) as usize, &data[from..from + l as usize])
-                                },
-                            );
-                        }
+                        let _ = ap.window.write_piece(to.offset, data, ctx.end, &mut rx.scratch);
                     }
-                    let _ = ctx.key;
                 }
                 lock(&self.state).on_write_applied(false, len as u64);
                 self.stats.bytes_in.fetch_add(len as u64, Ordering::Relaxed);
@@ -1015,7 +981,7 @@ impl Link {
                     if len == 0 {
                         s.done = true;
                         if let Some((eq, token)) = s.notify.take() {
-                            eq.post_local(crate::event_queue::EVENT_READ, token, 0);
+                            eq.post_local(crate::event_queue::Word::ReadComplete { token });
                         }
                         self.cv.notify_all();
                     }
@@ -1049,7 +1015,7 @@ impl Link {
                     if last {
                         s.done = true;
                         if let Some((eq, token)) = s.notify.take() {
-                            eq.post_local(crate::event_queue::EVENT_READ, token, 0);
+                            eq.post_local(crate::event_queue::Word::ReadComplete { token });
                         }
                         self.cv.notify_all();
                     }

@@ -14,7 +14,7 @@
 //!
 //! Writes from one mapping are applied in program order; [`Mapping::barrier`] orders them
 //! with the caller's later accesses to other memory (PRAM consistency, as in the paper).
-//! Across hosts (`crate::remote`) writes become bursts on the link, sent from the caller's
+//! Across hosts (`crate::transport::link`) writes become bursts on the link, sent from the caller's
 //! memory, and `barrier` waits until the exporter has applied every earlier write.
 
 use std::sync::atomic::Ordering;
@@ -29,8 +29,9 @@ use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
 use crate::error::{AccessError, TripwireError};
 use crate::event_queue::EqInner;
+use crate::transport::{ReadStart, Transport, Via};
 use crate::tripwire::{Tripwire, TripwireConfig, WatchOwner};
-use crate::window::{Window, check_align, check_range, with_scratch};
+use crate::window::{check_align, check_range, with_scratch};
 
 /// What keeps the exporter's side alive, dropped after the window (so memory is unmapped
 /// before the exporter is told it may reuse it).
@@ -40,15 +41,6 @@ pub(crate) enum Keep {
     Remote(#[allow(dead_code)] crate::peer::ImportGuard),
     /// Over a link: the target unimports itself.
     None,
-}
-
-/// How a mapping reaches its aperture.
-#[derive(Debug)]
-pub(crate) enum Via {
-    /// Mapped memory (this process or this host).
-    Local(Window),
-    /// Over a link to another host.
-    Link(crate::remote::LinkTarget),
 }
 
 #[derive(Debug)]
@@ -121,14 +113,11 @@ impl Mapping {
 
     /// Whether the exporter is on another host (the mapping goes through a link).
     pub fn is_remote(&self) -> bool {
-        matches!(self.inner.via, Via::Link(_))
+        self.inner.via.is_remote()
     }
 
     fn check_live(&self) -> Result<(), AccessError> {
-        match &self.inner.via {
-            Via::Local(w) => w.check_live(),
-            Via::Link(t) => t.check_live(),
-        }
+        self.inner.via.check_live()
     }
 
     #[inline]
@@ -161,12 +150,7 @@ impl Mapping {
     /// Write `src` at `off` (programmed I/O).
     pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                w.write(abs, src)?;
-            }
-            Via::Link(t) => t.write(abs, src)?,
-        }
+        self.inner.via.write(abs, src)?;
         self.outgoing(Access::Write, off, src.len() as u64);
         Ok(())
     }
@@ -174,12 +158,7 @@ impl Mapping {
     /// Read into `dst` from `off` (costs more than a write across hosts: protocols avoid it).
     pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
         let abs = self.check(off, dst.len() as u64, Rights::READ)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                w.read(abs, dst)?;
-            }
-            Via::Link(t) => t.read(abs, dst)?,
-        }
+        self.inner.via.read(abs, dst)?;
         self.outgoing(Access::Read, off, dst.len() as u64);
         Ok(())
     }
@@ -188,12 +167,7 @@ impl Mapping {
     pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {
         check_align(off, 8)?;
         let abs = self.check(off, 8, Rights::WRITE)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                w.store_u64(abs, v)?;
-            }
-            Via::Link(t) => t.write(abs, &v.to_le_bytes())?,
-        }
+        self.inner.via.store_u64(abs, v)?;
         self.outgoing(Access::Write, off, 8);
         Ok(())
     }
@@ -202,12 +176,7 @@ impl Mapping {
     pub fn store_u32(&self, off: u64, v: u32) -> Result<(), AccessError> {
         check_align(off, 4)?;
         let abs = self.check(off, 4, Rights::WRITE)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                w.store_u32(abs, v)?;
-            }
-            Via::Link(t) => t.write(abs, &v.to_le_bytes())?,
-        }
+        self.inner.via.store_u32(abs, v)?;
         self.outgoing(Access::Write, off, 4);
         Ok(())
     }
@@ -216,14 +185,7 @@ impl Mapping {
     pub fn load_u64(&self, off: u64) -> Result<u64, AccessError> {
         check_align(off, 8)?;
         let abs = self.check(off, 8, Rights::READ)?;
-        let v = match &self.inner.via {
-            Via::Local(w) => w.load_u64(abs)?,
-            Via::Link(t) => {
-                let mut b = [0u8; 8];
-                t.read(abs, &mut b)?;
-                u64::from_le_bytes(b)
-            }
-        };
+        let v = self.inner.via.load_u64(abs)?;
         self.outgoing(Access::Read, off, 8);
         Ok(v)
     }
@@ -232,14 +194,7 @@ impl Mapping {
     pub fn load_u32(&self, off: u64) -> Result<u32, AccessError> {
         check_align(off, 4)?;
         let abs = self.check(off, 4, Rights::READ)?;
-        let v = match &self.inner.via {
-            Via::Local(w) => w.load_u32(abs)?,
-            Via::Link(t) => {
-                let mut b = [0u8; 4];
-                t.read(abs, &mut b)?;
-                u32::from_le_bytes(b)
-            }
-        };
+        let v = self.inner.via.load_u32(abs)?;
         self.outgoing(Access::Read, off, 4);
         Ok(v)
     }
@@ -253,14 +208,7 @@ impl Mapping {
     pub fn raw(&self, off: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
         let need = if self.inner.rights.contains(Rights::WRITE) { Rights::WRITE } else { Rights::READ };
         let abs = self.check(off, len, need)?;
-        match &self.inner.via {
-            Via::Local(w) => w.raw(abs, len),
-            Via::Link(t) => t.shadow()?.raw(off as usize, len as usize).map_err(|_| AccessError::OutOfBounds {
-                offset: off,
-                len,
-                size: self.inner.len,
-            }),
-        }
+        self.inner.via.raw(off, abs, len)
     }
 
     /// Publish raw stores to `[off, off+len)`: fence, then fire the tripwires the range
@@ -268,13 +216,7 @@ impl Mapping {
     /// Returns how many tripwires fired locally (0 across hosts: they fire at the exporter).
     pub fn commit(&self, off: u64, len: u64) -> Result<u32, AccessError> {
         let abs = self.check(off, len, Rights::WRITE)?;
-        let n = match &self.inner.via {
-            Via::Local(w) => w.commit(abs, len, Access::Write),
-            Via::Link(t) => {
-                t.commit(off, abs, len)?;
-                0
-            }
-        };
+        let n = self.inner.via.commit(off, abs, len)?;
         self.outgoing(Access::Write, off, len);
         Ok(n)
     }
@@ -284,10 +226,7 @@ impl Mapping {
     /// applied every earlier write of this NIC (an error if the link went down).
     pub fn barrier(&self) -> Result<(), AccessError> {
         std::sync::atomic::fence(Ordering::SeqCst);
-        match &self.inner.via {
-            Via::Local(_) => Ok(()),
-            Via::Link(t) => t.barrier(),
-        }
+        self.inner.via.barrier()
     }
 
     /// Start reading `len` bytes at `off` without waiting. Within a host the read completes
@@ -301,25 +240,14 @@ impl Mapping {
         notify: Option<(&crate::EventQueue, u64)>,
     ) -> Result<PendingRead, AccessError> {
         let abs = self.check(off, len, Rights::READ)?;
-        match &self.inner.via {
-            Via::Local(_) => {
-                let mut data = vec![0u8; len as usize];
-                self.read(off, &mut data)?;
-                if let Some((q, token)) = notify {
-                    q.inner.post_local(crate::event_queue::EVENT_READ, token, 0);
-                }
-                Ok(PendingRead { mapping: self.clone(), off, state: ReadState::Done(Some(data)) })
+        let state = match self.inner.via.read_start(abs, len, notify.map(|(q, token)| (q.inner.clone(), token)))? {
+            ReadStart::Done(data) => {
+                self.outgoing(Access::Read, off, len);
+                ReadState::Done(Some(data))
             }
-            Via::Link(t) => {
-                if len > u64::from(crate::link::MAX_READ) {
-                    return Err(AccessError::OutOfBounds { offset: off, len, size: u64::from(crate::link::MAX_READ) });
-                }
-                let to = clan_wire::Target { aperture: t.aperture, generation: t.generation, key: t.key, offset: abs };
-                let n = notify.map(|(q, token)| (q.inner.clone(), token));
-                let id = t.link.start_read(&t.nic, to, len as u32, n).map_err(crate::remote::link_error)?;
-                Ok(PendingRead { mapping: self.clone(), off, state: ReadState::Link(id, len) })
-            }
-        }
+            ReadStart::Pending(id) => ReadState::Pending(id, len),
+        };
+        Ok(PendingRead { mapping: self.clone(), off, state })
     }
 
     /// Write `src` at `off`, then store `v` at the aligned word `word_off` — a message and
@@ -330,15 +258,7 @@ impl Mapping {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
         check_align(word_off, 8)?;
         let wabs = self.check(word_off, 8, Rights::WRITE)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                w.write_then_store_u64(abs, src, wabs, v)?;
-            }
-            Via::Link(t) => {
-                t.write(abs, src)?;
-                t.write(wabs, &v.to_le_bytes())?;
-            }
-        }
+        self.inner.via.write_then_store_u64(abs, src, wabs, v)?;
         self.outgoing(Access::Write, off, src.len() as u64);
         self.outgoing(Access::Write, word_off, 8);
         Ok(())
@@ -356,22 +276,7 @@ impl Mapping {
     /// does it; `dst`'s write tripwires fire as for incoming traffic).
     pub fn read_to(&self, off: u64, dst: &crate::Aperture, dst_off: u64, len: u64) -> Result<(), AccessError> {
         check_range(dst_off, len, dst.len())?;
-        match &self.inner.via {
-            Via::Local(_) => self.read_into_aperture(off, &dst.inner, dst_off, len),
-            Via::Link(_) => {
-                // Bounded pieces through a buffer (a read answer is at most MAX_READ bytes).
-                let mut done = 0u64;
-                let mut buf = Vec::new();
-                while done < len {
-                    let n = (len - done).min(u64::from(crate::link::MAX_READ));
-                    buf.resize(n as usize, 0);
-                    self.read(off + done, &mut buf)?;
-                    dst.inner.window.write(dst_off + done, &buf)?;
-                    done += n;
-                }
-                Ok(())
-            }
-        }
+        self.read_into_aperture(off, &dst.inner, dst_off, len)
     }
 
     /// Tell the exporter that a message of `len` bytes at `off` has landed: its endpoint's
@@ -381,15 +286,8 @@ impl Mapping {
     /// hosts, the notification travels behind them on the link).
     pub fn notify(&self, off: u64, len: u64) -> Result<(), AccessError> {
         let abs = self.check(off, len, Rights::WRITE)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                let d = &self.inner.desc;
-                let id = u64::from(d.aperture()) | (u64::from(d.generation()) << 32);
-                w.port.post([crate::event_queue::EVENT_NOTIFY, id, abs, len]);
-                Ok(())
-            }
-            Via::Link(t) => t.notify(abs, len),
-        }
+        let d = &self.inner.desc;
+        self.inner.via.notify(d.aperture(), d.generation(), abs, len)
     }
 
     /// Bounds, rights and liveness of an access; its aperture offset.
@@ -411,17 +309,12 @@ impl Mapping {
         len: u64,
     ) -> Result<(), AccessError> {
         let abs = self.check(off, len, Rights::WRITE)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                w.write_from(abs, src, src_off, len)?;
-            }
-            Via::Link(t) => t.write_from(abs, src, src_off, len)?,
-        }
+        self.inner.via.write_from(abs, src, src_off, len)?;
         self.outgoing(Access::Write, off, len);
         Ok(())
     }
 
-    /// Read `len` bytes at `off` into aperture `dst` at `dst_off` (DMA within a host): the
+    /// Read `len` bytes at `off` into aperture `dst` at `dst_off`, waiting for them: the
     /// destination's write tripwires fire as for incoming traffic, the exporter's read
     /// tripwires and this mapping's outgoing ones after.
     pub(crate) fn read_into_aperture(
@@ -432,32 +325,24 @@ impl Mapping {
         len: u64,
     ) -> Result<(), AccessError> {
         let abs = self.check(off, len, Rights::READ)?;
-        match &self.inner.via {
-            Via::Local(w) => {
-                dst.window.write_from(dst_off, &w.data, abs - w.data_base, len)?;
-                w.commit(abs, len, Access::Read);
-            }
-            Via::Link(_) => return Err(AccessError::Disconnected),
-        }
+        self.inner.via.read_to(abs, dst, dst_off, len)?;
         self.outgoing(Access::Read, off, len);
         Ok(())
     }
 
-    /// Start reading `len` bytes at `off` over the link into aperture `dst` at `dst_off`;
-    /// `done` runs (on whichever thread receives the answer) with the bytes read.
+    /// Start reading `len` bytes at `off` into aperture `dst` at `dst_off`; `done` runs (on
+    /// whichever thread completes it: across hosts, the one that receives the answer) with
+    /// the bytes read. The caller fires this mapping's outgoing tripwires.
     pub(crate) fn read_into_aperture_async(
         &self,
         off: u64,
         dst: std::sync::Arc<crate::aperture::ApertureInner>,
         dst_off: u64,
         len: u64,
-        done: Box<dyn FnOnce(Result<u64, AccessError>) + Send>,
+        done: crate::transport::ReadDone,
     ) -> Result<(), AccessError> {
         let abs = self.check(off, len, Rights::READ)?;
-        match &self.inner.via {
-            Via::Link(t) => t.read_into(abs, dst, dst_off, len, done),
-            Via::Local(_) => Err(AccessError::Disconnected),
-        }
+        self.inner.via.read_to_async(abs, dst, dst_off, len, done)
     }
 
     /// Set a tripwire on this node's own traffic through the mapping: it fires once a write
@@ -507,7 +392,8 @@ impl std::fmt::Debug for Mapping {
 #[derive(Debug)]
 enum ReadState {
     Done(Option<Vec<u8>>),
-    Link(u64, u64),
+    /// Read `id` of the transport, `len` bytes.
+    Pending(u64, u64),
 }
 
 /// A read in flight ([`Mapping::read_async`]).
@@ -526,10 +412,9 @@ impl std::fmt::Debug for PendingRead {
 impl PendingRead {
     /// Whether the data has arrived (never blocks).
     pub fn is_done(&self) -> bool {
-        match (&self.state, &self.mapping.inner.via) {
-            (ReadState::Done(_), _) => true,
-            (ReadState::Link(id, _), Via::Link(t)) => t.link.read_done(*id),
-            _ => true,
+        match self.state {
+            ReadState::Done(_) => true,
+            ReadState::Pending(id, _) => self.mapping.inner.via.read_done(id),
         }
     }
 
@@ -537,14 +422,8 @@ impl PendingRead {
     pub fn wait(mut self, timeout: Option<std::time::Duration>) -> Result<Vec<u8>, AccessError> {
         match std::mem::replace(&mut self.state, ReadState::Done(None)) {
             ReadState::Done(d) => d.ok_or(AccessError::Disconnected),
-            ReadState::Link(id, len) => {
-                let Via::Link(t) = &self.mapping.inner.via else { return Err(AccessError::Disconnected) };
-                let deadline = std::time::Instant::now() + timeout.unwrap_or(t.link.timeout);
-                let (status, data) = t.link.finish_read(&t.nic, id, deadline).map_err(crate::remote::link_error)?;
-                crate::remote::check_status(status, &t.state)?;
-                if data.len() as u64 != len {
-                    return Err(AccessError::Disconnected);
-                }
+            ReadState::Pending(id, len) => {
+                let data = self.mapping.inner.via.read_finish(id, len, timeout)?;
                 self.mapping.outgoing(Access::Read, self.off, len);
                 Ok(data)
             }

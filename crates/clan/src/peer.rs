@@ -63,15 +63,15 @@ struct GateGuard<'a>(&'a Gate);
 
 impl Gate {
     fn enter(&self, deadline: Instant) -> Option<GateGuard<'_>> {
-        let mut busy = lock(&self.busy);
-        while *busy {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            busy = self.cv.wait_timeout(busy, left).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        *busy = true;
+        let drive = crate::progress::Drive::Others;
+        crate::progress::wait_locked(
+            &self.busy,
+            &self.cv,
+            crate::progress::Deadline::at(deadline),
+            None,
+            drive,
+            |busy| (!**busy).then(|| **busy = true),
+        )?;
         Some(GateGuard(self))
     }
 }
@@ -554,7 +554,7 @@ pub(crate) fn finish_import(
         peer_alive: Some(peer.alive.clone()),
     };
     tracing::debug!(exporter = %desc.nic(), importer = %ep.addr, aperture = desc.aperture(), "imported from a NIC of this host");
-    Ok(Mapping::new(ep, desc, crate::mapping::Via::Local(window), Keep::Remote(guard)))
+    Ok(Mapping::new(ep, desc, crate::transport::Via::Mapped(window), Keep::Remote(guard)))
 }
 
 fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {

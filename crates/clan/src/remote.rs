@@ -1,165 +1,21 @@
-//! Mappings of apertures on other hosts, through a link.
-//!
-//! Same API as a mapping within a host. A write becomes a write burst sent by the calling
-//! thread straight from its memory; a read becomes a read request answered by the exporter;
-//! word stores are 8- or 4-byte bursts the exporter applies atomically. Raw access works on a
-//! local staging area (sparse: only touched pages cost memory) that [`crate::Mapping::commit`]
-//! sends. Writes are asynchronous: one the exporter refuses (because the aperture was just
-//! unexported) is reported back, and every later access through the mapping fails.
+//! Importing over a link (the import request and its reply), and out-of-band messages over a
+//! link. The mapping it makes reaches its aperture through `crate::transport::link`.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use clan_shm::segment::{self, Segment};
-use clan_wire::{Frame, Import, Status, Target};
+use clan_wire::{Frame, Import, Status};
 
 use crate::addr::EndpointAddr;
 use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
-use crate::error::{AccessError, ImportError, OobError};
-use crate::link::{Link, LinkError, Payload, TargetState};
+use crate::error::{ImportError, OobError};
+use crate::link::{Link, LinkError, TargetState};
 use crate::lock;
-use crate::mapping::{Keep, Mapping, Via};
+use crate::mapping::{Keep, Mapping};
 use crate::nic::NicInner;
-
-/// A mapping's route to an aperture on another host.
-#[derive(Debug)]
-pub(crate) struct LinkTarget {
-    pub link: Arc<Link>,
-    pub nic: Arc<NicInner>,
-    pub aperture: u32,
-    pub generation: u32,
-    pub key: u64,
-    pub state: Arc<TargetState>,
-    pub shadow: OnceLock<Segment>,
-    pub len: u64,
-}
-
-impl Drop for LinkTarget {
-    fn drop(&mut self) {
-        lock(&self.link.targets).remove(&self.key);
-        if !self.link.is_closed() {
-            self.link.send_control(&Frame::Unimport { key: self.key });
-        }
-    }
-}
-
-pub(crate) fn link_error(e: LinkError) -> AccessError {
-    match e {
-        LinkError::Down(_) | LinkError::Unreachable(_) | LinkError::Refused(_) => AccessError::Disconnected,
-        LinkError::Timeout => AccessError::Timeout,
-    }
-}
-
-impl LinkTarget {
-    fn to(&self, abs: u64) -> Target {
-        Target { aperture: self.aperture, generation: self.generation, key: self.key, offset: abs }
-    }
-
-    pub fn check_live(&self) -> Result<(), AccessError> {
-        if self.state.revoked.load(Ordering::Acquire) {
-            return Err(AccessError::Revoked);
-        }
-        if self.link.is_closed() {
-            return Err(AccessError::Disconnected);
-        }
-        Ok(())
-    }
-
-    pub fn write(&self, abs: u64, src: &[u8]) -> Result<(), AccessError> {
-        self.link.send_write(&self.nic, self.to(abs), Payload::Bytes(src), src.len()).map_err(link_error)
-    }
-
-    pub fn read(&self, abs: u64, dst: &mut [u8]) -> Result<(), AccessError> {
-        let mut done = 0usize;
-        while done < dst.len() {
-            let n = (dst.len() - done).min(crate::link::MAX_READ as usize);
-            let id = self.link.start_read(&self.nic, self.to(abs + done as u64), n as u32, None).map_err(link_error)?;
-            let deadline = Instant::now() + self.link.timeout;
-            let (status, data) = self.link.finish_read(&self.nic, id, deadline).map_err(link_error)?;
-            check_status(status, &self.state)?;
-            if data.len() != n {
-                return Err(AccessError::Disconnected);
-            }
-            dst[done..done + n].copy_from_slice(&data);
-            done += n;
-        }
-        Ok(())
-    }
-
-    pub fn shadow(&self) -> Result<&Segment, AccessError> {
-        if let Some(s) = self.shadow.get() {
-            return Ok(s);
-        }
-        let s = Segment::anonymous(segment::page_align(self.len as usize).max(segment::page_size()))
-            .map_err(|_| AccessError::Disconnected)?;
-        let _ = self.shadow.set(s);
-        self.shadow.get().ok_or(AccessError::Disconnected)
-    }
-
-    /// Send `len` bytes of the staging area at mapping offset `off` (aperture offset `abs`).
-    pub fn commit(&self, off: u64, abs: u64, len: u64) -> Result<(), AccessError> {
-        let s = self.shadow()?;
-        self.link.send_write(&self.nic, self.to(abs), Payload::Seg(s, off as usize), len as usize).map_err(link_error)
-    }
-
-    pub fn barrier(&self) -> Result<(), AccessError> {
-        self.link.barrier(&self.nic).map_err(link_error)
-    }
-
-    /// Send `len` bytes of `src` at `src_off` (no copy: the burst goes from that memory).
-    pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<(), AccessError> {
-        self.check_live()?;
-        self.link
-            .send_write(&self.nic, self.to(abs), Payload::Seg(src, src_off as usize), len as usize)
-            .map_err(link_error)
-    }
-
-    /// A notification behind the writes sent so far.
-    pub fn notify(&self, abs: u64, len: u64) -> Result<(), AccessError> {
-        self.check_live()?;
-        self.link.send_frame_blocking(&self.nic, &Frame::Notify { to: self.to(abs), len }).map_err(link_error)
-    }
-
-    /// Read into a local aperture; `done` runs when the answer is in place.
-    pub fn read_into(
-        &self,
-        abs: u64,
-        dst: Arc<crate::aperture::ApertureInner>,
-        dst_off: u64,
-        len: u64,
-        done: Box<dyn FnOnce(Result<u64, AccessError>) + Send>,
-    ) -> Result<(), AccessError> {
-        self.check_live()?;
-        let state = self.state.clone();
-        let into = crate::link::ReadInto {
-            ap: dst,
-            abs: dst_off,
-            want: len,
-            got: 0,
-            done: Box::new(move |r: Result<u64, Status>| {
-                done(r.map_err(|s| match check_status(s, &state) {
-                    Err(e) => e,
-                    Ok(()) => AccessError::Disconnected,
-                }))
-            }),
-        };
-        self.link.start_read_into(&self.nic, self.to(abs), len as u32, into).map_err(link_error)
-    }
-}
-
-pub(crate) fn check_status(status: Status, state: &TargetState) -> Result<(), AccessError> {
-    match status {
-        Status::Ok => Ok(()),
-        Status::Revoked | Status::BadKey => {
-            state.revoked.store(true, Ordering::Release);
-            Err(AccessError::Revoked)
-        }
-        Status::NoRights => Err(AccessError::NotReadable),
-        _ => Err(AccessError::Disconnected),
-    }
-}
+use crate::transport::Via;
+use crate::transport::link::LinkTarget;
 
 fn import_error(peer: crate::addr::NicAddr, e: LinkError, timeout: Duration) -> ImportError {
     match e {

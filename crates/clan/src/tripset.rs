@@ -11,6 +11,7 @@ use clan_shm::trip;
 use crate::error::TripwireError;
 use crate::event_queue::EqInner;
 use crate::lock;
+use crate::progress::{self, Deadline};
 use crate::tripwire::{Tripwire, TripwireId};
 
 #[derive(Debug)]
@@ -109,22 +110,19 @@ impl Tripset {
     /// Block until a member fires (spinning for the queue's spin time first); returns the
     /// members that fired.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<Vec<TripwireId>, TripwireError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
         let v = self.eq.view();
         let w = &v.table.tripsets[self.slot as usize];
-        loop {
-            let ready = trip::wait_until(&w.seq, &w.waiters, self.eq.config.spin, deadline, &SharedFutex, || {
-                let m = lock(&self.members);
-                m.iter().any(|x| v.table.entries[x.id.index as usize].seq.load(Ordering::Acquire) != x.last_seen)
-            });
-            if !ready {
-                return Err(TripwireError::Timeout);
-            }
-            let fired = self.poll();
-            if !fired.is_empty() {
-                return Ok(fired);
-            }
-        }
+        let fired = || {
+            let m = lock(&self.members);
+            m.iter().any(|x| v.table.entries[x.id.index as usize].seq.load(Ordering::Acquire) != x.last_seen)
+        };
+        // Another waiter may take what fired first: then wait on.
+        let poll = || if fired() { Some(self.poll()).filter(|f| !f.is_empty()) } else { None };
+        let sleep = |nap: Option<Duration>| {
+            let until = nap.map(|n| Instant::now() + n);
+            trip::wait_until(&w.seq, &w.waiters, Duration::ZERO, until, &SharedFutex, fired);
+        };
+        progress::wait(self.eq.config.spin, Deadline::after(timeout), None, poll, sleep).ok_or(TripwireError::Timeout)
     }
 }
 

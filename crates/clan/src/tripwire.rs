@@ -50,6 +50,7 @@ use clan_shm::trip::{self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, O
 use crate::error::TripwireError;
 use crate::event_queue::{EqInner, EventQueue};
 use crate::lock;
+use crate::progress::{self, Deadline};
 
 pub use clan_shm::trip::Access;
 
@@ -371,53 +372,43 @@ impl Tripwire {
         self.check()?;
         let e = self.entry();
         let seen = self.last_seen.load(Ordering::Relaxed);
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let spin = self.owner.eq.config.spin;
-        if let Some(nic) = self.owner.eq.nic.upgrade().filter(|n| n.manual_progress()) {
-            // Manual progress: drive the links while waiting (see `EventQueue::wait_spin`).
-            // Firings by processes of this host are seen within a millisecond.
-            loop {
-                nic.progress();
-                if e.seq.load(Ordering::Acquire) != seen {
-                    self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
-                    return Ok(());
-                }
-                let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                if left.is_some_and(|l| l.is_zero()) {
-                    return Err(TripwireError::Timeout);
-                }
-                let nap = left.unwrap_or(Duration::from_millis(1)).min(Duration::from_millis(1));
-                if !nic.wait_links(None, Some(nap)) {
-                    break; // no links: wait as usual
-                }
+        let nic = progress::driver(self.owner.eq.nic.upgrade());
+        let alive = self.owner.alive.as_deref();
+        // Whether the last poll came after a sleep (only then is the exporter looked at).
+        let slept = std::cell::Cell::new(false);
+        let poll = || {
+            if let Some(n) = &nic {
+                n.progress();
             }
-        }
-        let fired = || e.seq.load(Ordering::Acquire) != seen;
-        let ok = match &self.owner.alive {
-            None => trip::wait_until(&e.seq, &e.waiters, spin, deadline, &SharedFutex, fired),
+            if e.seq.load(Ordering::Acquire) != seen {
+                return Some(Ok(()));
+            }
             // A mapping's tripwire: its exporter may go away, and nothing would fire then.
-            // Sleep in slices and look.
-            Some(alive) => loop {
-                let slice = Instant::now() + ALIVE_SLICE;
-                let until = deadline.map_or(slice, |d| d.min(slice));
-                if trip::wait_until(&e.seq, &e.waiters, spin, Some(until), &SharedFutex, fired) {
-                    break true;
-                }
-                if !alive() {
-                    tracing::debug!(tripwire = ?self.id, "wait ended: the mapping's exporter is gone");
-                    return Err(TripwireError::Disconnected);
-                }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    break false;
-                }
-            },
+            if slept.replace(false) && alive.is_some_and(|alive| !alive()) {
+                tracing::debug!(tripwire = ?self.id, "wait ended: the mapping's exporter is gone");
+                return Some(Err(TripwireError::Disconnected));
+            }
+            None
         };
-        if ok {
+        let sleep = |nap: Option<Duration>| {
+            slept.set(true);
+            // Manual progress: drive the links while waiting (see `EventQueue::wait_spin`).
+            if nic.as_ref().is_some_and(|n| progress::sleep_on_links(n, None, nap)) {
+                return;
+            }
+            let until = nap.map(|n| Instant::now() + n);
+            trip::wait_until(&e.seq, &e.waiters, Duration::ZERO, until, &SharedFutex, || {
+                e.seq.load(Ordering::Acquire) != seen
+            });
+        };
+        // Sleep in slices to look at the exporter, if there is one to look at.
+        let slice = alive.map(|_| ALIVE_SLICE);
+        let r = progress::wait(self.owner.eq.config.spin, Deadline::after(timeout), slice, poll, sleep)
+            .unwrap_or(Err(TripwireError::Timeout));
+        if r.is_ok() {
             self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
-            Ok(())
-        } else {
-            Err(TripwireError::Timeout)
         }
+        r
     }
 
     pub(crate) fn set_registration(&self, queue: &EventQueue, cookie: Option<u64>) -> Result<(), TripwireError> {

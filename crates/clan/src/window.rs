@@ -157,6 +157,49 @@ impl Window {
         })
     }
 
+    /// Apply `src` at `abs` as one piece of an incoming write burst that ends at `end` (a
+    /// link's receive path): tripwires whose range the burst covers fire once, when its last
+    /// piece is in ([`snoop::transfer_piece`]).
+    pub fn write_piece(
+        &self,
+        abs: u64,
+        src: &[u8],
+        end: u64,
+        scratch: &mut Vec<Candidate>,
+    ) -> Result<u32, AccessError> {
+        let sink = self.port.sink();
+        self.with_watch(|w| {
+            snoop::transfer_piece(Access::Write, w, &sink, abs, src.len() as u64, end, scratch, |o, l| {
+                let from = (o - abs) as usize;
+                self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
+            })
+        })
+    }
+
+    /// Receive up to `max` bytes of an incoming write burst that ends at `end` straight into
+    /// the memory at `abs`: `fill(segment, offset, len)` puts at most `len` bytes there (a
+    /// socket read) and says how many; it is given no more than reaches the next watched
+    /// boundary, so the tripwires of what completed fire right after (and none of a range
+    /// still partly unwritten). Returns how many bytes came.
+    pub fn receive_piece<E>(
+        &self,
+        abs: u64,
+        max: u64,
+        end: u64,
+        scratch: &mut Vec<Candidate>,
+        fill: impl FnOnce(&Segment, usize, usize) -> Result<usize, E>,
+    ) -> Result<usize, E> {
+        let sink = self.port.sink();
+        self.with_watch(|w| {
+            let stop = snoop::next_stop(Access::Write, w, abs, abs + max, end, scratch);
+            let n = fill(&self.data, self.rel(abs), (stop - abs) as usize)?;
+            if n > 0 {
+                snoop::commit_piece(Access::Write, w, &sink, abs, n as u64, end, scratch);
+            }
+            Ok(n)
+        })
+    }
+
     /// Fire the tripwires of `[abs, abs+len)` for `access`, the data being already in place.
     pub fn commit(&self, abs: u64, len: u64, access: Access) -> u32 {
         let sink = self.port.sink();
