@@ -386,7 +386,7 @@ fn hostile_local() {
                 };
                 let _ = s.set_nonblocking(true);
                 let importer = EndpointId { nic: fake.socket_addr(), port: 1 };
-                let req = Request::Import { importer, want_eq: true, desc: vec![0xAB; 100] }.encode(3);
+                let req = Request::Import { importer, desc: vec![0xAB; 100] }.encode(3);
                 let started = Instant::now();
                 while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(5) {
                     match s.send(&req, &[]) {

@@ -1,7 +1,8 @@
 //! The software CAM: the index from addresses to the tripwires watching them.
 //!
-//! Every aperture (and every mapping that carries outgoing tripwires) has one index, laid
-//! out in shared memory after the aperture's data so that every process writing into the
+//! Every aperture (and every mapping that carries outgoing tripwires) has one index: its own
+//! memory (for an aperture, a memfd of its own that importers map read-only), holding the
+//! lists below and the tripwire entries they link, so that every process writing into the
 //! aperture can match its writes. Only the owner modifies it ([`CamOwner`]); writers read it.
 //!
 //! ## Layout
@@ -11,7 +12,8 @@
 //! - `wide`: one bit per page, set while some *wide* tripwire covers the page;
 //! - `heads[line]`: first *narrow* tripwire (spanning at most [`NARROW_LINES`] lines) that
 //!   starts in the line, chained through [`TripEntry::next`];
-//! - `wide_head` (in the header): the list of wide tripwires.
+//! - `wide_head` (in the header): the list of wide tripwires;
+//! - `entries`: the tripwire entries ([`TripEntry`]), `cap` of them.
 //!
 //! ## Cost of matching a write of `len` bytes at `off`
 //!
@@ -35,7 +37,7 @@
 use std::collections::HashMap;
 
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
-use crate::trip::{self, Access, LIVE, TripTable, WIDE};
+use crate::trip::{self, Access, LIVE, TripEntry, WIDE};
 
 /// log2 of the line size.
 pub const LINE_SHIFT: u32 = 6;
@@ -44,7 +46,9 @@ pub const PAGE_SHIFT: u32 = 12;
 /// A tripwire spanning at most this many lines is narrow.
 pub const NARROW_LINES: u64 = 4;
 /// Header magic.
-pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM1");
+pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM2");
+/// Alignment of the entries within an index.
+const ENTRY_ALIGN: usize = 4096;
 
 /// Header of an index, 64 bytes.
 #[repr(C)]
@@ -111,13 +115,17 @@ pub struct CamLayout {
     pub wide_words: usize,
     /// Offset of the list heads.
     pub heads_off: usize,
+    /// Offset of the entries (a page boundary: untouched pages of them cost nothing).
+    pub entries_off: usize,
+    /// Number of entries.
+    pub cap: u32,
     /// Total bytes.
     pub size: usize,
 }
 
 impl CamLayout {
-    /// The layout for `len` watched bytes.
-    pub fn new(len: u64) -> CamLayout {
+    /// The layout for `len` watched bytes and `cap` tripwire entries.
+    pub fn new(len: u64, cap: u32) -> CamLayout {
         let nlines = len.div_ceil(1 << LINE_SHIFT).max(1);
         let npages = len.div_ceil(1 << PAGE_SHIFT).max(1);
         let watch_off = std::mem::size_of::<CamHeader>();
@@ -125,8 +133,16 @@ impl CamLayout {
         let wide_off = watch_off + watch_words * 8;
         let wide_words = npages.div_ceil(64) as usize;
         let heads_off = wide_off + wide_words * 8;
-        let size = heads_off + nlines as usize * 4;
-        CamLayout { len, nlines, watch_off, watch_words, wide_off, wide_words, heads_off, size }
+        let entries_off = (heads_off + nlines as usize * 4).div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+        let size = entries_off + cap as usize * std::mem::size_of::<TripEntry>();
+        CamLayout { len, nlines, watch_off, watch_words, wide_off, wide_words, heads_off, entries_off, cap, size }
+    }
+
+    /// The default number of entries for `len` watched bytes: eight per line (at least
+    /// 1024), at most `max`.
+    pub fn default_cap(len: u64, max: u32) -> u32 {
+        let lines = len.div_ceil(1 << LINE_SHIFT);
+        lines.saturating_mul(8).clamp(1024, u64::from(max)).min(u64::from(u32::MAX)) as u32
     }
 }
 
@@ -154,6 +170,8 @@ pub struct CamView<'a> {
     pub wide: &'a [AtomicU64],
     /// List heads, one per line.
     pub heads: &'a [AtomicU32],
+    /// The tripwire entries.
+    pub entries: &'a [TripEntry],
     /// Watched length (trusted: from our own import, not from the header).
     pub len: u64,
 }
@@ -161,7 +179,11 @@ pub struct CamView<'a> {
 // Shared-memory views print their geometry, never their contents (megabytes of tables).
 impl std::fmt::Debug for CamView<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CamView").field("len", &self.len).field("lines", &self.heads.len()).finish_non_exhaustive()
+        f.debug_struct("CamView")
+            .field("len", &self.len)
+            .field("lines", &self.heads.len())
+            .field("entries", &self.entries.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -204,15 +226,7 @@ impl<'a> CamView<'a> {
     /// Append to `out` every entry of this index watching `access` that overlaps
     /// `[start, end)` and is not already in `out` (armed or not: arming is re-checked at fire
     /// time). Returns `false` if an inconsistency was seen (concurrent change or corruption).
-    pub fn collect(
-        &self,
-        table: &TripTable<'_>,
-        tag: u64,
-        start: u64,
-        end: u64,
-        access: Access,
-        out: &mut Vec<Candidate>,
-    ) -> bool {
+    pub fn collect(&self, tag: u64, start: u64, end: u64, access: Access, out: &mut Vec<Candidate>) -> bool {
         if start >= end {
             return true;
         }
@@ -237,7 +251,7 @@ impl<'a> CamView<'a> {
                 if let Some(h) = self.heads.get(line as usize) {
                     // SYNC POINT: pairs with `CamOwner::link`'s Release store of the head.
                     let head = h.load(Ordering::Acquire);
-                    consistent &= walk(table, head, tag, Some(line), start, end, access, out);
+                    consistent &= walk(self.entries, head, tag, Some(line), start, end, access, out);
                 }
             }
             y = word_last + 1;
@@ -245,7 +259,7 @@ impl<'a> CamView<'a> {
         if any_bit(self.wide, start >> PAGE_SHIFT, (end - 1) >> PAGE_SHIFT) {
             // SYNC POINT: pairs with `CamOwner::link`'s Release store of the wide head.
             let head = self.header.wide_head.load(Ordering::Acquire);
-            consistent &= walk(table, head, tag, None, start, end, access, out);
+            consistent &= walk(self.entries, head, tag, None, start, end, access, out);
         }
         consistent
     }
@@ -255,7 +269,7 @@ impl<'a> CamView<'a> {
 /// the wide list.
 #[allow(clippy::too_many_arguments)]
 fn walk(
-    table: &TripTable<'_>,
+    entries: &[TripEntry],
     head: u32,
     tag: u64,
     line: Option<u64>,
@@ -269,11 +283,11 @@ fn walk(
     let mut steps = 0usize;
     while next != 0 {
         steps += 1;
-        if steps > table.entries.len() {
+        if steps > entries.len() {
             return false; // a cycle: corruption
         }
         let index = next - 1;
-        let Some(e) = table.entries.get(index as usize) else {
+        let Some(e) = entries.get(index as usize) else {
             return false;
         };
         // Seqlock read of the entry (module documentation of `trip`).
@@ -353,8 +367,8 @@ impl CamOwner {
 
     /// Link entry `index`, already written and [`LIVE`] (with [`WIDE`] set iff
     /// [`is_wide`]`(start, end)`), into the index.
-    pub fn insert(&mut self, cam: &CamView<'_>, table: &TripTable<'_>, index: u32, start: u64, end: u64) {
-        let Some(e) = table.entries.get(index as usize) else {
+    pub fn insert(&mut self, cam: &CamView<'_>, index: u32, start: u64, end: u64) {
+        let Some(e) = cam.entries.get(index as usize) else {
             return;
         };
         if is_wide(start, end) {
@@ -394,7 +408,7 @@ impl CamOwner {
     }
 
     /// Unlink entry `index` over `[start, end)`.
-    pub fn remove(&mut self, cam: &CamView<'_>, table: &TripTable<'_>, index: u32, start: u64, end: u64) {
+    pub fn remove(&mut self, cam: &CamView<'_>, index: u32, start: u64, end: u64) {
         if is_wide(start, end) {
             let Some(p) = self.wide.iter().position(|&i| i == index) else {
                 return;
@@ -402,7 +416,7 @@ impl CamOwner {
             let next = self.wide.get(p + 1).map_or(0, |i| i + 1);
             if p == 0 {
                 cam.header.wide_head.store(next, Ordering::Release);
-            } else if let Some(prev) = table.entries.get(self.wide[p - 1] as usize) {
+            } else if let Some(prev) = cam.entries.get(self.wide[p - 1] as usize) {
                 prev.next.store(next, Ordering::Release);
             }
             self.wide.remove(p);
@@ -428,7 +442,7 @@ impl CamOwner {
                 if let Some(h) = cam.heads.get(line as usize) {
                     h.store(next, Ordering::Release);
                 }
-            } else if let Some(prev) = table.entries.get(list[p - 1] as usize) {
+            } else if let Some(prev) = cam.entries.get(list[p - 1] as usize) {
                 prev.next.store(next, Ordering::Release);
             }
             list.remove(p);

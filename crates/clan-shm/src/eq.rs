@@ -5,10 +5,12 @@
 //! ```text
 //! | header (EqHeader: geometry, armed/wake words, summary bits) |  page 0
 //! | ring 0: RingHeader + slots | ring 1 | ... | ring nrings-1  |  one producer process each
-//! | tripwire table: trip_cap × TripEntry (64 B)                |
 //! | fired bitmap: trip_cap bits                                 |
 //! | tripset words: tripset_cap × TripsetWord (8 B)              |
 //! ```
+//!
+//! The tripwire entries themselves live in the index of the aperture (or mapping) each one
+//! watches ([`crate::cam`]); the queue holds what their firings do here.
 //!
 //! Every process that may fire the tripwires of the queue's endpoints maps the whole segment
 //! read-write: synchronisation state is shared among the importers of a queue (a misbehaving
@@ -20,7 +22,7 @@
 
 use crate::ring::{EventSlot, QueueWords, RingHeader, Rings};
 use crate::sync::{AtomicU32, AtomicU64};
-use crate::trip::{TripEntry, TripTable, TripsetWord};
+use crate::trip::{TripTable, TripsetWord};
 
 /// Header magic.
 pub const EQ_MAGIC: u64 = u64::from_le_bytes(*b"CLANEQ01");
@@ -78,7 +80,7 @@ pub struct EqParams {
     pub nrings: u32,
     /// Slots per ring, a power of two.
     pub ring_cap: u32,
-    /// Tripwire entries.
+    /// Tripwires (queue indexes: fired bits).
     pub trip_cap: u32,
     /// Tripset words.
     pub tripset_cap: u32,
@@ -105,8 +107,6 @@ pub struct EqLayout {
     pub rings_off: usize,
     /// Distance between rings.
     pub ring_stride: usize,
-    /// Offset of the tripwire table.
-    pub entries_off: usize,
     /// Offset of the fired bitmap.
     pub bitmap_off: usize,
     /// Words of the fired bitmap.
@@ -127,12 +127,11 @@ impl EqLayout {
         let rings_off = LAYOUT_PAGE;
         let ring_stride =
             page_up(std::mem::size_of::<RingHeader>() + params.ring_cap as usize * std::mem::size_of::<EventSlot>());
-        let entries_off = rings_off + params.nrings as usize * ring_stride;
-        let bitmap_off = entries_off + params.trip_cap as usize * std::mem::size_of::<TripEntry>();
+        let bitmap_off = rings_off + params.nrings as usize * ring_stride;
         let bitmap_words = (params.trip_cap as usize).div_ceil(64);
         let tripsets_off = (bitmap_off + bitmap_words * 8).div_ceil(64) * 64;
         let size = page_up(tripsets_off + params.tripset_cap as usize * std::mem::size_of::<TripsetWord>());
-        EqLayout { params, rings_off, ring_stride, entries_off, bitmap_off, bitmap_words, tripsets_off, size }
+        EqLayout { params, rings_off, ring_stride, bitmap_off, bitmap_words, tripsets_off, size }
     }
 }
 
@@ -145,7 +144,7 @@ pub struct EqView<'a> {
     pub ring_headers: Vec<&'a RingHeader>,
     /// Ring slots.
     pub ring_slots: Vec<&'a [EventSlot]>,
-    /// Tripwire table.
+    /// The fired bitmap and tripset words.
     pub table: TripTable<'a>,
 }
 
@@ -153,7 +152,7 @@ impl std::fmt::Debug for EqView<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EqView")
             .field("rings", &self.ring_headers.len())
-            .field("tripwires", &self.table.entries.len())
+            .field("tripwires", &(self.table.bitmap.len() * 64))
             .finish_non_exhaustive()
     }
 }
@@ -176,7 +175,6 @@ pub struct EqModel {
     header: EqHeader,
     rings: Vec<RingHeader>,
     slots: Vec<Vec<EventSlot>>,
-    entries: Vec<TripEntry>,
     bitmap: Vec<AtomicU64>,
     tripsets: Vec<TripsetWord>,
 }
@@ -188,7 +186,6 @@ impl EqModel {
             header: EqHeader::new(),
             rings: (0..params.nrings).map(|_| RingHeader::new()).collect(),
             slots: (0..params.nrings).map(|_| (0..params.ring_cap).map(|_| EventSlot::new()).collect()).collect(),
-            entries: (0..params.trip_cap).map(|_| TripEntry::new()).collect(),
             bitmap: (0..(params.trip_cap as usize).div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             tripsets: (0..params.tripset_cap).map(|_| TripsetWord::new()).collect(),
         }
@@ -200,7 +197,7 @@ impl EqModel {
             header: &self.header,
             ring_headers: self.rings.iter().collect(),
             ring_slots: self.slots.iter().map(Vec::as_slice).collect(),
-            table: TripTable { entries: &self.entries, bitmap: &self.bitmap, tripsets: &self.tripsets },
+            table: TripTable { bitmap: &self.bitmap, tripsets: &self.tripsets },
         }
     }
 }
@@ -217,18 +214,20 @@ pub struct CamModel {
     watch: Vec<AtomicU64>,
     wide: Vec<AtomicU64>,
     heads: Vec<AtomicU32>,
+    entries: Vec<crate::trip::TripEntry>,
     len: u64,
 }
 
 impl CamModel {
-    /// A zeroed index over `len` bytes.
-    pub fn new(len: u64) -> CamModel {
-        let l = crate::cam::CamLayout::new(len);
+    /// A zeroed index over `len` bytes with `cap` entries.
+    pub fn new(len: u64, cap: u32) -> CamModel {
+        let l = crate::cam::CamLayout::new(len, cap);
         CamModel {
             header: crate::cam::CamHeader::new(),
             watch: (0..l.watch_words).map(|_| AtomicU64::new(0)).collect(),
             wide: (0..l.wide_words).map(|_| AtomicU64::new(0)).collect(),
             heads: (0..l.nlines).map(|_| AtomicU32::new(0)).collect(),
+            entries: (0..cap).map(|_| crate::trip::TripEntry::new()).collect(),
             len,
         }
     }
@@ -240,6 +239,7 @@ impl CamModel {
             watch: &self.watch,
             wide: &self.wide,
             heads: &self.heads,
+            entries: &self.entries,
             len: self.len,
         }
     }
@@ -292,7 +292,6 @@ mod mapped {
                         .push(s.slice::<EventSlot>(off + std::mem::size_of::<RingHeader>(), p.ring_cap as usize)?);
                 }
                 let table = TripTable {
-                    entries: s.slice::<TripEntry>(layout.entries_off, p.trip_cap as usize)?,
                     bitmap: s.slice::<AtomicU64>(layout.bitmap_off, layout.bitmap_words)?,
                     tripsets: s.slice::<TripsetWord>(layout.tripsets_off, p.tripset_cap as usize)?,
                 };
@@ -329,9 +328,9 @@ mod mapped {
     }
 
     impl CamMap {
-        /// The index at `offset` of `seg`, watching `len` bytes.
-        pub fn new(seg: Arc<Segment>, offset: usize, len: u64) -> Result<CamMap, SegmentError> {
-            let layout = CamLayout::new(len);
+        /// The index at `offset` of `seg`, watching `len` bytes, with `cap` entries.
+        pub fn new(seg: Arc<Segment>, offset: usize, len: u64, cap: u32) -> Result<CamMap, SegmentError> {
+            let layout = CamLayout::new(len, cap);
             let view = {
                 let s: &Segment = &seg;
                 CamView {
@@ -339,6 +338,7 @@ mod mapped {
                     watch: s.slice(offset + layout.watch_off, layout.watch_words)?,
                     wide: s.slice(offset + layout.wide_off, layout.wide_words)?,
                     heads: s.slice(offset + layout.heads_off, layout.nlines as usize)?,
+                    entries: s.slice(offset + layout.entries_off, cap as usize)?,
                     len,
                 }
             };

@@ -1,10 +1,19 @@
 //! memfd-backed regions: the unit of protection between processes.
 //!
-//! Every aperture and every event queue is one memfd, so an importer that is handed the file
-//! descriptor can never map more than it was granted. Sizes are sealed (`F_SEAL_SHRINK`,
-//! `F_SEAL_GROW`) before the descriptor leaves the process, and a received memfd is refused
-//! unless it carries those seals: otherwise the other side could truncate the file under our
-//! mapping and turn every later access into `SIGBUS`.
+//! The kernel enforces access per memfd, never per byte: a process handed a descriptor can
+//! keep it, map all of it, `pread` it, and reopen it through `/proc/self/fd/N` with any mode
+//! the inode allows. So a memfd must hold nothing beyond what the process receiving it may
+//! reach (the NIC's grants are built on that: `clan`'s aperture and queue modules), and:
+//!
+//! - every memfd made here is `chmod 0600` at once: a process of another user cannot reopen
+//!   it, so a read-only descriptor ([`Memfd::reopen_read_only`]) stays read-only — no
+//!   writable reopen, no writable shared mapping, no `write`, no hole punching. (Root, or a
+//!   process of the same user, can open it anyway: between processes of one user the kernel
+//!   offers no protection at all, `ptrace` included.)
+//! - sizes are sealed (`F_SEAL_SHRINK`, `F_SEAL_GROW`, and `F_SEAL_SEAL` so that nobody adds a
+//!   write seal later) before the descriptor leaves the process, and a received memfd is
+//!   refused unless it carries the size seals: otherwise the other side could truncate the
+//!   file under our mapping and turn every later access into `SIGBUS`.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -19,9 +28,11 @@ pub struct Memfd {
 }
 
 impl Memfd {
-    /// Create a zero-filled memfd of `len` bytes and seal its size.
+    /// Create a zero-filled memfd of `len` bytes, readable and writable by its owner only,
+    /// and seal its size.
     pub fn create(name: &str, len: u64) -> io::Result<Memfd> {
         let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::fchmod(&fd, rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR)?;
         rustix::fs::ftruncate(&fd, len)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         Ok(Memfd { fd, len })

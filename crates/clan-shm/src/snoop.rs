@@ -27,37 +27,54 @@ use crate::trip::{self, Access, Fired, TripTable};
 /// Bound on re-lookups while the index keeps changing under a transfer.
 pub const MAX_REDO: u32 = 16;
 
-/// The watched side of a transfer: an index and the tripwire table it points into.
+/// The watched side of a transfer: an index (with its entries) and the table of the event
+/// queue its tripwires report to.
 #[derive(Debug, Clone, Copy)]
 pub struct Watch<'a> {
     /// The index.
     pub cam: &'a CamView<'a>,
-    /// The tripwire table of the queue the index's tripwires belong to.
+    /// The queue's bitmap and tripset words ([`TripTable::EMPTY`] for a process that does not
+    /// fire the tripwires itself).
     pub table: &'a TripTable<'a>,
     /// Tag of the index (entries from elsewhere are ignored).
     pub tag: u64,
 }
 
-/// Where firings go: the futex to wake sleepers with, and the event queue producer.
+/// Where firings go.
 pub trait Sink {
     /// Futex implementation.
     type F: Futex;
     /// The futex.
     fn futex(&self) -> &Self::F;
-    /// Post a tripwire event for entry `(index, generation)`.
-    fn post(&self, index: u32, generation: u32, access: Access);
+    /// Post a tripwire event for queue index `qindex` of generation `generation`.
+    fn post(&self, qindex: u32, generation: u32, access: Access);
+    /// Fire candidate `c` of `watch` for `access` (its watched bytes are in place and the
+    /// caller has fenced); returns whether it fired. By default the entry is fired here
+    /// ([`trip::fire`]) and its event posted with [`Sink::post`]; a process that does not own
+    /// the index instead tells the owner, which fires it (`clan`'s claims).
+    fn fire(&self, watch: &Watch<'_>, c: &Candidate, access: Access) -> bool {
+        fire_here(self, watch, c, access)
+    }
+}
+
+/// The default [`Sink::fire`]: fire the entry here and post its event with `sink`.
+pub fn fire_here<S: Sink + ?Sized>(sink: &S, watch: &Watch<'_>, c: &Candidate, access: Access) -> bool {
+    let Some(e) = watch.cam.entries.get(c.index as usize) else {
+        return false;
+    };
+    match trip::fire(e, c.generation, access, watch.table, sink.futex()) {
+        Fired::No => false,
+        Fired::Yes => true,
+        Fired::PostEvent { qindex } => {
+            sink.post(qindex, c.generation, access);
+            true
+        }
+    }
 }
 
 /// Fire one candidate; returns 1 if it fired.
 fn fire_one(watch: &Watch<'_>, sink: &impl Sink, c: &Candidate, access: Access) -> u32 {
-    match trip::fire(watch.table, c.index, c.generation, access, sink.futex()) {
-        Fired::No => 0,
-        Fired::Yes => 1,
-        Fired::PostEvent => {
-            sink.post(c.index, c.generation, access);
-            1
-        }
-    }
+    u32::from(sink.fire(watch, c, access))
 }
 
 /// Move `len` bytes at watched offset `off` with `mover(offset, len)`, firing the tripwires
@@ -127,7 +144,7 @@ fn move_firing<E>(
         mover(off, len)?;
         return Ok(0);
     }
-    watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+    watch.cam.collect(watch.tag, off, end, access, scratch);
     scratch.sort_unstable_by_key(|c| stop(c, write_end));
     let mut cursor = off;
     for c in scratch.iter() {
@@ -163,7 +180,7 @@ fn fire_complete(
     scratch.clear();
     let mut fired = 0;
     if watch.cam.may_match(off, end) {
-        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+        watch.cam.collect(watch.tag, off, end, access, scratch);
         for c in scratch.iter() {
             if stop(c, write_end) <= end {
                 fired += fire_one(watch, sink, c, access);
@@ -189,7 +206,7 @@ pub fn next_stop(
         return end;
     }
     scratch.clear();
-    watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+    watch.cam.collect(watch.tag, off, end, access, scratch);
     scratch.iter().map(|c| stop(c, write_end.max(end))).filter(|&s| s > off).min().unwrap_or(end).min(end)
 }
 
@@ -229,7 +246,7 @@ fn redo(
     while epoch != seen_epoch && rounds < MAX_REDO && off < end {
         rounds += 1;
         let done = scratch.len();
-        watch.cam.collect(watch.table, watch.tag, off, end, access, scratch);
+        watch.cam.collect(watch.tag, off, end, access, scratch);
         for c in &scratch[done..] {
             if stop(c, write_end) <= end {
                 fired += fire_one(watch, sink, c, access);

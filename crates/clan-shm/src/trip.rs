@@ -1,9 +1,11 @@
 //! Tripwire entries and the fire / wait protocols.
 //!
-//! A tripwire is one [`TripEntry`] in the tripwire table of an event queue's segment, linked
-//! into the content-addressable index ([`crate::cam`]) of the aperture (or mapping) it
-//! watches. The owner of the queue allocates, arms and frees entries; any process that moves
-//! data through a watched range *fires* them ([`fire`]).
+//! A tripwire is one [`TripEntry`] in the index ([`crate::cam`]) of the aperture (or mapping)
+//! it watches, linked into that index's lists, plus a bit in the fired bitmap and a tripset
+//! word of the event queue it reports to ([`TripTable`], indexed by the entry's `qindex`). The
+//! owner of the index allocates, arms and frees entries; whoever moves data through a watched
+//! range *fires* them ([`fire`]) — the owner's process itself; another process only reads the
+//! index and asks the owner to fire (`crate::snoop::Sink`).
 //!
 //! ## The `state` word
 //!
@@ -113,7 +115,9 @@ pub struct TripEntry {
     pub waiters: AtomicU32,
     /// The counter action.
     pub count: AtomicU64,
-    _pad: AtomicU64,
+    /// The entry's index in its event queue's table (its fired bit, its identity in events).
+    pub qindex: AtomicU32,
+    _r: AtomicU32,
 }
 
 impl TripEntry {
@@ -129,7 +133,8 @@ impl TripEntry {
             seq: AtomicU32::new(0),
             waiters: AtomicU32::new(0),
             count: AtomicU64::new(0),
-            _pad: AtomicU64::new(0),
+            qindex: AtomicU32::new(0),
+            _r: AtomicU32::new(0),
         }
     }
 }
@@ -163,21 +168,25 @@ impl Default for TripsetWord {
     }
 }
 
-/// The tripwire table of one event queue.
+/// The event queue's part of its tripwires: the fired bitmap (one bit per queue index) and
+/// the tripset wake words. Empty for a process that only reads an index (it never fires).
 #[derive(Clone, Copy)]
 pub struct TripTable<'a> {
-    /// Entries.
-    pub entries: &'a [TripEntry],
-    /// Fired bitmap, one bit per entry.
+    /// Fired bitmap, one bit per queue index.
     pub bitmap: &'a [AtomicU64],
     /// Tripset wake words.
     pub tripsets: &'a [TripsetWord],
 }
 
+impl TripTable<'_> {
+    /// A table with no bitmap and no tripsets.
+    pub const EMPTY: TripTable<'static> = TripTable { bitmap: &[], tripsets: &[] };
+}
+
 impl std::fmt::Debug for TripTable<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TripTable")
-            .field("entries", &self.entries.len())
+            .field("bits", &(self.bitmap.len() * 64))
             .field("tripsets", &self.tripsets.len())
             .finish_non_exhaustive()
     }
@@ -191,19 +200,29 @@ pub enum Fired {
     No,
     /// It fired; no event to post.
     Yes,
-    /// It fired and its event action is on: post a tripwire event for `(index, generation)`.
-    PostEvent,
+    /// It fired and its event action is on: post a tripwire event for queue index `qindex`
+    /// (of the generation fired).
+    PostEvent {
+        /// The entry's queue index.
+        qindex: u32,
+    },
 }
 
-/// Fire entry `index` of generation `generation` for `access`, if it is armed.
+/// Whether entry `e` of generation `generation` would fire for `access` now (live, armed,
+/// watching that access): the look of a process that may not fire it itself.
+pub fn would_fire(e: &TripEntry, generation_: u32, access: Access) -> bool {
+    let s = e.state.load(Ordering::Acquire);
+    let fl = flags(s);
+    generation(s) == generation_ && fl & (LIVE | ARMED) == (LIVE | ARMED) && fl & access.flag() != 0
+}
+
+/// Fire entry `e` of generation `generation` for `access`, if it is armed, with the actions
+/// that live in its queue's `table`.
 ///
 /// Performs the bitmap and counter actions, bumps `seq` and the tripset word and wakes their
 /// sleepers. Posting the event (if [`Fired::PostEvent`]) is left to the caller, who holds the
 /// producer ring.
-pub fn fire(table: &TripTable<'_>, index: u32, generation_: u32, access: Access, futex: &impl Futex) -> Fired {
-    let Some(e) = table.entries.get(index as usize) else {
-        return Fired::No;
-    };
+pub fn fire(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'_>, futex: &impl Futex) -> Fired {
     let mut s = e.state.load(Ordering::Acquire);
     let fl = loop {
         let fl = flags(s);
@@ -219,10 +238,12 @@ pub fn fire(table: &TripTable<'_>, index: u32, generation_: u32, access: Access,
             Err(now) => s = now,
         }
     };
+    // Written before the entry went live (`publish`), like the range.
+    let qindex = e.qindex.load(Ordering::Relaxed);
     if fl & ACT_BITMAP != 0 {
-        if let Some(w) = table.bitmap.get(index as usize / 64) {
+        if let Some(w) = table.bitmap.get(qindex as usize / 64) {
             // SYNC POINT: pairs with `test_bit`'s Acquire load.
-            w.fetch_or(1u64 << (index % 64), Ordering::Release);
+            w.fetch_or(1u64 << (qindex % 64), Ordering::Release);
         }
     }
     if fl & ACT_COUNTER != 0 {
@@ -246,10 +267,11 @@ pub fn fire(table: &TripTable<'_>, index: u32, generation_: u32, access: Access,
             futex.wake(&w.seq);
         }
     }
-    if fl & ACT_EVENT != 0 { Fired::PostEvent } else { Fired::Yes }
+    if fl & ACT_EVENT != 0 { Fired::PostEvent { qindex } } else { Fired::Yes }
 }
 
-/// Owner: make free entry `e` live as generation `generation` watching `[start, end)`.
+/// Owner: make free entry `e` live as generation `generation` watching `[start, end)`, with
+/// queue index `qindex`.
 /// The fields are written while the entry is not live, then `state` publishes them.
 ///
 /// The leading `fence(Release)` is the seqlock writer's: a reader that sees any field value
@@ -258,8 +280,9 @@ pub fn fire(table: &TripTable<'_>, index: u32, generation_: u32, access: Access,
 /// Without it, a walker led astray by a reused entry's new `next` could read a stale `epoch`
 /// after its transfer and skip the re-lookup that repairs the walk (found by loom:
 /// `relink_under_walker_still_fires`).
-pub fn publish(e: &TripEntry, generation_: u32, flags_: u32, start: u64, end: u64, tag: u64) {
+pub fn publish(e: &TripEntry, generation_: u32, flags_: u32, start: u64, end: u64, tag: u64, qindex: u32) {
     fence(Ordering::Release);
+    e.qindex.store(qindex, Ordering::Relaxed);
     e.start.store(start, Ordering::Relaxed);
     e.end.store(end, Ordering::Relaxed);
     e.tag.store(tag, Ordering::Relaxed);

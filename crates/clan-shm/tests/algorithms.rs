@@ -44,8 +44,9 @@ impl Sink for RecSink<'_> {
 fn add(eq: &EqModel, cam: &CamModel, owner: &mut CamOwner, index: u32, start: u64, end: u64, fl: u32) {
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
-    trip::publish(&v.table.entries[index as usize], 1, fl | wide, start, end, TAG);
-    owner.insert(&cam.view(), &v.table, index, start, end);
+    let _ = v;
+    trip::publish(&cam.view().entries[index as usize], 1, fl | wide, start, end, TAG, index);
+    owner.insert(&cam.view(), index, start, end);
 }
 
 #[test]
@@ -109,7 +110,7 @@ fn ring_corrupt_head_is_reported_not_followed() {
 #[test]
 fn watched_bytes_are_visible_first_then_the_rest() {
     let eq = EqModel::new(params());
-    let cam_m = CamModel::new(4096);
+    let cam_m = CamModel::new(4096, 64);
     let mut owner = CamOwner::new();
     // Tripwires on bytes [64, 72) and [1000, 1008); a 4 KiB write covering both.
     add(&eq, &cam_m, &mut owner, 3, 64, 72, ARMED | ON_WRITE | ACT_EVENT);
@@ -140,7 +141,7 @@ fn watched_bytes_are_visible_first_then_the_rest() {
 #[test]
 fn once_only_counter_bitmap_and_access_kinds() {
     let eq = EqModel::new(params());
-    let cam_m = CamModel::new(8192);
+    let cam_m = CamModel::new(8192, 64);
     let mut owner = CamOwner::new();
     add(&eq, &cam_m, &mut owner, 1, 0, 8, ARMED | ONCE | ON_WRITE | ACT_BITMAP | ACT_COUNTER);
     add(&eq, &cam_m, &mut owner, 2, 0, 8, ARMED | ON_READ | ACT_COUNTER);
@@ -155,7 +156,7 @@ fn once_only_counter_bitmap_and_access_kinds() {
     assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 4, 2, &mut scratch, nop).unwrap(), 1, "once-only");
     assert_eq!(snoop::transfer(Access::Read, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(), 2);
     assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 8000, 8, &mut scratch, nop).unwrap(), 1, "wide only");
-    let e = &v.table.entries;
+    let e = &cam_v.entries;
     let count = |i: usize| e[i].count.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!((count(1), count(2), count(5)), (1, 1, 4));
     assert!(trip::test_bit(&v.table, 1));
@@ -172,22 +173,23 @@ fn once_only_counter_bitmap_and_access_kinds() {
 #[test]
 fn corrupted_index_costs_time_not_safety() {
     let eq = EqModel::new(params());
-    let cam_m = CamModel::new(4096);
+    let cam_m = CamModel::new(4096, 64);
     let v = eq.view();
     let cv = cam_m.view();
     use std::sync::atomic::Ordering::Relaxed;
     // A cycle: entry 0 -> 1 -> 0, both claiming our tag, and garbage heads.
-    trip::publish(&v.table.entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG);
-    trip::publish(&v.table.entries[1], 1, ARMED | ON_WRITE, 0, 8, TAG);
-    v.table.entries[0].next.store(2, Relaxed);
-    v.table.entries[1].next.store(1, Relaxed);
+    let _ = &v;
+    trip::publish(&cv.entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0);
+    trip::publish(&cv.entries[1], 1, ARMED | ON_WRITE, 0, 8, TAG, 1);
+    cv.entries[0].next.store(2, Relaxed);
+    cv.entries[1].next.store(1, Relaxed);
     cv.heads[0].store(1, Relaxed);
     cv.heads[1].store(u32::MAX, Relaxed);
     cv.watch[0].store(u64::MAX, Relaxed);
     cv.wide[0].store(u64::MAX, Relaxed);
     cv.header.wide_head.store(77777, Relaxed);
     let mut out = Vec::new();
-    let consistent = cv.collect(&v.table, TAG, 0, 4096, Access::Write, &mut out);
+    let consistent = cv.collect(TAG, 0, 4096, Access::Write, &mut out);
     assert!(!consistent);
     let idx: Vec<u32> = out.iter().map(|c| c.index).collect();
     assert_eq!(idx, vec![0, 1], "each real entry reported once despite the cycle");
@@ -217,7 +219,7 @@ proptest! {
         writes in prop::collection::vec((0u64..8192, 1u64..5000), 1..20),
     ) {
         let eq = EqModel::new(EqParams { nrings: 1, ring_cap: 8, trip_cap: 64, tripset_cap: 1 });
-        let cam_m = CamModel::new(8192);
+        let cam_m = CamModel::new(8192, 64);
         let mut owner = CamOwner::new();
         let mut live: Vec<(u32, Tw)> = Vec::new();
         for (i, t) in tws.iter().enumerate() {
@@ -230,8 +232,8 @@ proptest! {
         for r in removals {
             if live.is_empty() { break; }
             let (i, t) = live.remove(r.index(live.len()));
-            trip::retire(&v.table.entries[i as usize]);
-            owner.remove(&cv, &v.table, i, t.start, t.start + t.len);
+            trip::retire(&cv.entries[i as usize]);
+            owner.remove(&cv, i, t.start, t.start + t.len);
         }
         prop_assert_eq!(owner.len(), live.len());
         let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
@@ -244,9 +246,9 @@ proptest! {
                 .map(|(i, _)| *i).collect();
             expect.sort();
             let mut out = Vec::new();
-            cv.collect(&v.table, TAG, off, off + len, Access::Write, &mut out);
+            cv.collect(TAG, off, off + len, Access::Write, &mut out);
             let mut found: Vec<u32> = out.iter()
-                .filter(|c| trip::flags(v.table.entries[c.index as usize].state.load(std::sync::atomic::Ordering::Relaxed)) & ARMED != 0)
+                .filter(|c| trip::flags(cv.entries[c.index as usize].state.load(std::sync::atomic::Ordering::Relaxed)) & ARMED != 0)
                 .map(|c| c.index).collect();
             found.sort();
             prop_assert_eq!(&found, &expect);
@@ -269,7 +271,7 @@ proptest! {
         use_next_stop in any::<bool>(),
     ) {
         let eq = EqModel::new(EqParams { nrings: 1, ring_cap: 64, trip_cap: 64, tripset_cap: 1 });
-        let cam_m = CamModel::new(8192);
+        let cam_m = CamModel::new(8192, 64);
         let mut owner = CamOwner::new();
         for (i, t) in tws.iter().enumerate() {
             add(&eq, &cam_m, &mut owner, i as u32, t.start, t.start + t.len, ARMED | ON_WRITE | ACT_EVENT);

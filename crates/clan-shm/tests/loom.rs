@@ -44,7 +44,7 @@ impl Sink for LoomSink {
     fn futex(&self) -> &ModelFutex {
         &self.futex
     }
-    fn post(&self, _index: u32, _generation: u32, _access: Access) {
+    fn post(&self, _qindex: u32, _generation: u32, _access: Access) {
         self.posts.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -52,8 +52,9 @@ impl Sink for LoomSink {
 fn add(eq: &EqModel, cam_m: &CamModel, owner: &mut CamOwner, index: u32, start: u64, end: u64, fl: u32) {
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
-    trip::publish(&v.table.entries[index as usize], 1, fl | wide, start, end, TAG);
-    owner.insert(&cam_m.view(), &v.table, index, start, end);
+    let _ = v;
+    trip::publish(&cam_m.view().entries[index as usize], 1, fl | wide, start, end, TAG, index);
+    owner.insert(&cam_m.view(), index, start, end);
 }
 
 /// Two producer processes (rings 0 and 1) and a consumer that sleeps whenever it finds the
@@ -131,18 +132,21 @@ fn ring_same_ring_order() {
 fn once_only_fires_exactly_once() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        trip::publish(&eq.view().table.entries[0], 1, ARMED | ONCE | ON_WRITE | ACT_COUNTER, 0, 8, TAG);
+        let cam_m = Arc::new(CamModel::new(64, 4));
+        trip::publish(&cam_m.view().entries[0], 1, ARMED | ONCE | ON_WRITE | ACT_COUNTER, 0, 8, TAG, 0);
         let futex = Arc::new(ModelFutex::default());
         let ts: Vec<_> = (0..2)
             .map(|_| {
-                let eq = eq.clone();
-                let futex = futex.clone();
-                thread::spawn(move || trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex) != trip::Fired::No)
+                let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
+                thread::spawn(move || {
+                    let e = &cam_m.view().entries[0];
+                    trip::fire(e, 1, Access::Write, &eq.view().table, &*futex) != trip::Fired::No
+                })
             })
             .collect();
         let wins = ts.into_iter().map(|t| t.join().unwrap()).filter(|&w| w).count();
         assert_eq!(wins, 1);
-        assert_eq!(eq.view().table.entries[0].count.load(Ordering::Relaxed), 1);
+        assert_eq!(cam_m.view().entries[0].count.load(Ordering::Relaxed), 1);
     });
 }
 
@@ -152,7 +156,7 @@ fn once_only_fires_exactly_once() {
 fn arm_by_insert_vs_write() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        let cam_m = Arc::new(CamModel::new(256));
+        let cam_m = Arc::new(CamModel::new(256, 4));
         let data = Arc::new(AtomicU64::new(0));
         let sink = Arc::new(LoomSink::new());
         let writer = {
@@ -183,7 +187,7 @@ fn arm_by_insert_vs_write() {
 fn arm_by_enable_vs_write() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        let cam_m = Arc::new(CamModel::new(256));
+        let cam_m = Arc::new(CamModel::new(256, 4));
         let mut owner = CamOwner::new();
         add(&eq, &cam_m, &mut owner, 0, 0, 8, ON_WRITE | ACT_COUNTER);
         let data = Arc::new(AtomicU64::new(0));
@@ -202,7 +206,7 @@ fn arm_by_enable_vs_write() {
                 .unwrap()
             })
         };
-        assert!(trip::set_armed(&eq.view().table.entries[0], 1, true));
+        assert!(trip::set_armed(&cam_m.view().entries[0], 1, true));
         let saw = data.load(Ordering::Relaxed) == 1;
         let fired = writer.join().unwrap();
         assert!(fired == 1 || saw, "lost wake-up");
@@ -214,16 +218,18 @@ fn arm_by_enable_vs_write() {
 fn tripwire_wait_no_lost_wakeup() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        trip::publish(&eq.view().table.entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG);
+        let cam_m = Arc::new(CamModel::new(64, 4));
+        trip::publish(&cam_m.view().entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0);
         let futex = Arc::new(ModelFutex::default());
         let firer = {
-            let (eq, futex) = (eq.clone(), futex.clone());
+            let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
             thread::spawn(move || {
-                trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex);
+                trip::fire(&cam_m.view().entries[0], 1, Access::Write, &eq.view().table, &*futex);
             })
         };
         let v = eq.view();
-        let e = &v.table.entries[0];
+        let cv = cam_m.view();
+        let e = &cv.entries[0];
         let ok = trip::wait_until(&e.seq, &e.waiters, std::time::Duration::ZERO, None, &*futex, || {
             e.seq.load(Ordering::Acquire) != 0
         });
@@ -237,16 +243,18 @@ fn tripwire_wait_no_lost_wakeup() {
 fn tripset_link_vs_fire() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        trip::publish(&eq.view().table.entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG);
+        let cam_m = Arc::new(CamModel::new(64, 4));
+        trip::publish(&cam_m.view().entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0);
         let futex = Arc::new(ModelFutex::default());
         let firer = {
-            let (eq, futex) = (eq.clone(), futex.clone());
+            let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
             thread::spawn(move || {
-                trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex);
+                trip::fire(&cam_m.view().entries[0], 1, Access::Write, &eq.view().table, &*futex);
             })
         };
         let v = eq.view();
-        let e = &v.table.entries[0];
+        let cv = cam_m.view();
+        let e = &cv.entries[0];
         let ts = &v.table.tripsets[0];
         // Link the member and record its sequence, then wait on the set's word.
         e.tripset.store(1, Ordering::Relaxed);
@@ -265,7 +273,7 @@ fn tripset_link_vs_fire() {
 fn relink_under_walker_still_fires() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        let cam_m = Arc::new(CamModel::new(2048));
+        let cam_m = Arc::new(CamModel::new(2048, 4));
         let mut owner = CamOwner::new();
         add(&eq, &cam_m, &mut owner, 1, 8, 16, ARMED | ON_WRITE | ACT_COUNTER); // B
         add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER); // A, head
@@ -280,14 +288,14 @@ fn relink_under_walker_still_fires() {
                 snoop::transfer(Access::Write, &watch, &*sink, 8, 8, &mut scratch, |_, _| Ok::<(), ()>(())).unwrap();
             })
         };
-        let v = eq.view();
-        let a = &v.table.entries[0];
+        let cv = cam_m.view();
+        let a = &cv.entries[0];
         trip::retire(a);
-        owner.remove(&cam_m.view(), &v.table, 0, 0, 8);
-        trip::publish(a, 2, ARMED | ON_WRITE, 1024, 1032, TAG);
-        owner.insert(&cam_m.view(), &v.table, 0, 1024, 1032);
+        owner.remove(&cv, 0, 0, 8);
+        trip::publish(a, 2, ARMED | ON_WRITE, 1024, 1032, TAG, 0);
+        owner.insert(&cv, 0, 1024, 1032);
         writer.join().unwrap();
-        assert_eq!(v.table.entries[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
+        assert_eq!(cv.entries[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
     });
 }
 
@@ -296,7 +304,7 @@ fn relink_under_walker_still_fires() {
 fn arm_by_insert_vs_word_store_commit() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
-        let cam_m = Arc::new(CamModel::new(256));
+        let cam_m = Arc::new(CamModel::new(256, 4));
         let data = Arc::new(AtomicU64::new(0));
         let sink = Arc::new(LoomSink::new());
         let writer = {
@@ -431,7 +439,7 @@ fn write_then_store_vs_arm() {
     for on_flag in [true, false] {
         model(move || {
             let eq = Arc::new(EqModel::new(tiny()));
-            let cam_m = Arc::new(CamModel::new(256));
+            let cam_m = Arc::new(CamModel::new(256, 4));
             let mut owner = CamOwner::new();
             // The flag at 128..136, the message at 0..8.
             if on_flag {
@@ -465,7 +473,7 @@ fn write_then_store_vs_arm() {
                 })
             };
             let saw = if on_flag {
-                assert!(trip::set_armed(&eq.view().table.entries[0], 1, true));
+                assert!(trip::set_armed(&cam_m.view().entries[0], 1, true));
                 flag.load(Ordering::Acquire) == 1
             } else {
                 add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER);

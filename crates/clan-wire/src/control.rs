@@ -11,7 +11,7 @@
 //! ```text
 //! requests                                     replies
 //!  1 Hello    nic, pid u32                     0x81 HelloOk  nic
-//!  2 Import   importer, want_eq u8, desc       0x82 ImportOk grant (import id, geometry, …)
+//!  2 Import   importer, desc                   0x82 ImportOk grant (import id, geometry, port, …)
 //!  3 Unimport import_id u64      (no reply)    0x83 Ok
 //!  4 Oob      from, to_port u32, payload [40]  0x84 Err      code u16, detail
 //!  5 OobOneWay  the same, no reply
@@ -74,8 +74,6 @@ pub enum Request {
     Import {
         /// The importing endpoint.
         importer: EndpointId,
-        /// Send the event queue's descriptors even if this connection had them before.
-        want_eq: bool,
         /// The descriptor.
         desc: Vec<u8>,
     },
@@ -116,28 +114,23 @@ pub struct ImportGrant {
     pub import_id: u64,
     /// Length of the whole aperture.
     pub aperture_len: u64,
-    /// Data capacity (page multiple) = offset of the index in the memfd.
+    /// Data capacity (page multiple): the size of the data memfd.
     pub cap: u64,
+    /// Tripwire entries of the aperture's index (the index memfd's geometry).
+    pub slots: u32,
     /// The event queue's id on the serving NIC.
     pub eq_id: u32,
-    /// Its geometry.
-    pub nrings: u32,
-    /// Its geometry.
+    /// The importing process's port in that queue (its memfd and eventfd follow the
+    /// aperture's two memfds).
+    pub port: u64,
+    /// The port's ring capacity (its geometry).
     pub ring_cap: u32,
-    /// Its geometry.
-    pub trip_cap: u32,
-    /// Its geometry.
-    pub tripset_cap: u32,
-    /// The producer ring the importer posts on.
-    pub ring: u32,
     /// The aperture index's tag.
     pub tag: u64,
     /// The revocation word's live value.
     pub live: u64,
-    /// Mapped read-only.
+    /// The data memfd is a read-only open.
     pub read_only: bool,
-    /// The event queue's memfd and eventfd follow the aperture memfd.
-    pub eq_fds: bool,
 }
 
 /// Error codes of [`Reply::Err`].
@@ -273,10 +266,9 @@ impl Request {
                 put_addr(&mut w, *nic);
                 w.extend_from_slice(&pid.to_le_bytes());
             }
-            Request::Import { importer, want_eq, desc } => {
+            Request::Import { importer, desc } => {
                 let d = &desc[..desc.len().min(MAX_DESC)];
                 put_ep(&mut w, *importer);
-                w.push(u8::from(*want_eq));
                 w.extend_from_slice(&(d.len() as u16).to_le_bytes());
                 w.extend_from_slice(d);
             }
@@ -310,12 +302,11 @@ impl Request {
             1 => Request::Hello { nic: r.addr()?, pid: r.u32()? },
             2 => {
                 let importer = get_ep(&mut r)?;
-                let want_eq = get_bool(&mut r)?;
                 let n = r.u16()? as usize;
                 if n > MAX_DESC {
                     return Err(WireError::TooLarge { kind: 2, len: n as u64 });
                 }
-                Request::Import { importer, want_eq, desc: r.take(n)?.to_vec() }
+                Request::Import { importer, desc: r.take(n)?.to_vec() }
             }
             3 => Request::Unimport { import_id: r.u64()? },
             k @ (4 | 5) => {
@@ -358,13 +349,13 @@ impl Reply {
                 for v in [g.import_id, g.aperture_len, g.cap] {
                     w.extend_from_slice(&v.to_le_bytes());
                 }
-                for v in [g.eq_id, g.nrings, g.ring_cap, g.trip_cap, g.tripset_cap, g.ring] {
+                for v in [g.slots, g.eq_id, g.ring_cap] {
                     w.extend_from_slice(&v.to_le_bytes());
                 }
-                w.extend_from_slice(&g.tag.to_le_bytes());
-                w.extend_from_slice(&g.live.to_le_bytes());
+                for v in [g.port, g.tag, g.live] {
+                    w.extend_from_slice(&v.to_le_bytes());
+                }
                 w.push(u8::from(g.read_only));
-                w.push(u8::from(g.eq_fds));
             }
             Reply::Ok => {}
             Reply::Err { code, detail } => {
@@ -392,16 +383,13 @@ impl Reply {
                 import_id: r.u64()?,
                 aperture_len: r.u64()?,
                 cap: r.u64()?,
+                slots: r.u32()?,
                 eq_id: r.u32()?,
-                nrings: r.u32()?,
                 ring_cap: r.u32()?,
-                trip_cap: r.u32()?,
-                tripset_cap: r.u32()?,
-                ring: r.u32()?,
+                port: r.u64()?,
                 tag: r.u64()?,
                 live: r.u64()?,
                 read_only: get_bool(&mut r)?,
-                eq_fds: get_bool(&mut r)?,
             }),
             0x83 => Reply::Ok,
             0x84 => {
@@ -660,7 +648,7 @@ mod tests {
         let ep = EndpointId { nic: "10.77.0.1:7000".parse().unwrap(), port: 9 };
         let reqs = [
             Request::Hello { nic: "[::1]:5".parse().unwrap(), pid: 42 },
-            Request::Import { importer: ep, want_eq: true, desc: vec![1, 2, 3] },
+            Request::Import { importer: ep, desc: vec![1, 2, 3] },
             Request::Unimport { import_id: u64::MAX },
             Request::Oob { from: ep, to_port: 3, payload: [7; 40], reply: true },
             Request::Oob { from: ep, to_port: 3, payload: [7; 40], reply: false },

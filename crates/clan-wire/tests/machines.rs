@@ -194,7 +194,7 @@ fn seed_corpus() {
         b
     };
     let hello = Request::Hello { nic, pid: 7 }.encode(1);
-    let import = Request::Import { importer: ep, want_eq: true, desc: vec![0x43; 100] }.encode(2);
+    let import = Request::Import { importer: ep, desc: vec![0x43; 100] }.encode(2);
     let oob = Request::Oob { from: ep, to_port: 1, payload: [1; 40], reply: true }.encode(3);
     let forged = Request::Oob {
         from: EndpointId { nic: "10.77.0.9:1".parse().unwrap(), port: 1 },

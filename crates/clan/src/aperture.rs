@@ -1,11 +1,11 @@
 //! Apertures: page-aligned regions of memory an endpoint exports.
 //!
-//! Each aperture is one sealed memfd laid out as `[data (page multiple)][index]`: the data
-//! that importers map, and the aperture's tripwire index (`clan_shm::cam`) that every
-//! importer reads to snoop its own writes. Protection between processes is per aperture:
-//! an importer receives this memfd only (read-only if its descriptor grants reading only),
-//! never any other memory. A descriptor narrowed to a sub-range is enforced by the NIC on
-//! every access; the kernel-enforced unit is the aperture.
+//! Each aperture is two sealed memfds, both `0600` (`clan_shm::memfd`): its data (a page
+//! multiple), and its tripwire index (`clan_shm::cam`: the lists and the entries) that every
+//! importer reads to snoop its own writes. An importer of the whole aperture receives the
+//! data memfd (a read-only open of it if its descriptor grants reading only) and a read-only
+//! open of the index — never any other memory, and nothing it could write but the data it
+//! was granted.
 //!
 //! The owner accesses its aperture as local memory ([`Aperture::write`], [`Aperture::load_u64`],
 //! …): those are plain loads and stores, invisible to the NIC, exactly like the CPU's
@@ -39,35 +39,55 @@ use crate::window::{Window, check_align, check_range};
 /// Largest aperture.
 pub const MAX_APERTURE: u64 = 1 << 40;
 
+/// Most tripwire entries of one aperture's index.
+pub const MAX_SLOTS: u32 = 1 << 20;
+
+/// The size of the index memfd of an aperture of capacity `cap` with `slots` entries.
+pub(crate) fn index_len(cap: u64, slots: u32) -> u64 {
+    segment::page_align(CamLayout::new(cap, slots).size) as u64
+}
+
 /// The recyclable memory of an aperture.
 #[derive(Debug)]
 pub(crate) struct ApertureMem {
+    /// The data.
     pub memfd: Memfd,
+    /// The index.
+    pub index_fd: Memfd,
     pub seg: Arc<Segment>,
     pub cam: Arc<CamMap>,
-    /// Data capacity (a page multiple); also the offset of the index in the memfd.
+    /// Data capacity (a page multiple).
     pub cap: u64,
+    /// Tripwire entries of the index.
+    pub slots: u32,
 }
 
 impl ApertureMem {
     pub fn create(cap: u64) -> Result<ApertureMem, ExportError> {
-        let index_len = segment::page_align(CamLayout::new(cap).size) as u64;
-        let total = cap + index_len;
-        let memfd = Memfd::create("clan-aperture", total).map_err(|e| fd_or_io(e, "creating the aperture memfd"))?;
+        let slots = CamLayout::default_cap(cap, MAX_SLOTS);
+        let index_len = index_len(cap, slots);
+        let memfd = Memfd::create("clan-aperture", cap).map_err(|e| fd_or_io(e, "creating the aperture memfd"))?;
+        let index_fd =
+            Memfd::create("clan-index", index_len).map_err(|e| fd_or_io(e, "creating the aperture index memfd"))?;
         let seg = Arc::new(
-            Segment::map(&memfd, 0, total as usize, SegAccess::ReadWrite)
+            Segment::map(&memfd, 0, cap as usize, SegAccess::ReadWrite)
                 .map_err(|source| ExportError::Io { context: "mapping the aperture", source })?,
         );
-        let cam = Arc::new(CamMap::new(seg.clone(), cap as usize, cap).map_err(|e| ExportError::Io {
+        let index_seg = Arc::new(
+            Segment::map(&index_fd, 0, index_len as usize, SegAccess::ReadWrite)
+                .map_err(|source| ExportError::Io { context: "mapping the aperture index", source })?,
+        );
+        let cam = Arc::new(CamMap::new(index_seg, 0, cap, slots).map_err(|e| ExportError::Io {
             context: "laying out the aperture index",
             source: std::io::Error::other(e),
         })?);
-        Ok(ApertureMem { memfd, seg, cam, cap })
+        Ok(ApertureMem { memfd, index_fd, seg, cam, cap, slots })
     }
 
     /// Zero data and index (returns the pages to the system).
     pub fn reset(&self) -> std::io::Result<()> {
-        self.memfd.zero(0, self.memfd.len())
+        self.memfd.zero(0, self.memfd.len())?;
+        self.index_fd.zero(0, self.index_fd.len())
     }
 
     /// Initialise the index header for a new export.

@@ -145,8 +145,13 @@ impl NicConfig {
 pub struct EventQueueConfig {
     /// Events each producer process can have outstanding before overflow (power of two).
     pub ring_capacity: u32,
-    /// Producer processes (rings), including this one; at most 256.
+    /// Other processes that may post into the queue (each gets a port: a ring of its own,
+    /// `ring_capacity` events), at most [`crate::MAX_PRODUCERS`]; an import from a process
+    /// beyond them is refused ([`crate::ImportError::TooManyProducers`]).
     pub producers: u32,
+    /// Of the `producers`, at most this many processes of one user (uid): one user cannot
+    /// take every port (at most `producers`).
+    pub producers_per_user: u32,
     /// Tripwires of all endpoints using the queue.
     pub tripwires: u32,
     /// Tripsets of all endpoints using the queue.
@@ -159,7 +164,8 @@ impl Default for EventQueueConfig {
     fn default() -> Self {
         EventQueueConfig {
             ring_capacity: 4096,
-            producers: 64,
+            producers: 1024,
+            producers_per_user: 64,
             tripwires: 65536,
             tripsets: 1024,
             spin: Duration::from_micros(15),

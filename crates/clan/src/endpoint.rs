@@ -290,6 +290,7 @@ fn import_local(inner: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping
             tag: w.tag,
             live: w.live,
             port: w.port.clone(),
+            claim: None,
             peer_alive: None,
         };
         Ok(Mapping::new(inner, desc, crate::transport::Via::Mapped(window), Keep::Local(ap)))

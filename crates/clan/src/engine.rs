@@ -995,8 +995,8 @@ impl Run {
                     return Some(why);
                 }
                 Step::Serve(id, req) => match req {
-                    Request::Import { importer, want_eq, desc } => {
-                        match nic.grant_import(c, EndpointAddr::from(importer), want_eq, &desc) {
+                    Request::Import { importer, desc } => {
+                        match nic.grant_import(c, EndpointAddr::from(importer), &desc) {
                             Ok((grant, fds)) => (Some((id, Reply::ImportOk(grant))), fds),
                             Err((code, detail)) => (Some((id, Reply::Err { code, detail })), Vec::new()),
                         }

@@ -1,11 +1,11 @@
-//! Event queues: tripwire, out-of-band, disconnect and user events, delivered into memory
-//! shared with their producers.
+//! Event queues: tripwire, out-of-band, disconnect and user events.
 //!
-//! A queue is one memfd ([`clan_shm::eq`]): a ring per producing process, the tripwire table
-//! of the endpoints that use the queue, their fired bitmap and tripset words. Posting and
-//! taking are O(1) and need no system call; a consumer spins for [`EventQueueConfig::spin`]
-//! and then sleeps on a futex, and the queue's eventfd ([`EventQueue::as_fd`]) makes it a
-//! member of any epoll/mio/tokio loop.
+//! A queue is memory of this process only ([`clan_shm::eq`]): our ring, the fired bitmap and
+//! the tripset words of the endpoints that use it. Other processes reach it through *ports*
+//! (`crate::port`): one ring of their own each, which the queue pumps, checking what they
+//! claim. Posting and taking are O(1) and need no system call; a consumer spins for
+//! [`EventQueueConfig::spin`] and then sleeps (`crate::wake`), and the queue's descriptor
+//! ([`EventQueue::as_fd`]) makes it a member of any epoll/mio/tokio loop.
 //!
 //! ## The file descriptor
 //!
@@ -37,19 +37,19 @@ use std::time::Duration;
 
 use clan_shm::eq::{EQ_MAGIC, EqLayout, EqMap, EqParams, EqView};
 use clan_shm::eventfd::EventFd;
-use clan_shm::memfd::Memfd;
-use clan_shm::ring::{self, ARM_FD, Consumer, Producer, Taken};
-use clan_shm::segment::{Access as SegAccess, Segment};
+use clan_shm::ring::{self, ARM_FD, ARM_FUTEX, Consumer, Producer, Taken};
+use clan_shm::segment::Segment;
 use clan_shm::snoop::Sink;
-use clan_shm::sync::SharedFutex;
 use clan_shm::trip::{self, Access};
 
 use crate::config::EventQueueConfig;
 use crate::error::EventQueueError;
 use crate::lock;
 use crate::nic::NicInner;
+use crate::port::Ports;
 use crate::progress::{self, Deadline};
 use crate::tripwire::TripwireId;
+use crate::wake::{QueueFutex, Sleepers};
 
 const KIND_TRIP: u64 = 1;
 const KIND_OOB: u64 = 2;
@@ -58,6 +58,8 @@ const KIND_USER: u64 = 4;
 const KIND_READ: u64 = 5;
 const KIND_DMA: u64 = 6;
 const KIND_NOTIFY: u64 = 7;
+const KIND_CLAIM: u64 = 8;
+const KIND_OVERFLOW: u64 = 9;
 
 /// One event as it travels through a ring: four words, written here and read back here only
 /// ([`Word::encode`], [`Word::decode`]). Words from another process's ring are untrusted:
@@ -78,8 +80,13 @@ pub(crate) enum Word {
     /// A DMA request completed; `failure` is [`crate::dma::failure_code`], 0 for success
     /// (this process only).
     Dma { endpoint: u32, tag: u64, failure: u8 },
-    /// A writer says a message landed (any producer).
+    /// A writer says a message landed (a port's process, or this one).
     Notification { aperture: u32, generation: u32, offset: u64, len: u64 },
+    /// Another process asks the owner to fire the tripwire in entry `slot` (of `generation`)
+    /// of aperture `(aperture, ap_generation)`'s index, for `access` (ports only: `crate::port`).
+    Claim { aperture: u32, ap_generation: u32, slot: u32, generation: u32, access: Access },
+    /// A port lost `lost` events (this process only, relaying it).
+    Overflow { lost: u64 },
 }
 
 impl Word {
@@ -101,6 +108,19 @@ impl Word {
             Word::Notification { aperture, generation, offset, len } => {
                 [KIND_NOTIFY, u64::from(aperture) | (u64::from(generation) << 32), offset, len]
             }
+            Word::Claim { aperture, ap_generation, slot, generation, access } => {
+                let a = match access {
+                    Access::Read => 1,
+                    Access::Write => 2,
+                };
+                [
+                    KIND_CLAIM | (a << 8),
+                    u64::from(aperture) | (u64::from(ap_generation) << 32),
+                    u64::from(slot) | (u64::from(generation) << 32),
+                    0,
+                ]
+            }
+            Word::Overflow { lost } => [KIND_OVERFLOW, lost, 0, 0],
         }
     }
 
@@ -125,13 +145,20 @@ impl Word {
             KIND_NOTIFY => {
                 Word::Notification { aperture: w[1] as u32, generation: (w[1] >> 32) as u32, offset: w[2], len: w[3] }
             }
+            KIND_CLAIM => Word::Claim {
+                aperture: w[1] as u32,
+                ap_generation: (w[1] >> 32) as u32,
+                slot: w[2] as u32,
+                generation: (w[2] >> 32) as u32,
+                access: match sub {
+                    1 => Access::Read,
+                    2 => Access::Write,
+                    _ => return None,
+                },
+            },
+            KIND_OVERFLOW => Word::Overflow { lost: w[1] },
             _ => return None,
         })
-    }
-
-    /// Whether only the consumer's own process may post it (on its ring 0).
-    pub fn local_only(&self) -> bool {
-        !matches!(self, Word::Trip { .. } | Word::Notification { .. })
     }
 }
 
@@ -212,14 +239,19 @@ pub struct EventQueueStats {
     pub malformed: u64,
     /// Events of tripwires destroyed or unregistered since, dropped.
     pub stale: u64,
+    /// Other processes with a port in the queue (`EventQueueConfig::producers`).
+    pub producers: u64,
 }
 
-/// The producer side of one queue in this process: its mapping, our ring and the eventfd.
+/// Where this process posts events: ring 0 of one of its own queues, or its port in
+/// another process's queue (`crate::port`).
 #[derive(Debug)]
 pub(crate) struct EqPort {
     pub map: EqMap,
     pub producer: Mutex<Producer>,
     pub eventfd: Arc<EventFd>,
+    /// Our own queue's sleepers (None for a port in another process's queue).
+    pub sleepers: Option<Arc<Sleepers>>,
 }
 
 impl EqPort {
@@ -227,11 +259,16 @@ impl EqPort {
         self.map.view()
     }
 
+    /// The futex its posts (and our firings) wake sleepers with.
+    pub fn futex(&self) -> QueueFutex<'_> {
+        QueueFutex { sleepers: self.sleepers.as_deref() }
+    }
+
     /// Post an event on our ring; signals the eventfd if the consumer asked for it.
     pub fn post(&self, word: Word) -> bool {
         let posted = {
             let mut p = lock(&self.producer);
-            p.post(&self.view().rings(), word.encode(), &SharedFutex)
+            p.post(&self.view().rings(), word.encode(), &self.futex())
         };
         if posted.signal_fd {
             self.eventfd.signal();
@@ -239,24 +276,51 @@ impl EqPort {
         posted.stored
     }
 
-    pub fn sink(&self) -> PortSink<'_> {
-        PortSink { port: self }
+    /// Where the firings of an index go: fired here (`claim` None: the index is ours), or
+    /// claimed from the owner of aperture `claim` (another process's aperture).
+    pub fn sink(&self, claim: Option<ClaimTo>) -> PortSink<'_> {
+        PortSink { port: self, claim, futex: self.futex() }
     }
 }
 
-/// Posts tripwire firings into a queue.
-#[derive(Debug)]
-pub(crate) struct PortSink<'a> {
-    port: &'a EqPort,
+/// The aperture a port's claims name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ClaimTo {
+    pub aperture: u32,
+    pub generation: u32,
 }
 
-impl Sink for PortSink<'_> {
-    type F = SharedFutex;
-    fn futex(&self) -> &SharedFutex {
-        &SharedFutex
+/// Posts tripwire firings into a queue, or claims them (see [`EqPort::sink`]).
+pub(crate) struct PortSink<'a> {
+    port: &'a EqPort,
+    claim: Option<ClaimTo>,
+    futex: QueueFutex<'a>,
+}
+
+impl<'a> Sink for PortSink<'a> {
+    type F = QueueFutex<'a>;
+    fn futex(&self) -> &QueueFutex<'a> {
+        &self.futex
     }
     fn post(&self, index: u32, generation: u32, access: Access) {
         self.port.post(Word::Trip { index, generation, access });
+    }
+    fn fire(&self, watch: &clan_shm::snoop::Watch<'_>, c: &clan_shm::cam::Candidate, access: Access) -> bool {
+        let Some(to) = self.claim else {
+            return clan_shm::snoop::fire_here(self, watch, c, access);
+        };
+        let Some(e) = watch.cam.entries.get(c.index as usize) else {
+            return false;
+        };
+        // The owner fires it: ask, if it would fire now.
+        trip::would_fire(e, c.generation, access)
+            && self.port.post(Word::Claim {
+                aperture: to.aperture,
+                ap_generation: to.generation,
+                slot: c.index,
+                generation: c.generation,
+                access,
+            })
     }
 }
 
@@ -278,30 +342,24 @@ struct TripAlloc {
     tripsets_free: Vec<u32>,
 }
 
-/// Which producer owns which ring.
-#[derive(Debug)]
-struct RingAlloc {
-    /// `owner[r]`: connection id owning ring r (0 = free; ring 0 is ours).
-    owner: Vec<u64>,
-    /// Rings whose producer is gone, to be reset before reuse.
-    retired: Vec<usize>,
-}
-
+/// One of our event queues: its ring (ring 0: this process's posts), its tripwires' bitmap and
+/// tripset words — all private to this process — and the ports of other processes
+/// (`crate::port`).
 pub(crate) struct EqInner {
     pub id: u32,
     pub nic: Weak<NicInner>,
     pub config: EventQueueConfig,
     pub layout: EqLayout,
-    pub memfd: Memfd,
     pub port: Arc<EqPort>,
+    pub sleepers: Arc<Sleepers>,
+    pub ports: Ports,
     consumer: Mutex<Consumer>,
     trips: Mutex<TripAlloc>,
     meta: RwLock<Vec<TripMeta>>,
-    rings: Mutex<RingAlloc>,
-    delivered: AtomicU64,
-    lost: AtomicU64,
-    malformed: AtomicU64,
-    stale: AtomicU64,
+    pub delivered: AtomicU64,
+    pub lost: AtomicU64,
+    pub malformed: AtomicU64,
+    pub stale: AtomicU64,
 }
 
 impl std::fmt::Debug for EqInner {
@@ -312,18 +370,25 @@ impl std::fmt::Debug for EqInner {
 
 pub(crate) fn params_of(config: &EventQueueConfig) -> Result<EqParams, EventQueueError> {
     let p = EqParams {
-        nrings: config.producers,
+        nrings: 1,
         ring_cap: config.ring_capacity,
         trip_cap: config.tripwires,
         tripset_cap: config.tripsets,
     };
-    if !p.is_valid() {
+    if !p.is_valid()
+        || !(1..=MAX_PRODUCERS).contains(&config.producers)
+        || !(1..=config.producers).contains(&config.producers_per_user)
+    {
         return Err(EventQueueError::Config(format!(
-            "producers must be 1..=256, ring_capacity a power of two up to 2^20, tripwires and tripsets at most 2^24 (got {p:?})"
+            "ring_capacity must be a power of two up to 2^20, tripwires and tripsets at most 2^24, producers \
+             1..={MAX_PRODUCERS} and producers_per_user 1..=producers (got {config:?})"
         )));
     }
     Ok(p)
 }
+
+/// Most ports (producer processes) of one queue.
+pub const MAX_PRODUCERS: u32 = 1 << 16;
 
 impl EqInner {
     pub(crate) fn create(
@@ -334,10 +399,8 @@ impl EqInner {
         let params = params_of(&config)?;
         let layout = EqLayout::new(params);
         let io = |context: &'static str| move |source| EventQueueError::Io { context, source };
-        let memfd = Memfd::create("clan-eq", layout.size as u64).map_err(io("creating the event queue memfd"))?;
-        let seg = Arc::new(
-            Segment::map(&memfd, 0, layout.size, SegAccess::ReadWrite).map_err(io("mapping the event queue"))?,
-        );
+        // Private memory: no other process ever maps any of it (they post on ports).
+        let seg = Arc::new(Segment::anonymous(layout.size).map_err(io("mapping the event queue"))?);
         let map = EqMap::new(seg, layout).map_err(|e| EventQueueError::Io {
             context: "laying out the event queue",
             source: std::io::Error::other(e),
@@ -351,20 +414,20 @@ impl EqInner {
             h.magic.store(EQ_MAGIC, Ordering::Release);
         }
         let eventfd = Arc::new(EventFd::new().map_err(io("creating the event queue eventfd"))?);
-        let port = Arc::new(EqPort { map, producer: Mutex::new(Producer::new(0)), eventfd });
-        let mut owner = vec![0u64; params.nrings as usize];
-        owner[0] = u64::MAX;
+        let sleepers = Arc::new(Sleepers::new(eventfd.clone()).map_err(io("creating the event queue's epoll"))?);
+        let port =
+            Arc::new(EqPort { map, producer: Mutex::new(Producer::new(0)), eventfd, sleepers: Some(sleepers.clone()) });
         Ok(Arc::new(EqInner {
             id,
             nic,
             config,
             layout,
-            memfd,
             port,
-            consumer: Mutex::new(Consumer::new(params.nrings as usize)),
+            sleepers,
+            ports: Ports::default(),
+            consumer: Mutex::new(Consumer::new(1)),
             trips: Mutex::new(TripAlloc::default()),
             meta: RwLock::new(Vec::new()),
-            rings: Mutex::new(RingAlloc { owner, retired: Vec::new() }),
             delivered: AtomicU64::new(0),
             lost: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
@@ -409,19 +472,16 @@ impl EqInner {
         lock(&self.trips).free.push_back(index);
     }
 
-    pub fn set_registration(&self, index: u32, generation: u32, cookie: Option<u64>) -> bool {
+    /// Register queue index `index` (whose entry is `entry`) for events with `cookie`, or
+    /// unregister it.
+    pub fn set_registration(&self, entry: &trip::TripEntry, index: u32, generation: u32, cookie: Option<u64>) -> bool {
         let mut meta = self.meta.write().unwrap_or_else(|e| e.into_inner());
         match meta.get_mut(index as usize) {
             Some(m) if m.live && m.generation == generation => {
                 m.registered = cookie.is_some();
                 m.cookie = cookie.unwrap_or(0);
                 drop(meta);
-                trip::set_flags(
-                    &self.view().table.entries[index as usize],
-                    generation,
-                    trip::ACT_EVENT,
-                    cookie.is_some(),
-                )
+                trip::set_flags(entry, generation, trip::ACT_EVENT, cookie.is_some())
             }
             _ => false,
         }
@@ -442,54 +502,10 @@ impl EqInner {
         lock(&self.trips).tripsets_free.push(slot);
     }
 
-    /// Give producer `conn` a ring: its existing one, a free one, or a retired one (reset).
-    pub fn ring_for(&self, conn: u64) -> Option<u32> {
-        let mut ra = lock(&self.rings);
-        if let Some(r) = ra.owner.iter().position(|&o| o == conn) {
-            return Some(r as u32);
-        }
-        let free = (1..ra.owner.len()).find(|&r| ra.owner[r] == 0 && !ra.retired.contains(&r));
-        let r = match free {
-            Some(r) => r,
-            None => {
-                // Reuse a ring whose producer died: drop what it left and reset it.
-                let r = ra.retired.pop()?;
-                let mut c = lock(&self.consumer);
-                let v = self.view();
-                let h = v.ring_headers[r];
-                let left = h.head.load(Ordering::Acquire).wrapping_sub(c.tail(r));
-                if left != 0 && left <= u64::from(self.layout.params.ring_cap) {
-                    self.lost.fetch_add(left, Ordering::Relaxed);
-                }
-                h.head.store(0, Ordering::Relaxed);
-                h.tail.store(0, Ordering::Relaxed);
-                h.overflow.store(0, Ordering::Relaxed);
-                c.reset_ring(r);
-                r
-            }
-        };
-        ra.owner[r] = conn;
-        Some(r as u32)
-    }
-
-    /// Producer `conn` is gone: make the consumer drain what it published, and retire its
-    /// ring for later reuse.
-    pub fn release_rings(&self, conn: u64) {
-        let mut ra = lock(&self.rings);
-        for r in 1..ra.owner.len() {
-            if ra.owner[r] == conn {
-                ra.owner[r] = 0;
-                ra.retired.insert(0, r);
-                // A producer killed between publishing and setting its summary bit: set it.
-                self.view().header.words.summary[r / 64].fetch_or(1 << (r % 64), Ordering::AcqRel);
-            }
-        }
-    }
-
     fn decode(&self, ring: usize, w: [u64; 4]) -> Option<Event> {
         let word = match Word::decode(w) {
-            // Only our own process posts these, on ring 0.
-            Some(word) if ring == 0 || !word.local_only() => word,
+            // Only our own process posts on our ring (ring 0); ports are pumped.
+            Some(word) if ring == 0 => word,
             _ => {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
                 return None;
@@ -531,10 +547,42 @@ impl EqInner {
             Word::Notification { aperture, generation, offset, len } => {
                 Event::Notification { aperture, generation, offset, len }
             }
+            Word::Overflow { lost } => Event::Overflow { lost },
+            // Ports carry claims, applied when pumped (`crate::port`); never our ring.
+            Word::Claim { .. } => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
         })
     }
 
+    /// Take one event: from our ring, else from what the ports hold (pumped into it).
     pub fn try_take(&self) -> Option<Event> {
+        if let Some(ev) = self.take_own() {
+            return Some(ev);
+        }
+        // The ports' events come straight to this thread (the first one: the others go on
+        // our ring, for any consumer), without waking anyone for them.
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            if !self.pump_into(Some(&mut got)) {
+                break;
+            }
+            let mut words = got.drain(..);
+            while let Some(w) = words.next() {
+                if let Some(ev) = self.decode(0, w.encode()) {
+                    self.delivered.fetch_add(1, Ordering::Relaxed);
+                    for rest in words {
+                        self.post_local(rest);
+                    }
+                    return Some(ev);
+                }
+            }
+        }
+        None
+    }
+
+    fn take_own(&self) -> Option<Event> {
         let mut c = lock(&self.consumer);
         let v = self.view();
         let rings = v.rings();
@@ -559,15 +607,21 @@ impl EqInner {
         }
     }
 
-    /// Arm for `mode`; exact: stale summary bits are settled before answering.
+    /// Arm our ring and the ports for `mode`; whether all are empty (exact for our ring:
+    /// stale summary bits are settled before answering).
     pub fn arm(&self, mode: u32) -> bool {
+        let own = self.arm_own(mode);
+        self.arm_ports(mode) && own
+    }
+
+    /// Arm our ring for `mode`; whether it is empty.
+    pub fn arm_own(&self, mode: u32) -> bool {
         let v = self.view();
         let rings = v.rings();
-        if ring::arm(&rings, mode) {
-            return true;
+        ring::arm(&rings, mode) || {
+            lock(&self.consumer).settle(&rings);
+            !ring::maybe_nonempty(&rings)
         }
-        lock(&self.consumer).settle(&rings);
-        !ring::maybe_nonempty(&rings)
     }
 
     /// Post an event from this process (on our ring, ring 0 of our own queues).
@@ -644,7 +698,16 @@ impl EventQueue {
                     return;
                 }
             }
-            ring::sleep(&self.inner.view().rings(), &SharedFutex, nap);
+            let i = &self.inner;
+            let v = i.view();
+            let words = &v.header.words;
+            // SYNC POINT: read the wake word before arming, so that a post after our arming
+            // makes the sleep return at once (pairs with the producer's `fetch_add(Release)`).
+            let seen = words.wake.load(Ordering::Acquire);
+            // The ports are armed by the sleep itself (as the leader).
+            if i.arm_own(ARM_FUTEX) {
+                i.sleep(&words.wake, seen, nap);
+            }
         };
         progress::wait(spin, Deadline::after(timeout), None, poll, sleep).ok_or(EventQueueError::Timeout)
     }
@@ -653,11 +716,20 @@ impl EventQueue {
     /// `true` if the queue is empty (sleep: the descriptor becomes readable when an event is
     /// posted), `false` if events are pending (the descriptor is left readable: take them).
     pub fn arm(&self) -> bool {
-        let port = &self.inner.port;
-        port.eventfd.drain();
-        let empty = self.inner.arm(ARM_FD);
+        let i = &self.inner;
+        // Reset what is readable (the queue's eventfd and the ports'), then arm everything.
+        let mut events = Vec::with_capacity(16);
+        let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+        if rustix::event::epoll::wait(i.sleepers.fd(), rustix::buffer::spare_capacity(&mut events), Some(&zero)).is_ok()
+        {
+            for ev in &events {
+                let id = ev.data.u64();
+                i.drain(id);
+            }
+        }
+        let empty = i.arm(ARM_FD);
         if !empty {
-            port.eventfd.signal();
+            i.sleepers.notify.signal();
         }
         empty
     }
@@ -676,6 +748,7 @@ impl EventQueue {
             lost: i.lost.load(Ordering::Relaxed),
             malformed: i.malformed.load(Ordering::Relaxed),
             stale: i.stale.load(Ordering::Relaxed),
+            producers: i.port_count() as u64,
         }
     }
 
@@ -703,13 +776,13 @@ impl EventQueue {
 
 impl AsFd for EventQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.inner.port.eventfd.as_fd()
+        self.inner.sleepers.fd()
     }
 }
 
 impl AsRawFd for EventQueue {
     fn as_raw_fd(&self) -> RawFd {
-        self.inner.port.eventfd.as_raw_fd()
+        self.inner.sleepers.fd().as_raw_fd()
     }
 }
 

@@ -68,11 +68,13 @@ mod link;
 mod mapping;
 mod nic;
 mod peer;
+mod port;
 mod progress;
 mod remote;
 mod transport;
 mod tripset;
 mod tripwire;
+mod wake;
 mod window;
 
 /// Lock `m`, taking the data of a poisoned lock as it is: a panic elsewhere never leaves
@@ -97,7 +99,7 @@ pub use error::{
     AccessError, Denial, DescriptorError, DmaError, DmaFailure, EndpointError, EventQueueError, ExportError,
     ImportError, NicError, OobError, TripwireError,
 };
-pub use event_queue::{Event, EventQueue, EventQueueStats};
+pub use event_queue::{Event, EventQueue, EventQueueStats, MAX_PRODUCERS};
 pub use mapping::{Mapping, PendingRead};
 pub use nic::{Nic, NicStats, fd_limit};
 pub use tripset::Tripset;

@@ -353,10 +353,11 @@ impl Mapping {
         let owner = match i.outgoing.get() {
             Some(o) => o.clone(),
             None => {
-                let layout = CamLayout::new(i.len);
+                let slots = CamLayout::default_cap(i.len, crate::aperture::MAX_SLOTS);
+                let layout = CamLayout::new(i.len, slots);
                 let seg = Segment::anonymous(segment::page_align(layout.size))
                     .map_err(|_| TripwireError::TableFull { capacity: i.importer_eq.layout.params.trip_cap })?;
-                let cam = CamMap::new(Arc::new(seg), 0, i.len).map_err(|_| TripwireError::Stale)?;
+                let cam = CamMap::new(Arc::new(seg), 0, i.len, slots).map_err(|_| TripwireError::Stale)?;
                 let tag = (1u64 << 63) | i.serial;
                 let mut o = WatchOwner::new(i.importer_eq.clone(), Arc::new(cam), tag, i.len, 0, i.importer_port);
                 // Weak: the mapping owns the index, not the other way round.
@@ -444,7 +445,7 @@ impl WatchOwner {
     pub(crate) fn fire_range(&self, access: Access, off: u64, len: u64) -> u32 {
         let v = self.eq.view();
         let watch = clan_shm::snoop::Watch { cam: self.cam.view(), table: &v.table, tag: self.tag };
-        let sink = self.eq.port.sink();
+        let sink = self.eq.port.sink(None);
         with_scratch(|s| clan_shm::snoop::commit(access, &watch, &sink, off + self.base, len, s))
     }
 }

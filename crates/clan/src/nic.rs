@@ -686,6 +686,7 @@ impl NicInner {
             tag,
             live: live_state(generation),
             port: eq.port.clone(),
+            claim: None,
             peer_alive: None,
         };
         let inner = Arc::new(ApertureInner {
@@ -825,9 +826,10 @@ impl NicInner {
         for m in recycle {
             self.recycle(m);
         }
-        // Retire the producer rings of that process in every queue it was given.
+        // Retire the ports of that process (if this was its last connection) in every queue
+        // it was given one.
         for a in self.all_queues(&c.eqs) {
-            a.release_rings(c.id);
+            a.release_conn(c.id);
         }
     }
 
@@ -841,10 +843,9 @@ impl NicInner {
         &self,
         c: &mut Conn,
         importer: EndpointAddr,
-        want_eq: bool,
         desc: &[u8],
     ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
-        let r = self.grant_import_inner(c, importer, want_eq, desc);
+        let r = self.grant_import_inner(c, importer, desc);
         match &r {
             Ok((g, _)) => {
                 self.imports_granted.fetch_add(1, Ordering::Relaxed);
@@ -862,7 +863,6 @@ impl NicInner {
         &self,
         c: &mut Conn,
         importer: EndpointAddr,
-        want_eq: bool,
         desc: &[u8],
     ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
         let refused = |r: Refusal| (Code::from(r), r.to_string());
@@ -881,15 +881,19 @@ impl NicInner {
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
         let ap_fd =
             if read_only { mem.memfd.reopen_read_only() } else { mem.memfd.try_clone_fd() }.map_err(internal)?;
+        let index_fd = mem.index_fd.reopen_read_only().map_err(internal)?;
         let eq = ap.watch.eq.clone();
-        let ring = eq.ring_for(c.id).ok_or_else(|| refused(Refusal::TooManyProducers))?;
-        // The queue's descriptors go with every import (the importer maps a queue it does not
-        // know yet and closes the copies of one it does): concurrent imports through one
-        // connection never depend on each other's order.
-        let _ = want_eq;
-        let eq_fds = true;
-        let fds =
-            vec![ap_fd, eq.memfd.try_clone_fd().map_err(internal)?, eq.port.eventfd.try_clone_fd().map_err(internal)?];
+        // The process's port in the aperture's queue (its ring; its claims are honoured on
+        // this aperture from now on). Sent with every import: concurrent imports through one
+        // connection never depend on each other's order; the importer keeps one mapping.
+        let port = eq.port_for(c.cred.pid, c.cred.uid, c.id).map_err(refused)?;
+        eq.grant(&port, ap.id, ap.generation, desc.rights());
+        let fds = vec![
+            ap_fd,
+            index_fd,
+            port.memfd.try_clone_fd().map_err(internal)?,
+            port.eventfd.try_clone_fd().map_err(internal)?,
+        ];
         c.eqs.insert(eq.id);
         self.remember_queue(&eq);
         let import_id = self.next_serial();
@@ -901,22 +905,18 @@ impl NicInner {
                 s.holders.insert(c.id);
             }
         }
-        let params = eq.layout.params;
         Ok((
             ImportGrant {
                 import_id,
                 aperture_len: ap.len,
                 cap: mem.cap,
+                slots: mem.slots,
                 eq_id: eq.id,
-                nrings: params.nrings,
-                ring_cap: params.ring_cap,
-                trip_cap: params.trip_cap,
-                tripset_cap: params.tripset_cap,
-                ring,
+                port: port.id,
+                ring_cap: eq.layout.params.ring_cap,
                 tag: ap.watch.tag,
                 live: live_state(ap.generation),
                 read_only,
-                eq_fds,
             },
             fds,
         ))

@@ -15,16 +15,13 @@
 //! against the descriptor and the memfds' real (sealed) sizes.
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use clan_shm::cam::CamLayout;
-use clan_shm::eq::{CamMap, EqLayout, EqMap, EqParams};
-use clan_shm::eventfd::EventFd;
+use clan_shm::eq::CamMap;
 use clan_shm::memfd::Memfd;
-use clan_shm::ring::Producer;
 use clan_shm::segment::{self, Access as SegAccess, Segment};
 use clan_shm::seqpacket::SeqPacket;
 use clan_wire::control::{Code, ImportGrant, MAX_MSG, Reply, Request};
@@ -33,7 +30,6 @@ use crate::addr::NicAddr;
 use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
 use crate::error::ImportError;
-use crate::event_queue::EqPort;
 use crate::lock;
 use crate::mapping::{Keep, Mapping};
 use crate::window::Window;
@@ -117,8 +113,6 @@ pub(crate) struct PeerConn {
     /// False once the peer NIC is known to be gone (its process died or its NIC closed):
     /// every mapping made through this connection fails from then on.
     pub alive: Arc<AtomicBool>,
-    /// Event queues of that NIC we produce into, by queue id.
-    pub eqs: Mutex<HashMap<u32, Arc<EqPort>>>,
     /// Told the engine to watch this peer's liveness.
     watched: AtomicBool,
 }
@@ -157,7 +151,6 @@ impl PeerConn {
             broken: AtomicBool::new(false),
             next_id: AtomicU32::new(1),
             alive: Arc::new(AtomicBool::new(true)),
-            eqs: Mutex::new(HashMap::new()),
             watched: AtomicBool::new(false),
         }
     }
@@ -443,7 +436,7 @@ impl std::fmt::Debug for PendingImport {
 }
 
 fn request(ep: &EndpointInner, desc: &Descriptor) -> Request {
-    Request::Import { importer: ep.addr.into(), want_eq: false, desc: desc.to_bytes() }
+    Request::Import { importer: ep.addr.into(), desc: desc.to_bytes() }
 }
 
 /// Import `desc`, exported by another NIC of this host, for endpoint `ep`, by `deadline`.
@@ -490,7 +483,7 @@ pub(crate) fn finish_import(
 ) -> Result<Mapping, ImportError> {
     let nic = &ep.nic;
     let PendingImport { peer, sent } = p;
-    let (reply, mut fds) = peer.finish(sent, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
+    let (reply, fds) = peer.finish(sent, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
     // The engine watches the exporter: when its process dies, our mappings of it fail.
     nic.watch(&peer);
     let g = match reply {
@@ -505,45 +498,32 @@ pub(crate) fn finish_import(
     };
     // From here on the exporter counts the import: release it on every error path.
     let guard = ImportGuard { peer: peer.clone(), import_id: g.import_id };
-    if !g.eq_fds || fds.len() != 3 {
-        return Err(protocol(desc.nic(), format!("{} descriptors received, 3 expected", fds.len())));
+    if fds.len() != 4 {
+        return Err(protocol(desc.nic(), format!("{} descriptors received, 4 expected", fds.len())));
     }
     check_grant(desc, &g).map_err(|d| protocol(desc.nic(), d))?;
-    let eventfd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
-    let eq_fd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
-    let port = {
-        // The queue is mapped once (several imports may bring its descriptors at once); the
-        // copies of a queue we know are closed here.
-        let mut eqs = lock(&peer.eqs);
-        match eqs.get(&g.eq_id) {
-            Some(p) => p.clone(),
-            None => {
-                let port = Arc::new(map_eq(&g, eq_fd, eventfd).map_err(|e| match e {
-                    MapErr::Io(e, ctx) => fd_err(e, ctx),
-                    MapErr::Bad(d) => protocol(desc.nic(), d),
-                })?);
-                eqs.insert(g.eq_id, port.clone());
-                port
-            }
-        }
-    };
-    if lock(&port.producer).ring() != g.ring as usize {
-        return Err(protocol(desc.nic(), "producer ring changed"));
-    }
-    let ap_fd = fds.pop().ok_or_else(|| protocol(desc.nic(), "descriptor missing"))?;
-    let index_len = segment::page_align(CamLayout::new(g.cap).size) as u64;
-    let memfd =
-        Memfd::adopt(ap_fd, g.cap + index_len).map_err(|e| protocol(desc.nic(), format!("aperture memfd: {e}")))?;
+    let mut fds = fds.into_iter();
+    let mut next = || fds.next().ok_or_else(|| protocol(desc.nic(), "descriptor missing"));
+    let (ap_fd, index_fd, port_fd, eventfd) = (next()?, next()?, next()?, next()?);
+    // Our port in the exporter's queue: mapped once per process (several imports, and
+    // several NICs of this process, may bring its descriptors at once).
+    let port = crate::port::attach(desc.nic(), g.eq_id, g.port, g.ring_cap, port_fd, eventfd)
+        .map_err(|d| protocol(desc.nic(), d))?;
+    let index_len = crate::aperture::index_len(g.cap, g.slots);
+    let memfd = Memfd::adopt(ap_fd, g.cap).map_err(|e| protocol(desc.nic(), format!("aperture memfd: {e}")))?;
+    let index_fd =
+        Memfd::adopt(index_fd, index_len).map_err(|e| protocol(desc.nic(), format!("aperture index memfd: {e}")))?;
     let page = segment::page_size() as u64;
     let start = desc.offset() / page * page;
     let end = (desc.offset() + desc.len()).div_ceil(page) * page;
     let access = if g.read_only { SegAccess::ReadOnly } else { SegAccess::ReadWrite };
     let data =
         Segment::map(&memfd, start, (end - start) as usize, access).map_err(|e| fd_err(e, "mapping the aperture"))?;
-    let cam_seg = Segment::map(&memfd, g.cap, index_len as usize, SegAccess::ReadOnly)
+    let cam_seg = Segment::map(&index_fd, 0, index_len as usize, SegAccess::ReadOnly)
         .map_err(|e| fd_err(e, "mapping the aperture index"))?;
-    let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap).map_err(|e| protocol(desc.nic(), e.to_string()))?;
-    drop(memfd); // the mappings keep the memory; the descriptor is no longer needed
+    let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap, g.slots).map_err(|e| protocol(desc.nic(), e.to_string()))?;
+    // The mappings keep the memory; the descriptors are no longer needed.
+    drop((memfd, index_fd));
     let window = Window {
         data: Arc::new(data),
         data_base: start,
@@ -551,6 +531,7 @@ pub(crate) fn finish_import(
         tag: g.tag,
         live: g.live,
         port,
+        claim: Some(crate::event_queue::ClaimTo { aperture: desc.aperture(), generation: desc.generation() }),
         peer_alive: Some(peer.alive.clone()),
     };
     tracing::debug!(exporter = %desc.nic(), importer = %ep.addr, aperture = desc.aperture(), "imported from a NIC of this host");
@@ -565,34 +546,14 @@ fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {
     if g.cap % page != 0 || g.cap < g.aperture_len || g.cap > crate::aperture::MAX_APERTURE {
         return Err("bad aperture capacity".into());
     }
+    if g.slots == 0 || g.slots > crate::aperture::MAX_SLOTS {
+        return Err("bad index geometry".into());
+    }
     if g.read_only == desc.rights().contains(Rights::WRITE) {
         return Err("granted access does not match the descriptor's rights".into());
     }
-    let params = EqParams { nrings: g.nrings, ring_cap: g.ring_cap, trip_cap: g.trip_cap, tripset_cap: g.tripset_cap };
-    if !params.is_valid() || g.ring == 0 || g.ring >= g.nrings {
-        return Err("bad event queue geometry".into());
+    if !g.ring_cap.is_power_of_two() || g.ring_cap > clan_shm::eq::MAX_RING_CAP {
+        return Err("bad port geometry".into());
     }
     Ok(())
-}
-
-enum MapErr {
-    Io(std::io::Error, &'static str),
-    Bad(String),
-}
-
-fn map_eq(g: &ImportGrant, eq_fd: OwnedFd, eventfd: OwnedFd) -> Result<EqPort, MapErr> {
-    let params = EqParams { nrings: g.nrings, ring_cap: g.ring_cap, trip_cap: g.trip_cap, tripset_cap: g.tripset_cap };
-    let layout = EqLayout::new(params);
-    let memfd = Memfd::adopt(eq_fd, layout.size as u64).map_err(|e| MapErr::Bad(format!("event queue memfd: {e}")))?;
-    let seg = Segment::map(memfd.as_fd(), 0, layout.size, SegAccess::ReadWrite)
-        .map_err(|e| MapErr::Io(e, "mapping the event queue"))?;
-    let map = EqMap::new(Arc::new(seg), layout).map_err(|e| MapErr::Bad(e.to_string()))?;
-    // Resume after whatever this process posted on the ring before (the ring is ours for the
-    // life of the connection); a fresh ring reads 0.
-    let head = map.view().ring_headers[g.ring as usize].head.load(Ordering::Acquire);
-    Ok(EqPort {
-        map,
-        producer: Mutex::new(Producer::resume(g.ring as usize, head)),
-        eventfd: Arc::new(EventFd::from_owned(eventfd)),
-    })
 }

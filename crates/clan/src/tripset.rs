@@ -5,19 +5,36 @@ use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use clan_shm::sync::SharedFutex;
 use clan_shm::trip;
 
 use crate::error::TripwireError;
 use crate::event_queue::EqInner;
 use crate::lock;
 use crate::progress::{self, Deadline};
-use crate::tripwire::{Tripwire, TripwireId};
+use crate::tripwire::{Tripwire, TripwireId, WatchOwner};
 
 #[derive(Debug)]
 struct Member {
     id: TripwireId,
+    /// Where its entry is.
+    owner: Arc<WatchOwner>,
+    slot: u32,
     last_seen: u32,
+}
+
+impl Member {
+    fn entry(&self) -> &trip::TripEntry {
+        &self.owner.cam.view().entries[self.slot as usize]
+    }
+
+    /// Whether the entry is still this member's (not destroyed, not reused).
+    fn is_live(&self) -> bool {
+        let e = self.entry();
+        let s = e.state.load(Ordering::Acquire);
+        trip::generation(s) == self.id.generation
+            && trip::flags(s) & trip::LIVE != 0
+            && e.qindex.load(Ordering::Relaxed) == self.id.index
+    }
 }
 
 /// A group of tripwires of one endpoint, waited on together. `Send` and `Sync`.
@@ -62,7 +79,7 @@ impl Tripset {
         // Linking before the waiters' fence: see `clan_shm::trip::fire` (reads the link after
         // its own fence), model-checked by `tripset_link_vs_fire`.
         e.tripset.store(self.slot + 1, Ordering::Relaxed);
-        m.push(Member { id: tw.id, last_seen });
+        m.push(Member { id: tw.id, owner: tw.owner.clone(), slot: tw.slot, last_seen });
         Ok(())
     }
 
@@ -90,15 +107,13 @@ impl Tripset {
 
     /// The members that fired since the last `poll`/`wait` (or since they were added).
     pub fn poll(&self) -> Vec<TripwireId> {
+        self.eq.pump();
         let mut m = lock(&self.members);
-        let table = &self.eq.view().table;
         let mut out = Vec::new();
         // Members destroyed since they were added are dropped from the set.
-        m.retain(|x| {
-            trip::generation(table.entries[x.id.index as usize].state.load(Ordering::Acquire)) == x.id.generation
-        });
+        m.retain(Member::is_live);
         for x in m.iter_mut() {
-            let now = table.entries[x.id.index as usize].seq.load(Ordering::Acquire);
+            let now = x.entry().seq.load(Ordering::Acquire);
             if now != x.last_seen {
                 x.last_seen = now;
                 out.push(x.id);
@@ -114,13 +129,16 @@ impl Tripset {
         let w = &v.table.tripsets[self.slot as usize];
         let fired = || {
             let m = lock(&self.members);
-            m.iter().any(|x| v.table.entries[x.id.index as usize].seq.load(Ordering::Acquire) != x.last_seen)
+            m.iter().any(|x| x.entry().seq.load(Ordering::Acquire) != x.last_seen)
         };
-        // Another waiter may take what fired first: then wait on.
-        let poll = || if fired() { Some(self.poll()).filter(|f| !f.is_empty()) } else { None };
+        // Another waiter may take what fired first: then wait on. (`poll` pumps the ports.)
+        let poll = || {
+            self.eq.pump();
+            if fired() { Some(self.poll()).filter(|f| !f.is_empty()) } else { None }
+        };
         let sleep = |nap: Option<Duration>| {
             let until = nap.map(|n| Instant::now() + n);
-            trip::wait_until(&w.seq, &w.waiters, Duration::ZERO, until, &SharedFutex, fired);
+            self.eq.wait_word(&w.seq, &w.waiters, until, fired);
         };
         progress::wait(self.eq.config.spin, Deadline::after(timeout), None, poll, sleep).ok_or(TripwireError::Timeout)
     }
@@ -129,14 +147,8 @@ impl Tripset {
 impl Drop for Tripset {
     fn drop(&mut self) {
         let m = self.members.get_mut().unwrap_or_else(|e| e.into_inner());
-        let table = &self.eq.view().table;
-        for x in m.drain(..) {
-            let _ = table.entries[x.id.index as usize].tripset.compare_exchange(
-                self.slot + 1,
-                0,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            );
+        for x in m.drain(..).filter(Member::is_live) {
+            let _ = x.entry().tripset.compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
         }
         self.eq.free_tripset(self.slot);
     }

@@ -44,11 +44,10 @@ use std::time::{Duration, Instant};
 
 use clan_shm::cam::{self, CamOwner};
 use clan_shm::eq::CamMap;
-use clan_shm::sync::SharedFutex;
 use clan_shm::trip::{self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, ON_WRITE, ONCE, WIDE};
 
 use crate::error::TripwireError;
-use crate::event_queue::{EqInner, EventQueue};
+use crate::event_queue::{EqInner, EventQueue, Word};
 use crate::lock;
 use crate::progress::{self, Deadline};
 
@@ -157,13 +156,30 @@ struct TripRecord {
     generation: u32,
     start: u64,
     end: u64,
+    /// Its entry in the index.
+    slot: u32,
 }
 
 #[derive(Debug, Default)]
 struct OwnerState {
     cam: CamOwner,
+    /// By queue index.
     trips: HashMap<u32, TripRecord>,
+    /// Entries of the index free for reuse (oldest first), and the first never used.
+    slots_free: std::collections::VecDeque<u32>,
+    slots_next: u32,
     dead: bool,
+}
+
+impl OwnerState {
+    fn alloc_slot(&mut self, cap: u32) -> Option<u32> {
+        // Reuse the oldest freed entry first, to keep stale references stale long.
+        if self.slots_free.len() > 64 || self.slots_next >= cap {
+            return self.slots_free.pop_front();
+        }
+        self.slots_next += 1;
+        Some(self.slots_next - 1)
+    }
 }
 
 /// The owner of one index (an aperture's, or a mapping's outgoing one) and its tripwires.
@@ -212,10 +228,12 @@ impl WatchOwner {
         if st.dead {
             return Err(TripwireError::Stale);
         }
-        let (index, generation) = self
-            .eq
-            .alloc_trip(self.endpoint)
-            .ok_or(TripwireError::TableFull { capacity: self.eq.layout.params.trip_cap })?;
+        let cap = self.cam.view().entries.len() as u32;
+        let slot = st.alloc_slot(cap).ok_or(TripwireError::TableFull { capacity: cap })?;
+        let Some((index, generation)) = self.eq.alloc_trip(self.endpoint) else {
+            st.slots_free.push_front(slot);
+            return Err(TripwireError::TableFull { capacity: self.eq.layout.params.trip_cap });
+        };
         let mut flags = cfg.on | cfg.actions.0;
         if cfg.once {
             flags |= ONCE;
@@ -229,21 +247,23 @@ impl WatchOwner {
         // The event action only takes effect once registered (below).
         flags &= !ACT_EVENT;
         let v = self.eq.view();
-        let entry = &v.table.entries[index as usize];
+        let cv = self.cam.view();
+        let entry = &cv.entries[slot as usize];
         let seq = entry.seq.load(Ordering::Acquire);
         trip::clear_bit(&v.table, index);
-        trip::publish(entry, generation, flags, start, end, self.tag);
-        st.cam.insert(self.cam.view(), &v.table, index, start, end);
-        st.trips.insert(index, TripRecord { generation, start, end });
+        trip::publish(entry, generation, flags, start, end, self.tag, index);
+        st.cam.insert(cv, slot, start, end);
+        st.trips.insert(index, TripRecord { generation, start, end, slot });
         drop(st);
         let tw = Tripwire {
             owner: self.clone(),
             id: crate::TripwireId { queue: self.eq.id, index, generation },
+            slot,
             range: cfg.range.clone(),
             last_seen: AtomicU32::new(seq),
         };
         if let Some(cookie) = cfg.cookie {
-            self.eq.set_registration(index, generation, Some(cookie));
+            self.eq.set_registration(entry, index, generation, Some(cookie));
         }
         Ok(tw)
     }
@@ -251,10 +271,11 @@ impl WatchOwner {
     fn remove_locked(&self, st: &mut OwnerState, index: u32, generation: u32) {
         if let Some(r) = st.trips.get(&index).copied().filter(|r| r.generation == generation) {
             st.trips.remove(&index);
-            let v = self.eq.view();
+            let cv = self.cam.view();
             // Order: retire, unlink (epoch bump), free; the next `publish` fences (trip.rs).
-            trip::retire(&v.table.entries[index as usize]);
-            st.cam.remove(self.cam.view(), &v.table, index, r.start, r.end);
+            trip::retire(&cv.entries[r.slot as usize]);
+            st.cam.remove(cv, r.slot, r.start, r.end);
+            st.slots_free.push_back(r.slot);
             self.eq.free_trip(index);
         }
     }
@@ -274,6 +295,33 @@ impl WatchOwner {
         }
     }
 
+    /// Fire the tripwire in entry `slot` (of `generation`) for `access`, if it is armed and
+    /// watches that access, as another process's claim asks (`crate::port`); the event to
+    /// post, if its event action is on.
+    pub fn fire_claim(&self, slot: u32, generation: u32, access: Access) -> Option<Word> {
+        let e = self.cam.view().entries.get(slot as usize)?;
+        let v = self.eq.view();
+        match trip::fire(e, generation, access, &v.table, &self.eq.port.futex()) {
+            trip::Fired::PostEvent { qindex } => Some(Word::Trip { index: qindex, generation, access }),
+            trip::Fired::Yes | trip::Fired::No => None,
+        }
+    }
+
+    /// Fire every armed tripwire of the index watching an access that `rights` allow (a
+    /// process lost claims: a spurious wake-up rather than a lost one).
+    pub fn fire_all(&self, rights: crate::Rights) {
+        let all: Vec<(u32, u32)> = self.lock().trips.values().map(|r| (r.slot, r.generation)).collect();
+        for (slot, generation) in all {
+            for (right, access) in [(crate::Rights::WRITE, Access::Write), (crate::Rights::READ, Access::Read)] {
+                if rights.contains(right) {
+                    if let Some(w) = self.fire_claim(slot, generation, access) {
+                        self.eq.post_local(w);
+                    }
+                }
+            }
+        }
+    }
+
     fn is_current(&self, index: u32, generation: u32) -> bool {
         self.lock().trips.get(&index).is_some_and(|r| r.generation == generation)
     }
@@ -286,6 +334,8 @@ const ALIVE_SLICE: Duration = Duration::from_millis(50);
 pub struct Tripwire {
     pub(crate) owner: Arc<WatchOwner>,
     pub(crate) id: TripwireId,
+    /// Its entry in the owner's index.
+    pub(crate) slot: u32,
     range: Range<u64>,
     /// The `seq` value the last `arm`/`wait`/`take_fired` observed.
     pub(crate) last_seen: AtomicU32,
@@ -313,7 +363,7 @@ impl Tripwire {
     }
 
     pub(crate) fn entry(&self) -> &clan_shm::trip::TripEntry {
-        &self.owner.eq.view().table.entries[self.id.index as usize]
+        &self.owner.cam.view().entries[self.slot as usize]
     }
 
     fn check(&self) -> Result<(), TripwireError> {
@@ -345,6 +395,7 @@ impl Tripwire {
     /// Its bit in the fired bitmap (bitmap action): set by firings, cleared by
     /// [`Tripwire::clear`]. A plain memory load.
     pub fn fired(&self) -> bool {
+        self.owner.eq.pump();
         trip::test_bit(&self.owner.eq.view().table, self.id.index)
     }
 
@@ -355,12 +406,15 @@ impl Tripwire {
 
     /// Firings counted so far (counter action).
     pub fn count(&self) -> u64 {
+        self.owner.eq.pump();
         self.entry().count.load(Ordering::Relaxed)
     }
 
     /// Whether it fired since the last `arm`, `wait` or `take_fired`; consumes the
     /// observation. A plain memory load when it has not.
     pub fn take_fired(&self) -> bool {
+        // What other processes claimed is applied first (`crate::port`): one load if none.
+        self.owner.eq.pump();
         let now = self.entry().seq.load(Ordering::Acquire);
         let seen = self.last_seen.swap(now, Ordering::AcqRel);
         now != seen
@@ -376,10 +430,12 @@ impl Tripwire {
         let alive = self.owner.alive.as_deref();
         // Whether the last poll came after a sleep (only then is the exporter looked at).
         let slept = std::cell::Cell::new(false);
+        let eq = &self.owner.eq;
         let poll = || {
             if let Some(n) = &nic {
                 n.progress();
             }
+            eq.pump();
             if e.seq.load(Ordering::Acquire) != seen {
                 return Some(Ok(()));
             }
@@ -397,9 +453,7 @@ impl Tripwire {
                 return;
             }
             let until = nap.map(|n| Instant::now() + n);
-            trip::wait_until(&e.seq, &e.waiters, Duration::ZERO, until, &SharedFutex, || {
-                e.seq.load(Ordering::Acquire) != seen
-            });
+            eq.wait_word(&e.seq, &e.waiters, until, || e.seq.load(Ordering::Acquire) != seen);
         };
         // Sleep in slices to look at the exporter, if there is one to look at.
         let slice = alive.map(|_| ALIVE_SLICE);
@@ -416,7 +470,7 @@ impl Tripwire {
             return Err(TripwireError::Foreign);
         }
         self.check()?;
-        if self.owner.eq.set_registration(self.id.index, self.id.generation, cookie) {
+        if self.owner.eq.set_registration(self.entry(), self.id.index, self.id.generation, cookie) {
             Ok(())
         } else {
             Err(TripwireError::Stale)

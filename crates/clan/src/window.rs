@@ -16,7 +16,7 @@ use clan_shm::sync::{AtomicU32, AtomicU64};
 use clan_shm::trip::Access;
 
 use crate::error::AccessError;
-use crate::event_queue::EqPort;
+use crate::event_queue::{ClaimTo, EqPort};
 
 thread_local! {
     static SCRATCH: RefCell<Vec<Candidate>> = const { RefCell::new(Vec::new()) };
@@ -43,8 +43,11 @@ pub(crate) struct Window {
     pub tag: u64,
     /// The revocation word while the export is live.
     pub live: u64,
-    /// Where firings are posted (our ring in the exporter's queue).
+    /// Where firings are posted: the exporter's queue if it is ours, else our port in it.
     pub port: Arc<EqPort>,
+    /// For another process's aperture: the aperture our port's claims name (its tripwires
+    /// are fired by their owner, `crate::port`).
+    pub claim: Option<ClaimTo>,
     /// For another process's aperture: false once that process (or its NIC) is gone, or the
     /// control connection the import came through broke.
     pub peer_alive: Option<Arc<std::sync::atomic::AtomicBool>>,
@@ -93,7 +96,7 @@ impl Window {
 
     /// Write `src` at aperture offset `abs` (in bounds: checked by the caller).
     pub fn write(&self, abs: u64, src: &[u8]) -> Result<u32, AccessError> {
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         self.with_watch(|w| {
             with_scratch(|s| {
                 snoop::transfer(Access::Write, w, &sink, abs, src.len() as u64, s, |o, l| {
@@ -108,7 +111,7 @@ impl Window {
     /// transfer with one fence (`snoop::transfer_then_store`).
     pub fn write_then_store_u64(&self, abs: u64, src: &[u8], word_abs: u64, v: u64) -> Result<u32, AccessError> {
         let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         self.with_watch(|w| {
             with_scratch(|s| {
                 snoop::transfer_then_store(
@@ -132,7 +135,7 @@ impl Window {
     /// Copy `len` bytes of segment `src` at `src_off` to aperture offset `abs`, snooped
     /// like [`Window::write`] (the DMA engine's copy: one pass, no intermediate buffer).
     pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<u32, AccessError> {
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         self.with_watch(|w| {
             with_scratch(|s| {
                 snoop::transfer(Access::Write, w, &sink, abs, len, s, |o, l| {
@@ -145,7 +148,7 @@ impl Window {
 
     /// Read into `dst` from aperture offset `abs`.
     pub fn read(&self, abs: u64, dst: &mut [u8]) -> Result<u32, AccessError> {
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         let len = dst.len() as u64;
         self.with_watch(|w| {
             with_scratch(|s| {
@@ -167,7 +170,7 @@ impl Window {
         end: u64,
         scratch: &mut Vec<Candidate>,
     ) -> Result<u32, AccessError> {
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         self.with_watch(|w| {
             snoop::transfer_piece(Access::Write, w, &sink, abs, src.len() as u64, end, scratch, |o, l| {
                 let from = (o - abs) as usize;
@@ -189,7 +192,7 @@ impl Window {
         scratch: &mut Vec<Candidate>,
         fill: impl FnOnce(&Segment, usize, usize) -> Result<usize, E>,
     ) -> Result<usize, E> {
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         self.with_watch(|w| {
             let stop = snoop::next_stop(Access::Write, w, abs, abs + max, end, scratch);
             let n = fill(&self.data, self.rel(abs), (stop - abs) as usize)?;
@@ -202,7 +205,7 @@ impl Window {
 
     /// Fire the tripwires of `[abs, abs+len)` for `access`, the data being already in place.
     pub fn commit(&self, abs: u64, len: u64, access: Access) -> u32 {
-        let sink = self.port.sink();
+        let sink = self.port.sink(self.claim);
         self.with_watch(|w| with_scratch(|s| snoop::commit(access, w, &sink, abs, len, s)))
     }
 

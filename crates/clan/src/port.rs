@@ -1,0 +1,438 @@
+//! Ports: how another process reaches one of our event queues, and nothing else of it.
+//!
+//! Every other process that imports an aperture whose tripwires report to one of our queues
+//! gets a *port* in that queue: a memfd of its own holding one event ring (`clan_shm::eq`
+//! with one ring and no table), and an eventfd. The process is the unit, not its connections:
+//! a process that opens many connections (or NICs) still has one port per queue, and a queue
+//! gives at most [`crate::EventQueueConfig::producers`] ports, at most
+//! [`crate::EventQueueConfig::producers_per_user`] of them to processes of one user.
+//!
+//! The importing process never maps anything else of the queue: its writes and reads of our
+//! apertures find the tripwires to fire in the aperture's index (read-only to it), and it
+//! posts a *claim* ([`Word::Claim`]) on its port for each; the queue's owner **pumps** the
+//! ports ([`EqInner::pump`]) and fires the claimed tripwires itself, after checking that the
+//! process holds a grant of that aperture with the rights the access needs. A claim is a
+//! request, never a fact: a lying process can at most fire the tripwires of apertures it may
+//! write (or read) anyway — spurious events, which every protocol tolerates — and can never
+//! touch another process's port, another aperture's tripwires, or the queue's own state. A
+//! port that overflows loses claims: the owner then fires every armed tripwire the process
+//! could have fired (a spurious wake-up instead of a lost one) and reports the overflow.
+//!
+//! The importing side keeps one producer per port per process (a ring has exactly one
+//! producer): [`attach`] shares it between every NIC of the process.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use clan_shm::eq::{EqLayout, EqMap, EqParams};
+use clan_shm::eventfd::EventFd;
+use clan_shm::memfd::Memfd;
+use clan_shm::ring::{self, Consumer, Producer, Taken};
+use clan_shm::segment::{Access as SegAccess, Segment};
+use clan_shm::trip::Access;
+use clan_wire::grant::Refusal;
+
+use crate::addr::NicAddr;
+use crate::descriptor::Rights;
+use crate::event_queue::{EqInner, EqPort, Word};
+use crate::lock;
+
+/// Words taken from one port in one pump, at most (a flooding process cannot hold the
+/// consumer up).
+const PUMP_BATCH: usize = 256;
+
+/// Most ports a sleeper waits on with one `futex_waitv` (with its own word and the epoch);
+/// a queue with more sleeps through its epoll descriptor (`crate::wake`).
+pub(crate) const WAITV_PORTS: usize = clan_shm::futex::WAIT_ANY_MAX - 2;
+
+/// The geometry of a port of a queue whose rings hold `ring_cap` events.
+pub(crate) fn port_layout(ring_cap: u32) -> EqLayout {
+    EqLayout::new(EqParams { nrings: 1, ring_cap, trip_cap: 0, tripset_cap: 0 })
+}
+
+/// Our side of another process's port.
+pub(crate) struct PortRec {
+    pub id: u64,
+    pub pid: u32,
+    pub uid: u32,
+    pub memfd: Memfd,
+    pub eventfd: EventFd,
+    map: EqMap,
+    consumer: Mutex<Consumer>,
+    /// The apertures the process was granted, with the union of its rights.
+    grants: Mutex<HashMap<(u32, u32), Rights>>,
+    /// Its connections that were given the port (it is retired with the last).
+    conns: Mutex<HashSet<u64>>,
+}
+
+impl std::fmt::Debug for PortRec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PortRec").field("id", &self.id).field("pid", &self.pid).field("uid", &self.uid).finish()
+    }
+}
+
+/// The ports of one queue.
+#[derive(Debug, Default)]
+pub(crate) struct Ports {
+    list: RwLock<Vec<Arc<PortRec>>>,
+    next_id: std::sync::atomic::AtomicU64,
+    /// `list.len()`, readable without the lock (the common case: no port at all).
+    count: std::sync::atomic::AtomicUsize,
+    /// Bumped (and woken) when a port is added: sleepers sleep on it too, and look again.
+    epoch: AtomicU32,
+}
+
+impl EqInner {
+    /// The port of process `pid` (of user `uid`), given to it through connection `conn`:
+    /// its existing one, or a new one within the queue's limits.
+    pub fn port_for(&self, pid: u32, uid: u32, conn: u64) -> Result<Arc<PortRec>, Refusal> {
+        let mut list = self.ports.list.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = list.iter().find(|p| p.pid == pid && p.uid == uid) {
+            lock(&p.conns).insert(conn);
+            return Ok(p.clone());
+        }
+        let of_user = list.iter().filter(|p| p.uid == uid).count();
+        if list.len() >= self.config.producers as usize || of_user >= self.config.producers_per_user as usize {
+            tracing::info!(queue = self.id, pid, uid, ports = list.len(), of_user, "no port for another process");
+            return Err(Refusal::TooManyProducers);
+        }
+        let layout = port_layout(self.layout.params.ring_cap);
+        let memfd = Memfd::create("clan-port", layout.size as u64).map_err(|_| Refusal::TooMany)?;
+        let seg = Segment::map(&memfd, 0, layout.size, SegAccess::ReadWrite).map_err(|_| Refusal::TooMany)?;
+        let map = EqMap::new(Arc::new(seg), layout).map_err(|_| Refusal::TooMany)?;
+        // Armed from the start: a sleeper that armed the ports before this one existed is
+        // woken by its first post (one signal; later ones only while armed again).
+        map.view().header.words.armed.store(ring::ARM_FD, Ordering::Relaxed);
+        let eventfd = EventFd::new().map_err(|_| Refusal::TooMany)?;
+        let id = self.ports.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        self.sleepers.watch(eventfd.as_fd(), id).map_err(|_| Refusal::TooMany)?;
+        let p = Arc::new(PortRec {
+            id,
+            pid,
+            uid,
+            memfd,
+            eventfd,
+            map,
+            consumer: Mutex::new(Consumer::new(1)),
+            grants: Mutex::new(HashMap::new()),
+            conns: Mutex::new(HashSet::from([conn])),
+        });
+        list.push(p.clone());
+        self.ports.count.store(list.len(), Ordering::Release);
+        drop(list);
+        // Sleepers that took their list of ports before this one look again (they sleep on
+        // the epoch too, read before the list): SYNC POINT, pairs with their Acquire load.
+        self.ports.epoch.fetch_add(1, Ordering::Release);
+        clan_shm::futex::wake_all(&self.ports.epoch);
+        tracing::debug!(queue = self.id, pid, uid, port = id, "port given");
+        Ok(p)
+    }
+
+    /// Record that the process of `port` was granted aperture `(id, generation)` with
+    /// `rights`: its claims on it are honoured from now on.
+    pub fn grant(&self, port: &PortRec, aperture: u32, generation: u32, rights: Rights) {
+        lock(&port.grants).entry((aperture, generation)).and_modify(|r| *r = *r | rights).or_insert(rights);
+    }
+
+    /// Connection `conn` closed: a port none of whose connections is left is retired (what
+    /// it published is applied first).
+    pub fn release_conn(&self, conn: u64) {
+        let gone: Vec<Arc<PortRec>> = {
+            let mut list = self.ports.list.write().unwrap_or_else(|e| e.into_inner());
+            let mut gone = Vec::new();
+            list.retain(|p| {
+                let mut c = lock(&p.conns);
+                if c.remove(&conn) && c.is_empty() {
+                    gone.push(p.clone());
+                    false
+                } else {
+                    true
+                }
+            });
+            self.ports.count.store(list.len(), Ordering::Release);
+            gone
+        };
+        for p in gone {
+            // A producer killed between publishing and setting its summary bit: set it.
+            p.map.view().header.words.summary[0].fetch_or(1, Ordering::AcqRel);
+            self.pump_port(&p, &mut lock(&p.consumer), None);
+            self.sleepers.unwatch(p.eventfd.as_fd());
+            tracing::debug!(queue = self.id, pid = p.pid, port = p.id, "port retired");
+        }
+    }
+
+    /// Apply what the ports hold (claims fire their tripwires; events go to our ring).
+    /// Returns whether anything was taken. Ports another thread is pumping are skipped.
+    pub fn pump(&self) -> bool {
+        self.pump_into(None)
+    }
+
+    /// [`EqInner::pump`], the events for our ring going to `out` instead if given.
+    pub fn pump_into(&self, mut out: Option<&mut Vec<Word>>) -> bool {
+        if self.ports.count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
+        let mut any = false;
+        for p in list.iter() {
+            if let Ok(mut c) = p.consumer.try_lock() {
+                any |= self.pump_port(p, &mut c, out.as_deref_mut());
+            }
+        }
+        any
+    }
+
+    fn pump_port(&self, p: &PortRec, c: &mut Consumer, mut out: Option<&mut Vec<Word>>) -> bool {
+        let v = p.map.view();
+        let rings = v.rings();
+        let mut n = 0;
+        while n < PUMP_BATCH {
+            match c.take(&rings) {
+                None => break,
+                Some(Taken::Event { words, .. }) => {
+                    if let Some(w) = self.apply(p, words) {
+                        match out.as_deref_mut() {
+                            Some(o) => o.push(w),
+                            None => {
+                                self.post_local(w);
+                            }
+                        }
+                    }
+                }
+                Some(Taken::Overflow { lost, .. }) => {
+                    self.lost.fetch_add(lost, Ordering::Relaxed);
+                    self.resync(p);
+                    self.post_local(Word::Overflow { lost });
+                }
+                Some(Taken::Corrupt { skipped, .. }) => {
+                    self.malformed.fetch_add(1, Ordering::Relaxed);
+                    self.lost.fetch_add(skipped, Ordering::Relaxed);
+                    self.resync(p);
+                    self.post_local(Word::Overflow { lost: skipped });
+                }
+            }
+            n += 1;
+        }
+        n > 0
+    }
+
+    /// One word from port `p`: only claims and notifications, on apertures it was granted.
+    /// Returns the event it makes for our ring, if any.
+    fn apply(&self, p: &PortRec, words: [u64; 4]) -> Option<Word> {
+        let granted = |aperture: u32, generation: u32, need: Rights| {
+            lock(&p.grants).get(&(aperture, generation)).is_some_and(|r| r.contains(need))
+        };
+        match Word::decode(words) {
+            Some(Word::Claim { aperture, ap_generation, slot, generation, access }) => {
+                let need = match access {
+                    Access::Read => Rights::READ,
+                    Access::Write => Rights::WRITE,
+                };
+                if !granted(aperture, ap_generation, need) {
+                    self.malformed.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+                match self.our_aperture(aperture, ap_generation) {
+                    Some(ap) => ap.watch.fire_claim(slot, generation, access),
+                    None => {
+                        self.stale.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                }
+            }
+            Some(w @ Word::Notification { aperture, generation, .. })
+                if granted(aperture, generation, Rights::WRITE) =>
+            {
+                Some(w)
+            }
+            _ => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// The live aperture `(id, generation)` of this NIC whose tripwires report here.
+    fn our_aperture(&self, id: u32, generation: u32) -> Option<Arc<crate::aperture::ApertureInner>> {
+        let ap = self.nic.upgrade()?.live_aperture(id, generation)?;
+        std::ptr::eq(Arc::as_ptr(&ap.watch.eq), self).then_some(ap)
+    }
+
+    /// Port `p` lost claims: fire every armed tripwire its process could have fired.
+    fn resync(&self, p: &PortRec) {
+        let grants: Vec<((u32, u32), Rights)> = lock(&p.grants).iter().map(|(k, v)| (*k, *v)).collect();
+        for ((id, generation), rights) in grants {
+            if let Some(ap) = self.our_aperture(id, generation) {
+                ap.watch.fire_all(rights);
+            }
+        }
+    }
+
+    /// Arm every port for `mode` (their producers then wake us); whether all are empty.
+    pub fn arm_ports(&self, mode: u32) -> bool {
+        if self.ports.count.load(Ordering::Acquire) == 0 {
+            return true;
+        }
+        let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
+        let mut quiet = true;
+        for p in list.iter() {
+            let v = p.map.view();
+            let rings = v.rings();
+            if !ring::arm(&rings, mode) {
+                if let Ok(mut c) = p.consumer.try_lock() {
+                    c.settle(&rings);
+                }
+                quiet &= !ring::maybe_nonempty(&rings);
+            }
+        }
+        quiet
+    }
+
+    /// Sleep while `word` holds `expected` (at most `timeout`), woken by this process's
+    /// firings and posts (on `word`) and by the ports. The caller registered as a waiter on
+    /// `word` and re-checks (pumping) afterwards. Up to [`WAITV_PORTS`] ports, one
+    /// `futex_waitv` on `word`, the ports' wake words (armed first: their producers wake
+    /// them, `clan_shm::ring`) and the port epoch; beyond, as `crate::wake` says.
+    pub fn sleep(&self, word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+        // SYNC POINT: read before the list (pairs with `port_for`'s Release increment).
+        let epoch = self.ports.epoch.load(Ordering::Acquire);
+        let ports: Vec<Arc<PortRec>> = if self.ports.count.load(Ordering::Acquire) == 0 {
+            Vec::new()
+        } else {
+            self.ports.list.read().unwrap_or_else(|e| e.into_inner()).clone()
+        };
+        if ports.len() > WAITV_PORTS {
+            self.sleepers.sleep(word, expected, timeout, || self.arm_ports(ring::ARM_FD), |id| self.drain(id));
+            return;
+        }
+        let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(ports.len() + 2);
+        words.push((word, expected));
+        words.push((&self.ports.epoch, epoch));
+        let mut quiet = true;
+        for p in &ports {
+            let rings = p.map.view().rings();
+            // SYNC POINT: as in `ring::sleep`: the wake word is read before arming, so a post
+            // after our arming changes it (pairs with the producer's `fetch_add(Release)`).
+            let seen = rings.words.wake.load(Ordering::Acquire);
+            if !ring::arm(&rings, ring::ARM_FUTEX) {
+                if let Ok(mut c) = p.consumer.try_lock() {
+                    c.settle(&rings);
+                }
+                quiet &= !ring::maybe_nonempty(&rings);
+            }
+            words.push((&rings.words.wake, seen));
+        }
+        fence(Ordering::SeqCst);
+        if quiet {
+            clan_shm::futex::wait_any(&words, timeout);
+        }
+    }
+
+    /// Wait until `ready()` (a change of the futex word `seq`, whose sleepers `waiters`
+    /// counts, or of something `seq` announces) or `until` passes; whether `ready()` held.
+    /// The ports are pumped first each time round, while this thread is not counted in
+    /// `waiters` (a firing it causes itself wakes nobody for nothing); then `trip`'s
+    /// protocol: count, fence, re-check, sleep ([`EqInner::sleep`]).
+    pub fn wait_word(
+        &self,
+        seq: &AtomicU32,
+        waiters: &AtomicU32,
+        until: Option<std::time::Instant>,
+        mut ready: impl FnMut() -> bool,
+    ) -> bool {
+        loop {
+            self.pump();
+            if ready() {
+                return true;
+            }
+            // SYNC POINT: pairs with `trip::fire`'s `seq.fetch_add(AcqRel)`.
+            let seen = seq.load(Ordering::Acquire);
+            waiters.fetch_add(1, Ordering::AcqRel);
+            // Dekker with the firer's "seq += 1, fence, load waiters".
+            fence(Ordering::SeqCst);
+            if ready() {
+                waiters.fetch_sub(1, Ordering::AcqRel);
+                return true;
+            }
+            let left = match until {
+                Some(d) => {
+                    let l = d.saturating_duration_since(std::time::Instant::now());
+                    if l.is_zero() {
+                        waiters.fetch_sub(1, Ordering::AcqRel);
+                        return false;
+                    }
+                    Some(l)
+                }
+                None => None,
+            };
+            self.sleep(seq, seen, left);
+            waiters.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The eventfd with epoll data `id` (the queue's own, or a port's) was readable: reset
+    /// it. The caller pumps afterwards.
+    pub fn drain(&self, id: u64) {
+        if id == crate::wake::OWN {
+            self.sleepers.notify.drain();
+            return;
+        }
+        let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = list.iter().find(|p| p.id == id) {
+            p.eventfd.drain();
+        }
+    }
+
+    /// The ports given, for diagnostics.
+    pub fn port_count(&self) -> usize {
+        self.ports.count.load(Ordering::Relaxed)
+    }
+}
+
+// ---- the importing side ------------------------------------------------------------------
+
+type Key = (NicAddr, u32, u64);
+
+/// The ports this process posts on, by exporter NIC, queue and port.
+static ATTACHED: Mutex<Option<HashMap<Key, Weak<EqPort>>>> = Mutex::new(None);
+
+/// Our producer for port `port` of queue `eq` of `exporter`, mapping it from the received
+/// descriptors the first time (later copies are closed).
+pub(crate) fn attach(
+    exporter: NicAddr,
+    eq: u32,
+    port: u64,
+    ring_cap: u32,
+    memfd: OwnedFd,
+    eventfd: OwnedFd,
+) -> Result<Arc<EqPort>, String> {
+    let key = (exporter, eq, port);
+    let mut all = lock(&ATTACHED);
+    let all = all.get_or_insert_with(HashMap::new);
+    all.retain(|_, w| w.strong_count() > 0);
+    if let Some(p) = all.get(&key).and_then(Weak::upgrade) {
+        return Ok(p);
+    }
+    if !ring_cap.is_power_of_two() || ring_cap > clan_shm::eq::MAX_RING_CAP {
+        return Err("bad port geometry".into());
+    }
+    let layout = port_layout(ring_cap);
+    let memfd = Memfd::adopt(memfd, layout.size as u64).map_err(|e| format!("port memfd: {e}"))?;
+    let seg = Segment::map(memfd.as_fd(), 0, layout.size, SegAccess::ReadWrite)
+        .map_err(|e| format!("mapping the port: {e}"))?;
+    let map = EqMap::new(Arc::new(seg), layout).map_err(|e| e.to_string())?;
+    // Resume after whatever this process posted before (the port is ours for the life of
+    // the process); a fresh port reads 0.
+    let head = map.view().ring_headers[0].head.load(Ordering::Acquire);
+    let p = Arc::new(EqPort {
+        map,
+        producer: Mutex::new(Producer::resume(0, head)),
+        eventfd: Arc::new(EventFd::from_owned(eventfd)),
+        sleepers: None,
+    });
+    all.insert(key, Arc::downgrade(&p));
+    Ok(p)
+}

@@ -1,0 +1,210 @@
+//! How the threads sleeping on one of our event queues are woken.
+//!
+//! A queue's waiters (in `EventQueue::wait`, `Tripwire::wait`, `Tripset::wait`) sleep on a
+//! futex word of their own — a tripwire's `seq`, a tripset's word, the queue's wake word —
+//! which the firings and posts of *this* process bump and wake. Other processes cannot touch
+//! those words (they are not shared with them): what they post arrives on their ports
+//! (`crate::port`) and must be *pumped* (applied here) before a waiter can see it.
+//!
+//! The usual case needs nothing from this module: a waiter sleeps with one `futex_waitv` on
+//! its own word, the ports' epoch and the wake word of every port (up to
+//! `crate::port::WAITV_PORTS` of them, each armed for a futex wake), and pumps when any of
+//! them moves (`crate::port::EqInner::sleep`). Only a queue with more ports than that uses
+//! the scheme below: one sleeper at a time, the **leader**, sleeps in `epoll_wait` over the
+//! ports' eventfds instead of on its word; the others, the **followers**, sleep on the
+//! queue's bell. The leader pumps when the ports wake it, which bumps the words of whatever
+//! fired (and so wakes their followers); when it leaves, it rings the bell and a follower
+//! takes over.
+//!
+//! Every local wake ([`QueueFutex::wake`]) also reaches the sleepers that do not sleep on the
+//! word itself: it signals the leader's eventfd if the leader sleeps, and rings the bell if
+//! followers sleep. A spurious wake-up is allowed (waiters re-check), a missed one never:
+//!
+//! - leader: `leader_sleeping = 1`, arm the ports, `fence(SeqCst)`, check the word, sleep;
+//!   a local firer: bump the word, `fence(SeqCst)` (`trip::fire`), load `leader_sleeping`,
+//!   signal. The eventfd keeps the signal until the leader reads it.
+//! - follower: `followers += 1`, `fence(SeqCst)`, read the bell, check the word and that a
+//!   leader is there, sleep on the bell; a local firer: bump the word, fence, load
+//!   `followers`, ring the bell (the leader leaving: clear `leader`, fence, load `followers`,
+//!   ring).
+//! - whoever resets a port's eventfd (the leader, or `EventQueue::arm`) pumps afterwards
+//!   (the caller's re-check does), so a signal one of them consumed is never needed by the
+//!   other: what it announced is applied, and what that fires wakes its own sleepers.
+//!
+//! The queue's descriptor for epoll/mio/tokio users ([`Sleepers::fd`]) is a second epoll set,
+//! over the queue's own eventfd (signalled by posts to our ring while it is armed for it) and
+//! the ports' eventfds.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
+use std::time::Duration;
+
+use clan_shm::eventfd::EventFd;
+use clan_shm::sync::{Futex, SharedFutex};
+use rustix::event::epoll;
+
+/// epoll data of the queue's own eventfd and of the leader's (ports use their ids, never 0).
+pub(crate) const OWN: u64 = 0;
+
+/// The sleepers of one queue.
+pub(crate) struct Sleepers {
+    leader: AtomicBool,
+    leader_sleeping: AtomicU32,
+    followers: AtomicU32,
+    /// Followers' futex word.
+    bell: AtomicU32,
+    /// The leader's: over `kick` and every port's eventfd.
+    epoll: OwnedFd,
+    /// Signalled by local wakes while the leader sleeps.
+    kick: EventFd,
+    /// The descriptor's: over `notify` and every port's eventfd.
+    api: OwnedFd,
+    /// The queue's own eventfd.
+    pub notify: Arc<EventFd>,
+}
+
+impl std::fmt::Debug for Sleepers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sleepers")
+            .field("leader", &self.leader.load(Ordering::Relaxed))
+            .field("followers", &self.followers.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sleepers {
+    pub fn new(notify: Arc<EventFd>) -> std::io::Result<Sleepers> {
+        let kick = EventFd::new()?;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(&ep, kick.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
+        let api = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(&api, notify.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
+        Ok(Sleepers {
+            leader: AtomicBool::new(false),
+            leader_sleeping: AtomicU32::new(0),
+            followers: AtomicU32::new(0),
+            bell: AtomicU32::new(0),
+            epoll: ep,
+            kick,
+            api,
+            notify,
+        })
+    }
+
+    /// The queue's descriptor: readable when the queue's eventfd or a port's is.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.api.as_fd()
+    }
+
+    /// Watch a port's eventfd.
+    pub fn watch(&self, fd: BorrowedFd<'_>, id: u64) -> std::io::Result<()> {
+        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(id), epoll::EventFlags::IN)?;
+        if let Err(e) = epoll::add(&self.api, fd, epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
+            let _ = epoll::delete(&self.epoll, fd);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Stop watching a port's eventfd.
+    pub fn unwatch(&self, fd: BorrowedFd<'_>) {
+        let _ = epoll::delete(&self.epoll, fd);
+        let _ = epoll::delete(&self.api, fd);
+    }
+
+    /// After a local change a sleeper may wait for: wake the sleepers that do not sleep on
+    /// the changed word itself. The caller changed the word and fenced (`SeqCst`) before.
+    pub fn kick(&self) {
+        if self.leader_sleeping.load(Ordering::Relaxed) != 0 {
+            self.kick.signal();
+        }
+        if self.followers.load(Ordering::Relaxed) != 0 {
+            self.ring();
+        }
+    }
+
+    fn ring(&self) {
+        // SYNC POINT: pairs with the followers' Acquire load of `bell` before they sleep.
+        self.bell.fetch_add(1, Ordering::Release);
+        clan_shm::futex::wake_all(&self.bell);
+    }
+
+    /// Sleep while `word` holds `expected`, at most `timeout`, unless the ports may hold
+    /// something: as the leader if there is none (on the epoll descriptor, after `arm_ports`
+    /// armed the ports and said whether they are all empty; `drained` is told which
+    /// eventfds were readable), as a follower otherwise. May return early; the caller
+    /// re-checks (and pumps).
+    pub fn sleep(
+        &self,
+        word: &AtomicU32,
+        expected: u32,
+        timeout: Option<Duration>,
+        arm_ports: impl FnOnce() -> bool,
+        mut drained: impl FnMut(u64),
+    ) {
+        if self.leader.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            self.leader_sleeping.store(1, Ordering::Relaxed);
+            let quiet = arm_ports();
+            // Dekker with `kick`'s "word changed, fence, load leader_sleeping".
+            fence(Ordering::SeqCst);
+            // SYNC POINT: pairs with the firer's `seq.fetch_add(AcqRel)`.
+            if quiet && word.load(Ordering::Acquire) == expected {
+                let mut events = Vec::with_capacity(16);
+                let ts = timeout.map(|d| rustix::time::Timespec {
+                    tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
+                    tv_nsec: d.subsec_nanos().into(),
+                });
+                if epoll::wait(&self.epoll, spare(&mut events), ts.as_ref()).is_ok() {
+                    for ev in &events {
+                        match ev.data.u64() {
+                            OWN => {
+                                self.kick.drain();
+                            }
+                            id => drained(id),
+                        }
+                    }
+                }
+            }
+            self.leader_sleeping.store(0, Ordering::Relaxed);
+            // SYNC POINT: pairs with the followers' Acquire load of `leader`.
+            self.leader.store(false, Ordering::Release);
+            // Dekker with the followers' "followers += 1, fence, read bell, load leader".
+            fence(Ordering::SeqCst);
+            if self.followers.load(Ordering::Relaxed) != 0 {
+                self.ring();
+            }
+        } else {
+            self.followers.fetch_add(1, Ordering::AcqRel);
+            fence(Ordering::SeqCst);
+            let bell = self.bell.load(Ordering::Acquire);
+            if self.leader.load(Ordering::Acquire) && word.load(Ordering::Acquire) == expected {
+                clan_shm::futex::wait(&self.bell, bell, timeout);
+            }
+            self.followers.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn spare(v: &mut Vec<epoll::Event>) -> rustix::buffer::SpareCapacity<'_, epoll::Event> {
+    rustix::buffer::spare_capacity(v)
+}
+
+/// The futex of a queue of ours: [`Futex::wake`] also reaches the sleepers that do not
+/// sleep on the word itself ([`Sleepers::kick`]).
+pub(crate) struct QueueFutex<'a> {
+    pub sleepers: Option<&'a Sleepers>,
+}
+
+impl Futex for QueueFutex<'_> {
+    fn wait(&self, word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+        SharedFutex.wait(word, expected, timeout);
+    }
+
+    fn wake(&self, word: &AtomicU32) {
+        SharedFutex.wake(word);
+        if let Some(s) = self.sleepers {
+            s.kick();
+        }
+    }
+}
