@@ -167,6 +167,9 @@ pub enum Code {
     ForgedSender = 14,
     /// A bounded table is full.
     TooMany = 15,
+    /// The descriptor grants less than its whole aperture: such a grant is served through a
+    /// link, never by handing over the aperture's memory.
+    Narrowed = 16,
 }
 
 impl Code {
@@ -188,6 +191,7 @@ impl Code {
             13 => Unverified,
             14 => ForgedSender,
             15 => TooMany,
+            16 => Narrowed,
             _ => return None,
         })
     }

@@ -45,6 +45,10 @@ pub enum Refusal {
     TooManyProducers,
     /// The importer holds as many imports as it may.
     TooMany,
+    /// The descriptor grants less than its whole aperture, and was asked for over a path that
+    /// would hand over the aperture's memory (a process of the exporter's host): such grants
+    /// are served mediated, through a link.
+    Narrowed,
     /// The exporter failed (out of descriptors, …).
     Internal,
 }
@@ -62,6 +66,7 @@ impl std::fmt::Display for Refusal {
             Refusal::DeniedCredentials => "the exporter restricts users or processes, which another host cannot prove",
             Refusal::TooManyProducers => "the aperture's event queue has no free producer ring",
             Refusal::TooMany => "the importer holds as many imports as it may",
+            Refusal::Narrowed => "a grant narrower than its aperture is served through a link only",
             Refusal::Internal => "the exporter failed",
         })
     }
@@ -143,6 +148,7 @@ impl From<Refusal> for Code {
             Refusal::DeniedEndpoint | Refusal::DeniedCredentials => Code::DeniedEndpoint,
             Refusal::TooManyProducers => Code::TooManyProducers,
             Refusal::TooMany => Code::TooMany,
+            Refusal::Narrowed => Code::Narrowed,
             Refusal::Internal => Code::Internal,
         }
     }
@@ -158,7 +164,7 @@ impl From<Refusal> for Status {
             Refusal::DeniedUid | Refusal::DeniedPid | Refusal::DeniedCredentials => Status::Denied,
             Refusal::DeniedEndpoint => Status::DeniedEndpoint,
             Refusal::TooManyProducers | Refusal::TooMany => Status::TooMany,
-            Refusal::Internal => Status::Other,
+            Refusal::Narrowed | Refusal::Internal => Status::Other,
         }
     }
 }
@@ -176,6 +182,7 @@ impl Refusal {
             Code::DeniedEndpoint => Refusal::DeniedEndpoint,
             Code::TooManyProducers => Refusal::TooManyProducers,
             Code::TooMany => Refusal::TooMany,
+            Code::Narrowed => Refusal::Narrowed,
             Code::Internal => Refusal::Internal,
             _ => return None,
         })

@@ -16,8 +16,12 @@
 //!
 //! Unexporting revokes the descriptor generation at once: the index header's revocation word
 //! changes, so every later access through a mapping and every import fails with a clear
-//! error. The memory itself is recycled (the endpoint cache) only after every mapping of it —
-//! in this process and in every importing process — is gone, and it is zeroed before reuse.
+//! error. Memory no other process ever received is recycled (the endpoint cache, zeroed
+//! first) once the last local mapping of it is gone. Memory whose descriptors went to another
+//! process is never recycled by default: that process may have kept the descriptor (or passed
+//! it on) whatever it answered to the unimport, and would read and write the next aperture
+//! made from it. [`crate::NicConfig::reuse_imported_apertures`] trusts importers instead
+//! (recycling once every importing process has unimported or gone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,6 +64,8 @@ pub(crate) struct ApertureMem {
     pub cap: u64,
     /// Tripwire entries of the index.
     pub slots: u32,
+    /// A descriptor of this memory went to another process (it may keep it forever).
+    pub handed_out: AtomicBool,
 }
 
 impl ApertureMem {
@@ -81,7 +87,7 @@ impl ApertureMem {
             context: "laying out the aperture index",
             source: std::io::Error::other(e),
         })?);
-        Ok(ApertureMem { memfd, index_fd, seg, cam, cap, slots })
+        Ok(ApertureMem { memfd, index_fd, seg, cam, cap, slots, handed_out: AtomicBool::new(false) })
     }
 
     /// Zero data and index (returns the pages to the system).

@@ -44,9 +44,12 @@ pub struct NicConfig {
     /// Bound on every request to another NIC (import, out-of-band message) made without a
     /// timeout of its own, and on setting up a link.
     pub request_timeout: Duration,
-    /// Recycle the memory of an unexported aperture once every importing process has
-    /// unimported it (default). If false, memory that another process ever mapped is only
-    /// recycled after that process has gone, in case it does not honour its unimport.
+    /// Recycle the memory of an unexported aperture that another process imported, once every
+    /// importing process has unimported it or gone. Off by default: a process handed a
+    /// descriptor can keep it (or pass it on) whatever it says, and would then reach the next
+    /// aperture made from that memory. Turn on only when every importer is trusted (the same
+    /// user's processes, which can `ptrace` one another anyway). Memory no other process
+    /// received is always recycled.
     pub reuse_imported_apertures: bool,
     /// Most bytes of unexported aperture memory kept for reuse (the endpoint cache).
     pub cache_bytes: u64,
@@ -102,7 +105,7 @@ impl Default for NicConfig {
             port: 0,
             default_queue: EventQueueConfig { tripwires: 1 << 20, ..EventQueueConfig::default() },
             request_timeout: Duration::from_secs(5),
-            reuse_imported_apertures: true,
+            reuse_imported_apertures: false,
             cache_bytes: 256 << 20,
             tcp: true,
             link: LinkConfig::default(),

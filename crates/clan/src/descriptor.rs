@@ -189,6 +189,13 @@ impl Descriptor {
     pub fn len(&self) -> u64 {
         self.caveats.last().map_or(self.aperture_len, |c| c.len)
     }
+    /// Whether the grant covers less than its whole aperture. Another process of the
+    /// exporter's host imports such a descriptor through a link (its accesses are checked and
+    /// applied by the exporter's NIC), never by mapping the aperture's memory, which would
+    /// reach beyond the grant.
+    pub fn is_narrowed(&self) -> bool {
+        self.offset() != 0 || self.len() != self.aperture_len
+    }
     /// Whether the granted range is empty (never: derivation refuses it).
     pub fn is_empty(&self) -> bool {
         self.len() == 0

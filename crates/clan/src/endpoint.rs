@@ -257,11 +257,18 @@ fn import_timeout(inner: &Arc<EndpointInner>, desc: &Descriptor, timeout: Durati
     }
     let deadline = Instant::now() + timeout;
     let r = (|| {
-        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory {
+        // A grant of part of an aperture is never served by handing over memory (the
+        // aperture's memfd would reach beyond it): it goes through a link, mediated by the
+        // exporter's NIC, on this host as across hosts.
+        let narrowed = desc.is_narrowed();
+        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory && !narrowed {
             match crate::peer::import_remote(inner, desc, deadline, timeout) {
                 Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
                 r => return r,
             }
+        }
+        if narrowed && !nic.config.tcp {
+            return Err(ImportError::NeedsLink { peer: desc.nic() });
         }
         crate::remote::import_over_link(inner, desc, deadline, timeout)
     })();

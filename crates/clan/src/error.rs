@@ -136,6 +136,16 @@ pub enum ImportError {
         /// The exporter.
         peer: NicAddr,
     },
+    /// The descriptor grants less than its whole aperture, which a process of the exporter's
+    /// host is only served through a link between the two NICs (so that it never holds memory
+    /// beyond its grant), and links are disabled on one of them ([`crate::NicConfig::tcp`]).
+    #[error(
+        "the descriptor grants part of an aperture of {peer}, which is served through a link only, and links are disabled (NicConfig::tcp)"
+    )]
+    NeedsLink {
+        /// The exporter.
+        peer: NicAddr,
+    },
     /// Out of file descriptors.
     #[error("out of file descriptors while importing: raise RLIMIT_NOFILE (ulimit -n)")]
     FdLimit,
@@ -194,7 +204,9 @@ impl ImportError {
             R::DeniedCredentials => ImportError::Denied(Denial::Policy),
             R::TooManyProducers => ImportError::TooManyProducers,
             R::TooMany => ImportError::TooMany { peer },
-            R::Malformed | R::NotOurs | R::Internal => ImportError::Protocol { peer, detail: r.to_string() },
+            R::Malformed | R::NotOurs | R::Narrowed | R::Internal => {
+                ImportError::Protocol { peer, detail: r.to_string() }
+            }
         }
     }
 }
@@ -486,6 +498,7 @@ impl From<ImportError> for io::Error {
             ImportError::Revoked { .. } => K::NotFound,
             ImportError::BadKey | ImportError::Denied(_) | ImportError::LinkRefused { .. } => K::PermissionDenied,
             ImportError::Unreachable(_) => K::ConnectionRefused,
+            ImportError::NeedsLink { .. } => K::Unsupported,
             ImportError::TooManyProducers | ImportError::TooMany { .. } => K::ResourceBusy,
             ImportError::FdLimit => K::Other,
             ImportError::EndpointClosed => K::NotConnected,

@@ -764,6 +764,10 @@ impl NicInner {
         let Ok(mem) = Arc::try_unwrap(mem) else {
             return;
         };
+        if mem.handed_out.load(Ordering::Relaxed) && !self.config.reuse_imported_apertures {
+            // Tainted: another process may still hold its descriptors.
+            return;
+        }
         let cap = mem.cap;
         let mut c = lock(&self.cache);
         if c.bytes + cap > self.config.cache_bytes || mem.reset().is_err() {
@@ -876,12 +880,18 @@ impl NicInner {
             verified_nic: c.hello.map(|h| h.socket_addr()),
         };
         let ap = self.check_import(&desc, &who).map_err(refused)?;
+        if desc.is_narrowed() {
+            // The process would receive the whole aperture's memory: it is served through a
+            // link instead (the importer asks there itself; one that did not is refused).
+            return Err(refused(Refusal::Narrowed));
+        }
         let mem = ap.mem();
         let read_only = !desc.rights().contains(Rights::WRITE);
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
         let ap_fd =
             if read_only { mem.memfd.reopen_read_only() } else { mem.memfd.try_clone_fd() }.map_err(internal)?;
         let index_fd = mem.index_fd.reopen_read_only().map_err(internal)?;
+        mem.handed_out.store(true, Ordering::Relaxed);
         let eq = ap.watch.eq.clone();
         // The process's port in the aperture's queue (its ring; its claims are honoured on
         // this aperture from now on). Sent with every import: concurrent imports through one

@@ -148,8 +148,8 @@ fn child() {
     }
 }
 
-/// A hostile process: map every clan memfd of `pid` (through /proc) and write garbage over
-/// the event queues and the aperture indexes.
+/// A hostile process of the same user (which the kernel lets reopen every memfd of `pid`
+/// through /proc): write garbage over the ports, the aperture indexes and some data.
 fn scribble(pid: &str, time: Duration) {
     use clan_shm::segment::{Access, Segment};
     let mut segs = Vec::new();
@@ -158,7 +158,7 @@ fn scribble(pid: &str, time: Duration) {
             continue;
         };
         let l = link.to_string_lossy();
-        if !(l.contains("memfd:clan-eq") || l.contains("memfd:clan-aperture")) {
+        if !(l.contains("memfd:clan-port") || l.contains("memfd:clan-index") || l.contains("memfd:clan-aperture")) {
             continue;
         }
         let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open(e.path()) else {
@@ -166,7 +166,7 @@ fn scribble(pid: &str, time: Duration) {
         };
         let len = f.metadata().unwrap().len() as usize;
         if let Ok(s) = Segment::map(&f, 0, len, Access::ReadWrite) {
-            segs.push((l.contains("clan-eq"), s));
+            segs.push((!l.contains("clan-aperture"), s));
         }
     }
     assert!(!segs.is_empty(), "found no clan memory to attack");
@@ -178,7 +178,7 @@ fn scribble(pid: &str, time: Duration) {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                // Event queues: anywhere. Apertures: only the index (the tail), data is data.
+                // Ports and indexes: anywhere. Aperture data: the second half (data is data).
                 let lo = if *is_eq { 0 } else { s.len() / 2 };
                 let off = (lo + (x as usize % (s.len() - lo - 8))) & !7;
                 let v = if x & 3 == 0 { u64::MAX } else { x.rotate_left(17) };
@@ -277,7 +277,9 @@ fn read_only_descriptors_map_read_only() {
 #[test]
 fn unexport_revokes_remote_mappings_and_memory_waits_for_them() {
     let _wd = Watchdog::new("revoke", Duration::from_secs(120));
-    let nic = nic();
+    // Trusting importers (memory they received is recycled once they unimport); the default
+    // never recycles it (`protection::memory_another_process_received_is_never_recycled`).
+    let nic = Nic::open(NicConfig { reuse_imported_apertures: true, ..NicConfig::default() }).unwrap();
     let ep = nic.endpoint().unwrap();
     let ap = ep.export(16384).unwrap();
     let desc = ap.descriptor();
@@ -450,7 +452,7 @@ fn hostile_process_cannot_crash_or_hang_us() {
 #[test]
 fn concurrent_imports_through_one_connection() {
     let _wd = Watchdog::new("concurrent imports", Duration::from_secs(120));
-    let nic = nic();
+    let nic = Nic::open(NicConfig { reuse_imported_apertures: true, ..NicConfig::default() }).unwrap();
     let ep = nic.endpoint().unwrap();
     let aps: Vec<_> = (0..32).map(|_| ep.export(4096).unwrap()).collect();
     let mut child = Peer::spawn("child", "import_many", &[]);

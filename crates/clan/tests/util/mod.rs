@@ -160,3 +160,19 @@ pub fn die_with_parent() {
         std::process::exit(0);
     });
 }
+
+/// A command that runs this test binary as an unprivileged user (`nobody`, through
+/// `setpriv`), for protection tests: the kernel's checks that matter between processes
+/// (inode modes, open modes) do not apply to root. None when we are not root ourselves (the
+/// caller then skips); under `CI`, which runs as root, that is a failure.
+pub fn unprivileged() -> Option<Command> {
+    if !rustix::process::geteuid().is_root() {
+        assert!(std::env::var_os("CI").is_none(), "CI runs as root: protection tests cannot be skipped");
+        eprintln!("not root: cannot run a child as another user; skipped");
+        return None;
+    }
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(std::env::current_exe().expect("test binary path"));
+    Some(c)
+}
