@@ -53,6 +53,9 @@ enum BenchCmd {
     /// Connection set-up: connect + first echoed byte, and connections/s, against kernel TCP
     /// and Unix sockets.
     Connect(bench::connect::ConnectArgs),
+    /// What protecting a grant narrower than its aperture costs: mediated through the NIC
+    /// (what clan does) against a direct mapping, and against splitting apertures into memfds.
+    Grants(bench::grants::GrantsArgs),
     /// Every figure of the papers clan can produce, with baselines, into a report folder.
     Paper(bench::paper::PaperArgs),
 }
@@ -69,6 +72,7 @@ fn main() {
         Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
         Cmd::Bench(BenchCmd::Server(a)) => bench::server::run(&a),
         Cmd::Bench(BenchCmd::Connect(a)) => bench::connect::run(&a),
+        Cmd::Bench(BenchCmd::Grants(a)) => bench::grants::run(&a),
         Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),

@@ -128,3 +128,24 @@ fn paper_report() {
     assert!(svg.starts_with("<svg") && svg.contains("<polyline") || svg.contains("<path"), "a plot");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn grants_mediated_and_split() {
+    let v = run(&["bench", "grants", "--imports", "20", "--iters", "500", "--splits", "3", "--json"]);
+    has(&v, &["direct", "mediated", "split", "import_ratio", "write_read_ratio", "bandwidth_ratio"]);
+    for kind in ["direct", "mediated"] {
+        let g = &v[kind];
+        for k in ["import", "write_read_64", "read_4k"] {
+            let p50 = g[k]["p50_ns"].as_u64().unwrap_or(0);
+            assert!(p50 > 0, "{kind}.{k}.p50_ns = {p50}");
+        }
+        let bw = g["write_mbit_s"].as_f64().unwrap_or(f64::NAN);
+        assert!(bw.is_finite() && bw > 0.0, "{kind} bandwidth {bw}");
+    }
+    // The mediated importer holds no memory of the aperture; the split ones hold a
+    // descriptor per chunk.
+    assert_eq!(v["mediated"]["fds_held"], 0);
+    let split = v["split"].as_array().unwrap();
+    assert_eq!(split.len(), 3);
+    assert_eq!(split[2]["fds_held"], 256);
+}

@@ -3,6 +3,7 @@
 
 pub mod bandwidth;
 pub mod connect;
+pub mod grants;
 pub mod latency;
 pub mod paper;
 pub mod proto;
@@ -109,6 +110,7 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
         r if r.starts_with("prpc-") => proto::rpc_peer(r, args),
         r if r.starts_with("pst-") => proto::stream_peer(r, args),
         "conn-server" => connect::peer(role, args),
+        "grants-peer" => grants::peer(role, args),
         r if r.starts_with("lat-") => latency::peer(r, args),
         r if r.starts_with("bw-") => bandwidth::peer(r, args),
         other => Err(format!("unknown peer role {other}").into()),
