@@ -149,6 +149,12 @@ impl ApertureInner {
         self.mem.as_ref().expect("aperture memory present until drop")
     }
 
+    /// Still exported (not unexported).
+    pub fn is_live(&self) -> bool {
+        // SYNC POINT: pairs with the AcqRel swap in `unexport`.
+        !self.revoked.load(Ordering::Acquire)
+    }
+
     pub fn unexport(&self) {
         if self.revoked.swap(true, Ordering::AcqRel) {
             return;

@@ -563,20 +563,19 @@ impl EqInner {
         }
         // The ports' events come straight to this thread (the first one: the others go on
         // our ring, for any consumer), without waking anyone for them.
-        let mut got = Vec::new();
         for _ in 0..4 {
-            if !self.pump_into(Some(&mut got)) {
-                break;
+            let mut first = None;
+            let any = self.pump_into(Some(&mut first));
+            if let Some(ev) = first.and_then(|w| self.decode(0, w.encode())) {
+                self.delivered.fetch_add(1, Ordering::Relaxed);
+                return Some(ev);
             }
-            let mut words = got.drain(..);
-            while let Some(w) = words.next() {
-                if let Some(ev) = self.decode(0, w.encode()) {
-                    self.delivered.fetch_add(1, Ordering::Relaxed);
-                    for rest in words {
-                        self.post_local(rest);
-                    }
-                    return Some(ev);
-                }
+            // The rest went to our ring.
+            if let Some(ev) = self.take_own() {
+                return Some(ev);
+            }
+            if !any {
+                break;
             }
         }
         None

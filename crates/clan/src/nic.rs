@@ -897,7 +897,7 @@ impl NicInner {
         // this aperture from now on). Sent with every import: concurrent imports through one
         // connection never depend on each other's order; the importer keeps one mapping.
         let port = eq.port_for(c.cred.pid, c.cred.uid, c.id).map_err(refused)?;
-        eq.grant(&port, ap.id, ap.generation, desc.rights());
+        eq.grant(&port, &ap, desc.rights());
         let fds = vec![
             ap_fd,
             index_fd,

@@ -62,8 +62,9 @@ pub(crate) struct PortRec {
     pub eventfd: EventFd,
     map: EqMap,
     consumer: Mutex<Consumer>,
-    /// The apertures the process was granted, with the union of its rights.
-    grants: Mutex<HashMap<(u32, u32), Rights>>,
+    /// The apertures the process was granted, with the union of its rights (and the
+    /// aperture, so that a claim costs no lookup in the NIC's tables).
+    grants: Mutex<HashMap<(u32, u32), Grant>>,
     /// Its connections that were given the port (it is retired with the last).
     conns: Mutex<HashSet<u64>>,
 }
@@ -72,6 +73,13 @@ impl std::fmt::Debug for PortRec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PortRec").field("id", &self.id).field("pid", &self.pid).field("uid", &self.uid).finish()
     }
+}
+
+/// What a process was granted of one aperture.
+#[derive(Debug, Clone)]
+struct Grant {
+    rights: Rights,
+    aperture: Weak<crate::aperture::ApertureInner>,
 }
 
 /// The ports of one queue.
@@ -133,8 +141,11 @@ impl EqInner {
 
     /// Record that the process of `port` was granted aperture `(id, generation)` with
     /// `rights`: its claims on it are honoured from now on.
-    pub fn grant(&self, port: &PortRec, aperture: u32, generation: u32, rights: Rights) {
-        lock(&port.grants).entry((aperture, generation)).and_modify(|r| *r = *r | rights).or_insert(rights);
+    pub fn grant(&self, port: &PortRec, ap: &Arc<crate::aperture::ApertureInner>, rights: Rights) {
+        lock(&port.grants)
+            .entry((ap.id, ap.generation))
+            .and_modify(|g| g.rights = g.rights | rights)
+            .or_insert_with(|| Grant { rights, aperture: Arc::downgrade(ap) });
     }
 
     /// Connection `conn` closed: a port none of whose connections is left is retired (what
@@ -170,8 +181,9 @@ impl EqInner {
         self.pump_into(None)
     }
 
-    /// [`EqInner::pump`], the events for our ring going to `out` instead if given.
-    pub fn pump_into(&self, mut out: Option<&mut Vec<Word>>) -> bool {
+    /// [`EqInner::pump`], the first event for our ring going to `first` instead if given
+    /// (and empty): the caller takes it without a round through the ring.
+    pub fn pump_into(&self, mut first: Option<&mut Option<Word>>) -> bool {
         if self.ports.count.load(Ordering::Acquire) == 0 {
             return false;
         }
@@ -179,13 +191,13 @@ impl EqInner {
         let mut any = false;
         for p in list.iter() {
             if let Ok(mut c) = p.consumer.try_lock() {
-                any |= self.pump_port(p, &mut c, out.as_deref_mut());
+                any |= self.pump_port(p, &mut c, first.as_deref_mut());
             }
         }
         any
     }
 
-    fn pump_port(&self, p: &PortRec, c: &mut Consumer, mut out: Option<&mut Vec<Word>>) -> bool {
+    fn pump_port(&self, p: &PortRec, c: &mut Consumer, mut first: Option<&mut Option<Word>>) -> bool {
         let v = p.map.view();
         let rings = v.rings();
         let mut n = 0;
@@ -194,9 +206,9 @@ impl EqInner {
                 None => break,
                 Some(Taken::Event { words, .. }) => {
                     if let Some(w) = self.apply(p, words) {
-                        match out.as_deref_mut() {
-                            Some(o) => o.push(w),
-                            None => {
+                        match first.as_deref_mut() {
+                            Some(slot @ None) => *slot = Some(w),
+                            _ => {
                                 self.post_local(w);
                             }
                         }
@@ -223,7 +235,7 @@ impl EqInner {
     /// Returns the event it makes for our ring, if any.
     fn apply(&self, p: &PortRec, words: [u64; 4]) -> Option<Word> {
         let granted = |aperture: u32, generation: u32, need: Rights| {
-            lock(&p.grants).get(&(aperture, generation)).is_some_and(|r| r.contains(need))
+            lock(&p.grants).get(&(aperture, generation)).filter(|g| g.rights.contains(need)).map(|g| g.aperture.clone())
         };
         match Word::decode(words) {
             Some(Word::Claim { aperture, ap_generation, slot, generation, access }) => {
@@ -231,11 +243,12 @@ impl EqInner {
                     Access::Read => Rights::READ,
                     Access::Write => Rights::WRITE,
                 };
-                if !granted(aperture, ap_generation, need) {
+                let Some(ap) = granted(aperture, ap_generation, need) else {
                     self.malformed.fetch_add(1, Ordering::Relaxed);
                     return None;
-                }
-                match self.our_aperture(aperture, ap_generation) {
+                };
+                // Still exported in that generation (the index's revocation word).
+                match ap.upgrade().filter(|ap| ap.is_live()) {
                     Some(ap) => ap.watch.fire_claim(slot, generation, access),
                     None => {
                         self.stale.fetch_add(1, Ordering::Relaxed);
@@ -244,7 +257,7 @@ impl EqInner {
                 }
             }
             Some(w @ Word::Notification { aperture, generation, .. })
-                if granted(aperture, generation, Rights::WRITE) =>
+                if granted(aperture, generation, Rights::WRITE).is_some() =>
             {
                 Some(w)
             }
@@ -255,18 +268,12 @@ impl EqInner {
         }
     }
 
-    /// The live aperture `(id, generation)` of this NIC whose tripwires report here.
-    fn our_aperture(&self, id: u32, generation: u32) -> Option<Arc<crate::aperture::ApertureInner>> {
-        let ap = self.nic.upgrade()?.live_aperture(id, generation)?;
-        std::ptr::eq(Arc::as_ptr(&ap.watch.eq), self).then_some(ap)
-    }
-
     /// Port `p` lost claims: fire every armed tripwire its process could have fired.
     fn resync(&self, p: &PortRec) {
-        let grants: Vec<((u32, u32), Rights)> = lock(&p.grants).iter().map(|(k, v)| (*k, *v)).collect();
-        for ((id, generation), rights) in grants {
-            if let Some(ap) = self.our_aperture(id, generation) {
-                ap.watch.fire_all(rights);
+        let grants: Vec<Grant> = lock(&p.grants).values().cloned().collect();
+        for g in grants {
+            if let Some(ap) = g.aperture.upgrade().filter(|ap| ap.is_live()) {
+                ap.watch.fire_all(g.rights);
             }
         }
     }
