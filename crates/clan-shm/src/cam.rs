@@ -46,9 +46,10 @@ pub const PAGE_SHIFT: u32 = 12;
 /// A tripwire spanning at most this many lines is narrow.
 pub const NARROW_LINES: u64 = 4;
 /// Header magic.
-pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM2");
-/// Alignment of the entries within an index.
-const ENTRY_ALIGN: usize = 4096;
+pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM3");
+/// Alignment of the entries within an index (a cache line: a small index keeps its header,
+/// bits, list heads and first entries in one page).
+const ENTRY_ALIGN: usize = 64;
 
 /// Header of an index, 64 bytes.
 #[repr(C)]

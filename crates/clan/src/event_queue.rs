@@ -566,6 +566,9 @@ impl EqInner {
         for _ in 0..4 {
             let mut first = None;
             let any = self.pump_into(Some(&mut first));
+            if !any {
+                break;
+            }
             if let Some(ev) = first.and_then(|w| self.decode(0, w.encode())) {
                 self.delivered.fetch_add(1, Ordering::Relaxed);
                 return Some(ev);
@@ -573,9 +576,6 @@ impl EqInner {
             // The rest went to our ring.
             if let Some(ev) = self.take_own() {
                 return Some(ev);
-            }
-            if !any {
-                break;
             }
         }
         None

@@ -64,7 +64,9 @@ pub(crate) struct PortRec {
     consumer: Mutex<Consumer>,
     /// The apertures the process was granted, with the union of its rights (and the
     /// aperture, so that a claim costs no lookup in the NIC's tables).
-    grants: Mutex<HashMap<(u32, u32), Grant>>,
+    /// Indexed by aperture id (dense: ids are slots of the NIC's aperture table), so that a
+    /// claim's check touches one small array, not a hash table.
+    grants: Mutex<Vec<Option<Grant>>>,
     /// Its connections that were given the port (it is retired with the last).
     conns: Mutex<HashSet<u64>>,
 }
@@ -78,6 +80,7 @@ impl std::fmt::Debug for PortRec {
 /// What a process was granted of one aperture.
 #[derive(Debug, Clone)]
 struct Grant {
+    generation: u32,
     rights: Rights,
     aperture: Weak<crate::aperture::ApertureInner>,
 }
@@ -125,7 +128,7 @@ impl EqInner {
             eventfd,
             map,
             consumer: Mutex::new(Consumer::new(1)),
-            grants: Mutex::new(HashMap::new()),
+            grants: Mutex::new(Vec::new()),
             conns: Mutex::new(HashSet::from([conn])),
         });
         list.push(p.clone());
@@ -142,10 +145,17 @@ impl EqInner {
     /// Record that the process of `port` was granted aperture `(id, generation)` with
     /// `rights`: its claims on it are honoured from now on.
     pub fn grant(&self, port: &PortRec, ap: &Arc<crate::aperture::ApertureInner>, rights: Rights) {
-        lock(&port.grants)
-            .entry((ap.id, ap.generation))
-            .and_modify(|g| g.rights = g.rights | rights)
-            .or_insert_with(|| Grant { rights, aperture: Arc::downgrade(ap) });
+        let mut g = lock(&port.grants);
+        let i = ap.id as usize;
+        if g.len() <= i {
+            g.resize(i + 1, None);
+        }
+        match &mut g[i] {
+            // Another grant of the same aperture: the union of the rights.
+            Some(x) if x.generation == ap.generation => x.rights = x.rights | rights,
+            // The first, or of a new generation of that id (the old aperture is gone).
+            slot => *slot = Some(Grant { generation: ap.generation, rights, aperture: Arc::downgrade(ap) }),
+        }
     }
 
     /// Connection `conn` closed: a port none of whose connections is left is retired (what
@@ -235,7 +245,11 @@ impl EqInner {
     /// Returns the event it makes for our ring, if any.
     fn apply(&self, p: &PortRec, words: [u64; 4]) -> Option<Word> {
         let granted = |aperture: u32, generation: u32, need: Rights| {
-            lock(&p.grants).get(&(aperture, generation)).filter(|g| g.rights.contains(need)).map(|g| g.aperture.clone())
+            lock(&p.grants)
+                .get(aperture as usize)
+                .and_then(Option::as_ref)
+                .filter(|g| g.generation == generation && g.rights.contains(need))
+                .map(|g| g.aperture.clone())
         };
         match Word::decode(words) {
             Some(Word::Claim { aperture, ap_generation, slot, generation, access }) => {
@@ -270,7 +284,7 @@ impl EqInner {
 
     /// Port `p` lost claims: fire every armed tripwire its process could have fired.
     fn resync(&self, p: &PortRec) {
-        let grants: Vec<Grant> = lock(&p.grants).values().cloned().collect();
+        let grants: Vec<Grant> = lock(&p.grants).iter().flatten().cloned().collect();
         for g in grants {
             if let Some(ap) = g.aperture.upgrade().filter(|ap| ap.is_live()) {
                 ap.watch.fire_all(g.rights);
