@@ -63,6 +63,21 @@ fn a_connect_timeout_is_honoured_against_a_server_that_stopped() {
     // The server process stops answering anything (its engine included).
     let pid = rustix::process::Pid::from_raw(server.pid() as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    // A signal is delivered asynchronously: wait until every thread of it has stopped (one
+    // still running could answer the next connect).
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{}/task", server.pid())).is_ok_and(|tasks| {
+            tasks.flatten().all(|t| {
+                std::fs::read_to_string(t.path().join("stat"))
+                    .is_ok_and(|st| st.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
+            })
+        })
+    };
+    let t = Instant::now();
+    while !stopped() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the server never stopped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     for ms in [200, 500] {
         let t = Instant::now();
         let e = connect(&nic, addr, Duration::from_millis(ms)).unwrap_err();

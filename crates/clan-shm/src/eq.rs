@@ -1,28 +1,27 @@
 //! Layout of an event queue's segment: the synchronisation memory of a group of endpoints.
 //!
-//! One memfd per event queue holds, page-aligned:
+//! One segment per event queue (or port) holds, page-aligned:
 //!
 //! ```text
 //! | header (EqHeader: geometry, armed/wake words, summary bits) |  page 0
-//! | ring 0: RingHeader + slots | ring 1 | ... | ring nrings-1  |  one producer process each
+//! | ring 0: RingHeader + slots | ring 1 | ... | ring nrings-1  |
 //! | fired bitmap: trip_cap bits                                 |
 //! | tripset words: tripset_cap × TripsetWord (8 B)              |
+//! | tripwire cells: trip_cap × TripCell (16 B: seq, waiters, count) |
 //! ```
 //!
 //! The tripwire entries themselves live in the index of the aperture (or mapping) each one
 //! watches ([`crate::cam`]); the queue holds what their firings do here.
 //!
-//! Every process that may fire the tripwires of the queue's endpoints maps the whole segment
-//! read-write: synchronisation state is shared among the importers of a queue (a misbehaving
-//! importer can cause spurious or missed events on that queue, never an access outside its
-//! apertures, a crash or a hang of the owner). Geometry is never read back from the header by
-//! an importer: it comes with the import and is checked against the memfd's size.
-//!
+//! `clan` keeps a queue's own segment private to its process (it alone fires its
+//! tripwires), and gives every other process that reaches the queue a *port*: a segment of
+//! the same layout with one ring and no table, shared with that process alone. Everything
+//! read from a port is untrusted input, validated by its consumer.
 //! The segment is sparse: pages of the table are only allocated when entries are used.
 
 use crate::ring::{EventSlot, QueueWords, RingHeader, Rings};
 use crate::sync::{AtomicU32, AtomicU64};
-use crate::trip::{TripTable, TripsetWord};
+use crate::trip::{TripCell, TripTable, TripsetWord};
 
 /// Header magic.
 pub const EQ_MAGIC: u64 = u64::from_le_bytes(*b"CLANEQ01");
@@ -113,6 +112,8 @@ pub struct EqLayout {
     pub bitmap_words: usize,
     /// Offset of the tripset words.
     pub tripsets_off: usize,
+    /// Offset of the tripwire cells (one per queue index).
+    pub cells_off: usize,
     /// Total size (page multiple).
     pub size: usize,
 }
@@ -130,8 +131,10 @@ impl EqLayout {
         let bitmap_off = rings_off + params.nrings as usize * ring_stride;
         let bitmap_words = (params.trip_cap as usize).div_ceil(64);
         let tripsets_off = (bitmap_off + bitmap_words * 8).div_ceil(64) * 64;
-        let size = page_up(tripsets_off + params.tripset_cap as usize * std::mem::size_of::<TripsetWord>());
-        EqLayout { params, rings_off, ring_stride, bitmap_off, bitmap_words, tripsets_off, size }
+        let cells_off =
+            (tripsets_off + params.tripset_cap as usize * std::mem::size_of::<TripsetWord>()).div_ceil(64) * 64;
+        let size = page_up(cells_off + params.trip_cap as usize * std::mem::size_of::<TripCell>());
+        EqLayout { params, rings_off, ring_stride, bitmap_off, bitmap_words, tripsets_off, cells_off, size }
     }
 }
 
@@ -177,6 +180,7 @@ pub struct EqModel {
     slots: Vec<Vec<EventSlot>>,
     bitmap: Vec<AtomicU64>,
     tripsets: Vec<TripsetWord>,
+    cells: Vec<TripCell>,
 }
 
 impl EqModel {
@@ -188,6 +192,7 @@ impl EqModel {
             slots: (0..params.nrings).map(|_| (0..params.ring_cap).map(|_| EventSlot::new()).collect()).collect(),
             bitmap: (0..(params.trip_cap as usize).div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             tripsets: (0..params.tripset_cap).map(|_| TripsetWord::new()).collect(),
+            cells: (0..params.trip_cap).map(|_| TripCell::new()).collect(),
         }
     }
 
@@ -197,7 +202,7 @@ impl EqModel {
             header: &self.header,
             ring_headers: self.rings.iter().collect(),
             ring_slots: self.slots.iter().map(Vec::as_slice).collect(),
-            table: TripTable { bitmap: &self.bitmap, tripsets: &self.tripsets },
+            table: TripTable { bitmap: &self.bitmap, tripsets: &self.tripsets, cells: &self.cells },
         }
     }
 }
@@ -294,6 +299,7 @@ mod mapped {
                 let table = TripTable {
                     bitmap: s.slice::<AtomicU64>(layout.bitmap_off, layout.bitmap_words)?,
                     tripsets: s.slice::<TripsetWord>(layout.tripsets_off, p.tripset_cap as usize)?,
+                    cells: s.slice::<TripCell>(layout.cells_off, p.trip_cap as usize)?,
                 };
                 EqView { header, ring_headers, ring_slots, table }
             };

@@ -200,7 +200,7 @@ impl Producer {
         let used = self.head.wrapping_sub(tail);
         let stored = cap != 0 && used < cap;
         if stored {
-            let slot = &slots[(self.head % cap) as usize];
+            let slot = &slots[slot_of(self.head, cap)];
             for (w, v) in slot.w.iter().zip(event) {
                 w.store(v, Ordering::Relaxed);
             }
@@ -292,6 +292,13 @@ impl Consumer {
         let n = self.tails.len().min(rings.headers.len()).min(rings.slots.len());
         if n == 0 {
             return None;
+        }
+        if n == 1 {
+            // One ring (a private queue, a port): no scan, no division.
+            if rings.words.summary[0].load(Ordering::Acquire) & 1 == 0 {
+                return None;
+            }
+            return self.visit(rings, 0);
         }
         let nwords = n.div_ceil(64);
         let first = self.cursor % n;
@@ -385,7 +392,7 @@ impl Consumer {
             hdr.tail.store(head, Ordering::Release);
             return Some(Taken::Corrupt { ring: r, skipped: avail });
         }
-        let slot = &slots[(tail % cap) as usize];
+        let slot = &slots[slot_of(tail, cap)];
         let words = std::array::from_fn(|i| slot.w[i].load(Ordering::Relaxed));
         self.tails[r] = tail.wrapping_add(1);
         // SYNC POINT: pairs with the producer's `tail.load(Acquire)`: the slot is free only
@@ -419,4 +426,11 @@ pub fn sleep(rings: &Rings<'_>, futex: &impl Futex, timeout: Option<std::time::D
     if arm(rings, ARM_FUTEX) {
         futex.wait(&rings.words.wake, seen, timeout);
     }
+}
+
+/// The slot of sequence number `n` in a ring of `cap` slots (a power of two for every ring
+/// made here: a mask, not a division; any other length still gets a valid index).
+#[inline]
+fn slot_of(n: u64, cap: u64) -> usize {
+    if cap.is_power_of_two() { (n & (cap - 1)) as usize } else { (n % cap.max(1)) as usize }
 }

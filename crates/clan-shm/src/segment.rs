@@ -41,6 +41,8 @@ unsafe impl Shared for crate::trip::TripEntry {}
 // SAFETY: as above.
 unsafe impl Shared for crate::trip::TripsetWord {}
 // SAFETY: as above.
+unsafe impl Shared for crate::trip::TripCell {}
+// SAFETY: as above.
 unsafe impl Shared for crate::eq::EqHeader {}
 // SAFETY: as above.
 unsafe impl Shared for crate::cam::CamHeader {}

@@ -30,7 +30,8 @@
 //!
 //! ## Waiting
 //!
-//! Every firing increments `seq`, the futex word. A waiter increments `waiters`, fences, and
+//! Every firing increments `seq`, the futex word (in the entry's [`TripCell`], in the queue's
+//! table). A waiter increments `waiters`, fences, and
 //! sleeps while `seq` still holds the value it saw; a firer increments `seq`, fences, and
 //! wakes only if `waiters != 0` — so a firing costs no system call unless someone sleeps.
 
@@ -109,16 +110,15 @@ pub struct TripEntry {
     pub next: AtomicU32,
     /// Tripset word to bump on firing, as `index + 1`; 0 for none.
     pub tripset: AtomicU32,
-    /// Firing sequence number; the futex word waiters sleep on.
-    pub seq: AtomicU32,
-    /// Number of threads sleeping on `seq`.
-    pub waiters: AtomicU32,
-    /// The counter action.
-    pub count: AtomicU64,
-    /// The entry's index in its event queue's table (its fired bit, its identity in events).
+    /// The entry's index in its event queue's table (its fired bit, its cell, its identity
+    /// in events).
     pub qindex: AtomicU32,
-    _r: AtomicU32,
+    _r: [AtomicU32; 3],
+    _r2: [AtomicU64; 1],
 }
+
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<TripEntry>() == 64);
 
 impl TripEntry {
     /// A free entry of generation 0.
@@ -130,16 +130,41 @@ impl TripEntry {
             tag: AtomicU64::new(0),
             next: AtomicU32::new(0),
             tripset: AtomicU32::new(0),
-            seq: AtomicU32::new(0),
-            waiters: AtomicU32::new(0),
-            count: AtomicU64::new(0),
             qindex: AtomicU32::new(0),
-            _r: AtomicU32::new(0),
+            _r: std::array::from_fn(|_| AtomicU32::new(0)),
+            _r2: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
 
 impl Default for TripEntry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What firing a tripwire writes, in its queue's table (memory of the queue's owner only,
+/// the only process that fires): kept out of the entry, which other processes read to snoop
+/// their writes, so that a firing never takes away a line another process reads next.
+#[repr(C)]
+#[derive(Debug)]
+pub struct TripCell {
+    /// Firing sequence number; the futex word waiters sleep on.
+    pub seq: AtomicU32,
+    /// Number of threads sleeping on `seq`.
+    pub waiters: AtomicU32,
+    /// The counter action.
+    pub count: AtomicU64,
+}
+
+impl TripCell {
+    /// A zeroed cell.
+    pub fn new() -> TripCell {
+        TripCell { seq: AtomicU32::new(0), waiters: AtomicU32::new(0), count: AtomicU64::new(0) }
+    }
+}
+
+impl Default for TripCell {
     fn default() -> Self {
         Self::new()
     }
@@ -176,11 +201,18 @@ pub struct TripTable<'a> {
     pub bitmap: &'a [AtomicU64],
     /// Tripset wake words.
     pub tripsets: &'a [TripsetWord],
+    /// Firing state, one cell per queue index.
+    pub cells: &'a [TripCell],
 }
 
 impl TripTable<'_> {
-    /// A table with no bitmap and no tripsets.
-    pub const EMPTY: TripTable<'static> = TripTable { bitmap: &[], tripsets: &[] };
+    /// A table with no bitmap, no tripsets and no cells.
+    pub const EMPTY: TripTable<'static> = TripTable { bitmap: &[], tripsets: &[], cells: &[] };
+
+    /// The cell of queue index `qindex`, if the table has it.
+    pub fn cell(&self, qindex: u32) -> Option<&TripCell> {
+        self.cells.get(qindex as usize)
+    }
 }
 
 impl std::fmt::Debug for TripTable<'_> {
@@ -219,8 +251,8 @@ pub fn would_fire(e: &TripEntry, generation_: u32, access: Access) -> bool {
 /// Fire entry `e` of generation `generation` for `access`, if it is armed, with the actions
 /// that live in its queue's `table`.
 ///
-/// Performs the bitmap and counter actions, bumps `seq` and the tripset word and wakes their
-/// sleepers. Posting the event (if [`Fired::PostEvent`]) is left to the caller, who holds the
+/// Performs the bitmap and counter actions, bumps `seq` (in the entry's cell of `table`)
+/// and the tripset word and wakes their sleepers. Posting the event (if [`Fired::PostEvent`]) is left to the caller, who holds the
 /// producer ring.
 pub fn fire(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'_>, futex: &impl Futex) -> Fired {
     let mut s = e.state.load(Ordering::Acquire);
@@ -246,15 +278,20 @@ pub fn fire(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'
             w.fetch_or(1u64 << (qindex % 64), Ordering::Release);
         }
     }
-    if fl & ACT_COUNTER != 0 {
-        e.count.fetch_add(1, Ordering::Relaxed);
-    }
-    // SYNC POINT: pairs with the waiters' `seq.load(Acquire)` in `wait_until`.
-    e.seq.fetch_add(1, Ordering::AcqRel);
-    // Dekker with `wait_until`'s "waiters += 1, fence, check".
-    fence(Ordering::SeqCst);
-    if e.waiters.load(Ordering::Relaxed) != 0 {
-        futex.wake(&e.seq);
+    if let Some(c) = table.cell(qindex) {
+        if fl & ACT_COUNTER != 0 {
+            c.count.fetch_add(1, Ordering::Relaxed);
+        }
+        // SYNC POINT: pairs with the waiters' `seq.load(Acquire)` in `wait_until`.
+        c.seq.fetch_add(1, Ordering::AcqRel);
+        // Dekker with `wait_until`'s "waiters += 1, fence, check".
+        fence(Ordering::SeqCst);
+        if c.waiters.load(Ordering::Relaxed) != 0 {
+            futex.wake(&c.seq);
+        }
+    } else {
+        // No cell (a table without them): the tripset's fence below still orders.
+        fence(Ordering::SeqCst);
     }
     // Read the tripset link only after the fence: a tripset waiter that linked this entry and
     // then fenced either sees our `seq` above, or we see its link here.
@@ -288,7 +325,6 @@ pub fn publish(e: &TripEntry, generation_: u32, flags_: u32, start: u64, end: u6
     e.tag.store(tag, Ordering::Relaxed);
     e.next.store(0, Ordering::Relaxed);
     e.tripset.store(0, Ordering::Relaxed);
-    e.count.store(0, Ordering::Relaxed);
     // SYNC POINT: pairs with the readers' Acquire load of `state` (the seqlock in `cam`).
     e.state.store(state_word(generation_, flags_ | LIVE), Ordering::Release);
 }

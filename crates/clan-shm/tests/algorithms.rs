@@ -157,7 +157,8 @@ fn once_only_counter_bitmap_and_access_kinds() {
     assert_eq!(snoop::transfer(Access::Read, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(), 2);
     assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 8000, 8, &mut scratch, nop).unwrap(), 1, "wide only");
     let e = &cam_v.entries;
-    let count = |i: usize| e[i].count.load(std::sync::atomic::Ordering::Relaxed);
+    // Entries were published with queue index = slot: their cells are the table's.
+    let count = |i: usize| v.table.cells[i].count.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!((count(1), count(2), count(5)), (1, 1, 4));
     assert!(trip::test_bit(&v.table, 1));
     assert!(trip::clear_bit(&v.table, 1));

@@ -146,7 +146,7 @@ fn once_only_fires_exactly_once() {
             .collect();
         let wins = ts.into_iter().map(|t| t.join().unwrap()).filter(|&w| w).count();
         assert_eq!(wins, 1);
-        assert_eq!(cam_m.view().entries[0].count.load(Ordering::Relaxed), 1);
+        assert_eq!(eq.view().table.cells[0].count.load(Ordering::Relaxed), 1);
     });
 }
 
@@ -228,10 +228,9 @@ fn tripwire_wait_no_lost_wakeup() {
             })
         };
         let v = eq.view();
-        let cv = cam_m.view();
-        let e = &cv.entries[0];
-        let ok = trip::wait_until(&e.seq, &e.waiters, std::time::Duration::ZERO, None, &*futex, || {
-            e.seq.load(Ordering::Acquire) != 0
+        let c = &v.table.cells[0];
+        let ok = trip::wait_until(&c.seq, &c.waiters, std::time::Duration::ZERO, None, &*futex, || {
+            c.seq.load(Ordering::Acquire) != 0
         });
         assert!(ok);
         firer.join().unwrap();
@@ -256,10 +255,11 @@ fn tripset_link_vs_fire() {
         let cv = cam_m.view();
         let e = &cv.entries[0];
         let ts = &v.table.tripsets[0];
+        let c = &v.table.cells[0];
         // Link the member and record its sequence, then wait on the set's word.
         e.tripset.store(1, Ordering::Relaxed);
         let ok = trip::wait_until(&ts.seq, &ts.waiters, std::time::Duration::ZERO, None, &*futex, || {
-            e.seq.load(Ordering::Acquire) != 0
+            c.seq.load(Ordering::Acquire) != 0
         });
         assert!(ok);
         firer.join().unwrap();
@@ -295,7 +295,7 @@ fn relink_under_walker_still_fires() {
         trip::publish(a, 2, ARMED | ON_WRITE, 1024, 1032, TAG, 0);
         owner.insert(&cv, 0, 1024, 1032);
         writer.join().unwrap();
-        assert_eq!(cv.entries[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
+        assert_eq!(eq.view().table.cells[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
     });
 }
 

@@ -149,12 +149,6 @@ impl ApertureInner {
         self.mem.as_ref().expect("aperture memory present until drop")
     }
 
-    /// Still exported (not unexported).
-    pub fn is_live(&self) -> bool {
-        // SYNC POINT: pairs with the AcqRel swap in `unexport`.
-        !self.revoked.load(Ordering::Acquire)
-    }
-
     pub fn unexport(&self) {
         if self.revoked.swap(true, Ordering::AcqRel) {
             return;
@@ -162,6 +156,7 @@ impl ApertureInner {
         tracing::debug!(endpoint = %self.endpoint, aperture = self.id, generation = self.generation, "unexported");
         self.mem().revoke();
         self.watch.clear();
+        self.watch.eq.revoke_grants(self.id, self.generation);
         self.nic.aperture_unexported(self.id, self.generation);
     }
 

@@ -32,7 +32,7 @@ use clan_shm::eventfd::EventFd;
 use clan_shm::memfd::Memfd;
 use clan_shm::ring::{self, Consumer, Producer, Taken};
 use clan_shm::segment::{Access as SegAccess, Segment};
-use clan_shm::trip::Access;
+use clan_shm::trip::{self, Access};
 use clan_wire::grant::Refusal;
 
 use crate::addr::NicAddr;
@@ -82,7 +82,11 @@ impl std::fmt::Debug for PortRec {
 struct Grant {
     generation: u32,
     rights: Rights,
-    aperture: Weak<crate::aperture::ApertureInner>,
+    /// The aperture's index: a claim is applied with no reference count touched and no
+    /// pointer followed but this one (dropped when the aperture is unexported).
+    cam: Arc<clan_shm::eq::CamMap>,
+    /// For re-synchronising a port that lost claims (rare).
+    watch: Weak<crate::tripwire::WatchOwner>,
 }
 
 /// The ports of one queue.
@@ -154,7 +158,30 @@ impl EqInner {
             // Another grant of the same aperture: the union of the rights.
             Some(x) if x.generation == ap.generation => x.rights = x.rights | rights,
             // The first, or of a new generation of that id (the old aperture is gone).
-            slot => *slot = Some(Grant { generation: ap.generation, rights, aperture: Arc::downgrade(ap) }),
+            slot => {
+                *slot = Some(Grant {
+                    generation: ap.generation,
+                    rights,
+                    cam: ap.watch.cam.clone(),
+                    watch: Arc::downgrade(&ap.watch),
+                })
+            }
+        }
+    }
+
+    /// Aperture `(id, generation)` was unexported: no claim on it is honoured any more, and
+    /// the ports let go of its index.
+    pub fn revoke_grants(&self, id: u32, generation: u32) {
+        if self.ports.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
+        for p in list.iter() {
+            if let Some(slot) = lock(&p.grants).get_mut(id as usize) {
+                if slot.as_ref().is_some_and(|g| g.generation == generation) {
+                    *slot = None;
+                }
+            }
         }
     }
 
@@ -244,41 +271,45 @@ impl EqInner {
     /// One word from port `p`: only claims and notifications, on apertures it was granted.
     /// Returns the event it makes for our ring, if any.
     fn apply(&self, p: &PortRec, words: [u64; 4]) -> Option<Word> {
-        let granted = |aperture: u32, generation: u32, need: Rights| {
-            lock(&p.grants)
-                .get(aperture as usize)
-                .and_then(Option::as_ref)
-                .filter(|g| g.generation == generation && g.rights.contains(need))
-                .map(|g| g.aperture.clone())
-        };
-        match Word::decode(words) {
-            Some(Word::Claim { aperture, ap_generation, slot, generation, access }) => {
-                let need = match access {
-                    Access::Read => Rights::READ,
-                    Access::Write => Rights::WRITE,
-                };
-                let Some(ap) = granted(aperture, ap_generation, need) else {
-                    self.malformed.fetch_add(1, Ordering::Relaxed);
-                    return None;
-                };
-                // Still exported in that generation (the index's revocation word).
-                match ap.upgrade().filter(|ap| ap.is_live()) {
-                    Some(ap) => ap.watch.fire_claim(slot, generation, access),
-                    None => {
-                        self.stale.fetch_add(1, Ordering::Relaxed);
-                        None
-                    }
-                }
-            }
-            Some(w @ Word::Notification { aperture, generation, .. })
-                if granted(aperture, generation, Rights::WRITE).is_some() =>
-            {
-                Some(w)
-            }
+        let word = Word::decode(words);
+        let need = match word {
+            Some(Word::Claim { access: Access::Read, .. }) => Rights::READ,
+            Some(Word::Claim { .. } | Word::Notification { .. }) => Rights::WRITE,
             _ => {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
-                None
+                return None;
             }
+        };
+        let (aperture, ap_generation) = match word {
+            Some(Word::Claim { aperture, ap_generation, .. }) => (aperture, ap_generation),
+            Some(Word::Notification { aperture, generation, .. }) => (aperture, generation),
+            _ => return None,
+        };
+        let grants = lock(&p.grants);
+        let Some(g) = grants
+            .get(aperture as usize)
+            .and_then(Option::as_ref)
+            .filter(|g| g.generation == ap_generation && g.rights.contains(need))
+        else {
+            self.malformed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        match word {
+            Some(Word::Claim { slot, generation, access, .. }) => {
+                // The grant is the aperture's (its queue is this one: `grant`); an
+                // unexported aperture's grants are gone (`revoke_grants`), and a retired or
+                // reused entry does not fire in a stale generation.
+                let Some(e) = g.cam.view().entries.get(slot as usize) else {
+                    self.stale.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                };
+                let v = self.view();
+                match trip::fire(e, generation, access, &v.table, &self.port.futex()) {
+                    trip::Fired::PostEvent { qindex } => Some(Word::Trip { index: qindex, generation, access }),
+                    trip::Fired::Yes | trip::Fired::No => None,
+                }
+            }
+            w => w,
         }
     }
 
@@ -286,8 +317,8 @@ impl EqInner {
     fn resync(&self, p: &PortRec) {
         let grants: Vec<Grant> = lock(&p.grants).iter().flatten().cloned().collect();
         for g in grants {
-            if let Some(ap) = g.aperture.upgrade().filter(|ap| ap.is_live()) {
-                ap.watch.fire_all(g.rights);
+            if let Some(w) = g.watch.upgrade() {
+                w.fire_all(g.rights);
             }
         }
     }

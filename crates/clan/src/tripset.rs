@@ -27,6 +27,11 @@ impl Member {
         &self.owner.cam.view().entries[self.slot as usize]
     }
 
+    /// Its firing state, in the queue's table.
+    fn cell(&self) -> &trip::TripCell {
+        &self.owner.eq.view().table.cells[self.id.index as usize]
+    }
+
     /// Whether the entry is still this member's (not destroyed, not reused).
     fn is_live(&self) -> bool {
         let e = self.entry();
@@ -75,7 +80,7 @@ impl Tripset {
         if e.tripset.load(Ordering::Relaxed) != 0 {
             return Err(TripwireError::InTripset);
         }
-        let last_seen = e.seq.load(Ordering::Acquire);
+        let last_seen = tw.cell().seq.load(Ordering::Acquire);
         // Linking before the waiters' fence: see `clan_shm::trip::fire` (reads the link after
         // its own fence), model-checked by `tripset_link_vs_fire`.
         e.tripset.store(self.slot + 1, Ordering::Relaxed);
@@ -113,7 +118,7 @@ impl Tripset {
         // Members destroyed since they were added are dropped from the set.
         m.retain(Member::is_live);
         for x in m.iter_mut() {
-            let now = x.entry().seq.load(Ordering::Acquire);
+            let now = x.cell().seq.load(Ordering::Acquire);
             if now != x.last_seen {
                 x.last_seen = now;
                 out.push(x.id);
@@ -129,7 +134,7 @@ impl Tripset {
         let w = &v.table.tripsets[self.slot as usize];
         let fired = || {
             let m = lock(&self.members);
-            m.iter().any(|x| x.entry().seq.load(Ordering::Acquire) != x.last_seen)
+            m.iter().any(|x| x.cell().seq.load(Ordering::Acquire) != x.last_seen)
         };
         // Another waiter may take what fired first: then wait on. (`poll` pumps the ports.)
         let poll = || {

@@ -249,7 +249,9 @@ impl WatchOwner {
         let v = self.eq.view();
         let cv = self.cam.view();
         let entry = &cv.entries[slot as usize];
-        let seq = entry.seq.load(Ordering::Acquire);
+        let cell = &v.table.cells[index as usize];
+        let seq = cell.seq.load(Ordering::Acquire);
+        cell.count.store(0, Ordering::Relaxed);
         trip::clear_bit(&v.table, index);
         trip::publish(entry, generation, flags, start, end, self.tag, index);
         st.cam.insert(cv, slot, start, end);
@@ -366,6 +368,11 @@ impl Tripwire {
         &self.owner.cam.view().entries[self.slot as usize]
     }
 
+    /// Its firing state, in its queue's table.
+    pub(crate) fn cell(&self) -> &clan_shm::trip::TripCell {
+        &self.owner.eq.view().table.cells[self.id.index as usize]
+    }
+
     fn check(&self) -> Result<(), TripwireError> {
         if self.owner.is_current(self.id.index, self.id.generation) { Ok(()) } else { Err(TripwireError::Stale) }
     }
@@ -376,7 +383,7 @@ impl Tripwire {
     pub fn arm(&self) -> Result<(), TripwireError> {
         self.check()?;
         let e = self.entry();
-        self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
+        self.last_seen.store(self.cell().seq.load(Ordering::Acquire), Ordering::Relaxed);
         if trip::set_armed(e, self.id.generation, true) { Ok(()) } else { Err(TripwireError::Stale) }
     }
 
@@ -407,7 +414,7 @@ impl Tripwire {
     /// Firings counted so far (counter action).
     pub fn count(&self) -> u64 {
         self.owner.eq.pump();
-        self.entry().count.load(Ordering::Relaxed)
+        self.cell().count.load(Ordering::Relaxed)
     }
 
     /// Whether it fired since the last `arm`, `wait` or `take_fired`; consumes the
@@ -415,7 +422,7 @@ impl Tripwire {
     pub fn take_fired(&self) -> bool {
         // What other processes claimed is applied first (`crate::port`): one load if none.
         self.owner.eq.pump();
-        let now = self.entry().seq.load(Ordering::Acquire);
+        let now = self.cell().seq.load(Ordering::Acquire);
         let seen = self.last_seen.swap(now, Ordering::AcqRel);
         now != seen
     }
@@ -424,7 +431,7 @@ impl Tripwire {
     /// `take_fired`, return at once). Spins for the queue's spin time first.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), TripwireError> {
         self.check()?;
-        let e = self.entry();
+        let e = self.cell();
         let seen = self.last_seen.load(Ordering::Relaxed);
         let nic = progress::driver(self.owner.eq.nic.upgrade());
         let alive = self.owner.alive.as_deref();
