@@ -61,12 +61,8 @@ pub(crate) struct PortRec {
     pub memfd: Memfd,
     pub eventfd: EventFd,
     map: EqMap,
-    consumer: Mutex<Consumer>,
-    /// The apertures the process was granted, with the union of its rights (and the
-    /// aperture, so that a claim costs no lookup in the NIC's tables).
-    /// Indexed by aperture id (dense: ids are slots of the NIC's aperture table), so that a
-    /// claim's check touches one small array, not a hash table.
-    grants: Mutex<Vec<Option<Grant>>>,
+    /// The consumer side: taken while pumping (by one thread at a time).
+    side: Mutex<PortSide>,
     /// Its connections that were given the port (it is retired with the last).
     conns: Mutex<HashSet<u64>>,
 }
@@ -75,6 +71,17 @@ impl std::fmt::Debug for PortRec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PortRec").field("id", &self.id).field("pid", &self.pid).field("uid", &self.uid).finish()
     }
+}
+
+/// The consumer's side of a port: its ring consumer, and what its process was granted,
+/// under the one lock a pump takes anyway.
+#[derive(Debug)]
+struct PortSide {
+    consumer: Consumer,
+    /// The apertures the process was granted, with the union of its rights; indexed by
+    /// aperture id (dense: ids are slots of the NIC's aperture table), so that a claim's
+    /// check touches one small array.
+    grants: Vec<Option<Grant>>,
 }
 
 /// What a process was granted of one aperture.
@@ -131,8 +138,7 @@ impl EqInner {
             memfd,
             eventfd,
             map,
-            consumer: Mutex::new(Consumer::new(1)),
-            grants: Mutex::new(Vec::new()),
+            side: Mutex::new(PortSide { consumer: Consumer::new(1), grants: Vec::new() }),
             conns: Mutex::new(HashSet::from([conn])),
         });
         list.push(p.clone());
@@ -149,7 +155,8 @@ impl EqInner {
     /// Record that the process of `port` was granted aperture `(id, generation)` with
     /// `rights`: its claims on it are honoured from now on.
     pub fn grant(&self, port: &PortRec, ap: &Arc<crate::aperture::ApertureInner>, rights: Rights) {
-        let mut g = lock(&port.grants);
+        let mut side = lock(&port.side);
+        let g = &mut side.grants;
         let i = ap.id as usize;
         if g.len() <= i {
             g.resize(i + 1, None);
@@ -177,7 +184,7 @@ impl EqInner {
         }
         let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
         for p in list.iter() {
-            if let Some(slot) = lock(&p.grants).get_mut(id as usize) {
+            if let Some(slot) = lock(&p.side).grants.get_mut(id as usize) {
                 if slot.as_ref().is_some_and(|g| g.generation == generation) {
                     *slot = None;
                 }
@@ -206,7 +213,7 @@ impl EqInner {
         for p in gone {
             // A producer killed between publishing and setting its summary bit: set it.
             p.map.view().header.words.summary[0].fetch_or(1, Ordering::AcqRel);
-            self.pump_port(&p, &mut lock(&p.consumer), None);
+            self.pump_port(&p, &mut lock(&p.side), None);
             self.sleepers.unwatch(p.eventfd.as_fd());
             tracing::debug!(queue = self.id, pid = p.pid, port = p.id, "port retired");
         }
@@ -227,14 +234,20 @@ impl EqInner {
         let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
         let mut any = false;
         for p in list.iter() {
-            if let Ok(mut c) = p.consumer.try_lock() {
-                any |= self.pump_port(p, &mut c, first.as_deref_mut());
+            // A plain load first: a quiet port costs no lock (its producer sets the summary
+            // bit after every post, and only the consumer clears it).
+            if !ring::maybe_nonempty(&p.map.view().rings()) {
+                continue;
+            }
+            if let Ok(mut side) = p.side.try_lock() {
+                any |= self.pump_port(p, &mut side, first.as_deref_mut());
             }
         }
         any
     }
 
-    fn pump_port(&self, p: &PortRec, c: &mut Consumer, mut first: Option<&mut Option<Word>>) -> bool {
+    fn pump_port(&self, p: &PortRec, side: &mut PortSide, mut first: Option<&mut Option<Word>>) -> bool {
+        let PortSide { consumer: c, grants } = side;
         let v = p.map.view();
         let rings = v.rings();
         let mut n = 0;
@@ -242,7 +255,7 @@ impl EqInner {
             match c.take(&rings) {
                 None => break,
                 Some(Taken::Event { words, .. }) => {
-                    if let Some(w) = self.apply(p, words) {
+                    if let Some(w) = self.apply(grants, words) {
                         match first.as_deref_mut() {
                             Some(slot @ None) => *slot = Some(w),
                             _ => {
@@ -253,13 +266,13 @@ impl EqInner {
                 }
                 Some(Taken::Overflow { lost, .. }) => {
                     self.lost.fetch_add(lost, Ordering::Relaxed);
-                    self.resync(p);
+                    self.resync(grants);
                     self.post_local(Word::Overflow { lost });
                 }
                 Some(Taken::Corrupt { skipped, .. }) => {
                     self.malformed.fetch_add(1, Ordering::Relaxed);
                     self.lost.fetch_add(skipped, Ordering::Relaxed);
-                    self.resync(p);
+                    self.resync(grants);
                     self.post_local(Word::Overflow { lost: skipped });
                 }
             }
@@ -268,9 +281,9 @@ impl EqInner {
         n > 0
     }
 
-    /// One word from port `p`: only claims and notifications, on apertures it was granted.
-    /// Returns the event it makes for our ring, if any.
-    fn apply(&self, p: &PortRec, words: [u64; 4]) -> Option<Word> {
+    /// One word from a port whose process holds `grants`: only claims and notifications, on
+    /// apertures it was granted. Returns the event it makes for our ring, if any.
+    fn apply(&self, grants: &[Option<Grant>], words: [u64; 4]) -> Option<Word> {
         let word = Word::decode(words);
         let need = match word {
             Some(Word::Claim { access: Access::Read, .. }) => Rights::READ,
@@ -285,7 +298,6 @@ impl EqInner {
             Some(Word::Notification { aperture, generation, .. }) => (aperture, generation),
             _ => return None,
         };
-        let grants = lock(&p.grants);
         let Some(g) = grants
             .get(aperture as usize)
             .and_then(Option::as_ref)
@@ -313,10 +325,10 @@ impl EqInner {
         }
     }
 
-    /// Port `p` lost claims: fire every armed tripwire its process could have fired.
-    fn resync(&self, p: &PortRec) {
-        let grants: Vec<Grant> = lock(&p.grants).iter().flatten().cloned().collect();
-        for g in grants {
+    /// A port lost claims: fire every armed tripwire its process (holding `grants`) could
+    /// have fired.
+    fn resync(&self, grants: &[Option<Grant>]) {
+        for g in grants.iter().flatten() {
             if let Some(w) = g.watch.upgrade() {
                 w.fire_all(g.rights);
             }
@@ -334,8 +346,8 @@ impl EqInner {
             let v = p.map.view();
             let rings = v.rings();
             if !ring::arm(&rings, mode) {
-                if let Ok(mut c) = p.consumer.try_lock() {
-                    c.settle(&rings);
+                if let Ok(mut side) = p.side.try_lock() {
+                    side.consumer.settle(&rings);
                 }
                 quiet &= !ring::maybe_nonempty(&rings);
             }
@@ -370,8 +382,8 @@ impl EqInner {
             // after our arming changes it (pairs with the producer's `fetch_add(Release)`).
             let seen = rings.words.wake.load(Ordering::Acquire);
             if !ring::arm(&rings, ring::ARM_FUTEX) {
-                if let Ok(mut c) = p.consumer.try_lock() {
-                    c.settle(&rings);
+                if let Ok(mut side) = p.side.try_lock() {
+                    side.consumer.settle(&rings);
                 }
                 quiet &= !ring::maybe_nonempty(&rings);
             }

@@ -168,6 +168,10 @@ struct OwnerState {
     /// Entries of the index free for reuse (oldest first), and the first never used.
     slots_free: std::collections::VecDeque<u32>,
     slots_next: u32,
+    /// Where this index's never-used entries start (then on, wrapping): indexes have the
+    /// same layout, so without it the first entries of a thousand apertures would all sit
+    /// at one page offset, in one set of the CPU's caches.
+    colour: u32,
     dead: bool,
 }
 
@@ -177,8 +181,9 @@ impl OwnerState {
         if self.slots_free.len() > 64 || self.slots_next >= cap {
             return self.slots_free.pop_front();
         }
+        let k = self.slots_next;
         self.slots_next += 1;
-        Some(self.slots_next - 1)
+        Some(((u64::from(k) + u64::from(self.colour)) % u64::from(cap)) as u32)
     }
 }
 
@@ -207,7 +212,10 @@ impl std::fmt::Debug for WatchOwner {
 
 impl WatchOwner {
     pub fn new(eq: Arc<EqInner>, cam: Arc<CamMap>, tag: u64, len: u64, base: u64, endpoint: u32) -> WatchOwner {
-        WatchOwner { eq, cam, tag, len, base, endpoint, state: Mutex::new(OwnerState::default()), alive: None }
+        // 64 colours of 64-byte entries: every offset within a page.
+        let colour = ((tag as u32).wrapping_mul(0x9e37_79b1) >> 26) % (cam.view().entries.len().max(1) as u32);
+        let state = OwnerState { colour, ..OwnerState::default() };
+        WatchOwner { eq, cam, tag, len, base, endpoint, state: Mutex::new(state), alive: None }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
