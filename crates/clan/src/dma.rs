@@ -617,6 +617,9 @@ fn service(s: &Shared, q: &Arc<DmaQueue>) -> Next {
             return Next::Parked;
         }
         Err(f) => {
+            // The endpoint closed under the request (its apertures are unexported as it
+            // closes): the request was cancelled, whatever the access then met.
+            let f = if q.closed.load(Ordering::Acquire) { DmaFailure::Cancelled } else { f };
             q.finish(&mut c, Err(f));
             return more(q, &c);
         }

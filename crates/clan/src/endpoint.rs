@@ -118,12 +118,13 @@ impl EndpointInner {
             return;
         }
         tracing::debug!(endpoint = %self.addr, "endpoint closed");
+        // DMA first: what has not run is cancelled, not failed by the unexports below.
+        if let Some(q) = self.dma.get() {
+            q.close();
+        }
         let aps = std::mem::take(&mut *lock(&self.apertures));
         for a in aps.iter().filter_map(Weak::upgrade) {
             a.unexport();
-        }
-        if let Some(q) = self.dma.get() {
-            q.close();
         }
         self.nic.endpoint_closed(self.addr.port);
         self.oob_cv.notify_all();
