@@ -7,7 +7,7 @@
 //! | ring 0: RingHeader + slots | ring 1 | ... | ring nrings-1  |
 //! | fired bitmap: trip_cap bits                                 |
 //! | tripset words: tripset_cap × TripsetWord (8 B)              |
-//! | tripwire cells: trip_cap × TripCell (16 B: seq, waiters, count) |
+//! | tripwire cells: trip_cap × TripCell (64 B: state, source, count, seq, waiters, tripset) |
 //! ```
 //!
 //! The tripwire entries themselves live in the index of the aperture (or mapping) each one

@@ -50,7 +50,7 @@ pub trait Sink {
     fn post(&self, qindex: u32, generation: u32, access: Access);
     /// Fire candidate `c` of `watch` for `access` (its watched bytes are in place and the
     /// caller has fenced); returns whether it fired. By default the entry is fired here
-    /// ([`trip::fire`]) and its event posted with [`Sink::post`]; a process that does not own
+    /// ([`trip::fire_entry`]) and its event posted with [`Sink::post`]; a process that does not own
     /// the index instead tells the owner, which fires it (`clan`'s claims).
     fn fire(&self, watch: &Watch<'_>, c: &Candidate, access: Access) -> bool {
         fire_here(self, watch, c, access)
@@ -62,10 +62,10 @@ pub fn fire_here<S: Sink + ?Sized>(sink: &S, watch: &Watch<'_>, c: &Candidate, a
     let Some(e) = watch.cam.entries.get(c.index as usize) else {
         return false;
     };
-    match trip::fire(e, c.generation, access, watch.table, sink.futex()) {
+    match trip::fire_entry(e, c.generation, access, watch.table, sink.futex()) {
         Fired::No => false,
-        Fired::Yes => true,
-        Fired::PostEvent { qindex } => {
+        Fired::Yes { .. } => true,
+        Fired::PostEvent { qindex, .. } => {
             sink.post(qindex, c.generation, access);
             true
         }

@@ -7,33 +7,46 @@
 //! range *fires* them ([`fire`]) — the owner's process itself; another process only reads the
 //! index and asks the owner to fire (`crate::snoop::Sink`).
 //!
-//! ## The `state` word
+//! ## The `state` word: authoritative in the cell, mirrored in the entry
 //!
-//! `state = generation << 32 | flags`. The generation changes every time the entry is
-//! reused, so a stale reference (an event, a candidate found in the index) cannot fire or
-//! report a later tripwire. Entry fields other than `state` are written by the owner only
-//! while the entry is not [`LIVE`]; readers take them between two reads of `state` and
-//! discard them if the generation moved (a seqlock).
+//! `state = generation << 32 | version << 12 | flags`. The generation changes every time the
+//! entry is reused, so a stale reference (an event, a candidate found in the index, a claim)
+//! cannot fire or report a later tripwire. The version counts changes within a generation.
+//!
+//! The word that decides is the one in the tripwire's [`TripCell`] (the queue's table: memory
+//! of the owner alone). The entry's `state` is a *mirror* of it for the processes that only
+//! read the index: they look there whether a write of theirs would fire it, and ask the owner
+//! (a claim, `clan::port`), who fires by the cell. The mirror is written by the owner after
+//! each change of the cell ([`mirror`]) and only ever moves to a newer (generation, version):
+//! a late copy of an older word never overwrites a newer one. So once an arming has been
+//! mirrored, the mirror shows it armed or shows a later change (a firing that used it, a
+//! disarm, a retirement), never an earlier disarmed word.
+//!
+//! Entry fields other than `state` are written by the owner only while the entry is not
+//! [`LIVE`]; readers take them between two reads of the mirror and discard them if the
+//! generation moved (a seqlock).
 //!
 //! ## No lost wake-up: arming against a concurrent write
 //!
-//! Arming side (the owner): `state.fetch_or(ARMED, SeqCst)` (or index insertion followed by
-//! `epoch.fetch_add(SeqCst)`), then `fence(SeqCst)`, then re-check the data it waits for.
-//! Writing side ([`crate::snoop`]): store the data, `fence(SeqCst)`, then load `state` (or
-//! `epoch`). By the two fences, either the writer sees the tripwire armed and fires it, or the
-//! arming side sees the data: a tripwire can fire spuriously, never be missed.
+//! Arming side (the owner): set `ARMED` in the cell and mirror it (or index insertion
+//! followed by `epoch.fetch_add(SeqCst)`), then `fence(SeqCst)`, then re-check the data it
+//! waits for. Writing side ([`crate::snoop`]): store the data, `fence(SeqCst)`, then load the
+//! mirror (or `epoch`). By the two fences, either the writer sees the arming (or a later word)
+//! and fires it, directly or by a claim, or the arming side sees the data: a tripwire can
+//! fire spuriously, never be missed.
 //!
 //! ## Once-only
 //!
-//! A once-only tripwire fires by `compare_exchange(state, state & !ARMED)`: of any number of
-//! concurrent writers exactly one wins and performs the actions.
+//! A once-only tripwire fires by `compare_exchange(state, disarmed)` on the cell: of any
+//! number of concurrent firers exactly one wins and performs the actions; it then mirrors the
+//! disarmed word (a claimant's writes stop asking).
 //!
 //! ## Waiting
 //!
-//! Every firing increments `seq`, the futex word (in the entry's [`TripCell`], in the queue's
-//! table). A waiter increments `waiters`, fences, and
-//! sleeps while `seq` still holds the value it saw; a firer increments `seq`, fences, and
-//! wakes only if `waiters != 0` — so a firing costs no system call unless someone sleeps.
+//! Every firing increments `seq`, the futex word (in the tripwire's [`TripCell`]). A waiter
+//! increments `waiters`, fences, and sleeps while `seq` still holds the value it saw; a firer
+//! increments `seq`, fences, and wakes only if `waiters != 0` — so a firing costs no system
+//! call unless someone sleeps.
 
 use crate::sync::{AtomicU32, AtomicU64, Futex, Ordering, fence};
 
@@ -56,6 +69,10 @@ pub const ACT_COUNTER: u32 = 1 << 7;
 /// The entry is on its index's wide list (it spans more than [`crate::cam::NARROW_LINES`]
 /// lines).
 pub const WIDE: u32 = 1 << 8;
+/// The bits of a state word that are flags (the next 20 count versions).
+pub const FLAG_MASK: u32 = (1 << VERSION_SHIFT) - 1;
+const VERSION_SHIFT: u32 = 12;
+const VERSION_MASK: u64 = 0xF_FFFF << VERSION_SHIFT;
 
 /// The kind of traffic being snooped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,20 +102,40 @@ pub fn generation(state: u64) -> u32 {
 /// Split a state word.
 #[inline]
 pub fn flags(state: u64) -> u32 {
-    state as u32
+    state as u32 & FLAG_MASK
 }
 
-/// Build a state word.
+/// Build a state word (version 0).
 #[inline]
 pub fn state_word(generation: u32, flags: u32) -> u64 {
-    (u64::from(generation) << 32) | u64::from(flags)
+    (u64::from(generation) << 32) | u64::from(flags & FLAG_MASK)
+}
+
+/// `s` with its flags replaced by `flags` and its version advanced.
+#[inline]
+fn next_word(s: u64, flags: u32) -> u64 {
+    let version = (s & VERSION_MASK).wrapping_add(1 << VERSION_SHIFT) & VERSION_MASK;
+    (s & !(VERSION_MASK | u64::from(FLAG_MASK))) | version | u64::from(flags & FLAG_MASK)
+}
+
+/// Whether state word `a` is newer than `b`: a later generation, or the same generation at a
+/// later version (both compared with wrap-around: generations by half their range, versions
+/// by half of 2^20 changes).
+#[inline]
+pub fn newer(a: u64, b: u64) -> bool {
+    let (ga, gb) = (generation(a), generation(b));
+    if ga != gb {
+        return ga.wrapping_sub(gb) as i32 > 0;
+    }
+    let d = ((a & VERSION_MASK).wrapping_sub(b & VERSION_MASK) & VERSION_MASK) >> VERSION_SHIFT;
+    d != 0 && d < 1 << 19
 }
 
 /// One tripwire, 64 bytes.
 #[repr(C)]
 #[derive(Debug)]
 pub struct TripEntry {
-    /// `generation << 32 | flags`.
+    /// The mirror of the cell's state word (see the module documentation).
     pub state: AtomicU64,
     /// First watched byte (offset within the watched aperture or mapping).
     pub start: AtomicU64,
@@ -108,12 +145,10 @@ pub struct TripEntry {
     pub tag: AtomicU64,
     /// Next entry on the same index list, as `index + 1`; 0 ends the list.
     pub next: AtomicU32,
-    /// Tripset word to bump on firing, as `index + 1`; 0 for none.
-    pub tripset: AtomicU32,
     /// The entry's index in its event queue's table (its fired bit, its cell, its identity
     /// in events).
     pub qindex: AtomicU32,
-    _r: [AtomicU32; 3],
+    _r: [AtomicU32; 4],
     _r2: [AtomicU64; 1],
 }
 
@@ -129,7 +164,6 @@ impl TripEntry {
             end: AtomicU64::new(0),
             tag: AtomicU64::new(0),
             next: AtomicU32::new(0),
-            tripset: AtomicU32::new(0),
             qindex: AtomicU32::new(0),
             _r: std::array::from_fn(|_| AtomicU32::new(0)),
             _r2: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -143,26 +177,47 @@ impl Default for TripEntry {
     }
 }
 
-/// What firing a tripwire writes, in its queue's table (memory of the queue's owner only,
-/// the only process that fires): kept out of the entry, which other processes read to snoop
-/// their writes, so that a firing never takes away a line another process reads next.
-#[repr(C)]
+/// A tripwire's state in its queue's table, memory of the queue's owner only (the only process
+/// that fires): the authoritative state word, who may claim it, and what firing writes — all
+/// on one line, so that a claim costs the owner one line it owns, and kept out of the entry,
+/// which other processes read to snoop their writes.
+#[repr(C, align(64))]
 #[derive(Debug)]
 pub struct TripCell {
+    /// The state word (`generation << 32 | version << 12 | flags`); the entry mirrors it.
+    pub state: AtomicU64,
+    /// Who may claim it (opaque to this crate: `clan` puts the watched aperture's identity;
+    /// [`NO_SOURCE`] for none).
+    pub source: AtomicU64,
+    /// The counter action.
+    pub count: AtomicU64,
     /// Firing sequence number; the futex word waiters sleep on.
     pub seq: AtomicU32,
     /// Number of threads sleeping on `seq`.
     pub waiters: AtomicU32,
-    /// The counter action.
-    pub count: AtomicU64,
+    /// Tripset word to bump on firing, as `index + 1`; 0 for none.
+    pub tripset: AtomicU32,
 }
+
+/// [`TripCell::source`] of a tripwire nobody else may claim.
+pub const NO_SOURCE: u64 = u64::MAX;
 
 impl TripCell {
     /// A zeroed cell.
     pub fn new() -> TripCell {
-        TripCell { seq: AtomicU32::new(0), waiters: AtomicU32::new(0), count: AtomicU64::new(0) }
+        TripCell {
+            state: AtomicU64::new(0),
+            source: AtomicU64::new(NO_SOURCE),
+            count: AtomicU64::new(0),
+            seq: AtomicU32::new(0),
+            waiters: AtomicU32::new(0),
+            tripset: AtomicU32::new(0),
+        }
     }
 }
+
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<TripCell>() == 64);
 
 impl Default for TripCell {
     fn default() -> Self {
@@ -227,75 +282,94 @@ impl std::fmt::Debug for TripTable<'_> {
 /// What [`fire`] asks the caller to do after the in-memory actions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fired {
-    /// The entry did not fire (stale generation, disarmed, lost the once-only race, or
+    /// The tripwire did not fire (stale generation, disarmed, lost the once-only race, or
     /// does not watch this kind of access).
     No,
     /// It fired; no event to post.
-    Yes,
+    Yes {
+        /// It was once-only and is now disarmed: the caller mirrors the cell ([`mirror`])
+        /// if it can reach the entry ([`fire_entry`] does).
+        disarmed: bool,
+    },
     /// It fired and its event action is on: post a tripwire event for queue index `qindex`
     /// (of the generation fired).
     PostEvent {
-        /// The entry's queue index.
+        /// The tripwire's queue index.
         qindex: u32,
+        /// As in [`Fired::Yes`].
+        disarmed: bool,
     },
 }
 
-/// Whether entry `e` of generation `generation` would fire for `access` now (live, armed,
-/// watching that access): the look of a process that may not fire it itself.
-pub fn would_fire(e: &TripEntry, generation_: u32, access: Access) -> bool {
-    let s = e.state.load(Ordering::Acquire);
+impl Fired {
+    /// Whether it fired.
+    pub fn fired(self) -> bool {
+        self != Fired::No
+    }
+
+    /// Whether the firing disarmed a once-only tripwire (its mirror is to be updated).
+    pub fn disarmed(self) -> bool {
+        matches!(self, Fired::Yes { disarmed: true } | Fired::PostEvent { disarmed: true, .. })
+    }
+}
+
+/// Whether state word `s` fires for generation `generation_` and `access`.
+#[inline]
+fn fires(s: u64, generation_: u32, access: Access) -> bool {
     let fl = flags(s);
     generation(s) == generation_ && fl & (LIVE | ARMED) == (LIVE | ARMED) && fl & access.flag() != 0
 }
 
-/// Fire entry `e` of generation `generation` for `access`, if it is armed, with the actions
-/// that live in its queue's `table`.
-///
-/// Performs the bitmap and counter actions, bumps `seq` (in the entry's cell of `table`)
-/// and the tripset word and wakes their sleepers. Posting the event (if [`Fired::PostEvent`]) is left to the caller, who holds the
-/// producer ring.
-pub fn fire(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'_>, futex: &impl Futex) -> Fired {
-    let mut s = e.state.load(Ordering::Acquire);
+/// Whether entry `e` of generation `generation` would fire for `access` now (live, armed,
+/// watching that access), by its mirror: the look of a process that may not fire it itself.
+pub fn would_fire(e: &TripEntry, generation_: u32, access: Access) -> bool {
+    fires(e.state.load(Ordering::Acquire), generation_, access)
+}
+
+/// Fire the tripwire of queue index `qindex` and generation `generation` for `access`, if its
+/// cell in `table` says it is armed: the bitmap and counter actions, `seq` and the tripset word
+/// bumped and their sleepers woken. Posting the event (if [`Fired::PostEvent`]) is left to the
+/// caller, who holds the producer ring; so is mirroring a once-only disarm
+/// ([`Fired::disarmed`]). A table without that cell fires nothing.
+pub fn fire(table: &TripTable<'_>, qindex: u32, generation_: u32, access: Access, futex: &impl Futex) -> Fired {
+    let Some(c) = table.cell(qindex) else {
+        return Fired::No;
+    };
+    // SYNC POINT: pairs with the Release of `publish`/`set_armed`/`set_flags` on the cell.
+    let mut s = c.state.load(Ordering::Acquire);
     let fl = loop {
-        let fl = flags(s);
-        if generation(s) != generation_ || fl & (LIVE | ARMED) != (LIVE | ARMED) || fl & access.flag() == 0 {
+        if !fires(s, generation_, access) {
             return Fired::No;
         }
+        let fl = flags(s);
         if fl & ONCE == 0 {
             break fl;
         }
         // Exactly one of any number of concurrent firers wins the once-only tripwire.
-        match e.state.compare_exchange(s, s & !u64::from(ARMED), Ordering::AcqRel, Ordering::Acquire) {
+        match c.state.compare_exchange(s, next_word(s, fl & !ARMED), Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => break fl,
             Err(now) => s = now,
         }
     };
-    // Written before the entry went live (`publish`), like the range.
-    let qindex = e.qindex.load(Ordering::Relaxed);
     if fl & ACT_BITMAP != 0 {
         if let Some(w) = table.bitmap.get(qindex as usize / 64) {
             // SYNC POINT: pairs with `test_bit`'s Acquire load.
             w.fetch_or(1u64 << (qindex % 64), Ordering::Release);
         }
     }
-    if let Some(c) = table.cell(qindex) {
-        if fl & ACT_COUNTER != 0 {
-            c.count.fetch_add(1, Ordering::Relaxed);
-        }
-        // SYNC POINT: pairs with the waiters' `seq.load(Acquire)` in `wait_until`.
-        c.seq.fetch_add(1, Ordering::AcqRel);
-        // Dekker with `wait_until`'s "waiters += 1, fence, check".
-        fence(Ordering::SeqCst);
-        if c.waiters.load(Ordering::Relaxed) != 0 {
-            futex.wake(&c.seq);
-        }
-    } else {
-        // No cell (a table without them): the tripset's fence below still orders.
-        fence(Ordering::SeqCst);
+    if fl & ACT_COUNTER != 0 {
+        c.count.fetch_add(1, Ordering::Relaxed);
     }
-    // Read the tripset link only after the fence: a tripset waiter that linked this entry and
-    // then fenced either sees our `seq` above, or we see its link here.
-    let ts = e.tripset.load(Ordering::Relaxed);
+    // SYNC POINT: pairs with the waiters' `seq.load(Acquire)` in `wait_until`.
+    c.seq.fetch_add(1, Ordering::AcqRel);
+    // Dekker with `wait_until`'s "waiters += 1, fence, check".
+    fence(Ordering::SeqCst);
+    if c.waiters.load(Ordering::Relaxed) != 0 {
+        futex.wake(&c.seq);
+    }
+    // Read the tripset link only after the fence: a tripset waiter that linked this tripwire
+    // and then fenced either sees our `seq` above, or we see its link here.
+    let ts = c.tripset.load(Ordering::Relaxed);
     if let Some(w) = if ts != 0 { table.tripsets.get(ts as usize - 1) } else { None } {
         // SYNC POINT: pairs with `wait_until`'s `seq.load(Acquire)` on the tripset word.
         w.seq.fetch_add(1, Ordering::AcqRel);
@@ -304,12 +378,59 @@ pub fn fire(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'
             futex.wake(&w.seq);
         }
     }
-    if fl & ACT_EVENT != 0 { Fired::PostEvent { qindex } } else { Fired::Yes }
+    let disarmed = fl & ONCE != 0;
+    if fl & ACT_EVENT != 0 { Fired::PostEvent { qindex, disarmed } } else { Fired::Yes { disarmed } }
+}
+
+/// [`fire`] the tripwire of entry `e` (its queue index read from the entry; a stale one
+/// names a cell of another generation, which does not fire) and mirror a once-only disarm.
+pub fn fire_entry(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'_>, futex: &impl Futex) -> Fired {
+    let qindex = e.qindex.load(Ordering::Relaxed);
+    let f = fire(table, qindex, generation_, access, futex);
+    if f.disarmed() {
+        if let Some(c) = table.cell(qindex) {
+            mirror(e, c, qindex);
+        }
+    }
+    f
+}
+
+/// Owner: bring entry `e`'s mirror up to the cell `c` of queue index `qindex`, unless the
+/// entry no longer belongs to that cell (it was retired and published again: `publish` writes
+/// the mirror of a new generation itself) or already holds a newer word (another thread
+/// mirrored a later change first). Call after every change of a live tripwire's cell.
+///
+/// Within a generation the mirror only moves forward ([`newer`]): of two threads mirroring
+/// two changes, the later word stays, whichever thread writes last. Hence once a change has
+/// been mirrored, the mirror shows it or a later one — what the arming protocol needs (module
+/// documentation).
+pub fn mirror(e: &TripEntry, c: &TripCell, qindex: u32) {
+    // SYNC POINT: pairs with `publish`'s Release store of the mirror: seeing its word, we see
+    // the entry's `qindex` it published.
+    let mut m = e.state.load(Ordering::Acquire);
+    loop {
+        if e.qindex.load(Ordering::Relaxed) != qindex {
+            return;
+        }
+        // SYNC POINT: pairs with the Release of the cell's change (ours, or another thread's
+        // whose word we copy).
+        let now = c.state.load(Ordering::Acquire);
+        if generation(now) != generation(m) || !newer(now, m) {
+            return;
+        }
+        // SYNC POINT: Release pairs with the readers' Acquire load of the mirror (`cam`'s
+        // seqlock, `would_fire`).
+        match e.state.compare_exchange(m, now, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return,
+            Err(seen) => m = seen,
+        }
+    }
 }
 
 /// Owner: make free entry `e` live as generation `generation` watching `[start, end)`, with
-/// queue index `qindex`.
-/// The fields are written while the entry is not live, then `state` publishes them.
+/// queue index `qindex` whose cell is `c` (claimable by `source`, or [`NO_SOURCE`]).
+/// The fields are written while the entry is not live, then the cell's state publishes them,
+/// then the mirror.
 ///
 /// The leading `fence(Release)` is the seqlock writer's: a reader that sees any field value
 /// written here and then executes its `fence(Acquire)` also sees everything the owner did
@@ -317,58 +438,90 @@ pub fn fire(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'
 /// Without it, a walker led astray by a reused entry's new `next` could read a stale `epoch`
 /// after its transfer and skip the re-lookup that repairs the walk (found by loom:
 /// `relink_under_walker_still_fires`).
-pub fn publish(e: &TripEntry, generation_: u32, flags_: u32, start: u64, end: u64, tag: u64, qindex: u32) {
+#[allow(clippy::too_many_arguments)]
+pub fn publish(
+    e: &TripEntry,
+    c: &TripCell,
+    generation_: u32,
+    flags_: u32,
+    start: u64,
+    end: u64,
+    tag: u64,
+    qindex: u32,
+    source: u64,
+) {
     fence(Ordering::Release);
     e.qindex.store(qindex, Ordering::Relaxed);
     e.start.store(start, Ordering::Relaxed);
     e.end.store(end, Ordering::Relaxed);
     e.tag.store(tag, Ordering::Relaxed);
     e.next.store(0, Ordering::Relaxed);
-    e.tripset.store(0, Ordering::Relaxed);
-    // SYNC POINT: pairs with the readers' Acquire load of `state` (the seqlock in `cam`).
-    e.state.store(state_word(generation_, flags_ | LIVE), Ordering::Release);
+    c.source.store(source, Ordering::Relaxed);
+    c.tripset.store(0, Ordering::Relaxed);
+    let word = state_word(generation_, flags_ | LIVE);
+    // SYNC POINT: pairs with `fire`'s and `mirror`'s Acquire loads of the cell.
+    c.state.store(word, Ordering::Release);
+    // SYNC POINT: pairs with the readers' Acquire load of the mirror (the seqlock in `cam`,
+    // `mirror`). A new generation is written here, never by `mirror`; then catch up with a
+    // change made to the cell since (a claim guessing the new generation).
+    e.state.store(word, Ordering::Release);
+    mirror(e, c, qindex);
 }
 
-/// Owner: retire a live entry; it stops firing and readers drop it. Its generation is kept
-/// (the next `publish` must use a new one).
-pub fn retire(e: &TripEntry) {
-    let s = e.state.load(Ordering::Relaxed);
-    e.state.store(state_word(generation(s), 0), Ordering::Release);
-}
-
-/// Owner: arm (`on`) or disarm an entry of generation `generation_`, and fence, so that
-/// a re-check of the watched data made afterwards cannot miss a concurrent write.
-/// Returns false if the entry is not live in that generation.
-pub fn set_armed(e: &TripEntry, generation_: u32, on: bool) -> bool {
-    let mut s = e.state.load(Ordering::Relaxed);
+/// Owner: change the state of the tripwire in cell `c` of queue index `qindex` (entry `e`) of
+/// generation `generation_` with `f(flags)`, and mirror it; false if it is not live in that
+/// generation.
+fn change(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, f: impl Fn(u32) -> u32) -> bool {
+    let mut s = c.state.load(Ordering::Relaxed);
     loop {
         if generation(s) != generation_ || flags(s) & LIVE == 0 {
             return false;
         }
-        let n = if on { s | u64::from(ARMED) } else { s & !u64::from(ARMED) };
-        match e.state.compare_exchange_weak(s, n, Ordering::AcqRel, Ordering::Relaxed) {
+        // SYNC POINT: Release pairs with `fire`'s and `mirror`'s Acquire loads of the cell.
+        match c.state.compare_exchange_weak(s, next_word(s, f(flags(s))), Ordering::AcqRel, Ordering::Relaxed) {
             Ok(_) => break,
             Err(now) => s = now,
         }
     }
-    // Dekker with the writers' "store data, fence, load state" (`snoop`).
+    mirror(e, c, qindex);
+    true
+}
+
+/// Owner: retire a live tripwire (entry `e`, cell `c` of queue index `qindex`); it stops
+/// firing and readers drop it. Its generation is kept (the next `publish` must use a new one).
+pub fn retire(e: &TripEntry, c: &TripCell, qindex: u32) {
+    let s = c.state.load(Ordering::Relaxed);
+    change(e, c, qindex, generation(s), |_| 0);
+}
+
+/// Owner: arm (`on`) or disarm the tripwire of entry `e`, cell `c` of queue index `qindex`,
+/// of generation `generation_`, mirror it, and fence, so that a re-check of the watched data
+/// made afterwards cannot miss a concurrent write. Returns false if it is not live in that
+/// generation.
+pub fn set_armed(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, on: bool) -> bool {
+    if !change(e, c, qindex, generation_, |fl| if on { fl | ARMED } else { fl & !ARMED }) {
+        return false;
+    }
+    // Dekker with the writers' "store data, fence, load the mirror" (`snoop`).
     fence(Ordering::SeqCst);
     true
 }
 
 /// Owner: switch action flags `mask` on or off (event registration and the like).
-pub fn set_flags(e: &TripEntry, generation_: u32, mask: u32, on: bool) -> bool {
-    let mut s = e.state.load(Ordering::Relaxed);
-    loop {
-        if generation(s) != generation_ || flags(s) & LIVE == 0 {
-            return false;
-        }
-        let n = if on { s | u64::from(mask) } else { s & !u64::from(mask) };
-        match e.state.compare_exchange_weak(s, n, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return true,
-            Err(now) => s = now,
-        }
-    }
+pub fn set_flags(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, mask: u32, on: bool) -> bool {
+    change(e, c, qindex, generation_, |fl| if on { fl | mask } else { fl & !mask })
+}
+
+/// Whether the tripwire of cell `c` is armed in generation `generation_`.
+pub fn is_armed(c: &TripCell, generation_: u32) -> bool {
+    let s = c.state.load(Ordering::Acquire);
+    generation(s) == generation_ && flags(s) & (LIVE | ARMED) == (LIVE | ARMED)
+}
+
+/// Whether the tripwire of cell `c` is live in generation `generation_`.
+pub fn is_live(c: &TripCell, generation_: u32) -> bool {
+    let s = c.state.load(Ordering::Acquire);
+    generation(s) == generation_ && flags(s) & LIVE != 0
 }
 
 /// Test the fired bit of `index` (no system call).

@@ -44,8 +44,8 @@ impl Sink for RecSink<'_> {
 fn add(eq: &EqModel, cam: &CamModel, owner: &mut CamOwner, index: u32, start: u64, end: u64, fl: u32) {
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
-    let _ = v;
-    trip::publish(&cam.view().entries[index as usize], 1, fl | wide, start, end, TAG, index);
+    let cell = &v.table.cells[index as usize];
+    trip::publish(&cam.view().entries[index as usize], cell, 1, fl | wide, start, end, TAG, index, trip::NO_SOURCE);
     owner.insert(&cam.view(), index, start, end);
 }
 
@@ -165,10 +165,13 @@ fn once_only_counter_bitmap_and_access_kinds() {
     assert!(!trip::test_bit(&v.table, 1));
     assert!(!trip::test_bit(&v.table, 2), "no bitmap action");
     // Re-arm the once-only tripwire.
-    assert!(trip::set_armed(&e[1], 1, true));
+    let c = &v.table.cells;
+    assert!(!trip::would_fire(&e[1], 1, Access::Write), "the firing was mirrored");
+    assert!(trip::set_armed(&e[1], &c[1], 1, 1, true));
+    assert!(trip::would_fire(&e[1], 1, Access::Write), "the arming was mirrored");
     assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(), 2);
     // Stale generation cannot arm.
-    assert!(!trip::set_armed(&e[1], 2, true));
+    assert!(!trip::set_armed(&e[1], &c[1], 1, 2, true));
 }
 
 #[test]
@@ -179,9 +182,9 @@ fn corrupted_index_costs_time_not_safety() {
     let cv = cam_m.view();
     use std::sync::atomic::Ordering::Relaxed;
     // A cycle: entry 0 -> 1 -> 0, both claiming our tag, and garbage heads.
-    let _ = &v;
-    trip::publish(&cv.entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0);
-    trip::publish(&cv.entries[1], 1, ARMED | ON_WRITE, 0, 8, TAG, 1);
+    let c = &v.table.cells;
+    trip::publish(&cv.entries[0], &c[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0, trip::NO_SOURCE);
+    trip::publish(&cv.entries[1], &c[1], 1, ARMED | ON_WRITE, 0, 8, TAG, 1, trip::NO_SOURCE);
     cv.entries[0].next.store(2, Relaxed);
     cv.entries[1].next.store(1, Relaxed);
     cv.heads[0].store(1, Relaxed);
@@ -233,7 +236,7 @@ proptest! {
         for r in removals {
             if live.is_empty() { break; }
             let (i, t) = live.remove(r.index(live.len()));
-            trip::retire(&cv.entries[i as usize]);
+            trip::retire(&cv.entries[i as usize], &v.table.cells[i as usize], i);
             owner.remove(&cv, i, t.start, t.start + t.len);
         }
         prop_assert_eq!(owner.len(), live.len());

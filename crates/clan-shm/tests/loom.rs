@@ -52,8 +52,8 @@ impl Sink for LoomSink {
 fn add(eq: &EqModel, cam_m: &CamModel, owner: &mut CamOwner, index: u32, start: u64, end: u64, fl: u32) {
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
-    let _ = v;
-    trip::publish(&cam_m.view().entries[index as usize], 1, fl | wide, start, end, TAG, index);
+    let cell = &v.table.cells[index as usize];
+    trip::publish(&cam_m.view().entries[index as usize], cell, 1, fl | wide, start, end, TAG, index, trip::NO_SOURCE);
     owner.insert(&cam_m.view(), index, start, end);
 }
 
@@ -133,15 +133,12 @@ fn once_only_fires_exactly_once() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(64, 4));
-        trip::publish(&cam_m.view().entries[0], 1, ARMED | ONCE | ON_WRITE | ACT_COUNTER, 0, 8, TAG, 0);
+        add(&eq, &cam_m, &mut CamOwner::new(), 0, 0, 8, ARMED | ONCE | ON_WRITE | ACT_COUNTER);
         let futex = Arc::new(ModelFutex::default());
         let ts: Vec<_> = (0..2)
             .map(|_| {
-                let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
-                thread::spawn(move || {
-                    let e = &cam_m.view().entries[0];
-                    trip::fire(e, 1, Access::Write, &eq.view().table, &*futex) != trip::Fired::No
-                })
+                let (eq, futex) = (eq.clone(), futex.clone());
+                thread::spawn(move || trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex).fired())
             })
             .collect();
         let wins = ts.into_iter().map(|t| t.join().unwrap()).filter(|&w| w).count();
@@ -206,10 +203,93 @@ fn arm_by_enable_vs_write() {
                 .unwrap()
             })
         };
-        assert!(trip::set_armed(&cam_m.view().entries[0], 1, true));
+        assert!(trip::set_armed(&cam_m.view().entries[0], &eq.view().table.cells[0], 0, 1, true));
         let saw = data.load(Ordering::Relaxed) == 1;
         let fired = writer.join().unwrap();
         assert!(fired == 1 || saw, "lost wake-up");
+    });
+}
+
+/// The owner re-arms a once-only tripwire while an earlier claim fires it (and mirrors the
+/// disarm) and another process writes: the writer looks at the mirror only. A late mirror of
+/// the firing must not hide the re-arming: either the writer sees it armed and its claim fires
+/// it, or the owner's re-check sees the data.
+#[test]
+fn once_fire_mirror_vs_rearm_vs_claimant() {
+    model(|| {
+        let eq = Arc::new(EqModel::new(tiny()));
+        let cam_m = Arc::new(CamModel::new(64, 4));
+        add(&eq, &cam_m, &mut CamOwner::new(), 0, 0, 8, ARMED | ONCE | ON_WRITE | ACT_COUNTER);
+        let data = Arc::new(AtomicU64::new(0));
+        let futex = Arc::new(ModelFutex::default());
+        // The owner's pump, serving an earlier claim.
+        let pump = {
+            let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
+            thread::spawn(move || {
+                let v = eq.view();
+                let f = trip::fire(&v.table, 0, 1, Access::Write, &*futex);
+                if f.disarmed() {
+                    trip::mirror(&cam_m.view().entries[0], &v.table.cells[0], 0);
+                }
+            })
+        };
+        // Another process: store, fence, look at the mirror, claim (served by the owner).
+        let writer = {
+            let (eq, cam_m, data, futex) = (eq.clone(), cam_m.clone(), data.clone(), futex.clone());
+            thread::spawn(move || {
+                data.store(1, Ordering::Relaxed);
+                loom::sync::atomic::fence(Ordering::SeqCst);
+                if trip::would_fire(&cam_m.view().entries[0], 1, Access::Write) {
+                    let v = eq.view();
+                    let f = trip::fire(&v.table, 0, 1, Access::Write, &*futex);
+                    if f.disarmed() {
+                        trip::mirror(&cam_m.view().entries[0], &v.table.cells[0], 0);
+                    }
+                }
+            })
+        };
+        // The owner re-arms, then re-checks the data.
+        let v = eq.view();
+        assert!(trip::set_armed(&cam_m.view().entries[0], &v.table.cells[0], 0, 1, true));
+        let saw = data.load(Ordering::Relaxed) == 1;
+        pump.join().unwrap();
+        writer.join().unwrap();
+        assert!(saw || !trip::is_armed(&v.table.cells[0], 1), "lost wake-up: re-armed, not fired, data unseen");
+        // At rest the mirror is the cell.
+        assert_eq!(
+            cam_m.view().entries[0].state.load(Ordering::Relaxed),
+            v.table.cells[0].state.load(Ordering::Relaxed),
+            "mirror out of date"
+        );
+    });
+}
+
+/// A claim that names the entry of a retired tripwire whose cell was published again (for
+/// another entry) does not write that cell's state into the old entry.
+#[test]
+fn stale_mirror_does_not_cross_entries() {
+    model(|| {
+        let eq = Arc::new(EqModel::new(tiny()));
+        let cam_m = Arc::new(CamModel::new(64, 4));
+        add(&eq, &cam_m, &mut CamOwner::new(), 0, 0, 8, ARMED | ONCE | ON_WRITE);
+        let late = {
+            let (eq, cam_m) = (eq.clone(), cam_m.clone());
+            thread::spawn(move || {
+                let v = eq.view();
+                trip::mirror(&cam_m.view().entries[0], &v.table.cells[0], 0);
+            })
+        };
+        // The owner retires entry 0 and publishes queue index 0 again, in entry 1.
+        let v = eq.view();
+        let cv = cam_m.view();
+        let c0 = &v.table.cells[0];
+        trip::retire(&cv.entries[0], c0, 0);
+        trip::publish(&cv.entries[1], c0, 2, ARMED | ON_WRITE, 16, 24, TAG, 0, trip::NO_SOURCE);
+        late.join().unwrap();
+        let s0 = cv.entries[0].state.load(Ordering::Relaxed);
+        assert_eq!(trip::generation(s0), 1, "entry 0 keeps its own generation");
+        assert_eq!(trip::flags(s0) & trip::LIVE, 0, "entry 0 stays retired");
+        assert_eq!(cv.entries[1].state.load(Ordering::Relaxed), c0.state.load(Ordering::Relaxed));
     });
 }
 
@@ -219,12 +299,12 @@ fn tripwire_wait_no_lost_wakeup() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(64, 4));
-        trip::publish(&cam_m.view().entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0);
+        add(&eq, &cam_m, &mut CamOwner::new(), 0, 0, 8, ARMED | ON_WRITE);
         let futex = Arc::new(ModelFutex::default());
         let firer = {
-            let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
+            let (eq, futex) = (eq.clone(), futex.clone());
             thread::spawn(move || {
-                trip::fire(&cam_m.view().entries[0], 1, Access::Write, &eq.view().table, &*futex);
+                trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex);
             })
         };
         let v = eq.view();
@@ -243,21 +323,19 @@ fn tripset_link_vs_fire() {
     model(|| {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(64, 4));
-        trip::publish(&cam_m.view().entries[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0);
+        add(&eq, &cam_m, &mut CamOwner::new(), 0, 0, 8, ARMED | ON_WRITE);
         let futex = Arc::new(ModelFutex::default());
         let firer = {
-            let (eq, cam_m, futex) = (eq.clone(), cam_m.clone(), futex.clone());
+            let (eq, futex) = (eq.clone(), futex.clone());
             thread::spawn(move || {
-                trip::fire(&cam_m.view().entries[0], 1, Access::Write, &eq.view().table, &*futex);
+                trip::fire(&eq.view().table, 0, 1, Access::Write, &*futex);
             })
         };
         let v = eq.view();
-        let cv = cam_m.view();
-        let e = &cv.entries[0];
         let ts = &v.table.tripsets[0];
         let c = &v.table.cells[0];
         // Link the member and record its sequence, then wait on the set's word.
-        e.tripset.store(1, Ordering::Relaxed);
+        c.tripset.store(1, Ordering::Relaxed);
         let ok = trip::wait_until(&ts.seq, &ts.waiters, std::time::Duration::ZERO, None, &*futex, || {
             c.seq.load(Ordering::Acquire) != 0
         });
@@ -290,9 +368,11 @@ fn relink_under_walker_still_fires() {
         };
         let cv = cam_m.view();
         let a = &cv.entries[0];
-        trip::retire(a);
+        let v = eq.view();
+        let c0 = &v.table.cells[0];
+        trip::retire(a, c0, 0);
         owner.remove(&cv, 0, 0, 8);
-        trip::publish(a, 2, ARMED | ON_WRITE, 1024, 1032, TAG, 0);
+        trip::publish(a, c0, 2, ARMED | ON_WRITE, 1024, 1032, TAG, 0, trip::NO_SOURCE);
         owner.insert(&cv, 0, 1024, 1032);
         writer.join().unwrap();
         assert_eq!(eq.view().table.cells[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
@@ -473,7 +553,7 @@ fn write_then_store_vs_arm() {
                 })
             };
             let saw = if on_flag {
-                assert!(trip::set_armed(&cam_m.view().entries[0], 1, true));
+                assert!(trip::set_armed(&cam_m.view().entries[0], &eq.view().table.cells[0], 0, 1, true));
                 flag.load(Ordering::Acquire) == 1
             } else {
                 add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER);

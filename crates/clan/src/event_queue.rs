@@ -82,9 +82,10 @@ pub(crate) enum Word {
     Dma { endpoint: u32, tag: u64, failure: u8 },
     /// A writer says a message landed (a port's process, or this one).
     Notification { aperture: u32, generation: u32, offset: u64, len: u64 },
-    /// Another process asks the owner to fire the tripwire in entry `slot` (of `generation`)
-    /// of aperture `(aperture, ap_generation)`'s index, for `access` (ports only: `crate::port`).
-    Claim { aperture: u32, ap_generation: u32, slot: u32, generation: u32, access: Access },
+    /// Another process asks the owner to fire the tripwire of queue index `qindex` (of
+    /// `generation`), in entry `slot` of aperture `(aperture, ap_generation)`'s index, for
+    /// `access` (ports only: `crate::port`).
+    Claim { aperture: u32, ap_generation: u32, slot: u32, generation: u32, qindex: u32, access: Access },
     /// A port lost `lost` events (this process only, relaying it).
     Overflow { lost: u64 },
 }
@@ -108,7 +109,7 @@ impl Word {
             Word::Notification { aperture, generation, offset, len } => {
                 [KIND_NOTIFY, u64::from(aperture) | (u64::from(generation) << 32), offset, len]
             }
-            Word::Claim { aperture, ap_generation, slot, generation, access } => {
+            Word::Claim { aperture, ap_generation, slot, generation, qindex, access } => {
                 let a = match access {
                     Access::Read => 1,
                     Access::Write => 2,
@@ -117,7 +118,7 @@ impl Word {
                     KIND_CLAIM | (a << 8),
                     u64::from(aperture) | (u64::from(ap_generation) << 32),
                     u64::from(slot) | (u64::from(generation) << 32),
-                    0,
+                    u64::from(qindex),
                 ]
             }
             Word::Overflow { lost } => [KIND_OVERFLOW, lost, 0, 0],
@@ -150,6 +151,7 @@ impl Word {
                 ap_generation: (w[1] >> 32) as u32,
                 slot: w[2] as u32,
                 generation: (w[2] >> 32) as u32,
+                qindex: u32::try_from(w[3]).ok()?,
                 access: match sub {
                     1 => Access::Read,
                     2 => Access::Write,
@@ -319,6 +321,8 @@ impl<'a> Sink for PortSink<'a> {
                 ap_generation: to.generation,
                 slot: c.index,
                 generation: c.generation,
+                // On the line of the state just read.
+                qindex: e.qindex.load(std::sync::atomic::Ordering::Relaxed),
                 access,
             })
     }
@@ -481,7 +485,10 @@ impl EqInner {
                 m.registered = cookie.is_some();
                 m.cookie = cookie.unwrap_or(0);
                 drop(meta);
-                trip::set_flags(entry, generation, trip::ACT_EVENT, cookie.is_some())
+                let cells = &self.view().table.cells;
+                cells
+                    .get(index as usize)
+                    .is_some_and(|c| trip::set_flags(entry, c, index, generation, trip::ACT_EVENT, cookie.is_some()))
             }
             _ => false,
         }

@@ -359,7 +359,15 @@ impl Mapping {
                     .map_err(|_| TripwireError::TableFull { capacity: i.importer_eq.layout.params.trip_cap })?;
                 let cam = CamMap::new(Arc::new(seg), 0, i.len, slots).map_err(|_| TripwireError::Stale)?;
                 let tag = (1u64 << 63) | i.serial;
-                let mut o = WatchOwner::new(i.importer_eq.clone(), Arc::new(cam), tag, i.len, 0, i.importer_port);
+                let mut o = WatchOwner::new(
+                    i.importer_eq.clone(),
+                    Arc::new(cam),
+                    tag,
+                    i.len,
+                    0,
+                    i.importer_port,
+                    clan_shm::trip::NO_SOURCE,
+                );
                 // Weak: the mapping owns the index, not the other way round.
                 let m = Arc::downgrade(&self.inner);
                 o.alive = Some(Box::new(move || {

@@ -678,7 +678,8 @@ impl NicInner {
         let tag = aperture_tag(id, generation);
         mem.init(generation, tag);
         let eq = ep.queue.inner.clone();
-        let watch = Arc::new(WatchOwner::new(eq.clone(), mem.cam.clone(), tag, len, 0, ep.addr.port));
+        let source = crate::tripwire::source_of(id, generation);
+        let watch = Arc::new(WatchOwner::new(eq.clone(), mem.cam.clone(), tag, len, 0, ep.addr.port, source));
         let window = Window {
             data: mem.seg.clone(),
             data_base: 0,

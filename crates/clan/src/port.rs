@@ -307,18 +307,38 @@ impl EqInner {
             return None;
         };
         match word {
-            Some(Word::Claim { slot, generation, access, .. }) => {
+            Some(Word::Claim { slot, generation, qindex, access, .. }) => {
                 // The grant is the aperture's (its queue is this one: `grant`); an
-                // unexported aperture's grants are gone (`revoke_grants`), and a retired or
-                // reused entry does not fire in a stale generation.
-                let Some(e) = g.cam.view().entries.get(slot as usize) else {
+                // unexported aperture's grants are gone (`revoke_grants`). The tripwire must
+                // be one of that aperture (its cell's source) and of the claimed generation
+                // (`fire` checks): a retired or reused one does not fire. Two independent
+                // loads, the grant and the cell, both of this process's memory.
+                let v = self.view();
+                let Some(c) = v.table.cell(qindex) else {
                     self.stale.fetch_add(1, Ordering::Relaxed);
                     return None;
                 };
-                let v = self.view();
-                match trip::fire(e, generation, access, &v.table, &self.port.futex()) {
-                    trip::Fired::PostEvent { qindex } => Some(Word::Trip { index: qindex, generation, access }),
-                    trip::Fired::Yes | trip::Fired::No => None,
+                // SYNC POINT: the state first (pairs with `publish`'s Release store of it),
+                // then the source (Acquire, pairs with `publish`'s Release store of it): the
+                // source read is that of the generation seen, or of a later one, which the
+                // state `fire` reads after it then shows too (and refuses).
+                let _ = c.state.load(Ordering::Acquire);
+                let source = c.source.load(Ordering::Acquire);
+                if source == trip::NO_SOURCE || source != crate::tripwire::source_of(aperture, ap_generation) {
+                    self.stale.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+                let fired = trip::fire(&v.table, qindex, generation, access, &self.port.futex());
+                if fired.disarmed() {
+                    // A once-only tripwire: tell the claimants' snooping (off the common
+                    // path: a claim names its entry, checked against the cell by `mirror`).
+                    if let Some(e) = g.cam.view().entries.get(slot as usize) {
+                        trip::mirror(e, c, qindex);
+                    }
+                }
+                match fired {
+                    trip::Fired::PostEvent { qindex, .. } => Some(Word::Trip { index: qindex, generation, access }),
+                    trip::Fired::Yes { .. } | trip::Fired::No => None,
                 }
             }
             w => w,

@@ -16,29 +16,20 @@ use crate::tripwire::{Tripwire, TripwireId, WatchOwner};
 #[derive(Debug)]
 struct Member {
     id: TripwireId,
-    /// Where its entry is.
+    /// Whose queue holds its cell.
     owner: Arc<WatchOwner>,
-    slot: u32,
     last_seen: u32,
 }
 
 impl Member {
-    fn entry(&self) -> &trip::TripEntry {
-        &self.owner.cam.view().entries[self.slot as usize]
-    }
-
     /// Its firing state, in the queue's table.
     fn cell(&self) -> &trip::TripCell {
         &self.owner.eq.view().table.cells[self.id.index as usize]
     }
 
-    /// Whether the entry is still this member's (not destroyed, not reused).
+    /// Whether the tripwire is still this member (not destroyed, not reused).
     fn is_live(&self) -> bool {
-        let e = self.entry();
-        let s = e.state.load(Ordering::Acquire);
-        trip::generation(s) == self.id.generation
-            && trip::flags(s) & trip::LIVE != 0
-            && e.qindex.load(Ordering::Relaxed) == self.id.index
+        trip::is_live(self.cell(), self.id.generation)
     }
 }
 
@@ -75,16 +66,16 @@ impl Tripset {
         if !Arc::ptr_eq(&tw.owner.eq, &self.eq) || tw.owner.endpoint != self.endpoint {
             return Err(TripwireError::Foreign);
         }
-        let e = tw.entry();
+        let c = tw.cell();
         let mut m = lock(&self.members);
-        if e.tripset.load(Ordering::Relaxed) != 0 {
+        if c.tripset.load(Ordering::Relaxed) != 0 {
             return Err(TripwireError::InTripset);
         }
         let last_seen = tw.cell().seq.load(Ordering::Acquire);
         // Linking before the waiters' fence: see `clan_shm::trip::fire` (reads the link after
         // its own fence), model-checked by `tripset_link_vs_fire`.
-        e.tripset.store(self.slot + 1, Ordering::Relaxed);
-        m.push(Member { id: tw.id, owner: tw.owner.clone(), slot: tw.slot, last_seen });
+        c.tripset.store(self.slot + 1, Ordering::Relaxed);
+        m.push(Member { id: tw.id, owner: tw.owner.clone(), last_seen });
         Ok(())
     }
 
@@ -95,8 +86,7 @@ impl Tripset {
             return false;
         };
         m.remove(p);
-        let e = tw.entry();
-        let _ = e.tripset.compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+        let _ = tw.cell().tripset.compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
         true
     }
 
@@ -153,7 +143,7 @@ impl Drop for Tripset {
     fn drop(&mut self) {
         let m = self.members.get_mut().unwrap_or_else(|e| e.into_inner());
         for x in m.drain(..).filter(Member::is_live) {
-            let _ = x.entry().tripset.compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+            let _ = x.cell().tripset.compare_exchange(self.slot + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
         }
         self.eq.free_tripset(self.slot);
     }

@@ -151,6 +151,12 @@ impl fmt::Display for TripwireId {
     }
 }
 
+/// The claim source of aperture `(id, generation)`: what a claim naming that aperture must
+/// match in the cell of the tripwire it asks to fire.
+pub(crate) fn source_of(id: u32, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | u64::from(id)
+}
+
 #[derive(Debug, Clone, Copy)]
 struct TripRecord {
     generation: u32,
@@ -198,6 +204,9 @@ pub(crate) struct WatchOwner {
     /// mapping; a mapping's outgoing index uses the mapping's own coordinates, base 0).
     pub base: u64,
     pub endpoint: u32,
+    /// Who may claim its tripwires ([`clan_shm::trip::TripCell::source`]): the aperture's
+    /// identity ([`source_of`]); `NO_SOURCE` for a mapping's index, which nobody else reads.
+    pub source: u64,
     state: Mutex<OwnerState>,
     /// For a mapping's (outgoing) index: whether the mapping's exporter is still there (a
     /// wait on such a tripwire ends with an error once it is not).
@@ -211,11 +220,19 @@ impl std::fmt::Debug for WatchOwner {
 }
 
 impl WatchOwner {
-    pub fn new(eq: Arc<EqInner>, cam: Arc<CamMap>, tag: u64, len: u64, base: u64, endpoint: u32) -> WatchOwner {
+    pub fn new(
+        eq: Arc<EqInner>,
+        cam: Arc<CamMap>,
+        tag: u64,
+        len: u64,
+        base: u64,
+        endpoint: u32,
+        source: u64,
+    ) -> WatchOwner {
         // 64 colours of 64-byte entries: every offset within a page.
         let colour = ((tag as u32).wrapping_mul(0x9e37_79b1) >> 26) % (cam.view().entries.len().max(1) as u32);
         let state = OwnerState { colour, ..OwnerState::default() };
-        WatchOwner { eq, cam, tag, len, base, endpoint, state: Mutex::new(state), alive: None }
+        WatchOwner { eq, cam, tag, len, base, endpoint, source, state: Mutex::new(state), alive: None }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
@@ -261,7 +278,7 @@ impl WatchOwner {
         let seq = cell.seq.load(Ordering::Acquire);
         cell.count.store(0, Ordering::Relaxed);
         trip::clear_bit(&v.table, index);
-        trip::publish(entry, generation, flags, start, end, self.tag, index);
+        trip::publish(entry, cell, generation, flags, start, end, self.tag, index, self.source);
         st.cam.insert(cv, slot, start, end);
         st.trips.insert(index, TripRecord { generation, start, end, slot });
         drop(st);
@@ -283,7 +300,7 @@ impl WatchOwner {
             st.trips.remove(&index);
             let cv = self.cam.view();
             // Order: retire, unlink (epoch bump), free; the next `publish` fences (trip.rs).
-            trip::retire(&cv.entries[r.slot as usize]);
+            trip::retire(&cv.entries[r.slot as usize], &self.eq.view().table.cells[index as usize], index);
             st.cam.remove(cv, r.slot, r.start, r.end);
             st.slots_free.push_back(r.slot);
             self.eq.free_trip(index);
@@ -311,9 +328,9 @@ impl WatchOwner {
     pub fn fire_claim(&self, slot: u32, generation: u32, access: Access) -> Option<Word> {
         let e = self.cam.view().entries.get(slot as usize)?;
         let v = self.eq.view();
-        match trip::fire(e, generation, access, &v.table, &self.eq.port.futex()) {
-            trip::Fired::PostEvent { qindex } => Some(Word::Trip { index: qindex, generation, access }),
-            trip::Fired::Yes | trip::Fired::No => None,
+        match trip::fire_entry(e, generation, access, &v.table, &self.eq.port.futex()) {
+            trip::Fired::PostEvent { qindex, .. } => Some(Word::Trip { index: qindex, generation, access }),
+            trip::Fired::Yes { .. } | trip::Fired::No => None,
         }
     }
 
@@ -392,19 +409,26 @@ impl Tripwire {
         self.check()?;
         let e = self.entry();
         self.last_seen.store(self.cell().seq.load(Ordering::Acquire), Ordering::Relaxed);
-        if trip::set_armed(e, self.id.generation, true) { Ok(()) } else { Err(TripwireError::Stale) }
+        if trip::set_armed(e, self.cell(), self.id.index, self.id.generation, true) {
+            Ok(())
+        } else {
+            Err(TripwireError::Stale)
+        }
     }
 
     /// Disarm.
     pub fn disarm(&self) -> Result<(), TripwireError> {
         self.check()?;
-        if trip::set_armed(self.entry(), self.id.generation, false) { Ok(()) } else { Err(TripwireError::Stale) }
+        if trip::set_armed(self.entry(), self.cell(), self.id.index, self.id.generation, false) {
+            Ok(())
+        } else {
+            Err(TripwireError::Stale)
+        }
     }
 
     /// Whether it is armed (a once-only tripwire disarms when it fires).
     pub fn is_armed(&self) -> bool {
-        let s = self.entry().state.load(Ordering::Acquire);
-        trip::generation(s) == self.id.generation && trip::flags(s) & ARMED != 0
+        trip::is_armed(self.cell(), self.id.generation)
     }
 
     /// Its bit in the fired bitmap (bitmap action): set by firings, cleared by

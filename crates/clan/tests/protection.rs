@@ -62,7 +62,7 @@ fn child() {
             m.write(0, b"imported").unwrap();
             let _raw = raw_import(&nic, &ep, &mine).unwrap();
             say("imported");
-            let forged = forge(&theirs, Duration::from_millis(ms));
+            let forged = forge(&mine, &theirs, Duration::from_millis(ms));
             garbage(Duration::from_millis(ms / 2));
             say(format!("forged {forged}"));
             while hear().is_some() {}
@@ -257,9 +257,10 @@ fn garbage(time: Duration) {
     }
 }
 
-/// Post well-formed claims for every slot and generation of `theirs` (an aperture we hold no
-/// grant of) on our port, for `time`. Returns how many were posted.
-fn forge(theirs: &Descriptor, time: Duration) -> u64 {
+/// Post well-formed claims on our port for `time`: for every slot, queue index and generation
+/// of `theirs` (an aperture we hold no grant of), and naming `mine` (granted) but the queue
+/// indexes of other apertures' tripwires. Returns how many were posted.
+fn forge(mine: &Descriptor, theirs: &Descriptor, time: Duration) -> u64 {
     use clan_shm::eq::{EqLayout, EqMap, EqParams};
     use clan_shm::ring::Producer;
     let (_, fd) = memfds().into_iter().find(|(n, _)| n.contains("clan-port")).expect("a port");
@@ -276,14 +277,15 @@ fn forge(theirs: &Descriptor, time: Duration) -> u64 {
     let mut posted = 0u64;
     let start = Instant::now();
     'out: while start.elapsed() < time {
-        for slot in 0..64u64 {
+        for slot in 0..80u64 {
             for generation in 0..4u64 {
-                for kind in [1u64, 2] {
+                for (ap, kind) in [(theirs, 1u64), (theirs, 2), (mine, 2)] {
                     let w = [
                         8 | (kind << 8),
-                        u64::from(theirs.aperture()) | (u64::from(theirs.generation()) << 32),
+                        u64::from(ap.aperture()) | (u64::from(ap.generation()) << 32),
                         slot | (generation << 32),
-                        0,
+                        // The queue index: the tripwires of every aperture of the queue.
+                        slot,
                     ];
                     if p.post(&view.rings(), w, &clan_shm::sync::SharedFutex).stored {
                         posted += 1;
