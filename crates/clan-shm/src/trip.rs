@@ -191,12 +191,18 @@ pub struct TripCell {
     pub source: AtomicU64,
     /// The counter action.
     pub count: AtomicU64,
+    /// What the owner reports with its events (opaque here: `clan`'s registration cookie),
+    /// on the line a firing touches anyway. Written before the state change that turns the
+    /// event action on.
+    pub cookie: AtomicU64,
     /// Firing sequence number; the futex word waiters sleep on.
     pub seq: AtomicU32,
     /// Number of threads sleeping on `seq`.
     pub waiters: AtomicU32,
     /// Tripset word to bump on firing, as `index + 1`; 0 for none.
     pub tripset: AtomicU32,
+    /// As `cookie` (`clan`: the endpoint that owns the tripwire).
+    pub owner: AtomicU32,
 }
 
 /// [`TripCell::source`] of a tripwire nobody else may claim.
@@ -209,9 +215,11 @@ impl TripCell {
             state: AtomicU64::new(0),
             source: AtomicU64::new(NO_SOURCE),
             count: AtomicU64::new(0),
+            cookie: AtomicU64::new(0),
             seq: AtomicU32::new(0),
             waiters: AtomicU32::new(0),
             tripset: AtomicU32::new(0),
+            owner: AtomicU32::new(0),
         }
     }
 }
@@ -516,6 +524,20 @@ pub fn set_flags(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, mas
 pub fn is_armed(c: &TripCell, generation_: u32) -> bool {
     let s = c.state.load(Ordering::Acquire);
     generation(s) == generation_ && flags(s) & (LIVE | ARMED) == (LIVE | ARMED)
+}
+
+/// The state word of the tripwire of cell `c`, with the `cookie` and `owner` written before
+/// it (a reader of an event: `None` unless the state word was the same before and after).
+pub fn read_cell(c: &TripCell) -> Option<(u64, u64, u32)> {
+    // SYNC POINT: pairs with the Release of the state change that followed the writes of
+    // `cookie` and `owner` (`set_flags`); the second read, after the Acquire fence, tells
+    // whether they changed in between (a seqlock).
+    let s1 = c.state.load(Ordering::Acquire);
+    let cookie = c.cookie.load(Ordering::Relaxed);
+    let owner = c.owner.load(Ordering::Relaxed);
+    fence(Ordering::Acquire);
+    let s2 = c.state.load(Ordering::Relaxed);
+    (generation(s1) == generation(s2)).then_some((s2, cookie, owner))
 }
 
 /// Whether the tripwire of cell `c` is live in generation `generation_`.

@@ -328,13 +328,11 @@ impl<'a> Sink for PortSink<'a> {
     }
 }
 
-/// Private bookkeeping of one tripwire entry.
+/// Private bookkeeping of one queue index (its registration is in its cell: `decode`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct TripMeta {
     pub generation: u32,
     pub endpoint: u32,
-    pub cookie: u64,
-    pub registered: bool,
     pub live: bool,
 }
 
@@ -461,8 +459,6 @@ impl EqInner {
         let m = &mut meta[index as usize];
         m.generation = m.generation.wrapping_add(1).max(1);
         m.endpoint = endpoint;
-        m.cookie = 0;
-        m.registered = false;
         m.live = true;
         Some((index, m.generation))
     }
@@ -471,7 +467,6 @@ impl EqInner {
     pub fn free_trip(&self, index: u32) {
         if let Some(m) = self.meta.write().unwrap_or_else(|e| e.into_inner()).get_mut(index as usize) {
             m.live = false;
-            m.registered = false;
         }
         lock(&self.trips).free.push_back(index);
     }
@@ -479,16 +474,19 @@ impl EqInner {
     /// Register queue index `index` (whose entry is `entry`) for events with `cookie`, or
     /// unregister it.
     pub fn set_registration(&self, entry: &trip::TripEntry, index: u32, generation: u32, cookie: Option<u64>) -> bool {
-        let mut meta = self.meta.write().unwrap_or_else(|e| e.into_inner());
-        match meta.get_mut(index as usize) {
+        let meta = self.meta.read().unwrap_or_else(|e| e.into_inner());
+        match meta.get(index as usize) {
             Some(m) if m.live && m.generation == generation => {
-                m.registered = cookie.is_some();
-                m.cookie = cookie.unwrap_or(0);
+                let endpoint = m.endpoint;
                 drop(meta);
                 let cells = &self.view().table.cells;
-                cells
-                    .get(index as usize)
-                    .is_some_and(|c| trip::set_flags(entry, c, index, generation, trip::ACT_EVENT, cookie.is_some()))
+                cells.get(index as usize).is_some_and(|c| {
+                    // What its events report, on the cell's line (`decode`), before the
+                    // state change that publishes it.
+                    c.cookie.store(cookie.unwrap_or(0), Ordering::Relaxed);
+                    c.owner.store(endpoint, Ordering::Relaxed);
+                    trip::set_flags(entry, c, index, generation, trip::ACT_EVENT, cookie.is_some())
+                })
             }
             _ => false,
         }
@@ -520,20 +518,27 @@ impl EqInner {
         };
         Some(match word {
             Word::Trip { index, generation, access } => {
-                let meta = self.meta.read().unwrap_or_else(|e| e.into_inner());
-                match meta.get(index as usize) {
-                    Some(m) if m.live && m.registered && m.generation == generation => Event::Tripwire {
-                        id: TripwireId { queue: self.id, index, generation },
-                        cookie: m.cookie,
-                        endpoint: m.endpoint,
-                        access,
-                    },
-                    Some(_) => {
-                        self.stale.fetch_add(1, Ordering::Relaxed);
-                        return None;
+                // The cell its firing just touched: live, of this generation, registered
+                // (event action on), and what the registration reports.
+                let v = self.view();
+                let Some(c) = v.table.cell(index) else {
+                    self.malformed.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                };
+                match trip::read_cell(c) {
+                    Some((s, cookie, endpoint))
+                        if trip::generation(s) == generation
+                            && trip::flags(s) & (trip::LIVE | trip::ACT_EVENT) == trip::LIVE | trip::ACT_EVENT =>
+                    {
+                        Event::Tripwire {
+                            id: TripwireId { queue: self.id, index, generation },
+                            cookie,
+                            endpoint,
+                            access,
+                        }
                     }
-                    None => {
-                        self.malformed.fetch_add(1, Ordering::Relaxed);
+                    _ => {
+                        self.stale.fetch_add(1, Ordering::Relaxed);
                         return None;
                     }
                 }
