@@ -390,6 +390,7 @@ impl Endpoint {
         len: u64,
         opts: DmaOptions,
     ) -> Result<DmaTicket, DmaError> {
+        self.check_open()?;
         let req = DmaRequest::write(src, src_off, dst, dst_off, len)?;
         self.inner.dma_queue()?.post(vec![req], opts)
     }
@@ -406,6 +407,7 @@ impl Endpoint {
         len: u64,
         opts: DmaOptions,
     ) -> Result<DmaTicket, DmaError> {
+        self.check_open()?;
         let req = DmaRequest::read(src, src_off, dst, dst_off, len)?;
         self.inner.dma_queue()?.post(vec![req], opts)
     }
@@ -414,7 +416,14 @@ impl Endpoint {
     /// ticket, one event with `opts`); if one fails, the rest are not run and the chain
     /// reports the first failure. Posting a chain rings the doorbell at most once.
     pub fn dma_chain(&self, reqs: Vec<DmaRequest>, opts: DmaOptions) -> Result<DmaTicket, DmaError> {
+        self.check_open()?;
         self.inner.dma_queue()?.post(reqs, opts)
+    }
+
+    /// A closed endpoint refuses DMA before anything else is looked at (its apertures were
+    /// unexported by the close: `EndpointClosed` says why, `Revoked` would not).
+    fn check_open(&self) -> Result<(), DmaError> {
+        if self.inner.closed.load(Ordering::Acquire) { Err(DmaError::EndpointClosed) } else { Ok(()) }
     }
 
     /// Counters of the endpoint's DMA queue.
@@ -422,8 +431,12 @@ impl Endpoint {
         self.inner.dma.get().map(|q| q.stats()).unwrap_or_default()
     }
 
-    /// Close the endpoint now (dropping does the same).
-    pub fn close(self) {
+    /// Close the endpoint now (dropping its last handle does the same): its DMA requests
+    /// that have not run are cancelled ([`crate::DmaFailure::Cancelled`]), its apertures
+    /// are unexported and its port is freed. The handle stays, for threads still holding it
+    /// (share an endpoint with `Arc`): from now on exporting, importing and posting DMA
+    /// through it are refused with `EndpointClosed`. Closing twice does nothing.
+    pub fn close(&self) {
         self.inner.close();
     }
 }

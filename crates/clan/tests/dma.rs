@@ -158,12 +158,18 @@ fn bad_requests_are_errors_at_post_time() {
     assert_eq!(me.dma_write(&src, 0, &m, 0, 8, o).unwrap_err(), DmaError::Access(AccessError::Revoked));
 }
 
+/// Closing an endpoint cancels its requests that have not run: they complete, in order,
+/// with `Cancelled` (never a hang, never a success after a cancellation), and at least some
+/// were cancelled (64 copies of 8 MiB cannot all have run by the time the posting thread
+/// closes the endpoint, in at least one of three rounds). Afterwards the handle refuses
+/// every new request with `EndpointClosed`.
 #[test]
 fn closing_an_endpoint_cancels_what_has_not_run() {
     let _wd = Watchdog::new("dma cancel", Duration::from_secs(120));
     let nic = Nic::open_default().unwrap();
     let them = nic.endpoint().unwrap();
     let target = them.export(8 << 20).unwrap();
+    let mut rounds_with_cancellations = 0;
     for _ in 0..3 {
         let me = nic.endpoint().unwrap();
         let src = me.export(8 << 20).unwrap();
@@ -171,24 +177,44 @@ fn closing_an_endpoint_cancels_what_has_not_run() {
         let tickets: Vec<_> =
             (0..64).map(|_| me.dma_write(&src, 0, &m, 0, 8 << 20, DmaOptions::new()).unwrap()).collect();
         let again = tickets[0].clone();
+        let late = DmaRequest::write(&src, 0, &m, 0, 8).unwrap();
         me.close();
-        let mut cancelled = false;
+        let mut cancelled = 0;
         for t in &tickets {
             match t.wait(WAIT) {
-                Ok(()) => assert!(!cancelled, "requests run in order: none completes after a cancelled one"),
-                Err(DmaError::Failed(DmaFailure::Cancelled)) => cancelled = true,
+                Ok(()) => assert_eq!(cancelled, 0, "requests run in order: none completes after a cancelled one"),
+                Err(DmaError::Failed(DmaFailure::Cancelled)) => cancelled += 1,
                 Err(e) => panic!("unexpected result {e}"),
             }
         }
         assert!(again.is_complete());
+        let st = me.dma_stats();
+        assert_eq!(st.completed, 64, "every request completed, one way or the other: {st:?}");
+        assert_eq!(st.failed, cancelled, "the cancelled ones are the failed ones: {st:?}");
+        rounds_with_cancellations += u32::from(cancelled > 0);
+
+        // Posting to the closed endpoint is refused, and so is everything else.
+        assert_eq!(me.dma_write(&src, 0, &m, 0, 8, DmaOptions::new()).unwrap_err(), DmaError::EndpointClosed);
+        assert_eq!(me.dma_read(&m, 0, &src, 0, 8, DmaOptions::new()).unwrap_err(), DmaError::EndpointClosed);
+        assert_eq!(me.dma_chain(vec![late], DmaOptions::new()).unwrap_err(), DmaError::EndpointClosed);
+        assert!(matches!(me.export(4096), Err(clan::ExportError::EndpointClosed)));
+        assert!(matches!(me.import(&target.descriptor()), Err(clan::ImportError::EndpointClosed)));
+        assert!(me.is_closed());
+        me.close(); // twice: nothing happens
         drop(src);
     }
-    // Posting to a closed endpoint is refused.
+    assert!(rounds_with_cancellations > 0, "closing cancelled nothing in three rounds");
+    // An endpoint that never used DMA before it was closed refuses it too (its queue is made
+    // on first use).
+    let fresh = nic.endpoint().unwrap();
+    let src = fresh.export(4096).unwrap();
+    let m = fresh.import(&target.descriptor()).unwrap();
+    fresh.close();
+    assert_eq!(fresh.dma_write(&src, 0, &m, 0, 8, DmaOptions::new()).unwrap_err(), DmaError::EndpointClosed);
+    // Other endpoints are unaffected.
     let me = nic.endpoint().unwrap();
     let src = me.export(4096).unwrap();
     let m = me.import(&target.descriptor()).unwrap();
-    let me2 = nic.endpoint().unwrap();
-    drop(me2);
     me.dma_write(&src, 0, &m, 0, 8, DmaOptions::new()).unwrap().wait(WAIT).unwrap();
 }
 
@@ -208,9 +234,8 @@ fn a_dropped_source_fails_the_requests_that_still_need_it() {
 
 /// Two endpoints with full queues get about half of the engine each: the engine services
 /// non-empty queues round-robin, a quantum at a time, so their requests complete
-/// interleaved. Requests are posted alternately from one thread (so that neither queue can
-/// run ahead for lack of the other's requests) and completions are read, in the order the
-/// engine finished them, from one event queue: no clock is involved.
+/// interleaved. Completions are read, in the order the engine finished them, from one event
+/// queue: no clock is involved.
 #[test]
 fn two_saturating_endpoints_share_the_engine() {
     let _wd = Watchdog::new("dma fairness", Duration::from_secs(240));
@@ -226,18 +251,14 @@ fn two_saturating_endpoints_share_the_engine() {
         .collect();
     let srcs: Vec<_> = eps.iter().map(|e| e.export(1 << 20).unwrap()).collect();
     let maps: Vec<_> = eps.iter().map(|e| e.import(&target.descriptor()).unwrap()).collect();
+    // Posted alternately (so that neither queue can run ahead for lack of the other's
+    // requests).
     for i in 0..N {
         for k in 0..2 {
             eps[k].dma_write(&srcs[k], 0, &maps[k], 0, 1 << 20, DmaOptions::new().event(i as u64)).unwrap();
         }
     }
-    let mut order = Vec::new();
-    while order.len() < 2 * N {
-        match q.wait(WAIT).unwrap() {
-            Event::DmaComplete { endpoint, result: Ok(()), .. } => order.push(usize::from(endpoint == eps[1].port())),
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    let order = completion_order(&q, &eps, 2 * N);
     // While both queues were full (the first half of the completions), each got about half.
     let first_half = order[..N].iter().filter(|&&k| k == 1).count();
     assert!((N * 3 / 8..=N * 5 / 8).contains(&first_half), "unfair service order {order:?}");
@@ -246,6 +267,57 @@ fn two_saturating_endpoints_share_the_engine() {
     assert!(last(0).min(last(1)) >= 2 * N - 8, "one endpoint finished early: {order:?}");
     let bytes: Vec<u64> = eps.iter().map(|e| e.dma_stats().bytes).collect();
     assert_eq!(bytes, vec![(N as u64) << 20; 2]);
+}
+
+/// One endpoint's queue is filled first, then the other's: an engine serving requests in
+/// the order they were posted (one global queue) would finish every request of the first
+/// before any of the second; a round-robin engine starts serving the second as soon as it
+/// has requests, so the two interleave and the first still has most of its requests to
+/// run after the second's first completes.
+#[test]
+fn an_endpoint_posting_late_is_not_queued_behind_a_full_one() {
+    let _wd = Watchdog::new("dma fairness late", Duration::from_secs(240));
+    let nic = Nic::open_default().unwrap();
+    let q = nic.event_queue(EventQueueConfig::default()).unwrap();
+    let sink = nic.endpoint().unwrap();
+    const SIZE: u64 = 4 << 20;
+    const N: usize = 32;
+    let target = sink.export(SIZE).unwrap();
+    let eps: Vec<_> = (0..2)
+        .map(|_| {
+            nic.endpoint_with(EndpointConfig { queue: Some(q.clone()), dma_queue: N, ..Default::default() }).unwrap()
+        })
+        .collect();
+    let srcs: Vec<_> = eps.iter().map(|e| e.export(SIZE).unwrap()).collect();
+    let maps: Vec<_> = eps.iter().map(|e| e.import(&target.descriptor()).unwrap()).collect();
+    for k in 0..2 {
+        for i in 0..N {
+            eps[k].dma_write(&srcs[k], 0, &maps[k], 0, SIZE, DmaOptions::new().event(i as u64)).unwrap();
+        }
+    }
+    let order = completion_order(&q, &eps, 2 * N);
+    let first_of_second = order.iter().position(|&k| k == 1).unwrap();
+    let first_after = order[first_of_second..].iter().filter(|&&k| k == 0).count();
+    // Round-robin: about N minus what ran while the second was posting; FIFO: zero.
+    assert!(first_after >= N / 4, "the late endpoint waited behind the full one: {order:?}");
+    // Once both had requests, they alternated: no run of one endpoint's completions is long.
+    let both = &order[first_of_second..first_of_second + 2 * first_after.min(N / 2)];
+    let longest = both.chunk_by(|a, b| a == b).map(<[usize]>::len).max().unwrap_or(0);
+    assert!(longest <= 3, "not interleaved while both queues were full: {order:?}");
+    let bytes: Vec<u64> = eps.iter().map(|e| e.dma_stats().bytes).collect();
+    assert_eq!(bytes, vec![N as u64 * SIZE; 2]);
+}
+
+/// Which endpoint (0 or 1) each of the next `n` DMA completions on `q` belongs to.
+fn completion_order(q: &clan::EventQueue, eps: &[clan::Endpoint], n: usize) -> Vec<usize> {
+    let mut order = Vec::new();
+    while order.len() < n {
+        match q.wait(WAIT).unwrap() {
+            Event::DmaComplete { endpoint, result: Ok(()), .. } => order.push(usize::from(endpoint == eps[1].port())),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    order
 }
 
 #[test]

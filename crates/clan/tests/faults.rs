@@ -222,6 +222,96 @@ fn hostile_peer_is_refused_and_disconnected() {
     assert_eq!(ap.load_u64(0).unwrap(), 77);
 }
 
+/// The exporter checks rights itself: a hostile peer holding a read-only grant that sends
+/// write frames anyway (a burst, a word store, a notification), or one holding a write-only
+/// grant that asks for a read, is refused with `NoRights` and changes nothing: not a byte,
+/// not a tripwire.
+#[test]
+fn rights_are_checked_by_the_exporter_not_the_importer() {
+    let _wd = Watchdog::new("rights over a link", Duration::from_secs(120));
+    let nic = Nic::open(config()).unwrap();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(8192).unwrap();
+    let before: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    ap.write(0, &before).unwrap();
+    let watched = ap.tripwire(TripwireConfig::writes(0..8192).event(9)).unwrap();
+    let mut raw = Raw::connect(&nic);
+    let import = |raw: &mut Raw, id: u64, rights: Rights| {
+        let bytes = ap.descriptor().derive(0, 8192, rights).unwrap().to_bytes();
+        raw.send(&Frame::Import(Import {
+            id,
+            importer_nic: "127.0.0.1:9".parse().unwrap(),
+            importer_port: 1,
+            desc: &bytes,
+        }));
+        let reply = raw.expect(frame::kind::IMPORT_REPLY);
+        let Frame::ImportReply(r) = decode_small(&reply) else { unreachable!() };
+        assert_eq!(r.status, Status::Ok);
+        Target { aperture: ap.id(), generation: ap.generation(), key: r.key, offset: 0 }
+    };
+    let ro = import(&mut raw, 1, Rights::READ);
+    let wo = import(&mut raw, 2, Rights::WRITE);
+
+    // Writes through the read-only grant: a bulk burst, a small write, an aligned word (the
+    // atomic-store path), each refused with NoRights at its offset.
+    for (off, len) in [(0u64, 6000usize), (100, 16), (4096, 8), (64, 4)] {
+        let mut b = Vec::new();
+        frame::encode_write(&Target { offset: off, ..ro }, &vec![0xee; len], &mut b);
+        raw.send_raw(&b);
+        let Frame::Refused(x) = decode_small(&raw.expect(frame::kind::REFUSED)) else { unreachable!() };
+        assert_eq!((x.status, x.offset), (Status::NoRights, off), "write of {len} at {off} through read-only");
+    }
+    // A notification through it (it would post an event to the exporter).
+    raw.send(&Frame::Notify { to: Target { offset: 0, ..ro }, len: 64 });
+    // A read through the write-only grant: an error response, no data.
+    raw.send(&Frame::ReadReq(ReadReq { id: 7, from: Target { offset: 0, ..wo }, len: 64 }));
+    let read_refused = loop {
+        match raw.next() {
+            Got::ReadResp(s, d) => break (s, d),
+            Got::Eof => panic!("closed"),
+            Got::Frame(b, k) if k == frame::kind::REFUSED => {
+                // The notification's refusal, if the exporter sends one.
+                let Frame::Refused(x) = decode_small(&b) else { unreachable!() };
+                assert_eq!(x.status, Status::NoRights);
+            }
+            Got::Frame(..) => {}
+        }
+    };
+    assert_eq!(read_refused, (Status::NoRights, Vec::new()), "a read through a write-only grant");
+    // The same grants used as granted still work: a read through the read-only one returns
+    // the bytes; that proves the frames above reached the exporter and were judged.
+    raw.send(&Frame::ReadReq(ReadReq { id: 8, from: Target { offset: 0, ..ro }, len: 8192 }));
+    loop {
+        match raw.next() {
+            Got::ReadResp(s, d) => {
+                assert_eq!(s, Status::Ok);
+                assert!(d == before, "the read-only grant reads the aperture as it was");
+                break;
+            }
+            Got::Eof => panic!("closed"),
+            Got::Frame(..) => {}
+        }
+    }
+    let mut after = vec![0u8; 8192];
+    ap.read(0, &mut after).unwrap();
+    assert!(after == before, "a refused write changed the aperture");
+    assert_eq!(watched.count(), 0, "a refused write fired a tripwire");
+    while let Some(e) = ep.event_queue().try_take() {
+        assert!(!matches!(e, Event::Tripwire { .. } | Event::Notification { .. }), "refused access posted {e:?}");
+    }
+    // And a write through the write-only grant lands (the check is about rights, not the
+    // peer).
+    let mut b = Vec::new();
+    frame::encode_write(&Target { offset: 8, ..wo }, b"granted!", &mut b);
+    raw.send_raw(&b);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ap.load_u64(8).unwrap() != u64::from_le_bytes(*b"granted!") {
+        assert!(Instant::now() < deadline, "the granted write never landed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(watched.count(), 1);
+}
+
 fn through_proxy(target: &Nic, keepalive: Option<Duration>) -> (Nic, FaultProxy) {
     let proxy = FaultProxy::start(target.addr().socket_addr()).unwrap();
     let mut cfg = config();
