@@ -36,6 +36,9 @@ type QueueHandler = Box<dyn FnMut(Event)>;
 type FdHandler = Box<dyn FnMut(&mio::event::Event)>;
 
 /// One thread's loop over clan event queues and other file descriptors.
+///
+/// Neither `Send` nor `Sync`: its callbacks may capture anything (an `Rc`, a `RefCell`) and
+/// run on the thread that drives it. Make one per thread.
 pub struct EventLoop {
     poll: Poll,
     events: Events,

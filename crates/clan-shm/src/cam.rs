@@ -94,6 +94,25 @@ impl Default for CamHeader {
     }
 }
 
+impl CamHeader {
+    /// Check an index another process laid out (an importer's first look at it): its magic
+    /// word is [`CAM_MAGIC`] and it watches `len` bytes, the length the import was told.
+    /// Memory written by another process is untrusted: anything else is refused.
+    pub fn check(&self, len: u64) -> Result<(), String> {
+        // SYNC POINT: the exporter initialised the header before handing over the memfd
+        // (its Release store of `state` in `init`, and the fd passing itself, order it).
+        let magic = self.magic.load(Ordering::Acquire);
+        if magic != CAM_MAGIC {
+            return Err(format!("not a clan aperture index (magic {magic:#018x})"));
+        }
+        let have = self.len.load(Ordering::Relaxed);
+        if have != len {
+            return Err(format!("the aperture index watches {have} bytes, the import says {len}"));
+        }
+        Ok(())
+    }
+}
+
 /// The revocation word of a live export of generation `generation`.
 pub fn live_state(generation: u32) -> u64 {
     (u64::from(generation) << 1) | 1

@@ -85,6 +85,28 @@ pub struct EqParams {
     pub tripset_cap: u32,
 }
 
+impl EqHeader {
+    /// Check a queue segment another process laid out (a producer's first look at its port):
+    /// its magic word is [`EQ_MAGIC`] and its geometry is the one it was told. Memory
+    /// written by another process is untrusted: anything else is refused.
+    pub fn check(&self, params: &EqParams) -> Result<(), String> {
+        // SYNC POINT: pairs with the creator's Release store of `magic` after the geometry.
+        let magic = self.magic.load(crate::sync::Ordering::Acquire);
+        if magic != EQ_MAGIC {
+            return Err(format!("not a clan event queue (magic {magic:#018x})"));
+        }
+        let (n, cap) =
+            (self.nrings.load(crate::sync::Ordering::Relaxed), self.ring_cap.load(crate::sync::Ordering::Relaxed));
+        if n != params.nrings || cap != params.ring_cap {
+            return Err(format!(
+                "the queue has {n} rings of {cap}, the import says {} of {}",
+                params.nrings, params.ring_cap
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl EqParams {
     /// Whether the geometry is acceptable (used on parameters received from elsewhere).
     pub fn is_valid(&self) -> bool {

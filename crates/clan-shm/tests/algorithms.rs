@@ -321,3 +321,32 @@ proptest! {
         }
     }
 }
+
+/// An importer's first look at memory another process laid out: an index or a queue
+/// without its magic word, or with another geometry than the import said, is refused.
+#[test]
+fn headers_of_foreign_memory_are_checked() {
+    use std::sync::atomic::Ordering;
+
+    let c = CamModel::new(8192, 16);
+    let h = c.view().header;
+    assert!(h.check(8192).is_err(), "an uninitialised index (no magic) is refused");
+    h.len.store(8192, Ordering::Relaxed);
+    h.magic.store(cam::CAM_MAGIC ^ 1, Ordering::Release);
+    assert!(h.check(8192).is_err(), "a wrong magic word is refused");
+    h.magic.store(cam::CAM_MAGIC, Ordering::Release);
+    assert_eq!(h.check(8192), Ok(()));
+    assert!(h.check(4096).is_err(), "an index of another length is refused");
+
+    let p = EqParams { nrings: 1, ring_cap: 64, trip_cap: 0, tripset_cap: 0 };
+    let q = EqModel::new(p);
+    let h = q.view().header;
+    assert!(h.check(&p).is_err(), "an uninitialised queue (no magic) is refused");
+    h.nrings.store(1, Ordering::Relaxed);
+    h.ring_cap.store(64, Ordering::Relaxed);
+    h.magic.store(clan_shm::eq::EQ_MAGIC, Ordering::Release);
+    assert_eq!(h.check(&p), Ok(()));
+    assert!(h.check(&EqParams { ring_cap: 128, ..p }).is_err(), "another ring size is refused");
+    h.magic.store(0, Ordering::Release);
+    assert!(h.check(&p).is_err());
+}

@@ -89,7 +89,6 @@ fn failure_code(f: DmaFailure) -> u8 {
         DmaFailure::Disconnected => 4,
         DmaFailure::Timeout => 5,
         DmaFailure::ChainAborted => 6,
-        DmaFailure::NicClosed => 7,
     }
 }
 
@@ -101,7 +100,6 @@ pub(crate) fn failure_from_code(c: u8) -> Option<DmaFailure> {
         4 => DmaFailure::Disconnected,
         5 => DmaFailure::Timeout,
         6 => DmaFailure::ChainAborted,
-        7 => DmaFailure::NicClosed,
         _ => return None,
     })
 }
@@ -592,8 +590,10 @@ fn service(s: &Shared, q: &Arc<DmaQueue>) -> Next {
             None => return Next::Idle,
         }
     }
+    // The engine stops only when the NIC's last handle goes, which every endpoint holds: by
+    // then each endpoint was closed, so whatever is left is cancelled.
     if q.closed.load(Ordering::Acquire) || s.stop.load(Ordering::Acquire) {
-        let why = if q.closed.load(Ordering::Acquire) { DmaFailure::Cancelled } else { DmaFailure::NicClosed };
+        let why = DmaFailure::Cancelled;
         q.finish(&mut c, Err(why));
         while let Some(j) = q.jobs.pop() {
             c.job = Some(j);

@@ -49,7 +49,7 @@ pub(crate) struct EndpointInner {
     pub queue: EventQueue,
     oob: Mutex<VecDeque<OobMessage>>,
     oob_cv: Condvar,
-    closed: AtomicBool,
+    pub(crate) closed: AtomicBool,
     apertures: Mutex<Vec<Weak<ApertureInner>>>,
     pub conns: crate::conn::EndpointConns,
     dma: OnceLock<Arc<DmaQueue>>,

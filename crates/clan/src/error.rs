@@ -407,9 +407,6 @@ pub enum DmaFailure {
     /// An earlier request of its chain failed, so it was not run.
     #[error("an earlier request of the chain failed")]
     ChainAborted,
-    /// The NIC was closed.
-    #[error("the NIC was closed")]
-    NicClosed,
 }
 
 /// DMA: posting requests and waiting for them.
@@ -575,7 +572,6 @@ impl From<DmaFailure> for io::Error {
             DmaFailure::Cancelled | DmaFailure::ChainAborted => K::Interrupted,
             DmaFailure::Revoked | DmaFailure::Disconnected => K::ConnectionReset,
             DmaFailure::Timeout => K::TimedOut,
-            DmaFailure::NicClosed => K::NotConnected,
         };
         wrap(k, e)
     }

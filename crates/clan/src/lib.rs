@@ -113,3 +113,62 @@ pub mod fuzzing {
 
 /// Size of an out-of-band payload.
 pub const OOB_PAYLOAD: usize = clan_wire::control::OOB_PAYLOAD;
+
+/// Every public type is `Send` and `Sync`: checked at compile time, so that a field added
+/// to one of them that is neither (an `Rc`, a `Cell`, a raw pointer) fails the build here
+/// instead of surprising a user who shares a NIC, an endpoint or a mapping across threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync + ?Sized>() {}
+    send_sync::<AddrParseError>();
+    send_sync::<EndpointAddr>();
+    send_sync::<NicAddr>();
+    send_sync::<Aperture>();
+    send_sync::<RawRegion<'static>>();
+    send_sync::<AdmissionLimits>();
+    send_sync::<DmaConfig>();
+    send_sync::<EventQueueConfig>();
+    send_sync::<ExportConfig>();
+    send_sync::<ImportPolicy>();
+    send_sync::<LinkConfig>();
+    send_sync::<LocalTransport>();
+    send_sync::<NicConfig>();
+    send_sync::<Progress>();
+    send_sync::<ConnectError>();
+    send_sync::<ConnectRequest>();
+    send_sync::<Connection>();
+    send_sync::<Descriptor>();
+    send_sync::<Rights>();
+    send_sync::<DmaOptions>();
+    send_sync::<DmaRequest>();
+    send_sync::<DmaStats>();
+    send_sync::<DmaTicket>();
+    send_sync::<Endpoint>();
+    send_sync::<EndpointConfig>();
+    send_sync::<OobMessage>();
+    send_sync::<PendingImport>();
+    send_sync::<AccessError>();
+    send_sync::<Denial>();
+    send_sync::<DescriptorError>();
+    send_sync::<DmaError>();
+    send_sync::<DmaFailure>();
+    send_sync::<EndpointError>();
+    send_sync::<EventQueueError>();
+    send_sync::<ExportError>();
+    send_sync::<ImportError>();
+    send_sync::<NicError>();
+    send_sync::<OobError>();
+    send_sync::<TripwireError>();
+    send_sync::<Event>();
+    send_sync::<EventQueue>();
+    send_sync::<EventQueueStats>();
+    send_sync::<Mapping>();
+    send_sync::<PendingRead>();
+    send_sync::<Nic>();
+    send_sync::<NicStats>();
+    send_sync::<Tripset>();
+    send_sync::<Access>();
+    send_sync::<Actions>();
+    send_sync::<Tripwire>();
+    send_sync::<TripwireConfig>();
+    send_sync::<TripwireId>();
+};

@@ -505,7 +505,9 @@ impl NicInner {
 
     pub fn endpoint_closed(&self, port: u32) {
         let mut eps = lock(&self.endpoints);
-        if eps.0.get(&port).is_some_and(|w| w.strong_count() == 0) {
+        // Gone, or closed while handles remain (`Endpoint::close`): either way the port is
+        // free. (An endpoint that took the port since is open: it stays.)
+        if eps.0.get(&port).is_some_and(|w| w.upgrade().is_none_or(|e| e.closed.load(Ordering::Acquire))) {
             eps.0.remove(&port);
         }
     }

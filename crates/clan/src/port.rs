@@ -149,6 +149,14 @@ impl EqInner {
         let memfd = Memfd::create("clan-port", layout.size as u64).map_err(|_| Refusal::TooMany)?;
         let seg = Segment::map(&memfd, 0, layout.size, SegAccess::ReadWrite).map_err(|_| Refusal::TooMany)?;
         let map = EqMap::new(Arc::new(seg), layout).map_err(|_| Refusal::TooMany)?;
+        {
+            let h = map.view().header;
+            h.nrings.store(layout.params.nrings, Ordering::Relaxed);
+            h.ring_cap.store(layout.params.ring_cap, Ordering::Relaxed);
+            // SYNC POINT: pairs with the producer's Acquire load in `EqHeader::check` (in
+            // `attach`), after the geometry above.
+            h.magic.store(clan_shm::eq::EQ_MAGIC, Ordering::Release);
+        }
         // Armed from the start: a sleeper that armed the ports before this one existed is
         // woken by its first post (one signal; later ones only while armed again).
         map.view().header.words.armed.store(ring::ARM_FD, Ordering::Relaxed);
@@ -529,6 +537,7 @@ pub(crate) fn attach(
     let seg = Segment::map(memfd.as_fd(), 0, layout.size, SegAccess::ReadWrite)
         .map_err(|e| format!("mapping the port: {e}"))?;
     let map = EqMap::new(Arc::new(seg), layout).map_err(|e| e.to_string())?;
+    map.view().header.check(&layout.params)?;
     // Resume after whatever this process posted before (the port is ours for the life of
     // the process); a fresh port reads 0.
     let head = map.view().ring_headers[0].head.load(Ordering::Acquire);

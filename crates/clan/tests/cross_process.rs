@@ -130,7 +130,14 @@ fn child() {
             say("finished");
         }
         "write_loop" => {
-            let m = ep.import(&hear().unwrap().parse().unwrap()).unwrap();
+            let m = match ep.import(&hear().unwrap().parse().unwrap()) {
+                Ok(m) => m,
+                Err(clan::ImportError::TooManyProducers) => {
+                    say("TooManyProducers");
+                    return;
+                }
+                Err(e) => panic!("import failed: {e}"),
+            };
             say("looping");
             let mut i = 0u64;
             loop {
@@ -357,7 +364,17 @@ fn pingpong_stress_never_loses_a_wakeup() {
 fn producers_killed_at_random_points() {
     let _wd = Watchdog::new("SIGKILL producers", Duration::from_secs(600));
     let nic = nic();
-    let q = nic.event_queue(EventQueueConfig { ring_capacity: 64, ..EventQueueConfig::default() }).unwrap();
+    // Fewer producer ports than producers killed: a dead producer's port must be retired
+    // and its place given to the next process, or the fourth round is refused.
+    const PORTS: u32 = 3;
+    let q = nic
+        .event_queue(EventQueueConfig {
+            ring_capacity: 64,
+            producers: PORTS,
+            producers_per_user: PORTS,
+            ..EventQueueConfig::default()
+        })
+        .unwrap();
     let ep =
         nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()), ..Default::default() }).unwrap();
     let ap = ep.export(4096).unwrap();
@@ -389,6 +406,13 @@ fn producers_killed_at_random_points() {
         x ^= x << 17;
         std::thread::sleep(Duration::from_micros(x % 20_000));
         c.kill();
+        // Its port is retired once the exporter sees the process gone (its connection
+        // closes); until then it still counts.
+        let start = Instant::now();
+        while q.stats().producers > 0 {
+            assert!(start.elapsed() < Duration::from_secs(30), "a killed producer's port was never retired");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         // The queue still works: our own write is delivered.
         let before = seen.load(Ordering::Relaxed);
         let start = Instant::now();
@@ -402,6 +426,54 @@ fn producers_killed_at_random_points() {
     consumer.join().unwrap();
     assert_eq!(q.stats().malformed, 0, "killed producers never produce garbage");
     assert!(seen.load(Ordering::Relaxed) >= 25);
+}
+
+/// A queue gives at most `producers` processes a port: the next importing process is
+/// refused with `TooManyProducers` (and nothing else breaks), and the place of a killed
+/// producer goes to the next process that asks.
+#[test]
+fn producer_ports_are_bounded_and_freed_by_death() {
+    let _wd = Watchdog::new("producer limit", Duration::from_secs(300));
+    let nic = nic();
+    let q = nic
+        .event_queue(EventQueueConfig { producers: 2, producers_per_user: 2, ..EventQueueConfig::default() })
+        .unwrap();
+    let ep =
+        nic.endpoint_with(clan::EndpointConfig { port: None, queue: Some(q.clone()), ..Default::default() }).unwrap();
+    let ap = ep.export(4096).unwrap();
+    let tw = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
+    let spawn = || {
+        let mut c = Peer::spawn(ENTRY, "write_loop", &[]);
+        c.send(&ap.descriptor().to_string());
+        let r = c.expect("import result");
+        (c, r)
+    };
+    let (mut a, ra) = spawn();
+    let (b, rb) = spawn();
+    assert_eq!((ra.as_str(), rb.as_str()), ("looping", "looping"));
+    assert_eq!(q.stats().producers, 2);
+    let (c, rc) = spawn();
+    assert_eq!(rc, "TooManyProducers", "a third process got a port in a queue of two");
+    drop(c);
+    // The two that have ports keep writing through them.
+    let start = Instant::now();
+    let n = tw.count();
+    while tw.count() < n + 100 {
+        assert!(start.elapsed() < Duration::from_secs(30), "the producers with ports stalled");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    a.kill();
+    let start = Instant::now();
+    while q.stats().producers > 1 {
+        assert!(start.elapsed() < Duration::from_secs(30), "a killed producer's port was never retired");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (mut d, rd) = spawn();
+    assert_eq!(rd, "looping", "the killed producer's place was not given to the next process");
+    assert_eq!(q.stats().producers, 2);
+    d.kill();
+    drop(b);
+    assert_eq!(q.stats().malformed, 0);
 }
 
 /// A hostile process of the same user writes garbage over our event queues and aperture
