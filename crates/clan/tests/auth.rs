@@ -116,9 +116,14 @@ fn keyed_links_come_up_and_wrong_or_missing_keys_are_refused() {
         eprintln!("client on host {host} with {}: {got}", if key.is_some() { "a key" } else { "no key" });
         if want {
             assert_eq!(got, "linked");
+            server.send("links");
+            assert_eq!(server.expect("links"), "1", "the keyed client is linked");
         } else {
             assert!(got.starts_with("refused PermissionDenied"), "{got}");
             assert!(got.contains("authentication"), "{got}");
+            // The refused peer (still running) left no link behind on the server.
+            server.send("links");
+            assert_eq!(server.expect("links"), "0", "a refused peer holds a link");
         }
         drop(c);
     }
