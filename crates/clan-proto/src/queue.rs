@@ -188,6 +188,9 @@ pub struct MsgSender {
     space: Tripwire,
     spin: Duration,
     dma_threshold: u64,
+    /// The last DMA chain posted ([`MsgSender::send_from`]): it publishes its message with
+    /// its last request, so no message sent by PIO may publish its own before it has.
+    dma: Option<DmaTicket>,
 }
 
 impl MsgSender {
@@ -218,6 +221,7 @@ impl MsgSender {
             space,
             spin: cfg.spin,
             dma_threshold: cfg.dma_threshold,
+            dma: None,
         })
     }
 
@@ -258,6 +262,25 @@ impl MsgSender {
         RING + (i % self.slots) * self.slot
     }
 
+    /// Wait until the last DMA chain has run, before a message sent by PIO publishes its
+    /// slot: the write counter covers every slot before it, so publishing earlier would
+    /// publish the DMA message before its body, and the chain's own counter update, landing
+    /// later, would move the counter back. Chains need no such wait: an endpoint's DMA
+    /// requests run in order. A chain that failed fails every later send (its slot is
+    /// counted but never published: the queue cannot go on).
+    fn settle_dma(&mut self, deadline: Option<Instant>) -> Result<(), QueueError> {
+        let Some(t) = &self.dma else { return Ok(()) };
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        match t.wait(left) {
+            Ok(()) => {
+                self.dma = None;
+                Ok(())
+            }
+            Err(clan::DmaError::Timeout) => Err(QueueError::Timeout),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Send a message (any length: longer than a slot, it goes as a multi-part message),
     /// waiting for room as needed.
     pub fn send(&mut self, meta: u64, data: &[u8]) -> Result<(), QueueError> {
@@ -270,6 +293,7 @@ impl MsgSender {
         let total = data.len() as u64;
         let mut done = 0u64;
         let mut first = true;
+        self.settle_dma(timeout.map(|t| Instant::now() + t))?;
         loop {
             if self.free()? == 0 {
                 self.wait_free(timeout.map(|t| Instant::now() + t))?;
@@ -298,7 +322,9 @@ impl MsgSender {
     /// Send `len` bytes of local aperture `src` at `off` (at most one slot's payload): by
     /// programmed I/O, or, above [`QueueConfig::dma_threshold`], by the DMA engine — the
     /// header is written now, the body and the counter update by a DMA chain, so the message
-    /// appears whole and in order; the returned ticket says when `src` may be reused.
+    /// appears whole and in order; the returned ticket says when `src` may be reused. A
+    /// message sent by PIO after it ([`MsgSender::send`], or `send_from` at or below the
+    /// threshold) first waits for the chain to run, so that it cannot publish this one early.
     pub fn send_from(
         &mut self,
         meta: u64,
@@ -315,6 +341,7 @@ impl MsgSender {
         let at = self.slot_off(self.write);
         self.write_header(at, len, FIRST, meta, len)?;
         if len <= self.dma_threshold {
+            self.settle_dma(None)?;
             self.peer.get()?.write_from(at + HEADER, src, off, len)?;
             self.write += 1;
             self.peer.get()?.store_u64(RX_WRITE, self.write)?;
@@ -329,7 +356,9 @@ impl MsgSender {
             DmaRequest::write(src, off, self.peer.get()?, at + HEADER, len)?,
             DmaRequest::write(&self.mine, staged, self.peer.get()?, RX_WRITE, 8)?,
         ];
-        Ok(Some(self.ep.dma_chain(chain, DmaOptions::new())?))
+        let t = self.ep.dma_chain(chain, DmaOptions::new())?;
+        self.dma = Some(t.clone());
+        Ok(Some(t))
     }
 
     /// Messages (slots) sent.

@@ -52,7 +52,7 @@ pub(crate) fn wait_sliced(
     if !spin.is_zero() {
         // The clock is first read after 64 polls: a wait that ends within them (the common
         // case of a reader just ahead of its writer) costs no clock read at all; the spin
-        // time counts from there.
+        // time counts from there, and ends at the deadline if that comes first.
         let mut until = None;
         let mut n = 0u32;
         loop {
@@ -63,7 +63,8 @@ pub(crate) fn wait_sliced(
             n = n.wrapping_add(1);
             if n % 64 == 0 {
                 let now = Instant::now();
-                if now >= *until.get_or_insert(now + spin) {
+                let end = until.get_or_insert_with(|| deadline.map_or(now + spin, |d| d.min(now + spin)));
+                if now >= *end {
                     break;
                 }
             }

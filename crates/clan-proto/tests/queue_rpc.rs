@@ -4,14 +4,19 @@
 #[path = "../../clan/tests/util/mod.rs"]
 mod util;
 
+mod blocked;
+
 use std::time::Duration;
 
+use blocked::Waiter;
 use clan::{LocalTransport, Nic, NicConfig};
-use clan_proto::queue::{Header, Message, MsgSender, QueueConfig, QueueListener};
-use clan_proto::rpc::{ChannelSender, RpcClient, RpcConfig, RpcListener, RpcServer};
+use clan_proto::queue::{HEADER, Header, Message, MsgSender, QueueConfig, QueueError, QueueListener};
+use clan_proto::rpc::{ChannelSender, RpcClient, RpcConfig, RpcError, RpcListener, RpcServer};
 use util::Watchdog;
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(60));
+/// For what must succeed or fail at once: a wrong wait fails fast.
+const SHORT: Option<Duration> = Some(Duration::from_secs(5));
 
 fn linked() -> Nic {
     Nic::open(NicConfig { local_transport: LocalTransport::Link, ..NicConfig::default() }).unwrap()
@@ -84,9 +89,59 @@ fn queue_in_place_header_landing_and_dma() {
     // Small ones go by PIO.
     assert!(tx.send_from(10, &src, 0, 100).unwrap().is_none());
     assert_eq!(rx.recv(WAIT).unwrap().data, body[..100]);
-    // A multi-part message cannot be lent in place.
-    tx.send(11, &vec![1u8; 100_000]).unwrap_or(());
-    assert!(rx.recv_in_place(WAIT, |_, _| ()).is_err());
+    // A multi-part message cannot be lent in place: refused as such (at once: a wait that
+    // ran into the time limit would say `Timeout`), and left in the queue for `recv`.
+    let long: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    tx.send(11, &long).unwrap();
+    let e = rx.recv_in_place(SHORT, |_, _| ()).unwrap_err();
+    assert!(matches!(e, QueueError::BadConfig(_)), "refused as multi-part, not {e:?}");
+    let m = rx.recv(SHORT).unwrap();
+    assert_eq!(m.meta, 11, "the refused message is still the next one");
+    assert!(m.data == long, "and intact");
+}
+
+/// A header wait armed before anything was sent wakes when the header lands, while the rest
+/// of the message is still to come: the message is six slots long and the ring holds three,
+/// so the sender cannot finish it until the receiver, woken, takes the first parts.
+#[test]
+fn a_header_wait_armed_first_wakes_while_the_body_is_still_to_come() {
+    let _wd = Watchdog::new("header wait armed first", Duration::from_secs(30));
+    let nic = Nic::open_default().unwrap();
+    let cfg = QueueConfig { slots: 4, slot_size: 256, ..QueueConfig::default() };
+    let l = QueueListener::bind(&nic, cfg.clone()).unwrap();
+    let (n2, c2, addr) = (nic.clone(), cfg.clone(), l.local_addr());
+    let t = std::thread::spawn(move || MsgSender::connect(&n2, addr, &c2).unwrap());
+    let rx = l.accept(WAIT).unwrap();
+    let mut tx = t.join().unwrap();
+    let payload = (cfg.slot_size - HEADER) as usize;
+    let body: Vec<u8> = (0..5 * payload + 100).map(|i| (i * 7 % 253) as u8).collect();
+
+    // The receiver waits in its own thread; the sender starts once it sleeps there.
+    let (me_tx, me_rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        me_tx.send(Waiter::current()).unwrap();
+        let h = rx.wait_header(SHORT);
+        (rx, h)
+    });
+    me_rx.recv().unwrap().wait_asleep(Duration::from_secs(10));
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = sent.clone();
+    let b2 = body.clone();
+    let sender = std::thread::spawn(move || {
+        tx.send(42, &b2).unwrap();
+        s2.store(true, std::sync::atomic::Ordering::Release);
+        tx
+    });
+    let (mut rx, h) = waiter.join().unwrap();
+    assert_eq!(h.unwrap(), Header { meta: 42, len: body.len() as u64 }, "woken by the header");
+    assert!(!sent.load(std::sync::atomic::Ordering::Acquire), "the sender is still sending the body");
+    // Taking the message lets the sender finish it.
+    let m = rx.recv(SHORT).unwrap();
+    assert_eq!(m.meta, 42);
+    assert!(m.data == body, "all of it, intact");
+    let tx = sender.join().unwrap();
+    assert!(sent.load(std::sync::atomic::Ordering::Acquire));
+    assert_eq!((tx.sent(), rx.received()), (6, 6), "six slots");
 }
 
 #[test]
@@ -101,13 +156,20 @@ fn channel_and_rpc() {
         for i in 0..100u32 {
             tx.send(&i.to_le_bytes(), WAIT).unwrap();
         }
-        assert!(tx.send(&[0u8; 5000], WAIT).is_err(), "too long for the receiver's buffer");
+        // Too long for the receiver's buffer: refused as such (a sender that waited for
+        // `tx_ready` in vain would say `Timeout`), before anything was written.
+        let e = tx.send(&[0u8; 5000], SHORT).unwrap_err();
+        assert!(matches!(e, RpcError::TooLong { len: 5000, max: 4096 }), "refused as too long, not {e:?}");
+        // So the channel goes on.
+        tx.send(b"after", SHORT).unwrap();
+        tx
     });
     let mut rx = l.accept_channel(WAIT).unwrap();
     for i in 0..100u32 {
         assert_eq!(rx.recv(WAIT).unwrap(), i.to_le_bytes());
     }
-    t.join().unwrap();
+    assert_eq!(rx.recv(SHORT).unwrap(), b"after", "the refused message left nothing behind");
+    let _tx = t.join().unwrap();
 
     // RPC with an event-driven server in its own thread.
     let mut server = RpcServer::bind(&nic, RpcConfig::default(), 16).unwrap();
@@ -159,4 +221,33 @@ fn channel_and_rpc() {
     }
     stop.store(true, std::sync::atomic::Ordering::Release);
     assert_eq!(st.join().unwrap(), 4 * 301);
+}
+
+/// A message sent by DMA is published by its chain, after its body; a message sent by PIO
+/// right behind it must not publish it earlier (the counter covers every slot before it).
+#[test]
+fn a_pio_send_behind_a_dma_send_does_not_publish_it_early() {
+    let _wd = Watchdog::new("pio behind dma", Duration::from_secs(60));
+    let nic = Nic::open_default().unwrap();
+    let cfg = QueueConfig { slots: 8, slot_size: 64 << 10, dma_threshold: 1024, ..QueueConfig::default() };
+    let l = QueueListener::bind(&nic, cfg.clone()).unwrap();
+    let (n2, c2, addr) = (nic.clone(), cfg.clone(), l.local_addr());
+    let t = std::thread::spawn(move || MsgSender::connect(&n2, addr, &c2).unwrap());
+    let mut rx = l.accept(WAIT).unwrap();
+    let mut tx = t.join().unwrap();
+    let ep = nic.endpoint().unwrap();
+    let src = ep.export(64 << 10).unwrap();
+    let body: Vec<u8> = (0..60_000u32).map(|i| (i % 239) as u8 | 1).collect();
+    src.write(0, &body).unwrap();
+    for round in 0..20u64 {
+        let t = tx.send_from(3 * round, &src, 0, 60_000).unwrap().expect("went by DMA");
+        tx.send(3 * round + 1, b"by PIO, right behind").unwrap();
+        assert!(tx.send_from(3 * round + 2, &src, 0, 100).unwrap().is_none(), "by PIO");
+        let m = rx.recv(SHORT).unwrap();
+        assert_eq!(m.meta, 3 * round);
+        assert!(m.data == body, "round {round}: the DMA message whole when it is published");
+        assert_eq!(rx.recv(SHORT).unwrap(), Message { meta: 3 * round + 1, data: b"by PIO, right behind".to_vec() });
+        assert_eq!(rx.recv(SHORT).unwrap(), Message { meta: 3 * round + 2, data: body[..100].to_vec() });
+        t.wait(SHORT).unwrap();
+    }
 }

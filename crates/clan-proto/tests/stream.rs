@@ -4,10 +4,13 @@
 #[path = "../../clan/tests/util/mod.rs"]
 mod util;
 
+mod blocked;
+
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::time::Duration;
 
+use blocked::Waiter;
 use clan::Nic;
 use clan_proto::stream::{Listener, Stream, StreamConfig};
 use util::Watchdog;
@@ -140,6 +143,45 @@ fn lending_in_place_and_landing() {
     assert_eq!(rest, b", in place");
     drop(c);
     assert!(s.read_in_place(100, |d| d.len()).unwrap().is_none(), "end of stream");
+}
+
+/// A position wait armed before anything was written wakes when the header lands, while the
+/// body is still to come: the writer writes the header and sends the body only once the
+/// reader has come back from its wait (the reader's wake-up is the writer's gate).
+#[test]
+fn a_position_wait_armed_first_wakes_while_the_body_is_still_to_come() {
+    let _wd = Watchdog::new("position wait armed first", Duration::from_secs(30));
+    let (mut c, s, _l) = pair(small());
+    // A wait that missed the header fails in time instead of hanging.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let header = *b"HDR len=00001000";
+    let body: Vec<u8> = (0..10_000u32).map(|i| (i * 11 % 241) as u8).collect();
+    let (me_tx, me_rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        me_tx.send(Waiter::current()).unwrap();
+        let mut head = [0u8; 16];
+        let n = s.peek_when_landed(16, &mut head);
+        let available = s.available().unwrap();
+        (s, n, head, available)
+    });
+    // Write the header once the reader sleeps in its wait.
+    me_rx.recv().unwrap().wait_asleep(Duration::from_secs(10));
+    c.write_all(&header).unwrap();
+    // The gate: the body goes only after the reader came back.
+    let (s, n, head, available) = reader.join().unwrap();
+    assert_eq!(n.unwrap(), 16, "woken by the header");
+    assert_eq!(head, header);
+    // Woken with the body still to come; perhaps even before the header was published (the
+    // wait watches its last byte land, ahead of the counter that publishes it).
+    assert!(available == 0 || available == 16, "woken with the body still to come, not {available} bytes");
+    let b2 = body.clone();
+    let writer = std::thread::spawn(move || c.write_all(&b2).unwrap());
+    // The peek consumed nothing: header and body follow, in order, through a 4 KiB ring.
+    let mut all = vec![0u8; 16 + body.len()];
+    (&s).read_exact(&mut all).unwrap();
+    writer.join().unwrap();
+    assert_eq!(all[..16], header);
+    assert!(all[16..] == body[..]);
 }
 
 #[test]
