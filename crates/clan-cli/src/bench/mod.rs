@@ -117,6 +117,14 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
     }
 }
 
+/// A NIC configuration whose default event queue polls for `spin` before a wait on one of
+/// its tripwires sleeps (zero: such waits sleep at once), for the measurements that compare
+/// both sides blocking or both sides spinning.
+pub fn nic_config(spin: std::time::Duration) -> clan::NicConfig {
+    let d = clan::NicConfig::default();
+    clan::NicConfig { default_queue: clan::EventQueueConfig { spin, ..d.default_queue.clone() }, ..d }
+}
+
 /// `key=value` arguments.
 pub fn arg<T: std::str::FromStr>(args: &[String], key: &str) -> Result<T> {
     args.iter()

@@ -46,6 +46,9 @@ enum Profile {
 /// A figure's measurement.
 type Step = fn(Profile) -> Result<Figure>;
 
+/// A row of the index table: (what, ours, baseline, ratio).
+type Row = (String, String, String, String);
+
 /// One figure of the report.
 struct Figure {
     id: &'static str,
@@ -55,7 +58,7 @@ struct Figure {
     /// Our headline, one line.
     ours: String,
     /// Rows for the index table: (what, ours, baseline, ratio).
-    rows: Vec<(String, String, String, String)>,
+    rows: Vec<Row>,
     data: Value,
     /// Why it was not run, if it was not.
     skipped: Option<String>,
@@ -80,6 +83,11 @@ fn s(v: &[&str]) -> Vec<String> {
 
 fn f(v: &Value, k: &str) -> f64 {
     v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN)
+}
+
+/// The number at a JSON pointer (`/spin/clan/rtt_p50_ns`).
+fn fp(v: &Value, pointer: &str) -> f64 {
+    v.pointer(pointer).and_then(Value::as_f64).unwrap_or(f64::NAN)
 }
 
 fn ns(v: f64) -> String {
@@ -283,54 +291,90 @@ fn fig_server(p: Profile) -> Result<Figure> {
     let at = |n: usize| busy.iter().find(|v| f(v, "endpoints") as usize == n);
     let first = at(ns_list[0]).ok_or("no first point")?;
     let last = at(*ns_list.last().unwrap_or(&1)).ok_or("no last point")?;
-    let spread = busy.iter().map(|v| f(v, "rtt_p50_ns")).fold(0.0, f64::max)
-        / busy.iter().map(|v| f(v, "rtt_p50_ns")).fold(f64::MAX, f64::min);
-    let k1000 = at(1000);
-    let mut rows = vec![
+    let spin_rtt = |v: &Value| fp(v, "/spin/clan/rtt_p50_ns");
+    let spread = busy.iter().map(spin_rtt).fold(0.0, f64::max) / busy.iter().map(spin_rtt).fold(f64::MAX, f64::min);
+    // RTT rows, both ways.
+    let rtt_rows = |what: &str, v: &Value| -> Vec<Row> {
+        [("spin", "both spinning", "busy-polling"), ("block", "both blocking", "blocking")]
+            .into_iter()
+            .map(|(k, how, base)| {
+                (
+                    format!("{what}, {how} (p50)"),
+                    ns(fp(v, &format!("/{k}/clan/rtt_p50_ns"))),
+                    format!("{} (epoll-tcp, {base})", ns(fp(v, &format!("/{k}/baseline/rtt_p50_ns")))),
+                    r2(fp(v, &format!("/{k}/ratio_rtt_p50"))),
+                )
+            })
+            .collect()
+    };
+    // Requests/s rows, both ways, with the target.
+    let rate_rows = |what: &str, v: &Value| -> Vec<Row> {
+        [("spin", "both spinning", "busy-polling"), ("block", "both blocking", "blocking")]
+            .into_iter()
+            .map(|(k, how, base)| {
+                let met = v.pointer(&format!("/{k}/target_met")).and_then(Value::as_bool).unwrap_or(false);
+                (
+                    format!("{what}, {how}"),
+                    format!("{:.0}", fp(v, &format!("/{k}/clan/req_per_s"))),
+                    format!("{:.0} (epoll-tcp, {base})", fp(v, &format!("/{k}/baseline/req_per_s"))),
+                    format!(
+                        "{:.1}× ({})",
+                        fp(v, &format!("/{k}/ratio_req_per_s")),
+                        if met { "≥ 20×: met" } else { "≥ 20×: not met" }
+                    ),
+                )
+            })
+            .collect()
+    };
+    let raw_row = |v: &Value| -> Row {
+        let met = v.get("raw_shm_target_met").and_then(Value::as_bool);
         (
-            "busy RTT, 1 endpoint (p50)".into(),
-            ns(f(first, "rtt_p50_ns")),
-            format!("{} (epoll-tcp)", ns(f(first, "baseline_rtt_p50_ns"))),
-            r2(f(first, "rtt_p50_ns") / f(first, "baseline_rtt_p50_ns")),
-        ),
-        (
-            format!("busy RTT, {} endpoints (p50)", f(last, "endpoints")),
-            ns(f(last, "rtt_p50_ns")),
-            format!("{} (epoll-tcp)", ns(f(last, "baseline_rtt_p50_ns"))),
-            r2(f(last, "rtt_p50_ns") / f(last, "baseline_rtt_p50_ns")),
-        ),
-        (
-            "idle RTT, 1 endpoint (p50)".into(),
-            ns(f(&idle, "rtt_p50_ns")),
-            format!("{} (epoll-tcp)", ns(f(&idle, "baseline_rtt_p50_ns"))),
-            r2(f(&idle, "rtt_p50_ns") / f(&idle, "baseline_rtt_p50_ns")),
-        ),
-        ("RTT spread over endpoints (max/min p50)".into(), r2(spread), "—".into(), "—".into()),
-    ];
-    if let Some(k) = k1000 {
-        rows.push((
-            "requests/s, 1000 endpoints, 1 in flight".into(),
-            format!("{:.0}", f(k, "req_per_s")),
-            format!("{:.0} (epoll-tcp)", f(k, "baseline_req_per_s")),
-            format!("{:.1}×", f(k, "ratio_req_per_s")),
-        ));
-    }
+            format!(
+                "busy RTT, {} endpoint{}, both spinning, against the raw shm ping-pong (p50)",
+                f(v, "endpoints"),
+                if f(v, "endpoints") == 1.0 { "" } else { "s" }
+            ),
+            ns(spin_rtt(v)),
+            format!("{} (shm-raw, same run)", ns(f(v, "raw_shm_rtt_p50_ns"))),
+            format!(
+                "{} ({})",
+                r2(f(v, "raw_shm_ratio")),
+                match met {
+                    Some(true) => "≤ 2×: met",
+                    Some(false) => "≤ 2×: not met",
+                    None => "—",
+                }
+            ),
+        )
+    };
+    let mut rows = rtt_rows("busy RTT, 1 endpoint", first);
+    rows.extend(rtt_rows(&format!("busy RTT, {} endpoints", f(last, "endpoints")), last));
+    rows.push(raw_row(first));
+    rows.push(raw_row(last));
+    rows.extend(rtt_rows("idle RTT, 1 endpoint", &idle));
     rows.push((
-        format!("requests/s, {wide} endpoints, 16 in flight"),
-        format!("{:.0}", f(&many, "req_per_s")),
-        format!("{:.0} (epoll-tcp)", f(&many, "baseline_req_per_s")),
-        format!("{:.1}×", f(&many, "ratio_req_per_s")),
+        "idle RTT, 1 endpoint, clan as the paper runs it (polls 15 µs, then sleeps; p50)".into(),
+        ns(f(&idle, "rtt_p50_ns")),
+        "—".into(),
+        "—".into(),
     ));
+    rows.push(("RTT spread over endpoints, both spinning (max/min p50)".into(), r2(spread), "—".into(), "—".into()));
+    if let Some(k) = at(1000) {
+        rows.extend(rate_rows("requests/s, 1000 endpoints, 1 in flight", k));
+    }
+    rows.extend(rate_rows(&format!("requests/s, {wide} endpoints, 16 in flight"), &many));
     Ok(Figure {
         id: "server",
         title: "Event-driven server: round trip and requests/s against endpoints (T §5.3, figures 8 and 9)",
         paper: "busy 7.9 µs, idle 16.8 µs RTT, flat in the endpoints; tends to 340 000 req/s (461 000 on the CLAN page); GbE TCP 21 184 req/s",
         ours: format!(
-            "busy RTT {} → {} over {}…{} endpoints; idle {}",
-            ns(f(first, "rtt_p50_ns")),
-            ns(f(last, "rtt_p50_ns")),
+            "busy RTT spinning {} → {} over {}…{} endpoints (blocking {} → {}); idle {} as the paper runs it",
+            ns(spin_rtt(first)),
+            ns(spin_rtt(last)),
             ns_list[0],
             ns_list.last().unwrap_or(&1),
+            ns(fp(first, "/block/clan/rtt_p50_ns")),
+            ns(fp(last, "/block/clan/rtt_p50_ns")),
             ns(f(&idle, "rtt_p50_ns"))
         ),
         rows,
@@ -541,6 +585,7 @@ fn fig_queue(p: Profile) -> Result<Figure> {
     let pts = v["points"].as_array().cloned().unwrap_or_default();
     let at = |size: f64| pts.iter().find(|x| f(x, "size") == size).cloned().unwrap_or(Value::Null);
     let k32 = at(32768.0);
+    let small = pts.first().cloned().unwrap_or(Value::Null);
     Ok(Figure {
         id: "queue",
         title: "Distributed queue streaming, copied into and out of the queue (CLAN page)",
@@ -564,8 +609,27 @@ fn fig_queue(p: Profile) -> Result<Figure> {
                 format!("{} (ring of the same size, no tripwires)", mbit(f(&k32, "ring_mbit_s"))),
                 r2(f(&k32, "ring_ratio")),
             ),
+            (
+                "32 KiB transfers, slot-based message queue (multi-part messages)".into(),
+                mbit(f(&k32, "slot_mbit_s")),
+                format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
+                r2(f(&k32, "slot_ratio")),
+            ),
+            (
+                format!("{} B messages per second, slot-based message queue", f(&small, "size")),
+                format!("{:.0}", f(&small, "slot_msg_per_s")),
+                format!("{:.0} (the byte stream)", f(&small, "msg_per_s")),
+                r2(f(&small, "slot_msg_per_s") / f(&small, "msg_per_s")),
+            ),
             ("peak".into(), mbit(f(&v, "peak_mbit_s")), "—".into(), "—".into()),
             ("half of the peak reached at".into(), format!("{} B", v["half_peak_size"]), "—".into(), "—".into()),
+            ("peak, slot-based message queue".into(), mbit(f(&v, "slot_peak_mbit_s")), "—".into(), "—".into()),
+            (
+                "half of the peak reached at, slot-based message queue".into(),
+                format!("{} B", v["slot_half_peak_size"]),
+                "—".into(),
+                "—".into(),
+            ),
             (
                 "buffer per endpoint".into(),
                 format!("{} KiB", f(&v, "buffer_bytes") as u64 >> 10),
@@ -590,13 +654,33 @@ fn fig_stream(p: Profile) -> Result<Figure> {
         id: "stream",
         title: "Stream sockets (NT §4.1)",
         paper: "20 µs one way, > 84 MB/s peak (NT §4.1)",
-        ours: format!("one way {}, {}", ns(f(&v, "rtt_p50_ns") / 2.0), mbit(f(&v, "mbit_s"))),
+        ours: format!(
+            "one way {} spinning, {} blocking, {}; RTT ≤ 1× Unix met {}",
+            ns(fp(&v, "/spin/clan_rtt_p50_ns") / 2.0),
+            ns(fp(&v, "/block/clan_rtt_p50_ns") / 2.0),
+            mbit(f(&v, "mbit_s")),
+            v["target_met"].as_str().unwrap_or("?")
+        ),
         rows: vec![
             (
-                "RTT, 64 B (p50)".into(),
-                ns(f(&v, "rtt_p50_ns")),
-                format!("{} (unix), {} (tcp)", ns(f(&v, "unix_rtt_p50_ns")), ns(f(&v, "tcp_rtt_p50_ns"))),
-                r2(f(&v, "rtt_ratio_vs_unix")),
+                "RTT, 64 B, both spinning (p50)".into(),
+                ns(fp(&v, "/spin/clan_rtt_p50_ns")),
+                format!(
+                    "{} (unix), {} (tcp), non-blocking, polled",
+                    ns(fp(&v, "/spin/unix_rtt_p50_ns")),
+                    ns(fp(&v, "/spin/tcp_rtt_p50_ns"))
+                ),
+                r2(f(&v, "ratio_spin")),
+            ),
+            (
+                "RTT, 64 B, both blocking (p50)".into(),
+                ns(fp(&v, "/block/clan_rtt_p50_ns")),
+                format!(
+                    "{} (unix), {} (tcp), blocking",
+                    ns(fp(&v, "/block/unix_rtt_p50_ns")),
+                    ns(fp(&v, "/block/tcp_rtt_p50_ns"))
+                ),
+                r2(f(&v, "ratio_block")),
             ),
             (
                 "bandwidth, 64 KiB writes".into(),
@@ -622,13 +706,32 @@ fn fig_rpc(p: Profile) -> Result<Figure> {
         id: "rpc",
         title: "RPC on flags and tripwires (T §4.1)",
         paper: "(the paper builds RPC this way; no figure)",
-        ours: format!("RTT {}, {:.0} calls/s", ns(f(&v, "rtt_p50_ns")), f(&v, "calls_per_s")),
-        rows: vec![(
-            "RTT, 64 B (p50)".into(),
-            ns(f(&v, "rtt_p50_ns")),
-            format!("{} (unix)", ns(f(&v, "baseline_rtt_p50_ns"))),
-            r2(f(&v, "ratio_p50")),
-        )],
+        ours: format!(
+            "RTT {} spinning ({:.0} calls/s), {} blocking; RTT ≤ 1× Unix met {}",
+            ns(fp(&v, "/spin/clan/rtt_p50_ns")),
+            fp(&v, "/spin/clan/calls_per_s"),
+            ns(fp(&v, "/block/clan/rtt_p50_ns")),
+            v["target_met"].as_str().unwrap_or("?")
+        ),
+        rows: [("spin", "both spinning", "non-blocking, polled"), ("block", "both blocking", "blocking")]
+            .into_iter()
+            .flat_map(|(k, how, base)| {
+                [
+                    (
+                        format!("RTT, 64 B, {how} (p50)"),
+                        ns(fp(&v, &format!("/{k}/clan/rtt_p50_ns"))),
+                        format!("{} (unix, {base})", ns(fp(&v, &format!("/{k}/baseline/rtt_p50_ns")))),
+                        r2(fp(&v, &format!("/{k}/ratio_rtt_p50"))),
+                    ),
+                    (
+                        format!("calls/s, {how}"),
+                        format!("{:.0}", fp(&v, &format!("/{k}/clan/calls_per_s"))),
+                        format!("{:.0} (unix, {base})", fp(&v, &format!("/{k}/baseline/calls_per_s"))),
+                        format!("{:.1}×", fp(&v, &format!("/{k}/ratio_calls_per_s"))),
+                    ),
+                ]
+            })
+            .collect(),
         data: v,
         skipped: None,
     })
@@ -815,6 +918,8 @@ fn plot(dir: &Path, fig: &Figure) -> Result<()> {
             ));
             curves
                 .push(("hand-written ring".into(), pts.iter().map(|p| (f(p, "size"), f(p, "ring_mbit_s"))).collect()));
+            curves
+                .push(("slot message queue".into(), pts.iter().map(|p| (f(p, "size"), f(p, "slot_mbit_s"))).collect()));
         }
         "oneway" => {
             let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
@@ -838,11 +943,15 @@ fn plot(dir: &Path, fig: &Figure) -> Result<()> {
             let pts = fig.data["busy"].as_array().cloned().unwrap_or_default();
             xl = "endpoints";
             yl = "RTT p50 (ns)";
-            curves.push(("clan".into(), pts.iter().map(|p| (f(p, "endpoints"), f(p, "rtt_p50_ns"))).collect()));
-            curves.push((
-                "epoll-tcp".into(),
-                pts.iter().map(|p| (f(p, "endpoints"), f(p, "baseline_rtt_p50_ns"))).collect(),
-            ));
+            for (name, ptr) in [
+                ("clan, spinning", "/spin/clan/rtt_p50_ns"),
+                ("epoll-tcp, busy-polling", "/spin/baseline/rtt_p50_ns"),
+                ("clan, blocking", "/block/clan/rtt_p50_ns"),
+                ("epoll-tcp, blocking", "/block/baseline/rtt_p50_ns"),
+                ("raw shm ping-pong", "/raw_shm_rtt_p50_ns"),
+            ] {
+                curves.push((name.into(), pts.iter().map(|p| (f(p, "endpoints"), fp(p, ptr))).collect()));
+            }
         }
         _ => {}
     }

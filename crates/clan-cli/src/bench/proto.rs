@@ -1,19 +1,22 @@
 //! Benchmarks of the protocols built on clan (`clan-proto`), each against its same-run
 //! baseline:
 //!
-//! - `clan bench queue`: streaming bandwidth of the distributed queue (its unstructured
-//!   variant, a stream with a small ring) by transfer size, copying into and out of the queue
-//!   as the CLAN page measures it; the size at which half of the peak is reached; the buffer
-//!   per endpoint. Baseline: `memcpy` (shm) or a raw TCP stream (tcp); on shm also a
-//!   hand-written ring between the same two processes (`ring`: the same copies in and out
-//!   through a buffer of the same size, with no tripwires, locks or checks), the ceiling
-//!   this machine puts on any queue between two CPUs.
+//! - `clan bench queue`: streaming bandwidth of the distributed queue by transfer size, in
+//!   both its variants in the same run: unstructured (a byte stream with a small ring) and
+//!   the slot-based message queue (`clan_proto::queue`, slots of the message size in the
+//!   same buffer; longer messages go as multi-part messages), copying into and out of the
+//!   queue as the CLAN page measures it; messages per second; the size at which half of the
+//!   peak is reached; the buffer per endpoint. Baseline: `memcpy` (shm) or a raw TCP stream
+//!   (tcp); on shm also a hand-written ring between the same two processes (`ring`: the same
+//!   copies in and out through a buffer of the same size, with no tripwires, locks or
+//!   checks), the ceiling this machine puts on any queue between two CPUs.
 //! - `clan bench rpc`: RPC round-trip time and calls per second (one call in flight) against
-//!   the same request/response over a Unix socket.
-//! - `clan bench stream`: stream-socket round-trip time and bandwidth against Unix sockets and
-//!   kernel TCP (loopback).
+//!   the same request/response over a Unix socket, both sides spinning (clan polls, the Unix
+//!   socket is non-blocking and polled) and both sides blocking (clan polls for 0).
+//! - `clan bench stream`: stream-socket round-trip time, the same two ways, and bandwidth
+//!   against Unix sockets and kernel TCP (loopback).
 //!
-//! Every measurement runs between two processes pinned to different CPUs.
+//! Every measurement runs between two processes pinned to different CPUs (0 and 1).
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -21,16 +24,22 @@ use std::os::linux::net::SocketAddrExt;
 use std::time::{Duration, Instant};
 
 use clan::{EndpointAddr, LocalTransport, Nic, NicConfig};
+use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueListener};
 use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
 use clan_proto::stream::{Listener, Stream, StreamConfig};
 use serde::Serialize;
 
 use super::latency::Transport;
-use super::report::{Samples, emit, ns, ratio};
+use super::report::{Samples, emit, ns, ratio, verdict};
 use super::{Link, PeerProc, Result, arg};
 use crate::sys;
 
 const LIMIT: Duration = Duration::from_secs(60);
+/// How long a spinning side polls before it would sleep: far longer than any wait of a run,
+/// so that it never sleeps while the run goes on.
+const BUSY_POLL: Duration = Duration::from_millis(10);
+/// RTT p50, clan over the Unix socket: the target, both ways (at most as slow).
+const TARGET_RTT_VS_UNIX: f64 = 1.0;
 
 fn mbit(bytes: u64, d: Duration) -> f64 {
     bytes as f64 * 8.0 / d.as_secs_f64().max(1e-9) / 1e6
@@ -78,6 +87,17 @@ pub struct QueuePoint {
     /// The hand-written ring (shm only).
     pub ring_mbit_s: Option<f64>,
     pub ring_ratio: Option<f64>,
+    /// Transfers per second through the byte stream.
+    pub msg_per_s: f64,
+    /// The slot-based message queue: slots of this many bytes (header included).
+    pub slot_bytes: u64,
+    pub slots: u64,
+    pub slot_mbit_s: f64,
+    pub slot_msg_per_s: f64,
+    /// Slot queue over the baseline.
+    pub slot_ratio: f64,
+    /// Slot queue over the byte stream.
+    pub slot_vs_stream: f64,
 }
 
 #[derive(Serialize, Debug)]
@@ -92,9 +112,19 @@ pub struct QueueReport {
     pub ratio: f64,
     pub ring_mbit_s: Option<f64>,
     pub ring_ratio: Option<f64>,
+    pub msg_per_s: f64,
+    /// The slot-based message queue at the last size.
+    pub slot_mbit_s: f64,
+    pub slot_msg_per_s: f64,
+    pub slot_ratio: f64,
+    pub slot_vs_stream: f64,
     pub points: Vec<QueuePoint>,
+    /// The byte stream's peak and where half of it is reached.
     pub peak_mbit_s: f64,
     pub half_peak_size: Option<usize>,
+    /// The slot queue's.
+    pub slot_peak_mbit_s: f64,
+    pub slot_half_peak_size: Option<usize>,
     pub placement: String,
     pub machine: sys::Machine,
 }
@@ -119,11 +149,12 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         // swing between rounds on this machine (where the host runs the two virtual CPUs),
         // and one round could catch either regime.
         let bytes = queue_bytes(size, tcp) / 2;
-        let (mut o, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut o, mut q, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds.max(1) {
-            o.push(queue_round(hosts.as_ref(), size, bytes, buffer, false)?);
+            o.push(queue_round(hosts.as_ref(), size, bytes, buffer, QueueKind::Stream)?);
+            q.push(queue_round(hosts.as_ref(), size, bytes, buffer, QueueKind::Slots)?);
             match &hosts {
-                Some(h) => b.push(queue_round(Some(h), size, bytes, buffer, true)?),
+                Some(h) => b.push(queue_round(Some(h), size, bytes, buffer, QueueKind::Tcp)?),
                 None => {
                     b.push(memcpy_transfers(size, bytes, buffer));
                     g.push(ring_round(size, bytes, buffer)?);
@@ -135,7 +166,10 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
             v.get(v.len() / 2).copied()
         };
         let (ours, base) = (median(&mut o).ok_or("no rounds")?, median(&mut b).ok_or("no rounds")?);
+        let slot = median(&mut q).ok_or("no rounds")?;
         let ring = median(&mut g).map(|d| mbit(bytes, d));
+        let msgs = (bytes / size as u64) as f64;
+        let geometry = slot_config(size, buffer);
         points.push(QueuePoint {
             size,
             mbit_s: mbit(bytes, ours),
@@ -143,20 +177,32 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
             ratio: ratio(mbit(bytes, ours), mbit(bytes, base)),
             ring_mbit_s: ring,
             ring_ratio: ring.map(|r| ratio(mbit(bytes, ours), r)),
+            msg_per_s: msgs / ours.as_secs_f64().max(1e-9),
+            slot_bytes: geometry.slot_size,
+            slots: geometry.slots,
+            slot_mbit_s: mbit(bytes, slot),
+            slot_msg_per_s: msgs / slot.as_secs_f64().max(1e-9),
+            slot_ratio: ratio(mbit(bytes, slot), mbit(bytes, base)),
+            slot_vs_stream: ratio(mbit(bytes, slot), mbit(bytes, ours)),
         });
         if !a.json {
             let p = points.last().expect("pushed");
             eprintln!(
-                "{:>6} bytes: {:>10.0} Mbit/s (baseline {:>10.0}{})",
+                "{:>6} bytes: stream {:>10.0} Mbit/s, slots {:>10.0} Mbit/s (baseline {:>10.0}{})",
                 size,
                 p.mbit_s,
+                p.slot_mbit_s,
                 p.baseline_mbit_s,
                 p.ring_mbit_s.map_or(String::new(), |r| format!(", ring {r:.0}"))
             );
         }
     }
-    let peak = points.iter().map(|p| p.mbit_s).fold(0.0, f64::max);
-    let half = points.iter().find(|p| p.mbit_s >= peak / 2.0).map(|p| p.size);
+    let peak_of = |f: fn(&QueuePoint) -> f64| {
+        let peak = points.iter().map(f).fold(0.0, f64::max);
+        (peak, points.iter().find(|p| f(p) >= peak / 2.0).map(|p| p.size))
+    };
+    let (peak, half) = peak_of(|p| p.mbit_s);
+    let (slot_peak, slot_half) = peak_of(|p| p.slot_mbit_s);
     let last = points.last().ok_or("no sizes")?;
     let r = QueueReport {
         bench: "queue",
@@ -169,12 +215,21 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         ratio: last.ratio,
         ring_mbit_s: last.ring_mbit_s,
         ring_ratio: last.ring_ratio,
+        msg_per_s: last.msg_per_s,
+        slot_mbit_s: last.slot_mbit_s,
+        slot_msg_per_s: last.slot_msg_per_s,
+        slot_ratio: last.slot_ratio,
+        slot_vs_stream: last.slot_vs_stream,
         points,
         peak_mbit_s: peak,
         half_peak_size: half,
+        slot_peak_mbit_s: slot_peak,
+        slot_half_peak_size: slot_half,
         placement: format!(
-            "{}; sender process on CPU 0, receiver on CPU 1; each transfer is copied into the queue by the \
-             sender and out of it by the receiver",
+            "{}; sender process pinned to CPU 0, receiver to CPU 1; each transfer is copied into the queue by the \
+             sender and out of it by the receiver; both variants wait the library's way (poll 15 µs, then sleep); \
+             the slot queue's ring has the same bytes as the stream's, in slots of the transfer size plus its \
+             32-byte header (at most a quarter of the ring: longer transfers go as multi-part messages)",
             hosts.as_ref().map_or("two processes of this host".into(), super::tcp::Hosts::describe)
         ),
         machine: sys::machine(),
@@ -192,40 +247,113 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
                 "ring: the same copies through a hand-written ring of the same size between the same two CPUs \
                  (no tripwires, locks or checks)"
             );
-            println!(
-                "{:>8}  {:>12}  {:>12}  {:>6}  {:>12}  {:>6}",
-                "size", "Mbit/s", r.baseline, "ratio", "ring", "ratio"
-            );
-        } else {
-            println!("{:>8}  {:>12}  {:>12}  {:>6}", "size", "Mbit/s", r.baseline, "ratio");
         }
+        let line = |l: String| println!("{}", l.trim_end());
+        line(format!(
+            "{:>8}  {:>23}  {:>29}  {:>12}  {:>6} {:>13}",
+            "",
+            "byte stream",
+            "slot message queue",
+            "",
+            "",
+            if ring { "ring" } else { "" }
+        ));
+        line(format!(
+            "{:>8}  {:>10} {:>12}  {:>10} {:>12} {:>5}  {:>12}  {:>6} {:>6} {:>6}",
+            "size",
+            "Mbit/s",
+            "msg/s",
+            "Mbit/s",
+            "msg/s",
+            "slot",
+            r.baseline,
+            "ratio",
+            if ring { "Mbit/s" } else { "" },
+            if ring { "ratio" } else { "" }
+        ));
         for p in &r.points {
-            match (p.ring_mbit_s, p.ring_ratio) {
-                (Some(g), Some(gr)) => println!(
-                    "{:>8}  {:>12.0}  {:>12.0}  {:>6.2}  {:>12.0}  {:>6.2}",
-                    p.size, p.mbit_s, p.baseline_mbit_s, p.ratio, g, gr
-                ),
-                _ => println!("{:>8}  {:>12.0}  {:>12.0}  {:>6.2}", p.size, p.mbit_s, p.baseline_mbit_s, p.ratio),
-            }
+            line(format!(
+                "{:>8}  {:>10.0} {:>12.0}  {:>10.0} {:>12.0} {:>5}  {:>12.0}  {:>6.2} {:>6} {:>6}",
+                p.size,
+                p.mbit_s,
+                p.msg_per_s,
+                p.slot_mbit_s,
+                p.slot_msg_per_s,
+                p.slot_bytes,
+                p.baseline_mbit_s,
+                p.ratio,
+                p.ring_mbit_s.map_or(String::new(), |g| format!("{g:.0}")),
+                p.ring_ratio.map_or(String::new(), |g| format!("{g:.2}"))
+            ));
         }
+        println!("ratio: the byte stream over {}; slot: bytes per slot, header included", r.baseline);
         println!(
-            "peak {:.0} Mbit/s; half of it reached at {}",
+            "byte stream: peak {:.0} Mbit/s, half of it reached at {}",
             r.peak_mbit_s,
             r.half_peak_size.map_or("no measured size".into(), |s| format!("{s}-byte transfers"))
+        );
+        println!(
+            "slot queue : peak {:.0} Mbit/s, half of it reached at {}; at {} bytes {:.2}× the byte stream",
+            r.slot_peak_mbit_s,
+            r.slot_half_peak_size.map_or("no measured size".into(), |s| format!("{s}-byte transfers")),
+            r.points.last().map_or(0, |p| p.size),
+            r.slot_vs_stream
         );
     });
     Ok(())
 }
 
+/// What carries the transfers of a queue run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QueueKind {
+    /// The distributed queue's unstructured variant: a clan byte stream.
+    Stream,
+    /// The slot-based message queue.
+    Slots,
+    /// A raw TCP stream (the baseline across hosts).
+    Tcp,
+}
+
+impl QueueKind {
+    fn name(self) -> &'static str {
+        match self {
+            QueueKind::Stream => "stream",
+            QueueKind::Slots => "slots",
+            QueueKind::Tcp => "tcp",
+        }
+    }
+}
+
+/// The slot queue's geometry for `size`-byte transfers in `buffer` bytes: a slot holds one
+/// transfer and its header, at most a quarter of the buffer (at least 4 slots; longer
+/// transfers go as multi-part messages).
+fn slot_config(size: usize, buffer: u64) -> QueueConfig {
+    let header = clan_proto::queue::HEADER;
+    let quarter = (buffer / 4) & !7;
+    let slot_size = (size as u64 + header).next_multiple_of(8).min(quarter).max(header + 8);
+    QueueConfig { slots: (buffer / slot_size).max(2), slot_size, ..QueueConfig::default() }
+}
+
+/// The queue that carries the acknowledgements of a slot-queue run back to the sender.
+fn ack_config() -> QueueConfig {
+    QueueConfig { slots: 4, slot_size: 64, ..QueueConfig::default() }
+}
+
 /// One run: the receiver peer reads `bytes` in `size` pieces, the sender peer writes them.
 /// Returns the sender's time from its first write to the receiver's acknowledgement.
-fn queue_round(h: Option<&super::tcp::Hosts>, size: usize, bytes: u64, buffer: u64, raw_tcp: bool) -> Result<Duration> {
+fn queue_round(
+    h: Option<&super::tcp::Hosts>,
+    size: usize,
+    bytes: u64,
+    buffer: u64,
+    kind: QueueKind,
+) -> Result<Duration> {
     let common = [
         format!("size={size}"),
         format!("bytes={bytes}"),
         format!("buffer={buffer}"),
         format!("link={}", h.is_some()),
-        format!("raw={raw_tcp}"),
+        format!("kind={}", kind.name()),
     ];
     let spawn = |i: usize, role: &str| -> Result<PeerProc> {
         match h {
@@ -429,7 +557,7 @@ fn pattern(size: usize) -> Vec<u8> {
 }
 
 /// Peer roles of the queue benchmark: the same transfers over a clan stream with a small
-/// ring, or (`raw`) over a raw TCP connection.
+/// ring, through the slot-based message queue, or over a raw TCP connection.
 pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
     if role.starts_with("pq-ring-") {
         return ring_peer(role, args);
@@ -437,8 +565,12 @@ pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
     let size: usize = arg(args, "size")?;
     let bytes: u64 = arg(args, "bytes")?;
     let buffer: u64 = arg(args, "buffer")?;
-    let raw: bool = arg(args, "raw")?;
+    let kind: String = arg(args, "kind")?;
     sys::pin(arg(args, "cpu")?);
+    if kind == "slots" {
+        return slot_peer(role, args, size, bytes, buffer);
+    }
+    let raw = kind == "tcp";
     let want = pattern(size);
     let n = bytes / size as u64;
     let warm = ((4 << 20) / size as u64).max(16);
@@ -508,6 +640,80 @@ pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The slot-queue variant of [`queue_peer`]: one message per transfer (its metadata word is
+/// its number), copied out of the slot by the receiver. The acknowledgements go back through
+/// a second, small message queue, whose address the sender sends as its first message.
+fn slot_peer(role: &str, args: &[String], size: usize, bytes: u64, buffer: u64) -> Result<()> {
+    let want = pattern(size);
+    let n = bytes / size as u64;
+    let warm = ((4 << 20) / size as u64).max(16);
+    let cfg = slot_config(size, buffer);
+    let nic = peer_nic(args)?;
+    match role {
+        "pq-recv" => {
+            let l = QueueListener::bind(&nic, cfg)?;
+            Link::say(l.local_addr());
+            let mut rx: MsgReceiver = l.accept(Some(LIMIT))?;
+            let back: EndpointAddr = String::from_utf8(rx.recv(Some(LIMIT))?.data)?.parse()?;
+            let mut ack = MsgSender::connect(&nic, back, &ack_config())?;
+            let single = size as u64 + clan_proto::queue::HEADER <= slot_config(size, buffer).slot_size;
+            let mut buf = vec![0u8; size];
+            let mut ok = true;
+            for i in 0..warm + n {
+                let meta = if single {
+                    rx.recv_in_place(Some(LIMIT), |meta, m| {
+                        let fits = m.len() == size as u64;
+                        (meta, fits && m.read(0, &mut buf).is_ok())
+                    })
+                    .map(|(meta, fine)| {
+                        ok &= fine;
+                        meta
+                    })?
+                } else {
+                    let m = rx.recv(Some(LIMIT))?;
+                    ok &= m.data.len() == size;
+                    if m.data.len() == size && (i == 0 || i == warm + n - 1) {
+                        buf.copy_from_slice(&m.data);
+                    }
+                    m.meta
+                };
+                ok &= meta == i;
+                if i == warm - 1 {
+                    ack.send(0, &[0])?;
+                }
+                if i == 0 || i == warm + n - 1 {
+                    ok &= buf == want;
+                }
+            }
+            ack.send(1, &[1])?;
+            // Stay until the sender has its acknowledgement (it says goodbye).
+            let _ = rx.recv(Some(LIMIT));
+            Link::say(if ok { "ok" } else { "data differs" });
+        }
+        "pq-send" => {
+            let to: EndpointAddr = Link::hear()?.parse()?;
+            let mut tx = MsgSender::connect(&nic, to, &cfg)?;
+            let acks = QueueListener::bind(&nic, ack_config())?;
+            tx.send(u64::MAX, acks.local_addr().to_string().as_bytes())?;
+            let mut ack = acks.accept(Some(LIMIT))?;
+            for i in 0..warm {
+                tx.send(i, &want)?;
+            }
+            ack.recv(Some(LIMIT))?;
+            let start = Instant::now();
+            for i in warm..warm + n {
+                tx.send(i, &want)?;
+            }
+            ack.recv(Some(LIMIT))?;
+            let secs = start.elapsed().as_secs_f64();
+            tx.send(u64::MAX, b"bye")?;
+            Link::say(format!("secs {secs}"));
+        }
+        other => return Err(format!("unknown role {other}").into()),
+    }
+    Ok(())
+}
+
 // ---- rpc -----------------------------------------------------------------------------------
 
 /// Arguments of `clan bench rpc`.
@@ -524,41 +730,184 @@ pub struct RpcArgs {
     pub json: bool,
 }
 
+/// One side's figures.
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct Calls {
+    pub rtt_p50_ns: u64,
+    pub rtt_p90_ns: u64,
+    pub rtt_p99_ns: u64,
+    pub calls_per_s: f64,
+}
+
+impl Calls {
+    fn of(s: &Samples, measured: Duration) -> Calls {
+        Calls {
+            rtt_p50_ns: s.p(0.5),
+            rtt_p90_ns: s.p(0.9),
+            rtt_p99_ns: s.p(0.99),
+            calls_per_s: s.summary().count as f64 / measured.as_secs_f64().max(1e-9),
+        }
+    }
+}
+
+/// clan RPC against the Unix socket, both sides waiting the same way.
+#[derive(Serialize, Debug)]
+pub struct RpcCompared {
+    /// How both sides waited.
+    pub how: &'static str,
+    pub clan: Calls,
+    pub baseline: Calls,
+    /// RTT p50, clan / unix (below 1: clan answers sooner).
+    pub ratio_rtt_p50: f64,
+    /// Calls per second, clan / unix.
+    pub ratio_calls_per_s: f64,
+    /// `ratio_rtt_p50` ≤ the target.
+    pub target_met: bool,
+}
+
+impl RpcCompared {
+    fn new(how: &'static str, clan: Calls, baseline: Calls) -> RpcCompared {
+        let r = ratio(clan.rtt_p50_ns as f64, baseline.rtt_p50_ns as f64);
+        RpcCompared {
+            how,
+            clan,
+            baseline,
+            ratio_rtt_p50: r,
+            ratio_calls_per_s: ratio(clan.calls_per_s, baseline.calls_per_s),
+            target_met: r <= TARGET_RTT_VS_UNIX,
+        }
+    }
+}
+
 #[derive(Serialize, Debug)]
 pub struct RpcReport {
     pub bench: &'static str,
     pub transport: &'static str,
     pub size: usize,
     pub iters: u64,
-    pub rtt_p50_ns: u64,
-    pub rtt_p99_ns: u64,
-    pub calls_per_s: f64,
     pub baseline: &'static str,
-    pub baseline_rtt_p50_ns: u64,
-    pub baseline_rtt_p99_ns: u64,
-    pub baseline_calls_per_s: f64,
-    pub ratio_p50: f64,
+    /// Both sides spinning.
+    pub spin: RpcCompared,
+    /// Both sides blocking.
+    pub block: RpcCompared,
+    /// RTT p50, clan / unix, both sides spinning.
+    pub ratio_spin: f64,
+    /// RTT p50, clan / unix, both sides blocking.
+    pub ratio_block: f64,
+    /// Calls per second, clan / unix, each way.
+    pub calls_ratio_spin: f64,
+    pub calls_ratio_block: f64,
+    pub target: String,
+    /// "both ways", "spinning only", "blocking only" or "neither".
+    pub target_met: &'static str,
     pub placement: String,
     pub machine: sys::Machine,
 }
 
+/// How long a side polls: spinning, or not at all.
+fn poll_time(spin: bool) -> Duration {
+    if spin { BUSY_POLL } else { Duration::ZERO }
+}
+
 pub fn rpc(a: &RpcArgs) -> Result<()> {
-    if a.size == 0 {
-        return Err("--size must be positive".into());
+    if a.size == 0 || a.iters == 0 {
+        return Err("--size and --iters must be positive".into());
     }
-    sys::pin(0);
+    let pinned = sys::pin(0);
     let warm = (a.iters / 10).max(100);
-    // clan: an event-driven RpcServer in the peer.
-    let mut peer = PeerProc::spawn("prpc-server", &[format!("size={}", a.size), "cpu=1".into()])?;
+    // Rounds, each way: clan, then its baseline (samples merged).
+    let rounds = 3;
+    let (per_round, warm) = (a.iters.div_ceil(rounds), warm.div_ceil(rounds).max(100));
+    let total = per_round + warm;
+    let mut m: [(Samples, Duration); 4] = Default::default();
+    for _ in 0..rounds {
+        for (i, (clan, spin)) in [(true, true), (false, true), (true, false), (false, false)].into_iter().enumerate() {
+            let (s, d) = if clan { clan_rpc(a.size, total, warm, spin)? } else { unix_rpc(a.size, total, warm, spin)? };
+            m[i].0.merge(&s);
+            m[i].1 += d;
+        }
+    }
+    let [clan_spin, unix_spin, clan_block, unix_block] = m.map(|(s, d)| Calls::of(&s, d));
+    let spin = RpcCompared::new(
+        "both sides spin: clan's client and event-driven server poll their flags and queue (RpcConfig::spin and \
+         the NICs' queues 10 ms); the Unix socket is non-blocking on both sides, polled with recv in a loop",
+        clan_spin,
+        unix_spin,
+    );
+    let block = RpcCompared::new(
+        "both sides block: clan's RpcConfig::spin and the NICs' queue spin are 0 (a wait arms its tripwire and \
+         sleeps at once); the Unix socket is blocking on both sides",
+        clan_block,
+        unix_block,
+    );
+    let r = RpcReport {
+        bench: "rpc",
+        transport: "shm",
+        size: a.size,
+        iters: a.iters,
+        baseline: "unix",
+        ratio_spin: spin.ratio_rtt_p50,
+        ratio_block: block.ratio_rtt_p50,
+        calls_ratio_spin: spin.ratio_calls_per_s,
+        calls_ratio_block: block.ratio_calls_per_s,
+        target: format!("RTT p50 ≤ {TARGET_RTT_VS_UNIX}× the Unix socket's"),
+        target_met: verdict(spin.target_met, block.target_met),
+        spin,
+        block,
+        placement: format!(
+            "client pinned to CPU {}, server process to CPU 1 ({} CPUs); one call in flight; the clan server is the \
+             event-driven RpcServer, the Unix server reads and writes back; 3 rounds, clan and Unix alternating",
+            pinned.map_or("-".into(), |c| c.to_string()),
+            sys::machine().cpus
+        ),
+        machine: sys::machine(),
+    };
+    emit(a.json, &r, || {
+        println!(
+            "clan bench rpc: {}-byte requests and replies, {} calls each way     [paper: RPC on flags and tripwires]",
+            r.size, r.iters
+        );
+        println!("placement: {}", r.placement);
+        println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
+        println!("{:<16} {:>10} {:>10} {:>10} {:>12}", "", "RTT p50", "p90", "p99", "calls/s");
+        for (name, c) in [
+            ("clan, spinning", &r.spin.clan),
+            ("unix, spinning", &r.spin.baseline),
+            ("clan, blocking", &r.block.clan),
+            ("unix, blocking", &r.block.baseline),
+        ] {
+            println!(
+                "{:<16} {:>10} {:>10} {:>10} {:>12.0}",
+                name,
+                ns(c.rtt_p50_ns),
+                ns(c.rtt_p90_ns),
+                ns(c.rtt_p99_ns),
+                c.calls_per_s
+            );
+        }
+        println!("spin : {}", r.spin.how);
+        println!("block: {}", r.block.how);
+        println!(
+            "RTT p50 clan/unix: {:.3} spinning, {:.3} blocking; calls/s clan/unix: {:.2} spinning, {:.2} blocking",
+            r.ratio_spin, r.ratio_block, r.calls_ratio_spin, r.calls_ratio_block
+        );
+        println!("target {}: met {}", r.target, r.target_met);
+    });
+    Ok(())
+}
+
+/// Calls to an event-driven RpcServer in a peer, both sides spinning or both blocking.
+fn clan_rpc(size: usize, total: u64, warm: u64, spin: bool) -> Result<(Samples, Duration)> {
+    let mut peer = PeerProc::spawn("prpc-server", &[format!("size={size}"), format!("spin={spin}"), "cpu=1".into()])?;
     let addr: EndpointAddr = peer.recv()?.parse()?;
-    let nic = Nic::open(NicConfig::default())?;
-    let mut c = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
-    let req = pattern(a.size);
-    let mut reply = Vec::with_capacity(a.size);
+    let nic = Nic::open(super::nic_config(poll_time(spin)))?;
+    let cfg = RpcConfig { spin: poll_time(spin), ..RpcConfig::default() };
+    let mut c = RpcClient::connect(&nic, addr, &cfg)?;
+    let req = pattern(size);
+    let mut reply = Vec::with_capacity(size);
     let mut s = Samples::new();
-    let start = Instant::now();
     let mut measured = Duration::ZERO;
-    for i in 0..warm + a.iters {
+    for i in 0..total {
         let t0 = Instant::now();
         c.call(&req, &mut reply, Some(LIMIT))?;
         if i >= warm {
@@ -567,77 +916,92 @@ pub fn rpc(a: &RpcArgs) -> Result<()> {
             measured += d;
         }
     }
-    let _ = start;
     if reply != req {
         return Err("the server's reply differs from the request".into());
     }
     peer.send("stop")?;
     peer.finish()?;
-    // Baseline: the same request/response over a Unix socket, a blocking server.
-    let b = unix_rpc(a.size, a.iters + warm, warm)?;
-    let r = RpcReport {
-        bench: "rpc",
-        transport: "shm",
-        size: a.size,
-        iters: a.iters,
-        rtt_p50_ns: s.p(0.5),
-        rtt_p99_ns: s.p(0.99),
-        calls_per_s: a.iters as f64 / measured.as_secs_f64(),
-        baseline: "unix",
-        baseline_rtt_p50_ns: b.0.p(0.5),
-        baseline_rtt_p99_ns: b.0.p(0.99),
-        baseline_calls_per_s: a.iters as f64 / b.1.as_secs_f64(),
-        ratio_p50: ratio(s.p(0.5) as f64, b.0.p(0.5) as f64),
-        placement: "client pinned to CPU 0, server process on CPU 1; one call in flight; the clan server is the \
-                    event-driven RpcServer (drains its queue, polls 15 µs, sleeps), the clan client spins 15 µs \
-                    then sleeps; the Unix server blocks in read"
-            .into(),
-        machine: sys::machine(),
-    };
-    emit(a.json, &r, || {
-        println!(
-            "clan bench rpc: {}-byte requests and replies, {} calls     [paper: RPC on flags and tripwires]",
-            r.size, r.iters
-        );
-        println!("placement: {}", r.placement);
-        println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
-        println!("clan RPC : RTT p50 {}, p99 {}, {:.0} calls/s", ns(r.rtt_p50_ns), ns(r.rtt_p99_ns), r.calls_per_s);
-        println!(
-            "unix     : RTT p50 {}, p99 {}, {:.0} calls/s",
-            ns(r.baseline_rtt_p50_ns),
-            ns(r.baseline_rtt_p99_ns),
-            r.baseline_calls_per_s
-        );
-        println!("ratio clan/unix at p50: {:.2}", r.ratio_p50);
-    });
+    Ok((s, measured))
+}
+
+/// `read_exact` by polling: a non-blocking source is read again at once when it has
+/// nothing.
+fn read_exact_polling(s: &mut impl Read, buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::ErrorKind;
+    let (start, mut n, mut got) = (Instant::now(), 0u32, 0usize);
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(k) => got += k,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::hint::spin_loop();
+                n = n.wrapping_add(1);
+                if n % 4096 == 0 && start.elapsed() > LIMIT {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     Ok(())
 }
 
-/// Request/response over a Unix stream socket; returns samples and the measured time.
-fn unix_rpc(size: usize, total: u64, warm: u64) -> Result<(Samples, Duration)> {
+/// `write_all` by polling (a non-blocking sink is written again at once when it is full).
+fn write_all_polling(s: &mut impl Write, mut buf: &[u8]) -> std::io::Result<()> {
+    use std::io::ErrorKind;
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(k) => buf = &buf[k..],
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => std::hint::spin_loop(),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Request/response over a Unix stream socket: non-blocking and polled on both sides
+/// (`spin`), or blocking.
+fn unix_rpc(size: usize, total: u64, warm: u64, spin: bool) -> Result<(Samples, Duration)> {
     let name = format!("clan-bench-rpc-{}", std::process::id());
     let l = std::os::unix::net::UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(
         name.as_bytes(),
     )?)?;
     let peer = PeerProc::spawn(
         "prpc-unix",
-        &[format!("name={name}"), format!("size={size}"), format!("iters={total}"), "cpu=1".into()],
+        &[
+            format!("name={name}"),
+            format!("size={size}"),
+            format!("iters={total}"),
+            format!("spin={spin}"),
+            "cpu=1".into(),
+        ],
     )?;
     let (mut s, _) = l.accept()?;
     s.set_read_timeout(Some(LIMIT))?;
+    s.set_nonblocking(spin)?;
     let req = pattern(size);
     let mut reply = vec![0u8; size];
     let mut out = Samples::new();
     let mut measured = Duration::ZERO;
     for i in 0..total {
         let t0 = Instant::now();
-        s.write_all(&req)?;
-        s.read_exact(&mut reply)?;
+        if spin {
+            write_all_polling(&mut s, &req)?;
+            read_exact_polling(&mut s, &mut reply)?;
+        } else {
+            s.write_all(&req)?;
+            s.read_exact(&mut reply)?;
+        }
         if i >= warm {
             let d = t0.elapsed();
             out.record(d);
             measured += d;
         }
+    }
+    if reply != req {
+        return Err("the Unix server's reply differs from the request".into());
     }
     peer.finish()?;
     Ok((out, measured))
@@ -646,10 +1010,11 @@ fn unix_rpc(size: usize, total: u64, warm: u64) -> Result<(Samples, Duration)> {
 /// Peer roles of the RPC benchmark.
 pub fn rpc_peer(role: &str, args: &[String]) -> Result<()> {
     sys::pin(arg(args, "cpu")?);
+    let spin: bool = arg(args, "spin")?;
     match role {
         "prpc-server" => {
-            let nic = Nic::open(NicConfig::default())?;
-            let mut server = RpcServer::bind(&nic, RpcConfig::default(), 16)?;
+            let nic = Nic::open(super::nic_config(poll_time(spin)))?;
+            let mut server = RpcServer::bind(&nic, RpcConfig { spin: poll_time(spin), ..RpcConfig::default() }, 16)?;
             Link::say(server.local_addr());
             let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let s2 = stop.clone();
@@ -676,10 +1041,16 @@ pub fn rpc_peer(role: &str, args: &[String]) -> Result<()> {
                 &std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?,
             )?;
             s.set_read_timeout(Some(LIMIT))?;
+            s.set_nonblocking(spin)?;
             let mut buf = vec![0u8; size];
             for _ in 0..iters {
-                s.read_exact(&mut buf)?;
-                s.write_all(&buf)?;
+                if spin {
+                    read_exact_polling(&mut s, &mut buf)?;
+                    write_all_polling(&mut s, &buf)?;
+                } else {
+                    s.read_exact(&mut buf)?;
+                    s.write_all(&buf)?;
+                }
             }
         }
         other => return Err(format!("unknown role {other}").into()),
@@ -712,24 +1083,68 @@ pub struct StreamArgs {
     pub json: bool,
 }
 
+/// Round trips of the three kinds of stream, all waiting one way.
+#[derive(Serialize, Debug)]
+pub struct StreamRtt {
+    /// How both sides waited.
+    pub how: &'static str,
+    pub clan_rtt_p50_ns: u64,
+    pub clan_rtt_p99_ns: u64,
+    pub unix_rtt_p50_ns: u64,
+    pub unix_rtt_p99_ns: u64,
+    pub tcp_rtt_p50_ns: u64,
+    pub tcp_rtt_p99_ns: u64,
+    /// RTT p50, clan / unix.
+    pub ratio_vs_unix: f64,
+    /// RTT p50, clan / tcp.
+    pub ratio_vs_tcp: f64,
+    /// `ratio_vs_unix` ≤ the target.
+    pub target_met: bool,
+}
+
+impl StreamRtt {
+    fn new(how: &'static str, c: &Samples, u: &Samples, t: &Samples) -> StreamRtt {
+        let r = ratio(c.p(0.5) as f64, u.p(0.5) as f64);
+        StreamRtt {
+            how,
+            clan_rtt_p50_ns: c.p(0.5),
+            clan_rtt_p99_ns: c.p(0.99),
+            unix_rtt_p50_ns: u.p(0.5),
+            unix_rtt_p99_ns: u.p(0.99),
+            tcp_rtt_p50_ns: t.p(0.5),
+            tcp_rtt_p99_ns: t.p(0.99),
+            ratio_vs_unix: r,
+            ratio_vs_tcp: ratio(c.p(0.5) as f64, t.p(0.5) as f64),
+            target_met: r <= TARGET_RTT_VS_UNIX,
+        }
+    }
+}
+
 #[derive(Serialize, Debug)]
 pub struct StreamReport {
     pub bench: &'static str,
     pub transport: &'static str,
     pub size: usize,
-    pub rtt_p50_ns: u64,
-    pub rtt_p99_ns: u64,
-    pub unix_rtt_p50_ns: u64,
-    pub tcp_rtt_p50_ns: u64,
+    pub baseline: &'static str,
+    /// Round trips, both sides spinning.
+    pub spin: StreamRtt,
+    /// Round trips, both sides blocking.
+    pub block: StreamRtt,
+    /// RTT p50, clan / unix, both sides spinning.
+    pub ratio_spin: f64,
+    /// RTT p50, clan / unix, both sides blocking.
+    pub ratio_block: f64,
+    pub target: String,
+    /// "both ways", "spinning only", "blocking only" or "neither".
+    pub target_met: &'static str,
     pub bw_size: usize,
     pub mbit_s: f64,
     pub unix_mbit_s: f64,
     pub tcp_mbit_s: f64,
-    pub baseline: &'static str,
-    pub baseline_rtt_p50_ns: u64,
     pub baseline_mbit_s: f64,
-    pub rtt_ratio_vs_unix: f64,
     pub bw_ratio_vs_unix: f64,
+    /// How the bandwidth runs waited.
+    pub bw_how: &'static str,
     pub placement: String,
     pub machine: sys::Machine,
 }
@@ -751,11 +1166,69 @@ impl Kind {
     }
 }
 
+/// How both sides of a stream run wait.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Wait {
+    /// Poll: clan streams and their NICs' queues poll 10 ms, sockets are non-blocking and
+    /// polled.
+    Spin,
+    /// Sleep at once: clan polls for 0, sockets block.
+    Block,
+    /// clan's defaults (poll 15 µs, then sleep); sockets block.
+    Default,
+}
+
+impl Wait {
+    fn name(self) -> &'static str {
+        match self {
+            Wait::Spin => "spin",
+            Wait::Block => "block",
+            Wait::Default => "default",
+        }
+    }
+    fn parse(s: &str) -> Result<Wait> {
+        Ok(match s {
+            "spin" => Wait::Spin,
+            "block" => Wait::Block,
+            "default" => Wait::Default,
+            other => return Err(format!("unknown wait {other}").into()),
+        })
+    }
+    /// The clan NIC of a side waiting this way.
+    fn nic(self) -> Result<Nic> {
+        Ok(Nic::open(match self {
+            Wait::Spin => super::nic_config(BUSY_POLL),
+            Wait::Block => super::nic_config(Duration::ZERO),
+            Wait::Default => NicConfig::default(),
+        })?)
+    }
+    fn stream_config(self, ring: u64) -> StreamConfig {
+        let d = StreamConfig::default();
+        let spin = match self {
+            Wait::Spin => BUSY_POLL,
+            Wait::Block => Duration::ZERO,
+            Wait::Default => d.spin,
+        };
+        StreamConfig { ring, spin, ..d }
+    }
+}
+
 /// A connected stream of any kind, as `Read + Write`.
 enum AnyStream {
     Clan(Stream),
     Unix(std::os::unix::net::UnixStream),
     Tcp(TcpStream),
+}
+
+impl AnyStream {
+    /// Make a socket non-blocking (clan streams poll by their configuration instead).
+    fn set_nonblocking(&self, on: bool) -> std::io::Result<()> {
+        match self {
+            AnyStream::Clan(_) => Ok(()),
+            AnyStream::Unix(s) => s.set_nonblocking(on),
+            AnyStream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
 }
 
 impl Read for AnyStream {
@@ -782,12 +1255,10 @@ impl Write for AnyStream {
 }
 
 /// Connect to the stream peer: it listens (clan, Unix or TCP) and says where.
-fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64) -> Result<AnyStream> {
+fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64, wait: Wait) -> Result<AnyStream> {
     let to = peer.recv()?;
-    Ok(match kind {
-        Kind::Clan => {
-            AnyStream::Clan(Stream::connect_with(nic, to.parse()?, &StreamConfig { ring, ..StreamConfig::default() })?)
-        }
+    let s = match kind {
+        Kind::Clan => AnyStream::Clan(Stream::connect_with(nic, to.parse()?, &wait.stream_config(ring))?),
         Kind::Unix => AnyStream::Unix(std::os::unix::net::UnixStream::connect_addr(
             &std::os::unix::net::SocketAddr::from_abstract_name(to.as_bytes())?,
         )?),
@@ -796,23 +1267,38 @@ fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64) -> Resu
             s.set_nodelay(true)?;
             AnyStream::Tcp(s)
         }
-    })
+    };
+    s.set_nonblocking(wait == Wait::Spin)?;
+    Ok(s)
 }
 
-fn stream_rtt(kind: Kind, nic: &Nic, size: usize, iters: u64, ring: u64) -> Result<Samples> {
-    let mut peer = PeerProc::spawn(
-        "pst-echo",
-        &[format!("kind={}", kind.name()), format!("size={size}"), format!("ring={ring}"), "cpu=1".into()],
-    )?;
-    let mut s = stream_connect(kind, &mut peer, nic, ring)?;
+fn stream_args(kind: Kind, size: usize, ring: u64, wait: Wait) -> Vec<String> {
+    vec![
+        format!("kind={}", kind.name()),
+        format!("size={size}"),
+        format!("ring={ring}"),
+        format!("wait={}", wait.name()),
+        "cpu=1".into(),
+    ]
+}
+
+fn stream_rtt(kind: Kind, size: usize, iters: u64, ring: u64, wait: Wait) -> Result<Samples> {
+    let nic = wait.nic()?;
+    let mut peer = PeerProc::spawn("pst-echo", &stream_args(kind, size, ring, wait))?;
+    let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
     let msg = pattern(size);
     let mut back = vec![0u8; size];
     let warm = (iters / 10).max(100);
     let mut out = Samples::new();
     for i in 0..warm + iters {
         let t0 = Instant::now();
-        s.write_all(&msg)?;
-        s.read_exact(&mut back)?;
+        if wait == Wait::Spin {
+            write_all_polling(&mut s, &msg)?;
+            read_exact_polling(&mut s, &mut back)?;
+        } else {
+            s.write_all(&msg)?;
+            s.read_exact(&mut back)?;
+        }
         if i >= warm {
             out.record(t0.elapsed());
         }
@@ -825,19 +1311,14 @@ fn stream_rtt(kind: Kind, nic: &Nic, size: usize, iters: u64, ring: u64) -> Resu
     Ok(out)
 }
 
-fn stream_bw(kind: Kind, nic: &Nic, size: usize, bytes: u64, ring: u64) -> Result<f64> {
+fn stream_bw(kind: Kind, size: usize, bytes: u64, ring: u64) -> Result<f64> {
     let n = (bytes / size as u64).max(1);
-    let mut peer = PeerProc::spawn(
-        "pst-sink",
-        &[
-            format!("kind={}", kind.name()),
-            format!("size={size}"),
-            format!("n={n}"),
-            format!("ring={ring}"),
-            "cpu=1".into(),
-        ],
-    )?;
-    let mut s = stream_connect(kind, &mut peer, nic, ring)?;
+    let wait = Wait::Default;
+    let nic = wait.nic()?;
+    let mut args = stream_args(kind, size, ring, wait);
+    args.push(format!("n={n}"));
+    let mut peer = PeerProc::spawn("pst-sink", &args)?;
+    let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
     let msg = pattern(size);
     let mut ack = [0u8; 1];
     // Warm-up: 64 MiB, acknowledged.
@@ -861,42 +1342,64 @@ fn stream_bw(kind: Kind, nic: &Nic, size: usize, bytes: u64, ring: u64) -> Resul
 }
 
 pub fn stream(a: &StreamArgs) -> Result<()> {
-    if a.size == 0 || a.bw_size == 0 {
-        return Err("sizes must be positive".into());
+    if a.size == 0 || a.bw_size == 0 || a.iters == 0 {
+        return Err("sizes and --iters must be positive".into());
     }
-    sys::pin(0);
-    let nic = Nic::open(NicConfig::default())?;
-    let (mut rc, mut ru, mut rt) = (Samples::new(), Samples::new(), Samples::new());
+    let pinned = sys::pin(0);
+    let kinds = [Kind::Clan, Kind::Unix, Kind::Tcp];
+    // Round trips: [spin, block] × [clan, unix, tcp].
+    let mut rtt: [[Samples; 3]; 2] = Default::default();
     let (mut bc, mut bu, mut bt) = (0.0, 0.0, 0.0);
     let rounds = 3;
+    let per_round = a.iters.div_ceil(rounds);
     for _ in 0..rounds {
-        rc.merge(&stream_rtt(Kind::Clan, &nic, a.size, a.iters / rounds, a.ring)?);
-        ru.merge(&stream_rtt(Kind::Unix, &nic, a.size, a.iters / rounds, a.ring)?);
-        rt.merge(&stream_rtt(Kind::Tcp, &nic, a.size, a.iters / rounds, a.ring)?);
-        bc += stream_bw(Kind::Clan, &nic, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
-        bu += stream_bw(Kind::Unix, &nic, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
-        bt += stream_bw(Kind::Tcp, &nic, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        for (w, wait) in [Wait::Spin, Wait::Block].into_iter().enumerate() {
+            for (k, kind) in kinds.into_iter().enumerate() {
+                rtt[w][k].merge(&stream_rtt(kind, a.size, per_round, a.ring, wait)?);
+            }
+        }
+        bc += stream_bw(Kind::Clan, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        bu += stream_bw(Kind::Unix, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        bt += stream_bw(Kind::Tcp, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
     }
+    let [[cs, us, ts], [cb, ub, tb]] = &rtt;
+    let spin = StreamRtt::new(
+        "both sides spin: clan streams and their NICs' queues poll 10 ms before they would sleep; Unix and TCP \
+         sockets are non-blocking on both sides, polled in a loop",
+        cs,
+        us,
+        ts,
+    );
+    let block = StreamRtt::new(
+        "both sides block: clan's StreamConfig::spin and the NICs' queue spin are 0; Unix and TCP sockets block in \
+         read",
+        cb,
+        ub,
+        tb,
+    );
     let r = StreamReport {
         bench: "stream",
         transport: "shm",
         size: a.size,
-        rtt_p50_ns: rc.p(0.5),
-        rtt_p99_ns: rc.p(0.99),
-        unix_rtt_p50_ns: ru.p(0.5),
-        tcp_rtt_p50_ns: rt.p(0.5),
+        baseline: "unix",
+        ratio_spin: spin.ratio_vs_unix,
+        ratio_block: block.ratio_vs_unix,
+        target: format!("RTT p50 ≤ {TARGET_RTT_VS_UNIX}× the Unix socket's"),
+        target_met: verdict(spin.target_met, block.target_met),
+        spin,
+        block,
         bw_size: a.bw_size,
         mbit_s: bc,
         unix_mbit_s: bu,
         tcp_mbit_s: bt,
-        baseline: "unix",
-        baseline_rtt_p50_ns: ru.p(0.5),
         baseline_mbit_s: bu,
-        rtt_ratio_vs_unix: ratio(rc.p(0.5) as f64, ru.p(0.5) as f64),
         bw_ratio_vs_unix: ratio(bc, bu),
+        bw_how: "clan's defaults (waits poll 15 µs, then sleep); Unix and TCP block",
         placement: format!(
-            "client pinned to CPU 0, peer process on CPU 1; clan streams with {} KiB rings, waits spin 15 µs then \
-             sleep; Unix and TCP (loopback, TCP_NODELAY) block in read; 3 alternating rounds",
+            "client pinned to CPU {}, peer process to CPU 1 ({} CPUs); clan streams with {} KiB rings; TCP over \
+             loopback with TCP_NODELAY; {rounds} alternating rounds",
+            pinned.map_or("-".into(), |c| c.to_string()),
+            sys::machine().cpus,
             a.ring >> 10
         ),
         machine: sys::machine(),
@@ -907,32 +1410,43 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
         );
         println!("placement: {}", r.placement);
         println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
+        for (name, x) in [("spinning", &r.spin), ("blocking", &r.block)] {
+            println!(
+                "RTT ({} bytes) p50, {name}: clan {}  unix {}  tcp {}   (clan/unix {:.3}, clan/tcp {:.3}; p99 clan {}  \
+                 unix {}  tcp {})",
+                r.size,
+                ns(x.clan_rtt_p50_ns),
+                ns(x.unix_rtt_p50_ns),
+                ns(x.tcp_rtt_p50_ns),
+                x.ratio_vs_unix,
+                x.ratio_vs_tcp,
+                ns(x.clan_rtt_p99_ns),
+                ns(x.unix_rtt_p99_ns),
+                ns(x.tcp_rtt_p99_ns)
+            );
+        }
+        println!("spin : {}", r.spin.how);
+        println!("block: {}", r.block.how);
+        println!("target {}: met {}", r.target, r.target_met);
         println!(
-            "RTT ({} bytes) p50: clan {}  unix {}  tcp {}   (clan/unix {:.2})",
-            r.size,
-            ns(r.rtt_p50_ns),
-            ns(r.unix_rtt_p50_ns),
-            ns(r.tcp_rtt_p50_ns),
-            r.rtt_ratio_vs_unix
-        );
-        println!(
-            "bandwidth ({} KiB writes): clan {:.0} Mbit/s  unix {:.0}  tcp {:.0}   (clan/unix {:.2})",
+            "bandwidth ({} KiB writes): clan {:.0} Mbit/s  unix {:.0}  tcp {:.0}   (clan/unix {:.2}; {})",
             r.bw_size >> 10,
             r.mbit_s,
             r.unix_mbit_s,
             r.tcp_mbit_s,
-            r.bw_ratio_vs_unix
+            r.bw_ratio_vs_unix,
+            r.bw_how
         );
     });
     Ok(())
 }
 
 /// Listen with `kind` in a stream peer and say where.
-fn stream_accept(kind: &str, ring: u64) -> Result<AnyStream> {
-    Ok(match kind {
+fn stream_accept(kind: &str, ring: u64, wait: Wait) -> Result<AnyStream> {
+    let s = match kind {
         "clan" => {
-            let nic = Nic::open(NicConfig::default())?;
-            let l = Listener::bind_with(&nic, None, StreamConfig { ring, ..StreamConfig::default() })?;
+            let nic = wait.nic()?;
+            let l = Listener::bind_with(&nic, None, wait.stream_config(ring))?;
             Link::say(l.local_addr());
             let (s, _) = l.accept()?;
             // Keep the NIC alive with the stream (the stream holds it).
@@ -954,7 +1468,9 @@ fn stream_accept(kind: &str, ring: u64) -> Result<AnyStream> {
             AnyStream::Tcp(s)
         }
         other => return Err(format!("unknown kind {other}").into()),
-    })
+    };
+    s.set_nonblocking(wait == Wait::Spin)?;
+    Ok(s)
 }
 
 /// Peer roles of the stream benchmark.
@@ -962,11 +1478,14 @@ pub fn stream_peer(role: &str, args: &[String]) -> Result<()> {
     sys::pin(arg(args, "cpu")?);
     let kind: String = arg(args, "kind")?;
     let size: usize = arg(args, "size")?;
-    let mut s = stream_accept(&kind, arg(args, "ring")?)?;
+    let wait = Wait::parse(&arg::<String>(args, "wait")?)?;
+    let mut s = stream_accept(&kind, arg(args, "ring")?, wait)?;
     let mut buf = vec![0u8; size];
     match role {
         "pst-echo" => loop {
-            match s.read_exact(&mut buf) {
+            let got = if wait == Wait::Spin { read_exact_polling(&mut s, &mut buf) } else { s.read_exact(&mut buf) };
+            match got {
+                Ok(()) if wait == Wait::Spin => write_all_polling(&mut s, &buf)?,
                 Ok(()) => s.write_all(&buf)?,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e.into()),

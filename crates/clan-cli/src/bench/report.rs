@@ -92,6 +92,17 @@ pub fn ratio(a: f64, b: f64) -> f64 {
     if b == 0.0 { f64::NAN } else { a / b }
 }
 
+/// Whether a target was met spinning (both sides poll) and blocking (both sides sleep), in
+/// words: "both ways", "spinning only", "blocking only" or "neither".
+pub fn verdict(spin: bool, block: bool) -> &'static str {
+    match (spin, block) {
+        (true, true) => "both ways",
+        (true, false) => "spinning only",
+        (false, true) => "blocking only",
+        (false, false) => "neither",
+    }
+}
+
 /// Print a report as pretty JSON or as text lines.
 pub fn emit<T: Serialize>(json: bool, value: &T, text: impl FnOnce()) {
     if json {

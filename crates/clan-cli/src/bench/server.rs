@@ -1,31 +1,56 @@
 //! `clan bench server`: the Tripwire paper's event-driven server (§5.3, figures 8 and 9).
 //!
 //! The server process runs one thread: a clan [`clan_proto::server::EventLoop`] whose only
-//! descriptor is the event queue of all its RPC connections (drained, then polled 15 µs,
-//! then epoll). The client process opens N connections and sends requests on connections
-//! chosen at random: one in flight, or K. `busy`: back to back; `idle`: a pause longer than
-//! the server's polling time between requests, so that it goes to sleep each time.
+//! descriptor is the event queue of all its RPC connections. The client process opens N
+//! connections and sends requests on connections chosen at random: one in flight, or K.
+//! `busy`: back to back; `idle`: a pause longer than the server's polling time between
+//! requests, so that a server that sleeps when idle goes to sleep each time.
 //!
 //! Baseline in the same run: an epoll (mio) TCP server, one thread, with the same N
 //! connections (loopback), the same request size and the same client pattern.
+//!
+//! Every ratio is measured twice, like for like:
+//!
+//! - **spin**: both sides poll and never sleep. clan: the event loop drains its queue and
+//!   keeps polling it, the client polls its reply flags; TCP: the server busy-polls
+//!   `epoll_wait` with a timeout of 0, the client polls its sockets (`recv` with
+//!   `MSG_DONTWAIT`).
+//! - **block**: both sides sleep as soon as there is nothing to do. clan: the event loop polls
+//!   for 0 (epoll on the queue's descriptor), the client sleeps on its reply tripwire at once;
+//!   TCP: the server sleeps in `epoll_wait` (20 ms at a time), the client blocks in `read`.
+//!
+//! Then clan alone as the paper runs it (`policy`: the loop polls a drained queue 15 µs
+//! before sleeping, the client polls 15 µs before sleeping), and, in the same run, the raw
+//! shared-memory ping-pong of `clan bench latency --sync spin` with the request size: the
+//! floor any round trip between these two CPUs meets (target: spinning busy RTT ≤ 2× it).
 
-use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use clan::{EndpointAddr, Nic, NicConfig};
+use clan::{EndpointAddr, EventQueue, Nic, NicConfig};
 use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
 use clan_proto::server::EventLoop;
 use serde::Serialize;
 
-use super::report::{Samples, emit, ns, ratio};
+use super::report::{Samples, emit, ns, ratio, verdict};
 use super::{Link, PeerProc, Result, arg};
 use crate::sys;
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// The pause between requests in idle mode: longer than the server's 15 µs of polling.
 const IDLE_GAP: Duration = Duration::from_micros(60);
+/// How long a spinning clan event loop polls a drained queue: far longer than any gap
+/// between two requests of a run, so that it never sleeps while the run goes on.
+const BUSY_POLL: Duration = Duration::from_millis(10);
+/// The paper's polling time (T §5.3).
+const POLICY_POLL: Duration = Duration::from_micros(15);
+/// Requests per second, clan over the epoll TCP server: the target, both ways.
+const TARGET_REQ_RATIO: f64 = 20.0;
+/// Busy round trip (both sides spinning) over the raw shared-memory ping-pong: the target.
+const TARGET_RAW_SHM: f64 = 2.0;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -50,12 +75,76 @@ pub struct ServerArgs {
     /// Request (and reply) size in bytes.
     #[arg(long, default_value_t = 64)]
     pub size: usize,
-    /// Requests measured.
+    /// Requests measured (per measurement: spin and block for clan and TCP, clan's policy,
+    /// the raw ping-pong), split over the rounds.
     #[arg(long, default_value_t = 50_000)]
     pub requests: u64,
+    /// Rounds: each measurement of one system alternates with the others of it this many
+    /// times (samples merged), so that drift of a shared machine favours none.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// How both sides of a measurement wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sync {
+    /// Poll, never sleep.
+    Spin,
+    /// Sleep at once.
+    Block,
+    /// The paper's: poll 15 µs, then sleep (clan only).
+    Policy,
+}
+
+impl Sync {
+    fn name(self) -> &'static str {
+        match self {
+            Sync::Spin => "spin",
+            Sync::Block => "block",
+            Sync::Policy => "policy",
+        }
+    }
+    fn code(self) -> u8 {
+        match self {
+            Sync::Spin => 1,
+            Sync::Block => 2,
+            Sync::Policy => 3,
+        }
+    }
+    fn from_code(c: u8) -> Sync {
+        match c {
+            1 => Sync::Spin,
+            3 => Sync::Policy,
+            _ => Sync::Block,
+        }
+    }
+}
+
+/// One side's figures.
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct Figures {
+    pub rtt_p50_ns: u64,
+    pub rtt_p90_ns: u64,
+    pub rtt_p99_ns: u64,
+    pub req_per_s: f64,
+}
+
+/// clan against the epoll TCP server, both waiting the same way.
+#[derive(Serialize, Debug)]
+pub struct Compared {
+    /// How both sides waited.
+    pub how: &'static str,
+    pub clan: Figures,
+    pub baseline: Figures,
+    /// Requests per second, clan / epoll-tcp (above 1: clan serves more).
+    pub ratio_req_per_s: f64,
+    /// RTT p50, clan / epoll-tcp (below 1: clan answers sooner).
+    pub ratio_rtt_p50: f64,
+    /// `ratio_req_per_s` ≥ the target.
+    pub target_met: bool,
 }
 
 #[derive(Serialize, Debug)]
@@ -66,24 +155,66 @@ pub struct ServerReport {
     pub inflight: usize,
     pub size: usize,
     pub requests: u64,
+    pub rounds: u64,
+    /// clan as the paper runs it (policy: poll 15 µs, then sleep; no baseline waits that way).
     pub rtt_p50_ns: u64,
     pub rtt_p99_ns: u64,
     pub req_per_s: f64,
+    pub policy: &'static str,
     pub baseline: &'static str,
-    pub baseline_rtt_p50_ns: u64,
-    pub baseline_rtt_p99_ns: u64,
-    pub baseline_req_per_s: f64,
-    pub ratio_req_per_s: f64,
+    /// Both sides spinning.
+    pub spin: Compared,
+    /// Both sides blocking.
+    pub block: Compared,
+    /// Requests per second, clan / epoll-tcp, both sides spinning.
+    pub ratio_spin: f64,
+    /// Requests per second, clan / epoll-tcp, both sides blocking.
+    pub ratio_block: f64,
+    /// RTT p50, clan / epoll-tcp, both sides spinning.
+    pub rtt_ratio_spin: f64,
+    /// RTT p50, clan / epoll-tcp, both sides blocking.
+    pub rtt_ratio_block: f64,
+    pub target: String,
+    /// "both ways", "spinning only", "blocking only" or "neither".
+    pub target_met: &'static str,
+    /// The raw shared-memory ping-pong (one in flight only).
+    pub raw_shm_rtt_p50_ns: Option<u64>,
+    pub raw_shm_rtt_p99_ns: Option<u64>,
+    /// clan's spinning RTT p50 / the raw ping-pong's.
+    pub raw_shm_ratio: Option<f64>,
+    pub raw_shm_target: String,
+    pub raw_shm_target_met: Option<bool>,
     pub setup_s: f64,
     pub placement: String,
     pub machine: sys::Machine,
 }
 
-/// What a client run measured.
+/// What client runs measured (merged over rounds).
+#[derive(Default)]
 struct Run {
     rtt: Samples,
-    req_per_s: f64,
-    setup: Duration,
+    /// Requests measured and the time they took.
+    measured: u64,
+    busy: Duration,
+}
+
+impl Run {
+    fn merge(&mut self, o: &Run) {
+        self.rtt.merge(&o.rtt);
+        self.measured += o.measured;
+        self.busy += o.busy;
+    }
+    fn req_per_s(&self) -> f64 {
+        self.measured as f64 / self.busy.as_secs_f64().max(1e-9)
+    }
+    fn figures(&self) -> Figures {
+        Figures {
+            rtt_p50_ns: self.rtt.p(0.5),
+            rtt_p90_ns: self.rtt.p(0.9),
+            rtt_p99_ns: self.rtt.p(0.99),
+            req_per_s: self.req_per_s(),
+        }
+    }
 }
 
 fn rng(x: &mut u64) -> u64 {
@@ -93,14 +224,68 @@ fn rng(x: &mut u64) -> u64 {
     *x
 }
 
+/// Requests measured per round, and the warm-up before them.
+fn per_round(a: &ServerArgs) -> (u64, u64) {
+    let n = a.requests.div_ceil(a.rounds.max(1));
+    (n, (n / 10).max(100))
+}
+
 pub fn run(a: &ServerArgs) -> Result<()> {
-    if a.endpoints == 0 || a.size < 8 || a.inflight == 0 || a.inflight > a.endpoints {
-        return Err("need endpoints ≥ 1, size ≥ 8, 1 ≤ inflight ≤ endpoints".into());
+    if a.endpoints == 0 || a.size < 8 || a.inflight == 0 || a.inflight > a.endpoints || a.requests == 0 {
+        return Err("need endpoints ≥ 1, size ≥ 8, 1 ≤ inflight ≤ endpoints, requests ≥ 1".into());
     }
     clan_shm::memfd::raise_fd_limit();
-    sys::pin(0);
-    let ours = clan_run(a)?;
-    let base = tcp_run(a)?;
+    let pinned = sys::pin(0);
+    let (n, warm) = per_round(a);
+    // clan first, each way in rounds (with the raw ping-pong), then the TCP server each way
+    // in rounds: one set of connections alive at a time (10 000 endpoints are 10 000
+    // connections of each kind).
+    let mut clan = ClanSide::start(a)?;
+    let (mut clan_spin, mut clan_block, mut clan_policy) = (Run::default(), Run::default(), Run::default());
+    let mut raw: Option<Samples> = None;
+    for _ in 0..a.rounds.max(1) {
+        clan_spin.merge(&clan.measure(a, Sync::Spin)?);
+        if a.inflight == 1 {
+            // The clan server sleeps meanwhile (parked).
+            raw.get_or_insert_with(Samples::new).merge(&super::latency::raw_shm(a.size, n + warm, warm, 1)?);
+        }
+        clan_block.merge(&clan.measure(a, Sync::Block)?);
+        clan_policy.merge(&clan.measure(a, Sync::Policy)?);
+    }
+    let setup = clan.setup;
+    clan.stop()?;
+    let mut tcp = TcpSide::start(a)?;
+    let (mut tcp_spin, mut tcp_block) = (Run::default(), Run::default());
+    for _ in 0..a.rounds.max(1) {
+        tcp_spin.merge(&tcp.measure(a, Sync::Spin)?);
+        tcp_block.merge(&tcp.measure(a, Sync::Block)?);
+    }
+    tcp.stop()?;
+    let compare = |how, c: &Run, t: &Run| {
+        let r = ratio(c.req_per_s(), t.req_per_s());
+        Compared {
+            how,
+            clan: c.figures(),
+            baseline: t.figures(),
+            ratio_req_per_s: r,
+            ratio_rtt_p50: ratio(c.rtt.p(0.5) as f64, t.rtt.p(0.5) as f64),
+            target_met: r >= TARGET_REQ_RATIO,
+        }
+    };
+    let spin = compare(
+        "both sides spin: clan's event loop polls its queue and never sleeps, its client polls the reply flags; \
+         the TCP server busy-polls epoll_wait with a timeout of 0, its client polls its sockets (MSG_DONTWAIT)",
+        &clan_spin,
+        &tcp_spin,
+    );
+    let block = compare(
+        "both sides block: clan's event loop polls for 0 and sleeps in epoll on its queue's descriptor, its \
+         client sleeps on the reply tripwire at once; the TCP server sleeps in epoll_wait, its client in read",
+        &clan_block,
+        &tcp_block,
+    );
+    let raw_p50 = raw.as_ref().map(|s| s.p(0.5));
+    let raw_ratio = raw_p50.map(|b| ratio(clan_spin.rtt.p(0.5) as f64, b as f64));
     let r = ServerReport {
         bench: "server",
         endpoints: a.endpoints,
@@ -111,91 +296,224 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         inflight: a.inflight,
         size: a.size,
         requests: a.requests,
-        rtt_p50_ns: ours.rtt.p(0.5),
-        rtt_p99_ns: ours.rtt.p(0.99),
-        req_per_s: ours.req_per_s,
+        rounds: a.rounds.max(1),
+        rtt_p50_ns: clan_policy.rtt.p(0.5),
+        rtt_p99_ns: clan_policy.rtt.p(0.99),
+        req_per_s: clan_policy.req_per_s(),
+        policy: "clan as the paper runs it: the event loop polls a drained queue 15 µs, then sleeps; the client \
+                 polls 15 µs, then sleeps",
         baseline: "epoll-tcp",
-        baseline_rtt_p50_ns: base.rtt.p(0.5),
-        baseline_rtt_p99_ns: base.rtt.p(0.99),
-        baseline_req_per_s: base.req_per_s,
-        ratio_req_per_s: ratio(ours.req_per_s, base.req_per_s),
-        setup_s: ours.setup.as_secs_f64(),
+        ratio_spin: spin.ratio_req_per_s,
+        ratio_block: block.ratio_req_per_s,
+        rtt_ratio_spin: spin.ratio_rtt_p50,
+        rtt_ratio_block: block.ratio_rtt_p50,
+        target: format!("requests/s ≥ {TARGET_REQ_RATIO}× the epoll TCP server"),
+        target_met: verdict(spin.target_met, block.target_met),
+        spin,
+        block,
+        raw_shm_rtt_p50_ns: raw_p50,
+        raw_shm_rtt_p99_ns: raw.as_ref().map(|s| s.p(0.99)),
+        raw_shm_ratio: raw_ratio,
+        raw_shm_target: format!(
+            "RTT p50 with both sides spinning ≤ {TARGET_RAW_SHM}× the raw shared-memory ping-pong of the same size \
+             (one request in flight)"
+        ),
+        raw_shm_target_met: raw_ratio.map(|r| r <= TARGET_RAW_SHM),
+        setup_s: setup.as_secs_f64(),
         placement: format!(
-            "client pinned to CPU 0, server process (one thread) on CPU 1; requests on connections chosen at random, \
-             {} in flight{}; clan server: event loop draining its queue then polling 15 µs; baseline: mio (epoll) TCP \
-             server over loopback",
+            "client pinned to CPU {}, server process (one thread) to CPU 1 ({} CPUs); requests on connections chosen \
+             at random, {} in flight{}; clan: RPC over its event loop; baseline: mio (epoll) TCP server over \
+             loopback; raw shm: the latency benchmark's ping-pong over a shared memfd, same CPUs; {} rounds, each \
+             system's ways alternating (clan spinning with the raw ping-pong)",
+            pinned.map_or("-".into(), |c| c.to_string()),
+            sys::machine().cpus,
             a.inflight,
             if a.mode == Mode::Idle {
                 format!(", {} µs between requests", IDLE_GAP.as_micros())
             } else {
                 String::new()
-            }
+            },
+            a.rounds.max(1)
         ),
         machine: sys::machine(),
     };
     emit(a.json, &r, || {
         println!(
-            "clan bench server: {} endpoints, {} mode, {} in flight, {}-byte requests     [paper: busy 7.9 µs, idle 16.8 µs, 340 000 req/s; GbE TCP 21 184 req/s]",
-            r.endpoints, r.mode, r.inflight, r.size
+            "clan bench server: {} endpoint{}, {} mode, {} in flight, {}-byte requests, {} rounds     [paper: busy 7.9 µs, idle 16.8 µs, 340 000 req/s; GbE TCP 21 184 req/s]",
+            r.endpoints,
+            if r.endpoints == 1 { "" } else { "s" },
+            r.mode,
+            r.inflight,
+            r.size,
+            r.rounds
         );
         println!("placement: {}", r.placement);
         println!("machine: {} × {}, Linux {}", r.machine.cpus, r.machine.model, r.machine.kernel);
+        println!("{:<22} {:>10} {:>10} {:>10} {:>12}", "", "RTT p50", "p90", "p99", "req/s");
+        let line = |name: &str, f: &Figures| {
+            println!(
+                "{:<22} {:>10} {:>10} {:>10} {:>12.0}",
+                name,
+                ns(f.rtt_p50_ns),
+                ns(f.rtt_p90_ns),
+                ns(f.rtt_p99_ns),
+                f.req_per_s
+            );
+        };
+        line("clan, spinning", &r.spin.clan);
+        line("epoll-tcp, spinning", &r.spin.baseline);
+        line("clan, blocking", &r.block.clan);
+        line("epoll-tcp, blocking", &r.block.baseline);
         println!(
-            "clan      : RTT p50 {}, p99 {}, {:.0} req/s (connections set up in {:.2} s)",
+            "{:<22} {:>10} {:>10} {:>10} {:>12.0}   (connections set up in {:.2} s)",
+            "clan, paper's policy",
             ns(r.rtt_p50_ns),
+            "",
             ns(r.rtt_p99_ns),
             r.req_per_s,
             r.setup_s
         );
+        if let (Some(p50), Some(p99)) = (r.raw_shm_rtt_p50_ns, r.raw_shm_rtt_p99_ns) {
+            println!("{:<22} {:>10} {:>10} {:>10}", "raw shm ping-pong", ns(p50), "", ns(p99));
+        }
+        println!("spin : {}", r.spin.how);
+        println!("block: {}", r.block.how);
         println!(
-            "epoll-tcp : RTT p50 {}, p99 {}, {:.0} req/s",
-            ns(r.baseline_rtt_p50_ns),
-            ns(r.baseline_rtt_p99_ns),
-            r.baseline_req_per_s
+            "requests/s clan/epoll-tcp: {:.1} spinning, {:.1} blocking (RTT p50 ratio {:.3} spinning, {:.3} blocking)",
+            r.ratio_spin, r.ratio_block, r.rtt_ratio_spin, r.rtt_ratio_block
         );
-        println!("requests/s clan/epoll-tcp: {:.1}", r.ratio_req_per_s);
+        println!("target {}: met {}", r.target, r.target_met);
+        if let (Some(x), Some(met)) = (r.raw_shm_ratio, r.raw_shm_target_met) {
+            println!(
+                "RTT clan spinning / raw shm ping-pong: {x:.2}; target {}: {}",
+                r.raw_shm_target,
+                if met { "met" } else { "not met" }
+            );
+        }
     });
     Ok(())
 }
 
-fn clan_run(a: &ServerArgs) -> Result<Run> {
-    let mut peer = PeerProc::spawn(
-        "srv-clan",
-        &[format!("endpoints={}", a.endpoints), format!("size={}", a.size), "cpu=1".into()],
-    )?;
-    let addr: EndpointAddr = peer.recv()?.parse()?;
-    let nic = Nic::open(NicConfig::default())?;
-    let cfg = RpcConfig { max_msg: (a.size as u64).max(64), ..RpcConfig::default() };
-    let t0 = Instant::now();
-    let mut conns = Vec::with_capacity(a.endpoints);
-    for _ in 0..a.endpoints {
-        conns.push(RpcClient::connect(&nic, addr, &cfg)?);
+/// A client's connection: send a request, poll for its reply, or sleep until it comes.
+trait Conn {
+    fn send(&mut self, req: &[u8]) -> Result<()>;
+    /// Whether the reply has come (never sleeps).
+    fn poll(&mut self) -> Result<bool>;
+    /// Sleep until the reply has come.
+    fn wait(&mut self) -> Result<()>;
+}
+
+impl Conn for RpcClient {
+    fn send(&mut self, req: &[u8]) -> Result<()> {
+        self.send_with(|w| w.write(req))?;
+        Ok(())
     }
-    let setup = t0.elapsed();
+    fn poll(&mut self) -> Result<bool> {
+        Ok(self.try_reply(|r| r.len())?.is_some())
+    }
+    fn wait(&mut self) -> Result<()> {
+        // The client's connections poll for 0: this arms the reply tripwire, re-checks and
+        // sleeps.
+        self.wait_reply(Some(LIMIT), |r| r.len())?;
+        Ok(())
+    }
+}
+
+/// A TCP connection of the client (a blocking socket: `poll` reads with `MSG_DONTWAIT`).
+struct TcpConn {
+    s: TcpStream,
+    reply: Vec<u8>,
+    got: usize,
+}
+
+impl Conn for TcpConn {
+    fn send(&mut self, req: &[u8]) -> Result<()> {
+        self.got = 0;
+        self.s.write_all(req)?;
+        Ok(())
+    }
+    fn poll(&mut self) -> Result<bool> {
+        use rustix::io::Errno;
+        use rustix::net::{RecvFlags, recv};
+        while self.got < self.reply.len() {
+            match recv(&self.s, &mut self.reply[self.got..], RecvFlags::DONTWAIT) {
+                Ok((0, _)) => return Err("the TCP server closed a connection".into()),
+                Ok((n, _)) => self.got += n,
+                Err(Errno::AGAIN) => return Ok(false),
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(true)
+    }
+    fn wait(&mut self) -> Result<()> {
+        let got = self.got;
+        self.s.read_exact(&mut self.reply[got..])?;
+        self.got = self.reply.len();
+        Ok(())
+    }
+}
+
+/// Wait for one reply the way `sync` says.
+fn await_reply(c: &mut impl Conn, sync: Sync) -> Result<()> {
+    let poll_for = match sync {
+        Sync::Spin => LIMIT,
+        Sync::Block => Duration::ZERO,
+        Sync::Policy => POLICY_POLL,
+    };
+    if !poll_for.is_zero() {
+        let start = Instant::now();
+        let mut n = 0u32;
+        loop {
+            if c.poll()? {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+            n = n.wrapping_add(1);
+            if n % 64 == 0 && start.elapsed() >= poll_for {
+                break;
+            }
+        }
+        if sync == Sync::Spin {
+            return Err("the server stopped answering".into());
+        }
+    }
+    c.wait()
+}
+
+/// The client's requests over `conns`, waiting for replies as `sync` says.
+fn drive(conns: &mut [impl Conn], a: &ServerArgs, sync: Sync) -> Result<Run> {
     let req = vec![0x5au8; a.size];
     let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let warm = (a.requests / 10).max(100);
+    let (requests, warm) = per_round(a);
+    // Every connection once first: the first use of a connection in a process (page faults
+    // on both sides, its lines brought in) is set-up, not a round trip.
+    for c in conns.iter_mut() {
+        c.send(&req)?;
+        await_reply(c, sync)?;
+    }
     let mut rtt = Samples::new();
     let mut measured = 0u64;
+    let t0 = Instant::now();
     let mut start = Instant::now();
     let mut sent = 0u64;
     // Calls in flight: connection index → start time.
     let mut inflight: Vec<(usize, Instant)> = Vec::with_capacity(a.inflight);
-    let mut busy = vec![false; a.endpoints];
-    while sent < warm + a.requests || !inflight.is_empty() {
-        while inflight.len() < a.inflight && sent < warm + a.requests {
-            let mut k = (rng(&mut x) % a.endpoints as u64) as usize;
+    let mut busy = vec![false; conns.len()];
+    while sent < warm + requests || !inflight.is_empty() {
+        while inflight.len() < a.inflight && sent < warm + requests {
+            let mut k = (rng(&mut x) % conns.len() as u64) as usize;
             while busy[k] {
-                k = (k + 1) % a.endpoints;
+                k = (k + 1) % conns.len();
             }
             busy[k] = true;
-            conns[k].send_with(|w| w.write(&req))?;
+            conns[k].send(&req)?;
             inflight.push((k, Instant::now()));
             sent += 1;
         }
         if a.inflight == 1 {
             let (k, t) = inflight.pop().ok_or("nothing in flight")?;
-            conns[k].wait_reply(Some(LIMIT), |r| r.len())?;
+            await_reply(&mut conns[k], sync)?;
             busy[k] = false;
             let d = t.elapsed();
             if sent > warm {
@@ -209,21 +527,27 @@ fn clan_run(a: &ServerArgs) -> Result<Run> {
             }
             continue;
         }
-        // Many in flight: poll them all.
-        let mut i = 0;
-        while i < inflight.len() {
-            let (k, t) = inflight[i];
-            if conns[k].try_reply(|r| r.len())?.is_some() {
-                busy[k] = false;
-                inflight.swap_remove(i);
-                if sent > warm + a.inflight as u64 {
-                    rtt.record(t.elapsed());
-                    measured += 1;
-                } else if measured == 0 {
-                    start = Instant::now();
-                }
-            } else {
-                i += 1;
+        // Many in flight: poll them all; a blocking client sleeps on the oldest when none
+        // has its reply.
+        let mut done: Vec<usize> = Vec::new();
+        for (i, &(k, _)) in inflight.iter().enumerate() {
+            if conns[k].poll()? {
+                done.push(i);
+            }
+        }
+        if done.is_empty() && sync == Sync::Block {
+            let (i, &(k, _)) = inflight.iter().enumerate().min_by_key(|(_, (_, t))| *t).ok_or("nothing in flight")?;
+            conns[k].wait()?;
+            done.push(i);
+        }
+        for &i in done.iter().rev() {
+            let (k, t) = inflight.swap_remove(i);
+            busy[k] = false;
+            if sent > warm + a.inflight as u64 {
+                rtt.record(t.elapsed());
+                measured += 1;
+            } else if measured == 0 {
+                start = Instant::now();
             }
         }
         if t0.elapsed() > LIMIT * 5 {
@@ -231,13 +555,11 @@ fn clan_run(a: &ServerArgs) -> Result<Run> {
         }
     }
     let elapsed = start.elapsed();
-    peer.send("stop")?;
-    peer.finish()?;
     let idle_time = if a.mode == Mode::Idle { IDLE_GAP * measured as u32 } else { Duration::ZERO };
     // In idle mode the pauses are the client's choice: requests/s counts the time the
     // requests took (round trips), as a busy client would see.
-    let busy_time = elapsed.saturating_sub(idle_time).max(Duration::from_nanos(1));
-    Ok(Run { rtt, req_per_s: measured as f64 / busy_time.as_secs_f64(), setup })
+    let busy = elapsed.saturating_sub(idle_time).max(Duration::from_nanos(1));
+    Ok(Run { rtt, measured, busy })
 }
 
 /// Sleep `d` without a system call's worth of oversleeping (a short pause, as a client
@@ -249,122 +571,151 @@ fn spin_sleep(d: Duration) {
     }
 }
 
-fn tcp_run(a: &ServerArgs) -> Result<Run> {
-    let mut peer = PeerProc::spawn(
-        "srv-tcp",
-        &[format!("endpoints={}", a.endpoints), format!("size={}", a.size), "cpu=1".into()],
-    )?;
-    let addr: SocketAddr = peer.recv()?.parse()?;
-    let t0 = Instant::now();
-    let mut conns = Vec::with_capacity(a.endpoints);
-    for _ in 0..a.endpoints {
-        let s = TcpStream::connect(addr)?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(LIMIT))?;
-        conns.push(s);
-    }
-    let setup = t0.elapsed();
-    if a.inflight > 1 {
-        for c in &conns {
-            c.set_nonblocking(true)?;
-        }
-    }
-    let req = vec![0x5au8; a.size];
-    let mut reply = vec![0u8; a.size];
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let warm = (a.requests / 10).max(100);
-    let mut rtt = Samples::new();
-    let mut measured = 0u64;
-    let mut start = Instant::now();
-    let mut sent = 0u64;
-    let mut inflight: Vec<(usize, Instant, usize)> = Vec::with_capacity(a.inflight);
-    let mut busy = vec![false; a.endpoints];
-    while sent < warm + a.requests || !inflight.is_empty() {
-        while inflight.len() < a.inflight && sent < warm + a.requests {
-            let mut k = (rng(&mut x) % a.endpoints as u64) as usize;
-            while busy[k] {
-                k = (k + 1) % a.endpoints;
-            }
-            busy[k] = true;
-            write_all_nb(&mut conns[k], &req)?;
-            inflight.push((k, Instant::now(), 0));
-            sent += 1;
-        }
-        if a.inflight == 1 {
-            let (k, t, _) = inflight.pop().ok_or("nothing in flight")?;
-            conns[k].read_exact(&mut reply)?;
-            busy[k] = false;
-            if sent > warm {
-                rtt.record(t.elapsed());
-                measured += 1;
-            } else if sent == warm {
-                start = Instant::now();
-            }
-            if a.mode == Mode::Idle {
-                spin_sleep(IDLE_GAP);
-            }
-            continue;
-        }
-        let mut i = 0;
-        while i < inflight.len() {
-            let (k, t, got) = inflight[i];
-            match conns[k].read(&mut reply[got..]) {
-                Ok(0) => return Err("the TCP server closed a connection".into()),
-                Ok(n) if got + n == a.size => {
-                    busy[k] = false;
-                    inflight.swap_remove(i);
-                    if sent > warm + a.inflight as u64 {
-                        rtt.record(t.elapsed());
-                        measured += 1;
-                    } else if measured == 0 {
-                        start = Instant::now();
-                    }
-                    continue;
-                }
-                Ok(n) => inflight[i].2 = got + n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e.into()),
-            }
-            i += 1;
-        }
-        if t0.elapsed() > LIMIT * 5 {
-            return Err("the TCP server stopped answering".into());
-        }
-    }
-    let elapsed = start.elapsed();
-    // The server closes first: the TIME_WAIT states are then on its side, and the client's
-    // ephemeral ports are free for the next run at once.
-    peer.send("stop")?;
-    peer.finish()?;
-    drop(conns);
-    let idle_time = if a.mode == Mode::Idle { IDLE_GAP * measured as u32 } else { Duration::ZERO };
-    let busy_time = elapsed.saturating_sub(idle_time).max(Duration::from_nanos(1));
-    Ok(Run { rtt, req_per_s: measured as f64 / busy_time.as_secs_f64(), setup })
-}
-
-fn write_all_nb(s: &mut TcpStream, mut b: &[u8]) -> Result<()> {
-    while !b.is_empty() {
-        match s.write(b) {
-            Ok(n) => b = &b[n..],
-            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
-            Err(e) => return Err(e.into()),
-        }
+/// Tell a server process how to wait, and wait until it does.
+fn set_mode(peer: &mut PeerProc, sync: Sync) -> Result<()> {
+    let say = format!("mode {}", sync.name());
+    peer.send(&say)?;
+    if peer.recv()? != say {
+        return Err("the server did not change mode".into());
     }
     Ok(())
 }
 
-/// The server processes.
+fn server_args(a: &ServerArgs) -> [String; 3] {
+    [format!("endpoints={}", a.endpoints), format!("size={}", a.size), "cpu=1".into()]
+}
+
+/// The clan server process and the client's connections to it.
+struct ClanSide {
+    peer: PeerProc,
+    conns: Vec<RpcClient>,
+    setup: Duration,
+    _nic: Nic,
+}
+
+impl ClanSide {
+    fn start(a: &ServerArgs) -> Result<ClanSide> {
+        let mut peer = PeerProc::spawn("srv-clan", &server_args(a))?;
+        let addr: EndpointAddr = peer.recv()?.parse()?;
+        // The client's waits poll for 0 (its connections and its NIC's queue, on which their
+        // tripwires are): `await_reply` does the polling each way asks for.
+        let nic = Nic::open(super::nic_config(Duration::ZERO))?;
+        let cfg = RpcConfig { max_msg: (a.size as u64).max(64), spin: Duration::ZERO, ..RpcConfig::default() };
+        let t0 = Instant::now();
+        let mut conns = Vec::with_capacity(a.endpoints);
+        for _ in 0..a.endpoints {
+            conns.push(RpcClient::connect(&nic, addr, &cfg)?);
+        }
+        Ok(ClanSide { peer, conns, setup: t0.elapsed(), _nic: nic })
+    }
+
+    fn measure(&mut self, a: &ServerArgs, sync: Sync) -> Result<Run> {
+        set_mode(&mut self.peer, sync)?;
+        let r = drive(&mut self.conns, a, sync)?;
+        // Parked: sleeping until the next measurement.
+        set_mode(&mut self.peer, Sync::Block)?;
+        Ok(r)
+    }
+
+    fn stop(mut self) -> Result<()> {
+        self.peer.send("stop")?;
+        self.peer.finish()
+    }
+}
+
+/// The epoll TCP server process and the client's connections to it.
+struct TcpSide {
+    peer: PeerProc,
+    conns: Vec<TcpConn>,
+}
+
+impl TcpSide {
+    fn start(a: &ServerArgs) -> Result<TcpSide> {
+        let mut peer = PeerProc::spawn("srv-tcp", &server_args(a))?;
+        let addr: SocketAddr = peer.recv()?.parse()?;
+        let mut conns = Vec::with_capacity(a.endpoints);
+        for _ in 0..a.endpoints {
+            let s = TcpStream::connect(addr)?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(LIMIT))?;
+            conns.push(TcpConn { s, reply: vec![0; a.size], got: 0 });
+        }
+        Ok(TcpSide { peer, conns })
+    }
+
+    fn measure(&mut self, a: &ServerArgs, sync: Sync) -> Result<Run> {
+        set_mode(&mut self.peer, sync)?;
+        let r = drive(&mut self.conns, a, sync)?;
+        set_mode(&mut self.peer, Sync::Block)?;
+        Ok(r)
+    }
+
+    fn stop(mut self) -> Result<()> {
+        // The server closes first: the TIME_WAIT states are then on its side, and the
+        // client's ephemeral ports are free for the next run at once.
+        self.peer.send("stop")?;
+        self.peer.finish()?;
+        drop(self.conns);
+        Ok(())
+    }
+}
+
+/// A clan event loop serving the RPC server's queue, polling a drained queue `poll_for`.
+fn clan_loop(
+    rpc: &std::rc::Rc<std::cell::RefCell<RpcServer>>,
+    q: &EventQueue,
+    poll_for: Duration,
+    size: usize,
+) -> Result<EventLoop> {
+    let mut el = EventLoop::new(poll_for)?;
+    let r2 = rpc.clone();
+    let mut buf = vec![0u8; size];
+    el.add_queue(q, move |ev| {
+        let _ = r2.borrow_mut().handle_event(ev, &mut |_, req, reply| {
+            // The request in place; the reply written straight into the client.
+            let n = (req.len() as usize).min(buf.len());
+            if req.read(0, &mut buf[..n]).is_ok() {
+                let _ = reply.write(&buf[..n]);
+            }
+        });
+    })?;
+    Ok(el)
+}
+
+/// The server processes. Lines on stdin: `mode spin|block|policy` (acknowledged by the same
+/// line once the server waits that way), `stop`.
 pub fn peer(role: &str, args: &[String]) -> Result<()> {
     sys::pin(arg(args, "cpu")?);
     clan_shm::memfd::raise_fd_limit();
     let endpoints: usize = arg(args, "endpoints")?;
     let size: usize = arg(args, "size")?;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let s2 = stop.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    // The mode asked for last (low byte) and how many times one was asked for (above it):
+    // every request is acknowledged, a change of mode or not.
+    let mode = Arc::new(AtomicU32::new(u32::from(Sync::Block.code())));
+    let (s2, m2) = (stop.clone(), mode.clone());
     std::thread::spawn(move || {
-        let _ = Link::hear();
-        s2.store(true, std::sync::atomic::Ordering::Release);
+        while let Ok(l) = Link::hear() {
+            let m = match l.strip_prefix("mode ") {
+                Some("spin") => Sync::Spin,
+                Some("policy") => Sync::Policy,
+                Some(_) => Sync::Block,
+                None => break,
+            };
+            let next = ((m2.load(Ordering::Acquire) >> 8) + 1) << 8 | u32::from(m.code());
+            m2.store(next, Ordering::Release);
+        }
+        s2.store(true, Ordering::Release);
     });
+    // The mode asked for, once it was asked for again since `seen` (then updated).
+    let asked = |seen: &mut u32| {
+        let v = mode.load(Ordering::Acquire);
+        (v != *seen).then(|| {
+            *seen = v;
+            Sync::from_code(v as u8)
+        })
+    };
+    let mut seen = mode.load(Ordering::Acquire);
     match role {
         "srv-clan" => {
             let nic = Nic::open(NicConfig::default())?;
@@ -373,26 +724,30 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(rpc.local_addr());
             let q = rpc.event_queue().clone();
             let rpc = std::rc::Rc::new(std::cell::RefCell::new(rpc));
-            let r2 = rpc.clone();
-            let mut el = EventLoop::new(Duration::from_micros(15))?;
-            let mut buf = vec![0u8; size];
-            el.add_queue(&q, move |ev| {
-                let _ = r2.borrow_mut().handle_event(ev, &mut |_, req, reply| {
-                    // The request in place; the reply written straight into the client.
-                    let n = (req.len() as usize).min(buf.len());
-                    if req.read(0, &mut buf[..n]).is_ok() {
-                        let _ = reply.write(&buf[..n]);
-                    }
-                });
-            })?;
-            while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                el.run_once(Some(Duration::from_millis(20)))?;
+            let mut cur = Sync::Block;
+            let mut el = clan_loop(&rpc, &q, Duration::ZERO, size)?;
+            while !stop.load(Ordering::Acquire) {
+                if let Some(m) = asked(&mut seen) {
+                    let poll_for = match m {
+                        Sync::Spin => BUSY_POLL,
+                        Sync::Block => Duration::ZERO,
+                        Sync::Policy => POLICY_POLL,
+                    };
+                    el = clan_loop(&rpc, &q, poll_for, size)?;
+                    cur = m;
+                    Link::say(format!("mode {}", m.name()));
+                }
+                // Spinning: epoll is only looked at (timeout 0) between polls of the queue.
+                let timeout = if cur == Sync::Spin { Duration::ZERO } else { Duration::from_millis(20) };
+                el.run_once(Some(timeout))?;
             }
+            drop(el);
             drop(rpc);
         }
         "srv-tcp" => {
             use mio::net::TcpListener;
             use mio::{Events, Interest, Poll, Token};
+            use std::collections::HashMap;
             let mut l = TcpListener::bind("127.0.0.1:0".parse()?)?;
             Link::say(l.local_addr()?);
             let mut poll = Poll::new()?;
@@ -400,8 +755,15 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             let mut events = Events::with_capacity(1024);
             let mut conns: HashMap<usize, (mio::net::TcpStream, Vec<u8>)> = HashMap::new();
             let mut next = 1usize;
-            while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                match poll.poll(&mut events, Some(Duration::from_millis(20))) {
+            let mut cur = Sync::Block;
+            while !stop.load(Ordering::Acquire) {
+                if let Some(m) = asked(&mut seen) {
+                    cur = m;
+                    Link::say(format!("mode {}", m.name()));
+                }
+                // Spinning: epoll_wait with a timeout of 0, again and again.
+                let timeout = if cur == Sync::Spin { Duration::ZERO } else { Duration::from_millis(20) };
+                match poll.poll(&mut events, Some(timeout)) {
                     Ok(()) => {}
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     Err(e) => return Err(e.into()),
