@@ -22,6 +22,9 @@ enum Cmd {
     Bench(BenchCmd),
     /// Print what this machine is and what a NIC opened here looks like.
     Info,
+    /// Run an unmodified program with its TCP connections to other clan-run processes of
+    /// this host carried over clan (every other socket stays with the kernel).
+    Run(RunArgs),
     /// Internal: the peer process of a benchmark.
     #[command(name = "__peer", hide = true)]
     Peer {
@@ -75,12 +78,66 @@ fn main() {
         Cmd::Bench(BenchCmd::Grants(a)) => bench::grants::run(&a),
         Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),
+        Cmd::Run(a) => run(&a),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),
     };
     if let Err(e) = r {
         eprintln!("clan: {e}");
         std::process::exit(1);
     }
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Spin this long (µs) on accelerated sockets before sleeping in poll/select/epoll
+    /// (sets `CLAN_SPIN_US`; 0: never spin).
+    #[arg(long)]
+    spin_us: Option<u64>,
+    /// The interposition library (default: `libclan_preload.so` next to this executable,
+    /// or `CLAN_PRELOAD`).
+    #[arg(long)]
+    preload: Option<std::path::PathBuf>,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    cmd: Vec<std::ffi::OsString>,
+}
+
+/// Where the interposition library is.
+fn preload_path(a: &RunArgs) -> bench::Result<std::path::PathBuf> {
+    let p = match (&a.preload, std::env::var_os("CLAN_PRELOAD")) {
+        (Some(p), _) => p.clone(),
+        (None, Some(p)) => p.into(),
+        (None, None) => {
+            std::env::current_exe()?.parent().ok_or("the clan executable has no directory")?.join("libclan_preload.so")
+        }
+    };
+    if !p.is_file() {
+        return Err(format!(
+            "the interposition library {} is missing (build it with `cargo build -p clan-preload`, or pass --preload)",
+            p.display()
+        )
+        .into());
+    }
+    Ok(p.canonicalize()?)
+}
+
+fn run(a: &RunArgs) -> bench::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let lib = preload_path(a)?;
+    let mut preload = lib.into_os_string();
+    if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|o| !o.is_empty()) {
+        preload.push(":");
+        preload.push(old);
+    }
+    let (prog, args) = a.cmd.split_first().ok_or("no program to run")?;
+    let mut c = std::process::Command::new(prog);
+    c.args(args).env("LD_PRELOAD", preload);
+    if let Some(us) = a.spin_us {
+        c.env("CLAN_SPIN_US", us.to_string());
+    }
+    // Replace this process: the program's exit status and signals are its own.
+    let e = c.exec();
+    Err(format!("running {}: {e}", prog.to_string_lossy()).into())
 }
 
 fn info() -> bench::Result<()> {

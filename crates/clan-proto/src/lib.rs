@@ -63,6 +63,7 @@ const _: () = {
     send_sync::<stream::StreamConfig>();
     send_sync::<stream::Listener>();
     send_sync::<stream::Stream>();
+    send_sync::<stream::Readiness>();
     send_sync::<vmmc::VmmcError>();
     send_sync::<vmmc::VmmcConfig>();
     send_sync::<vmmc::Notification>();

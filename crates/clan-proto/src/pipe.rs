@@ -221,6 +221,20 @@ impl PipeTx {
         Ok(n as usize)
     }
 
+    /// Whether at least one byte can be written now (room in the ring, or a posted buffer
+    /// at the write position), and the peer's read position as last seen (it moves when
+    /// room frees: an edge for event-driven writers).
+    pub fn poll_space(&mut self) -> Result<(bool, u64), PipeError> {
+        let posted = matches!(self.post()?, Some((_, at, len)) if self.write >= at && self.write < at + len);
+        self.read_seen = self.read_pos()?;
+        Ok(((self.cap - 1).saturating_sub(self.write - self.read_seen) > 0 || posted, self.read_seen))
+    }
+
+    /// Whether writing was shut down here.
+    pub fn is_finished(&self) -> bool {
+        self.fin
+    }
+
     /// Wait until there is room for at least one byte.
     pub fn wait_space(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
         let posted = || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len);
@@ -304,6 +318,12 @@ impl PipeRx {
             return Err(PipeError::Protocol("the sender's write position is impossible"));
         }
         Ok(w)
+    }
+
+    /// Bytes landed so far (the stream position the sender published): moves whenever data
+    /// arrives, an edge for event-driven readers.
+    pub fn landed(&self) -> Result<u64, PipeError> {
+        self.written()
     }
 
     /// Bytes readable now.

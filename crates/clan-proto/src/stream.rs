@@ -176,11 +176,36 @@ impl Listener {
         }
     }
 
+    /// Accept the next connection (blocking, at most `timeout`), its stream's endpoint
+    /// reporting to `queue` (its readiness tripwires post there: one queue per stream lets
+    /// one waiter sleep on exactly the streams it waits for).
+    pub fn accept_to(&self, queue: &EventQueue, timeout: Duration) -> io::Result<(Stream, EndpointAddr)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let req = self.ep.accept(Some(left)).map_err(|e| match e {
+                ConnectError::NoRequest => io::Error::new(io::ErrorKind::TimedOut, "no connection within the timeout"),
+                other => setup_error(other.into()),
+            })?;
+            if let Some(r) = self.finish_on(req, Some(queue))? {
+                return Ok(r);
+            }
+        }
+    }
+
     /// Set up the stream of `req`: None if the request is the client's fault (dropped).
     fn finish(&self, req: clan::ConnectRequest) -> io::Result<Option<(Stream, EndpointAddr)>> {
+        self.finish_on(req, self.queue.as_ref())
+    }
+
+    fn finish_on(
+        &self,
+        req: clan::ConnectRequest,
+        queue: Option<&EventQueue>,
+    ) -> io::Result<Option<(Stream, EndpointAddr)>> {
         let from = req.from();
         let g = side::Geometry::bytes(self.cfg.ring, self.cfg.post_area);
-        match side::accept(&self.nic, self.queue.as_ref(), req, g, self.cfg.connect_timeout) {
+        match side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout) {
             Ok(s) => Ok(Some((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))),
             Err(SetupError::BadPeer(why)) => {
                 tracing::debug!(peer = %from, "refused a connection: {why}");
@@ -251,6 +276,12 @@ impl Stream {
         Stream::connect_on(nic, addr, cfg, None)
     }
 
+    /// Connect with `cfg`, the stream's endpoint reporting to `queue` (see
+    /// [`Listener::accept_to`]).
+    pub fn connect_to(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig, queue: &EventQueue) -> io::Result<Stream> {
+        Stream::connect_on(nic, addr, cfg, Some(queue))
+    }
+
     pub(crate) fn connect_on(
         nic: &Nic,
         addr: EndpointAddr,
@@ -287,12 +318,6 @@ impl Stream {
         self.inner.local
     }
 
-    /// Our side aperture (where incoming data lands; tripwires for event-driven waiting).
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn side(&self) -> &clan::Aperture {
-        &self.inner.side
-    }
-
     /// The peer's endpoint address.
     pub fn peer_addr(&self) -> EndpointAddr {
         self.inner.peer
@@ -322,6 +347,83 @@ impl Stream {
     /// Bound blocking writes.
     pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         set_timeout(&self.inner.write_timeout, t)
+    }
+
+    /// What a read and a write would do now, without waiting or consuming anything: for
+    /// readiness (`poll`, `epoll`) on top of the stream. Arm the tripwires of
+    /// [`Stream::readiness_tripwires`], look again, then wait on the queue.
+    pub fn readiness(&self) -> Readiness {
+        let mut r = Readiness::default();
+        if !self.inner.alive() {
+            r.error = true;
+        }
+        {
+            let rx = lock(&self.inner.rx);
+            match (rx.available(), rx.at_end(), rx.landed()) {
+                (Ok(n), Ok(end), Ok(landed)) => {
+                    r.readable = n > 0 || end;
+                    r.eof = end;
+                    r.rx_landed = landed;
+                }
+                _ => r.error = true,
+            }
+        }
+        if self.inner.read_shut.load(Ordering::Acquire) {
+            r.readable = true;
+            r.eof = true;
+        }
+        {
+            let mut tx = lock(&self.inner.tx);
+            if tx.is_finished() {
+                r.writable = true;
+            } else {
+                match tx.poll_space() {
+                    Ok((room, freed)) => {
+                        r.writable = room;
+                        r.tx_freed = freed;
+                    }
+                    Err(_) => r.error = true,
+                }
+            }
+        }
+        if r.error {
+            // A read or a write returns an error at once.
+            r.readable = true;
+            r.writable = true;
+        }
+        r
+    }
+
+    /// Two once-only tripwires, disarmed, that post an event with the given cookie to the
+    /// queue of the stream's endpoint: `data` when data (or end of stream) lands here,
+    /// `space` when the peer frees room by reading. Arm one, look at
+    /// [`Stream::readiness`] again, then wait on the queue: no wake-up is lost. A busy
+    /// stream never touches them (they are armed only by a waiter).
+    pub fn readiness_tripwires(
+        &self,
+        data_cookie: u64,
+        space_cookie: u64,
+    ) -> io::Result<(clan::Tripwire, clan::Tripwire)> {
+        use crate::pipe::{CTL_READ, RX_FIN, RX_WRITE};
+        let side = &self.inner.side;
+        let tw = |range: std::ops::Range<u64>, cookie| {
+            side.tripwire(
+                clan::TripwireConfig::writes(range).once().disarmed().actions(clan::Actions::NONE).event(cookie),
+            )
+            .map_err(io::Error::other)
+        };
+        Ok((tw(RX_WRITE..RX_FIN + 8, data_cookie)?, tw(CTL_READ..CTL_READ + 8, space_cookie)?))
+    }
+
+    /// Copy up to `buf.len()` readable bytes into `buf` without consuming them and without
+    /// waiting (`MSG_PEEK`): 0 when nothing is readable now.
+    pub fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let rx = lock(&self.inner.rx);
+        let n = rx.available().map_err(pipe_error)?.min(buf.len() as u64) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        rx.peek(0, &mut buf[..n]).map_err(pipe_error)
     }
 
     /// Shut down reading, writing or both. Shutting down writing sends end of stream after
@@ -469,6 +571,25 @@ impl Stream {
     pub fn available(&self) -> io::Result<u64> {
         lock(&self.inner.rx).available().map_err(pipe_error)
     }
+}
+
+/// What [`Stream::readiness`] saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Readiness {
+    /// A read returns at once: bytes are readable, or the stream ended, or it failed.
+    pub readable: bool,
+    /// A write returns at once: room for a byte, or writing was shut down, or it failed.
+    pub writable: bool,
+    /// End of stream here: the peer shut down writing and everything before was read (or
+    /// reading was shut down here).
+    pub eof: bool,
+    /// The peer is gone (its process died, or the connection broke).
+    pub error: bool,
+    /// Bytes landed so far: moves whenever data arrives (an edge, for edge-triggered
+    /// readiness).
+    pub rx_landed: u64,
+    /// The peer's read position as last seen: moves when room frees (an edge for writers).
+    pub tx_freed: u64,
 }
 
 /// Store a timeout as nanoseconds (0: none). `Some(0)` is invalid, as in `std`.

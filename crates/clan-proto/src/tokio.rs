@@ -15,12 +15,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
-use clan::{EndpointAddr, Event, EventQueue, EventQueueConfig, Nic, Tripwire, TripwireConfig};
+use clan::{EndpointAddr, Event, EventQueue, EventQueueConfig, Nic, Tripwire};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::lock;
-use crate::pipe::{CTL_READ, RX_FIN, RX_WRITE};
 use crate::stream::{Listener, Stream, StreamConfig};
 
 /// An event queue you can `await`.
@@ -207,13 +206,7 @@ impl AsyncStream {
     fn new(s: Stream, reactor: &Reactor) -> io::Result<AsyncStream> {
         s.set_nonblocking(true)?;
         let (rc, wc) = reactor.cookies();
-        let side = s.side();
-        let tw = |range: std::ops::Range<u64>, cookie| {
-            side.tripwire(TripwireConfig::writes(range).once().disarmed().actions(clan::Actions::NONE).event(cookie))
-                .map_err(io::Error::other)
-        };
-        let data = tw(RX_WRITE..RX_FIN + 8, rc)?;
-        let space = tw(CTL_READ..CTL_READ + 8, wc)?;
+        let (data, space) = s.readiness_tripwires(rc, wc)?;
         lock(&reactor.shared.wakers).by_port.insert(s.local_addr().port, (rc, wc));
         Ok(AsyncStream { s, reactor: reactor.clone(), data, space, cookies: (rc, wc) })
     }

@@ -1,0 +1,398 @@
+//! `clan run -- CMD`: unmodified socket programs over clan. The programs are this test
+//! binary in a role (std's blocking sockets; mio's edge-triggered epoll) and, when installed,
+//! redis. Loopback only; every child has a time limit.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CLAN: &str = env!("CARGO_BIN_EXE_clan");
+
+/// A program started by the test, killed when dropped.
+struct Proc {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Proc {
+    /// This test binary in `role`, under `clan run` or not.
+    fn spawn(role: &str, args: &[&str], clan: bool) -> Proc {
+        let exe = std::env::current_exe().unwrap();
+        let mut c = if clan {
+            let mut c = Command::new(CLAN);
+            c.arg("run").arg("--").arg(exe);
+            c
+        } else {
+            Command::new(exe)
+        };
+        c.args(["--exact", "child", "--nocapture", "--test-threads=1"])
+            .env("RUN_ROLE", role)
+            .env("RUN_ARGS", args.join(" "))
+            .env("CLAN_RUN_DEBUG", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Proc { child, out }
+    }
+
+    /// The next line the program printed that starts with `want`.
+    fn expect(&mut self, want: &str) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "the program ended before printing {want}");
+            // (libtest may have printed "test child ... " before it on the same line)
+            if let Some(at) = line.find(want) {
+                return line[at + want.len()..].trim().to_string();
+            }
+        }
+    }
+
+    /// Wait for the end (at most `limit`); its standard error.
+    fn finish(mut self, limit: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                let mut err = String::new();
+                self.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                assert!(st.success(), "the program failed ({st}): {err}");
+                return err;
+            }
+            assert!(start.elapsed() < limit, "the program did not finish in {limit:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn pattern(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The roles, run by the children.
+#[test]
+fn child() {
+    let Ok(role) = std::env::var("RUN_ROLE") else { return };
+    let args: Vec<String> = std::env::var("RUN_ARGS").unwrap().split_whitespace().map(String::from).collect();
+    // Nothing may hang: a child ends itself after a while.
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(60));
+        std::process::exit(3);
+    });
+    match role.as_str() {
+        "echo_server" => {
+            // Blocking std sockets: accept one connection, greet first (a server that
+            // speaks first), then echo until end of stream.
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"hello\n").unwrap();
+            let mut buf = vec![0u8; 70000];
+            let mut total = 0;
+            loop {
+                let n = s.read(&mut buf).unwrap();
+                if n == 0 {
+                    break;
+                }
+                total += n;
+                s.write_all(&buf[..n]).unwrap();
+            }
+            s.shutdown(Shutdown::Write).unwrap();
+            println!("echoed {total}");
+        }
+        "echo_client" => {
+            let port: u16 = args[0].parse().unwrap();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let mut hello = [0u8; 6];
+            s.read_exact(&mut hello).unwrap();
+            assert_eq!(&hello, b"hello\n");
+            let data = pattern(1 << 20, port.into());
+            let mut back = vec![0u8; data.len()];
+            let mut sent = 0;
+            let mut got = 0;
+            let mut sizes = pattern(4096, 7).into_iter().cycle();
+            while got < data.len() {
+                if sent < data.len() && sent - got < 32768 {
+                    let k = (usize::from(sizes.next().unwrap()) * 97 + 1).min(data.len() - sent);
+                    s.write_all(&data[sent..sent + k]).unwrap();
+                    sent += k;
+                    continue;
+                }
+                got += s.read(&mut back[got..sent]).unwrap();
+            }
+            assert!(back == data, "the echo differs");
+            s.shutdown(Shutdown::Write).unwrap();
+            assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "end of stream after the echo");
+            println!("client ok");
+        }
+        "mio_server" => {
+            // Non-blocking sockets under edge-triggered epoll (mio): echo every connection.
+            use mio::net::TcpListener;
+            use mio::{Events, Interest, Poll, Token};
+            let mut l = TcpListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let mut poll = Poll::new().unwrap();
+            poll.registry().register(&mut l, Token(0), Interest::READABLE).unwrap();
+            let mut events = Events::with_capacity(64);
+            let mut conns = std::collections::HashMap::new();
+            let want: usize = args[0].parse().unwrap();
+            let mut done = 0;
+            let mut next = 1;
+            while done < want {
+                poll.poll(&mut events, Some(Duration::from_secs(30))).unwrap();
+                assert!(!events.is_empty(), "the server waited 30 s for nothing");
+                for ev in events.iter() {
+                    if ev.token() == Token(0) {
+                        while let Ok((mut s, _)) = l.accept() {
+                            poll.registry()
+                                .register(&mut s, Token(next), Interest::READABLE | Interest::WRITABLE)
+                                .unwrap();
+                            conns.insert(next, (s, Vec::<u8>::new()));
+                            next += 1;
+                        }
+                        continue;
+                    }
+                    let t = ev.token().0;
+                    let Some((s, pending)) = conns.get_mut(&t) else { continue };
+                    let mut closed = false;
+                    let mut buf = [0u8; 16384];
+                    loop {
+                        match s.read(&mut buf) {
+                            Ok(0) => {
+                                closed = true;
+                                break;
+                            }
+                            Ok(n) => pending.extend_from_slice(&buf[..n]),
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                            Err(e) => panic!("read: {e}"),
+                        }
+                    }
+                    while !pending.is_empty() {
+                        match s.write(pending) {
+                            Ok(n) => {
+                                pending.drain(..n);
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                            Err(e) => panic!("write: {e}"),
+                        }
+                    }
+                    if closed && pending.is_empty() {
+                        conns.remove(&t);
+                        done += 1;
+                    }
+                }
+            }
+            println!("served {done}");
+        }
+        "plain_client" => {
+            let port: u16 = args[0].parse().unwrap();
+            let n: usize = args[1].parse().unwrap();
+            let threads: Vec<_> = (0..n)
+                .map(|i| {
+                    std::thread::spawn(move || {
+                        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                        let data = pattern(200_000 + i * 1000, i as u64 + 1);
+                        let mut back = vec![0u8; data.len()];
+                        let w = {
+                            let mut s2 = s.try_clone().unwrap();
+                            let d = data.clone();
+                            std::thread::spawn(move || {
+                                s2.write_all(&d).unwrap();
+                                s2.shutdown(Shutdown::Write).unwrap();
+                            })
+                        };
+                        s.read_exact(&mut back).unwrap();
+                        w.join().unwrap();
+                        assert!(back == data, "connection {i}: the echo differs");
+                        assert_eq!(s.read(&mut [0u8; 1]).unwrap(), 0);
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            println!("clients ok");
+        }
+        "blocked_reader" => {
+            let port: u16 = args[0].parse().unwrap();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            println!("connected");
+            let start = Instant::now();
+            let mut buf = [0u8; 64];
+            // The server is killed while we wait: end of stream or a reset, quickly.
+            let r = loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break "eof".to_string(),
+                    Ok(_) => continue,
+                    Err(e) => break format!("{:?}", e.kind()),
+                }
+            };
+            println!("reader woke {r} after {} ms", start.elapsed().as_millis());
+        }
+        "silent_server" => {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let (_s, _) = l.accept().unwrap();
+            println!("accepted");
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn over_clan(err: &str) -> usize {
+    err.matches("over clan").count()
+}
+
+/// Both sides under `clan run`: the bytes go over clan, identical, in order; a server that
+/// speaks first does not deadlock; end of stream both ways.
+#[test]
+fn blocking_sockets_both_sides_over_clan() {
+    let mut server = Proc::spawn("echo_server", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("echo_client", &[&port], true);
+    client.expect("client ok");
+    let cerr = client.finish(Duration::from_secs(60));
+    assert_eq!(server.expect("echoed"), (1 << 20).to_string());
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
+}
+
+/// Only one side under `clan run`: exactly as without clan (the kernel's connection).
+#[test]
+fn one_side_only_stays_with_the_kernel() {
+    for (srv, cli) in [(true, false), (false, true)] {
+        let mut server = Proc::spawn("echo_server", &[], srv);
+        let port = server.expect("port");
+        let mut client = Proc::spawn("echo_client", &[&port], cli);
+        client.expect("client ok");
+        let cerr = client.finish(Duration::from_secs(60));
+        server.expect("echoed");
+        let serr = server.finish(Duration::from_secs(60));
+        assert_eq!(over_clan(&cerr) + over_clan(&serr), 0, "client: {cerr}\nserver: {serr}");
+    }
+}
+
+/// Non-blocking sockets under edge-triggered epoll (mio) on the server, many connections at
+/// once from threads of a blocking client: all over clan, every byte echoed.
+#[test]
+fn edge_triggered_epoll_server_over_clan() {
+    const N: usize = 8;
+    let mut server = Proc::spawn("mio_server", &[&N.to_string()], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("plain_client", &[&port, &N.to_string()], true);
+    client.expect("clients ok");
+    let cerr = client.finish(Duration::from_secs(60));
+    assert_eq!(server.expect("served"), N.to_string());
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (N, N), "client: {cerr}\nserver: {serr}");
+}
+
+/// A reader blocked on an accelerated connection whose peer is SIGKILLed wakes within a
+/// second with end of stream or a reset.
+#[test]
+fn a_killed_peer_ends_a_blocked_read() {
+    let mut server = Proc::spawn("silent_server", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("blocked_reader", &[&port], true);
+    client.expect("connected");
+    server.expect("accepted");
+    std::thread::sleep(Duration::from_millis(100));
+    let _ = server.child.kill();
+    let woke = client.expect("reader woke");
+    let ms: u64 = woke.rsplit(' ').nth(1).unwrap().parse().unwrap();
+    assert!(woke.starts_with("eof") || woke.contains("Reset") || woke.contains("Broken"), "{woke}");
+    assert!(ms < 1000 + 100 + 500, "the reader woke after {ms} ms");
+    let cerr = client.finish(Duration::from_secs(30));
+    assert_eq!(over_clan(&cerr), 1, "{cerr}");
+}
+
+/// redis (when installed): a 1 MiB value set and read back byte-identical, with clan on both
+/// sides and with a plain client.
+#[test]
+fn redis_over_clan() {
+    if Command::new("redis-server").arg("--version").output().is_err() {
+        assert!(std::env::var_os("CI").is_none(), "CI installs redis-server");
+        eprintln!("redis-server is not installed: skipped");
+        return;
+    }
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port().to_string()
+    };
+    let mut server = Command::new(CLAN)
+        .args(["run", "--", "redis-server", "--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .env("CLAN_RUN_DEBUG", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _kill = KillOnDrop(&mut server);
+    let start = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "redis did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let value: String = pattern(1 << 20, 99).iter().map(|b| char::from(b'a' + b % 26)).collect();
+    let cli = |clan: bool, args: &[&str], input: Option<&str>| -> String {
+        let mut c = if clan {
+            let mut c = Command::new(CLAN);
+            c.args(["run", "--", "redis-cli"]);
+            c
+        } else {
+            Command::new("redis-cli")
+        };
+        let mut ch = c
+            .args(["-p", &port])
+            .args(args)
+            .env("CLAN_RUN_DEBUG", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = ch.stdin.take().unwrap();
+        if let Some(i) = input {
+            stdin.write_all(i.as_bytes()).unwrap();
+        }
+        drop(stdin);
+        let out = ch.wait_with_output().unwrap();
+        assert!(out.status.success(), "redis-cli failed: {}", String::from_utf8_lossy(&out.stderr));
+        if clan {
+            assert_eq!(over_clan(&String::from_utf8_lossy(&out.stderr)), 1, "redis-cli was not over clan");
+        }
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(cli(true, &["-x", "SET", "big"], Some(&value)).trim(), "OK");
+    assert!(cli(true, &["GET", "big"], None).trim_end_matches('\n') == value, "the value read back over clan differs");
+    assert!(
+        cli(false, &["GET", "big"], None).trim_end_matches('\n') == value,
+        "the value read back by a plain client differs"
+    );
+}
+
+struct KillOnDrop<'a>(&'a mut Child);
+
+impl Drop for KillOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -1,0 +1,37 @@
+//! The socket interposition library behind `clan run -- CMD` (loaded with `LD_PRELOAD`).
+//!
+//! A TCP connection between two processes of this host that both run under `clan run` is
+//! carried over a clan stream (shared memory, tripwire wake-ups); every other socket — a peer
+//! not under clan, another host, UDP, Unix sockets — stays with the kernel, untouched.
+//!
+//! - **Deciding** ([`registry`]): before its kernel `connect`, a client claims the
+//!   connection from the listening process's library (a host-local registry of clan-run
+//!   listeners, answered by a thread of the library, not by the application), passing its
+//!   socket as proof; the server's `accept` recognises the claimed connection by its peer
+//!   socket's inode. No byte ever travels on two paths, and neither side waits for the
+//!   other's application (a slow acceptor, a server that speaks first).
+//! - **The descriptor** stays the kernel's TCP socket: `getpeername`, socket options, `dup`
+//!   and the listening socket's readiness keep working; its bytes move over the stream.
+//! - **Readiness** ([`ready`]): `poll`, `select` and `epoll` read accelerated descriptors'
+//!   readiness from their streams and sleep in the kernel on the other descriptors together
+//!   with the streams' event queues.
+//!
+//! Not yet: sockets shared with a child after `fork` or passed by `SCM_RIGHTS`, and `exec`
+//! with accelerated sockets open (see `docs/ARCHITECTURE.md`).
+#![deny(unsafe_code)]
+
+/// `CLAN_RUN_DEBUG=1`: say on stderr what was decided for each connection (tests read it).
+pub(crate) fn say(what: std::fmt::Arguments<'_>) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("CLAN_RUN_DEBUG").is_some_and(|v| v != "0")) {
+        eprintln!("clan run[{}]: {what}", std::process::id());
+    }
+}
+
+mod conn;
+mod hooks;
+mod procnet;
+mod ready;
+mod real;
+mod registry;
+mod table;

@@ -1,0 +1,455 @@
+//! Readiness of accelerated connections merged with the kernel's: `poll`, `select` and
+//! `epoll`.
+//!
+//! An accelerated descriptor is never handed to the kernel's wait (its kernel socket carries
+//! no data, and always looks writable): its readiness is read from its clan stream. A wait
+//! that finds nothing ready spins briefly (`CLAN_SPIN_US`, default 20 µs) on the streams, then
+//! arms their readiness tripwires, looks once more, and sleeps in the kernel on the other
+//! descriptors together with the connections' event queues (whose descriptors the tripwires
+//! make readable).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use libc::{c_int, epoll_event, pollfd};
+
+use crate::conn::Conn;
+use crate::{real, table};
+
+/// Tag of our own entries in an application's epoll set (a queue's descriptor).
+const TAG: u64 = 0xC1A9_5EED_0000_0000;
+const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
+
+fn spin() -> Duration {
+    static US: AtomicU64 = AtomicU64::new(u64::MAX);
+    let mut us = US.load(Ordering::Relaxed);
+    if us == u64::MAX {
+        us = std::env::var("CLAN_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+        US.store(us, Ordering::Relaxed);
+    }
+    Duration::from_micros(us)
+}
+
+fn deadline(timeout_ms: c_int) -> Option<Instant> {
+    (timeout_ms >= 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64))
+}
+
+/// Milliseconds to `d` for the kernel (rounded up; -1: forever).
+fn ms_left(d: Option<Instant>) -> c_int {
+    match d {
+        None => -1,
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            left.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
+        }
+    }
+}
+
+fn queue_fd(c: &Conn) -> c_int {
+    use std::os::fd::AsRawFd;
+    c.queue.as_raw_fd()
+}
+
+/// `poll` events of an accelerated connection for interest `events`.
+fn poll_events(c: &Conn, events: i16) -> i16 {
+    let r = c.readiness();
+    let mut out = 0i16;
+    if r.readable {
+        out |= events & (libc::POLLIN | libc::POLLRDNORM);
+    }
+    if r.writable {
+        out |= events & (libc::POLLOUT | libc::POLLWRNORM);
+    }
+    if r.eof {
+        out |= events & libc::POLLRDHUP;
+    }
+    if r.error {
+        out |= libc::POLLERR | libc::POLLHUP;
+    }
+    out
+}
+
+/// `poll(2)` over `fds`, some of which may be accelerated.
+pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_int> {
+    let accel: Vec<(usize, Arc<Conn>)> =
+        fds.iter().enumerate().filter_map(|(i, p)| table::get(p.fd).map(|c| (i, c))).collect();
+    if accel.is_empty() {
+        return real::poll_fds(fds, timeout);
+    }
+    let end = deadline(timeout);
+    let spin_until = Instant::now() + spin();
+    // The kernel's part: accelerated entries hidden (a negative fd is ignored), and one
+    // entry per connection queue at the end (used only when sleeping).
+    let mut kern: Vec<pollfd> = fds.to_vec();
+    for (i, _) in &accel {
+        kern[*i].fd = -1;
+    }
+    let has_kernel = kern.iter().any(|p| p.fd >= 0);
+    loop {
+        let mut n = 0;
+        for (i, c) in &accel {
+            fds[*i].revents = poll_events(c, fds[*i].events);
+            n += usize::from(fds[*i].revents != 0);
+        }
+        if has_kernel {
+            for p in kern.iter_mut() {
+                p.revents = 0;
+            }
+            real::poll_fds(&mut kern, 0)?;
+            for (i, p) in kern.iter().enumerate() {
+                if p.fd >= 0 {
+                    fds[i].revents = p.revents;
+                    n += usize::from(p.revents != 0);
+                }
+            }
+        }
+        if n > 0 || timeout == 0 {
+            return Ok(n);
+        }
+        if end.is_some_and(|d| Instant::now() >= d) {
+            return Ok(0);
+        }
+        if Instant::now() < spin_until {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Sleep: arm, look again, then wait in the kernel with the queues.
+        let mut ready = false;
+        for (i, c) in &accel {
+            let ev = fds[*i].events;
+            let want_r = ev & (libc::POLLIN | libc::POLLRDNORM | libc::POLLRDHUP) != 0;
+            let want_w = ev & (libc::POLLOUT | libc::POLLWRNORM) != 0;
+            if !c.queue.arm() {
+                // Events pending: take them and look again.
+                c.drain();
+                ready = true;
+                continue;
+            }
+            ready |= !c.arm(want_r, want_w) || poll_events(c, ev) != 0;
+        }
+        if ready {
+            continue;
+        }
+        let mut sleep = kern.clone();
+        sleep.extend(accel.iter().map(|(_, c)| pollfd { fd: queue_fd(c), events: libc::POLLIN, revents: 0 }));
+        match real::poll_fds(&mut sleep, ms_left(end)) {
+            Ok(_) | Err(libc::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+        for (_, c) in &accel {
+            c.drain();
+        }
+    }
+}
+
+/// `select(2)` through [`poll`] when an accelerated descriptor is among the sets.
+pub(crate) fn select(
+    n: c_int,
+    r: Option<&mut libc::fd_set>,
+    w: Option<&mut libc::fd_set>,
+    e: Option<&mut libc::fd_set>,
+    timeout_ms: c_int,
+) -> Result<usize, c_int> {
+    let n = n.clamp(0, libc::FD_SETSIZE as c_int);
+    let isset = |s: &Option<&mut libc::fd_set>, fd: c_int| s.as_ref().is_some_and(|s| real::fd_isset(fd, s));
+    let mut fds = Vec::new();
+    for fd in 0..n {
+        let mut events = 0i16;
+        if isset(&r, fd) {
+            events |= libc::POLLIN;
+        }
+        if isset(&w, fd) {
+            events |= libc::POLLOUT;
+        }
+        if isset(&e, fd) {
+            events |= libc::POLLPRI;
+        }
+        if events != 0 {
+            fds.push(pollfd { fd, events, revents: 0 });
+        }
+    }
+    poll(&mut fds, timeout_ms)?;
+    let (mut r, mut w, mut e) = (r, w, e);
+    for s in [&mut r, &mut w, &mut e].into_iter().flatten() {
+        real::fd_zero(s);
+    }
+    let mut count = 0;
+    for p in &fds {
+        let bad = p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
+        if let Some(s) = r.as_deref_mut() {
+            if p.events & libc::POLLIN != 0 && (p.revents & libc::POLLIN != 0 || bad) {
+                real::fd_set(p.fd, s);
+                count += 1;
+            }
+        }
+        if let Some(s) = w.as_deref_mut() {
+            if p.events & libc::POLLOUT != 0 && (p.revents & libc::POLLOUT != 0 || bad) {
+                real::fd_set(p.fd, s);
+                count += 1;
+            }
+        }
+        if let Some(s) = e.as_deref_mut() {
+            if p.events & libc::POLLPRI != 0 && p.revents & libc::POLLPRI != 0 {
+                real::fd_set(p.fd, s);
+                count += 1;
+            }
+        }
+    }
+    Ok(count)
+}
+
+/// An accelerated descriptor in an epoll set.
+#[derive(Debug)]
+struct Member {
+    conn: Arc<Conn>,
+    events: u32,
+    data: u64,
+    /// What was last reported (edge-triggered: report again only when something moved).
+    last: (u32, u64, u64),
+    /// `EPOLLONESHOT` fired: nothing until `EPOLL_CTL_MOD`.
+    disabled: bool,
+}
+
+type Sets = HashMap<c_int, HashMap<c_int, Member>>;
+/// The accelerated members of each epoll set. Never held across a call into clan (whose
+/// engine thread waits in `epoll_wait` too: it must find out without this lock that its set
+/// is not ours, [`is_mixed`]).
+static SETS: LazyLock<Mutex<Sets>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn sets() -> std::sync::MutexGuard<'static, Sets> {
+    SETS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const MIXED_BITS: usize = 1 << 16;
+/// Epoll sets (below 65 536) holding accelerated members; `MIXED_HIGH` counts those above.
+static MIXED: [AtomicU64; MIXED_BITS / 64] = [const { AtomicU64::new(0) }; MIXED_BITS / 64];
+static MIXED_HIGH: AtomicU64 = AtomicU64::new(0);
+
+fn set_mixed(epfd: c_int, on: bool) {
+    let i = epfd as usize;
+    if i < MIXED_BITS {
+        let bit = 1u64 << (i % 64);
+        // Release: pairs with `is_mixed`'s Acquire (the members are in SETS before).
+        if on {
+            MIXED[i / 64].fetch_or(bit, Ordering::Release);
+        } else {
+            MIXED[i / 64].fetch_and(!bit, Ordering::Release);
+        }
+    } else if on {
+        MIXED_HIGH.fetch_add(1, Ordering::Release);
+    } else {
+        MIXED_HIGH.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// A member as seen at one moment: (fd, connection, events, data, last reported, disabled).
+type Snapshot = (c_int, Arc<Conn>, u32, u64, (u32, u64, u64), bool);
+
+/// Snapshot of a set's members, taken under the lock, used without it.
+fn members(epfd: c_int) -> Vec<Snapshot> {
+    sets()
+        .get(&epfd)
+        .map(|s| s.iter().map(|(fd, m)| (*fd, m.conn.clone(), m.events, m.data, m.last, m.disabled)).collect())
+        .unwrap_or_default()
+}
+
+/// `epoll_ctl` on an accelerated descriptor `fd`: kept here, its queue in the kernel's set.
+pub(crate) fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    conn: Arc<Conn>,
+    ev: Option<(u32, u64)>,
+) -> Result<(), c_int> {
+    let mut all = sets();
+    let set = all.entry(epfd).or_default();
+    match op {
+        libc::EPOLL_CTL_ADD => {
+            if set.contains_key(&fd) {
+                return Err(libc::EEXIST);
+            }
+            let (events, data) = ev.ok_or(libc::EFAULT)?;
+            let qfd = queue_fd(&conn);
+            match real::epoll_control(epfd, libc::EPOLL_CTL_ADD, qfd, libc::EPOLLIN as u32, TAG | fd as u32 as u64) {
+                Ok(()) | Err(libc::EEXIST) => {}
+                Err(e) => return Err(e),
+            }
+            set.insert(fd, Member { conn, events, data, last: (0, 0, 0), disabled: false });
+            if set.len() == 1 {
+                set_mixed(epfd, true);
+            }
+            Ok(())
+        }
+        libc::EPOLL_CTL_MOD => {
+            let m = set.get_mut(&fd).ok_or(libc::ENOENT)?;
+            let (events, data) = ev.ok_or(libc::EFAULT)?;
+            (m.events, m.data, m.last, m.disabled) = (events, data, (0, 0, 0), false);
+            Ok(())
+        }
+        libc::EPOLL_CTL_DEL => {
+            let m = set.remove(&fd).ok_or(libc::ENOENT)?;
+            if set.is_empty() {
+                set_mixed(epfd, false);
+            }
+            let _ = real::epoll_control(epfd, libc::EPOLL_CTL_DEL, queue_fd(&m.conn), 0, 0);
+            Ok(())
+        }
+        _ => Err(libc::EINVAL),
+    }
+}
+
+/// `fd` was closed: it leaves every epoll set (as the kernel does when the last
+/// descriptor of an open file closes), and if it was an epoll set, that set is forgotten.
+pub(crate) fn forget(fd: c_int) {
+    if !is_mixed(fd) && !table::is_marked(fd) {
+        return;
+    }
+    let mut all = sets();
+    if all.remove(&fd).is_some_and(|s| !s.is_empty()) {
+        set_mixed(fd, false);
+    }
+    for (epfd, set) in all.iter_mut() {
+        if set.remove(&fd).is_some() && set.is_empty() {
+            set_mixed(*epfd, false);
+        }
+    }
+}
+
+fn epoll_bits(conn: &Conn, events: u32) -> (u32, u64, u64) {
+    let r = conn.readiness();
+    let mut b = 0u32;
+    if r.readable {
+        b |= libc::EPOLLIN as u32 | libc::EPOLLRDNORM as u32;
+    }
+    if r.writable {
+        b |= libc::EPOLLOUT as u32 | libc::EPOLLWRNORM as u32;
+    }
+    if r.eof {
+        b |= libc::EPOLLRDHUP as u32;
+    }
+    if r.error {
+        b |= libc::EPOLLERR as u32 | libc::EPOLLHUP as u32;
+    }
+    let always = libc::EPOLLERR as u32 | libc::EPOLLHUP as u32;
+    (b & (events | always), r.rx_landed, r.tx_freed)
+}
+
+/// Collect the ready accelerated members of `epfd` into `out` (at most `max`).
+fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
+    let mut report = Vec::new();
+    for (fd, conn, events, data, last, disabled) in members(epfd) {
+        if out.len() >= max {
+            break;
+        }
+        if disabled {
+            continue;
+        }
+        let now = epoll_bits(&conn, events);
+        if now.0 == 0 || (events & libc::EPOLLET as u32 != 0 && now == last) {
+            continue;
+        }
+        out.push(epoll_event { events: now.0, u64: data });
+        report.push((fd, now, events & libc::EPOLLONESHOT as u32 != 0));
+    }
+    if !report.is_empty() {
+        let mut all = sets();
+        if let Some(set) = all.get_mut(&epfd) {
+            for (fd, now, oneshot) in report {
+                if let Some(m) = set.get_mut(&fd) {
+                    m.last = now;
+                    m.disabled |= oneshot;
+                }
+            }
+        }
+    }
+}
+
+/// Arm the members of `epfd` for what they wait for; false if one is ready meanwhile.
+fn arm(epfd: c_int) -> bool {
+    for (_, conn, events, _, last, disabled) in members(epfd) {
+        if disabled {
+            continue;
+        }
+        let want_r = events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0;
+        let want_w = events & libc::EPOLLOUT as u32 != 0;
+        if !conn.queue.arm() {
+            conn.drain();
+            return false;
+        }
+        if !conn.arm(want_r, want_w) {
+            return false;
+        }
+        let now = epoll_bits(&conn, events);
+        let et = events & libc::EPOLLET as u32 != 0;
+        if now.0 != 0 && (!et || now != last) {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether `epfd` holds accelerated descriptors (no lock: the engine threads of clan itself
+/// ask this on every wait of theirs).
+pub(crate) fn is_mixed(epfd: c_int) -> bool {
+    if epfd < 0 {
+        return false;
+    }
+    let i = epfd as usize;
+    if i < MIXED_BITS {
+        // SYNC POINT: pairs with `set_mixed`'s Release.
+        MIXED[i / 64].load(Ordering::Acquire) & (1u64 << (i % 64)) != 0
+    } else {
+        MIXED_HIGH.load(Ordering::Acquire) > 0
+    }
+}
+
+/// `epoll_wait` on a set holding accelerated descriptors.
+pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -> Result<usize, c_int> {
+    let max = out.len();
+    let end = deadline(timeout);
+    let spin_until = Instant::now() + spin();
+    let mut got: Vec<epoll_event> = Vec::with_capacity(max);
+    let mut kern = vec![epoll_event { events: 0, u64: 0 }; max];
+    loop {
+        got.clear();
+        collect(epfd, &mut got, max);
+        let sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
+        let armed = sleep && arm(epfd);
+        let wait = if armed { ms_left(end) } else { 0 };
+        let n = match real::epoll_wait_into(epfd, &mut kern[..max - got.len()], wait) {
+            Ok(n) => n,
+            Err(libc::EINTR) if !got.is_empty() => 0,
+            Err(e) => return Err(e),
+        };
+        let mut woke = false;
+        for ev in &kern[..n] {
+            if ev.u64 & TAG_MASK == TAG {
+                woke = true;
+                if let Some(c) = table::get((ev.u64 & !TAG_MASK) as c_int) {
+                    c.drain();
+                }
+            } else {
+                got.push(*ev);
+            }
+        }
+        if woke {
+            // Drain every member's queue (a tag can name a descriptor since reused).
+            for (_, conn, ..) in members(epfd) {
+                conn.drain();
+            }
+            if got.len() < max {
+                collect(epfd, &mut got, max);
+            }
+        }
+        if !got.is_empty() || timeout == 0 || end.is_some_and(|d| Instant::now() >= d) {
+            let k = got.len().min(max);
+            out[..k].copy_from_slice(&got[..k]);
+            return Ok(k);
+        }
+        if !armed {
+            std::hint::spin_loop();
+        }
+    }
+}

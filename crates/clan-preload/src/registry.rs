@@ -1,0 +1,410 @@
+//! Deciding, before the first byte, whether a TCP connection is carried over clan.
+//!
+//! A clan-run process that listens on a TCP port registers the port under an abstract Unix
+//! name (`clan-run/<ip>:<port>`, in its network namespace, gone when the process is) served
+//! by a thread of this library, never by the application. A clan-run client connecting to
+//! a local address looks the name up **before** its kernel `connect` and *claims* the
+//! connection: it passes its socket itself (`SCM_RIGHTS`: proof of what it claims) and
+//! gets a token and the server's clan address back. Then it connects the kernel socket, and
+//! a clan stream to the server's runtime, on which it sends the token first. The server's
+//! `accept` finds the accepted connection's peer socket (its inode, from `/proc/net/tcp`)
+//! among the claims, and takes the clan stream that brought that token. Any failure on the
+//! way leaves the connection to the kernel, on both sides, before a byte was sent; a plain
+//! client (no claim) costs the server's `accept` nothing when no claim is pending.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use clan::{EndpointAddr, EventQueue, EventQueueConfig, Nic, NicConfig};
+use clan_proto::stream::{Listener, Stream, StreamConfig};
+use clan_shm::seqpacket::SeqPacket;
+use libc::c_int;
+
+use crate::conn::Conn;
+use crate::real;
+
+/// How long a claim waits for its connection to be accepted.
+const CLAIM_LIFE: Duration = Duration::from_secs(30);
+/// How long `accept` waits for the clan stream of a claimed connection.
+const ATTACH_WAIT: Duration = Duration::from_secs(5);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This process's clan side: a NIC, and a stream listener whose thread takes the clan
+/// streams of claimed connections.
+pub(crate) struct Runtime {
+    nic: Nic,
+    addr: EndpointAddr,
+    /// Streams that arrived with a token, until their connection is accepted.
+    attached: Mutex<HashMap<u64, Attach>>,
+    cv: Condvar,
+    next_token: AtomicU64,
+}
+
+enum Attach {
+    Ready(Stream, EventQueue),
+    Declined,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+static RUNTIME: OnceLock<Option<Arc<Runtime>>> = OnceLock::new();
+
+/// The runtime, started on first use (None: clan cannot run here; everything stays with the
+/// kernel).
+pub(crate) fn runtime() -> Option<&'static Arc<Runtime>> {
+    RUNTIME
+        .get_or_init(|| match Runtime::start() {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!("clan run: clan is not available ({e}); every socket stays with the kernel");
+                None
+            }
+        })
+        .as_ref()
+}
+
+fn small_queue(nic: &Nic) -> io::Result<EventQueue> {
+    nic.event_queue(EventQueueConfig { ring_capacity: 64, tripwires: 64, ..EventQueueConfig::default() })
+        .map_err(io::Error::other)
+}
+
+impl Runtime {
+    fn start() -> io::Result<Arc<Runtime>> {
+        crate::hooks::on_fork_handlers();
+        let nic = Nic::open(NicConfig { tcp: false, ..NicConfig::default() }).map_err(io::Error::other)?;
+        let listener = Listener::bind(&nic)?;
+        let rt = Arc::new(Runtime {
+            addr: listener.local_addr(),
+            nic,
+            attached: Mutex::new(HashMap::new()),
+            cv: Condvar::new(),
+            next_token: AtomicU64::new(u64::from(std::process::id()) << 32 | 1),
+        });
+        let weak = Arc::downgrade(&rt);
+        std::thread::Builder::new().name("clan-run-accept".into()).spawn(move || take_streams(weak, listener))?;
+        Ok(rt)
+    }
+
+    fn token(&self) -> u64 {
+        self.next_token.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Wait for the clan stream that brings `token` (None: declined, or not in time).
+    fn wait_attached(&self, token: u64) -> Option<(Stream, EventQueue)> {
+        let deadline = Instant::now() + ATTACH_WAIT;
+        let mut m = lock(&self.attached);
+        loop {
+            match m.remove(&token) {
+                Some(Attach::Ready(s, q)) => return Some((s, q)),
+                Some(Attach::Declined) => return None,
+                None => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            m = self.cv.wait_timeout(m, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn decline(&self, token: u64) {
+        lock(&self.attached).insert(token, Attach::Declined);
+        self.cv.notify_all();
+    }
+}
+
+/// The runtime's thread: accept clan streams, each with its own queue, and file each under
+/// the token it sends first.
+fn take_streams(rt: Weak<Runtime>, listener: Listener) {
+    let mut queue = None;
+    loop {
+        let Some(r) = rt.upgrade() else { return };
+        if queue.is_none() {
+            queue = small_queue(&r.nic).ok();
+        }
+        let Some(q) = queue.as_ref() else {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        };
+        match listener.accept_to(q, Duration::from_millis(500)) {
+            Ok((s, _)) => {
+                let q = queue.take().expect("a queue");
+                let mut tok = [0u8; 8];
+                let _ = s.set_read_timeout(Some(ATTACH_WAIT));
+                if (&s).read_exact(&mut tok).is_ok() {
+                    let _ = s.set_read_timeout(None);
+                    lock(&r.attached).insert(u64::from_le_bytes(tok), Attach::Ready(s, q));
+                    r.cv.notify_all();
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+        // Forget streams nobody accepted (their client gave up, or the server never accepts).
+        let mut m = lock(&r.attached);
+        if m.len() > 4096 {
+            m.clear();
+        }
+    }
+}
+
+/// A registered listening socket.
+#[derive(Debug)]
+pub(crate) struct Registered {
+    /// Claims not yet accepted: the claimant's socket inode → (token, expiry).
+    pending: Mutex<HashMap<u64, (u64, Instant)>>,
+    closed: AtomicBool,
+}
+
+static LISTENERS: OnceLock<Mutex<HashMap<c_int, Arc<Registered>>>> = OnceLock::new();
+
+fn listeners() -> &'static Mutex<HashMap<c_int, Arc<Registered>>> {
+    LISTENERS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn name(addr: SocketAddr) -> Vec<u8> {
+    format!("clan-run/{addr}").into_bytes()
+}
+
+/// Whether `fd` is a TCP socket, and its bound address.
+fn tcp_local(fd: c_int) -> Option<SocketAddr> {
+    real::with_fd(fd, |b| {
+        if rustix::net::sockopt::socket_type(b).ok()? != rustix::net::SocketType::STREAM {
+            return None;
+        }
+        let a = rustix::net::getsockname(b).ok()?;
+        SocketAddr::try_from(a).ok()
+    })
+}
+
+fn peer_of(fd: c_int) -> Option<SocketAddr> {
+    real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getpeername(b).ok()??).ok())
+}
+
+/// `listen` succeeded on `fd`: register its port for clan-run clients.
+pub(crate) fn on_listen(fd: c_int) {
+    let Some(local) = tcp_local(fd) else { return };
+    if lock(listeners()).contains_key(&fd) {
+        return;
+    }
+    let Some(rt) = runtime() else { return };
+    let sock = match SeqPacket::listen_abstract(&name(local)) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(%local, "clan run: not registering the listener: {e}");
+            return;
+        }
+    };
+    let reg = Arc::new(Registered { pending: Mutex::new(HashMap::new()), closed: AtomicBool::new(false) });
+    lock(listeners()).insert(fd, reg.clone());
+    let rt = rt.clone();
+    let _ = std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg, sock));
+    tracing::debug!(%local, "clan run: listener registered");
+}
+
+/// After a `fork` in the parent: no listener takes claims any more.
+pub(crate) fn stop_claims() {
+    if let Some(m) = LISTENERS.get() {
+        // (no allocation, no blocking: a lock that a thread of ours could hold at the fork
+        // is only ever held briefly, and this runs in the parent, whose threads go on)
+        if let Ok(mut m) = m.try_lock() {
+            for r in m.values() {
+                r.closed.store(true, Ordering::Release);
+            }
+            m.clear();
+        }
+    }
+}
+
+/// The listening socket `fd` is being closed.
+pub(crate) fn on_close(fd: c_int) {
+    if let Some(m) = LISTENERS.get() {
+        if let Some(r) = lock(m).remove(&fd) {
+            r.closed.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Claims for one listener: `CLAIM` + the claimant's socket (SCM_RIGHTS) → `OK` + token +
+/// our clan address; `DECLINE` + token → the claim is dropped.
+fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
+    let _ = sock.set_timeouts(Duration::from_millis(200));
+    let _ = sock.set_nonblocking(true);
+    let mut conns: Vec<(SeqPacket, Vec<u64>)> = Vec::new();
+    let mut buf = [0u8; 256];
+    while !reg.closed.load(Ordering::Acquire) {
+        while let Ok(Some(c)) = sock.accept() {
+            let _ = c.set_nonblocking(true);
+            conns.push((c, Vec::new()));
+        }
+        let mut busy = false;
+        conns.retain_mut(|(c, tokens)| match c.recv(&mut buf) {
+            Ok(m) if m.len == 0 => false,
+            Ok(m) => {
+                busy = true;
+                let msg = &buf[..m.len];
+                if msg.starts_with(b"CLAIM") && m.fds.len() == 1 && !m.truncated {
+                    let reply = claim(&rt, &reg, &m.fds[0], c);
+                    if let Some(t) = reply.1 {
+                        tokens.push(t);
+                    }
+                    let _ = c.send(&reply.0, &[]);
+                } else if msg.starts_with(b"DECLINE") && msg.len() == 15 {
+                    let t = u64::from_le_bytes(msg[7..15].try_into().unwrap_or_default());
+                    if tokens.contains(&t) {
+                        lock(&reg.pending).retain(|_, (tok, _)| *tok != t);
+                        rt.decline(t);
+                    }
+                }
+                true
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => true,
+            Err(_) => false,
+        });
+        lock(&reg.pending).retain(|_, (_, exp)| *exp > Instant::now());
+        if !busy {
+            // No claim in flight: look again soon (a claim costs its client one round trip
+            // to this thread; a sleeping thread answers within this pause).
+            let mut fds = vec![libc::pollfd { fd: raw(&sock), events: libc::POLLIN, revents: 0 }];
+            fds.extend(conns.iter().map(|(c, _)| libc::pollfd { fd: raw(c), events: libc::POLLIN, revents: 0 }));
+            let _ = real::poll_fds(&mut fds, 200);
+        }
+    }
+}
+
+fn raw(s: &SeqPacket) -> c_int {
+    use std::os::fd::{AsFd, AsRawFd};
+    s.as_fd().as_raw_fd()
+}
+
+/// Answer one claim: verify the socket passed is what it says (its inode), record it.
+fn claim(rt: &Runtime, reg: &Registered, sock: &std::os::fd::OwnedFd, from: &SeqPacket) -> (Vec<u8>, Option<u64>) {
+    let Ok(st) = rustix::fs::fstat(sock) else { return (b"NO".to_vec(), None) };
+    // The claimant must own the socket it passed: same user.
+    match from.peer_cred() {
+        Ok(c) if c.uid == st.st_uid => {}
+        _ => return (b"NO".to_vec(), None),
+    }
+    let token = rt.token();
+    let mut p = lock(&reg.pending);
+    if p.len() >= 65536 {
+        return (b"NO".to_vec(), None);
+    }
+    p.insert(st.st_ino, (token, Instant::now() + CLAIM_LIFE));
+    let mut reply = b"OK".to_vec();
+    reply.extend_from_slice(&token.to_le_bytes());
+    reply.extend_from_slice(rt.addr.to_string().as_bytes());
+    (reply, Some(token))
+}
+
+/// Whether `ip` is an address of this host (loopback, or one a socket can bind).
+fn is_local(ip: IpAddr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    if let IpAddr::V6(v6) = ip {
+        if let Some(v4) = v6.to_ipv4_mapped() {
+            return is_local(IpAddr::V4(v4));
+        }
+    }
+    let family = if ip.is_ipv4() { rustix::net::AddressFamily::INET } else { rustix::net::AddressFamily::INET6 };
+    let Ok(s) = rustix::net::socket(family, rustix::net::SocketType::DGRAM, None) else { return false };
+    rustix::net::bind(&s, &SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// What `connect` should do after a claim.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    token: u64,
+    server: EndpointAddr,
+    chan: SeqPacket,
+}
+
+/// Before the kernel `connect` of `fd` to `dest`: claim the connection if a clan-run
+/// process listens there. None: a plain connection.
+pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claimed> {
+    tcp_local(fd)?;
+    if !is_local(dest.ip()) {
+        return None;
+    }
+    let unspecified = match dest {
+        SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), dest.port()),
+        SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), dest.port()),
+    };
+    let mapped_any = SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), dest.port());
+    let chan = [dest, unspecified, mapped_any].into_iter().find_map(|a| SeqPacket::connect_abstract(&name(a)).ok())?;
+    runtime()?;
+    let _ = chan.set_timeouts(Duration::from_secs(5));
+    real::with_fd(fd, |b| chan.send(b"CLAIM", &[b])).ok()?;
+    let mut buf = [0u8; 256];
+    let m = chan.recv(&mut buf).ok()?;
+    let r = &buf[..m.len];
+    if !r.starts_with(b"OK") || r.len() < 10 {
+        return None;
+    }
+    let token = u64::from_le_bytes(r[2..10].try_into().ok()?);
+    let server: EndpointAddr = std::str::from_utf8(&r[10..]).ok()?.parse().ok()?;
+    Some(Claimed { token, server, chan })
+}
+
+impl Claimed {
+    /// The kernel connection is up: connect the clan stream and send the token. None: the
+    /// claim is withdrawn and the connection stays with the kernel.
+    pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
+        let r = (|| {
+            if peer_of(fd) != Some(dest) {
+                return None;
+            }
+            let rt = runtime()?;
+            let q = small_queue(&rt.nic).ok()?;
+            let s = Stream::connect_to(&rt.nic, self.server, &StreamConfig::default(), &q).ok()?;
+            (&s).write_all(&self.token.to_le_bytes()).ok()?;
+            Conn::new(s, q, nonblock).ok()
+        })();
+        if r.is_none() {
+            self.withdraw();
+        }
+        r
+    }
+
+    /// The connection will not be accelerated: tell the server now (its `accept` need not
+    /// wait for a stream).
+    pub(crate) fn withdraw(self) {
+        let mut m = b"DECLINE".to_vec();
+        m.extend_from_slice(&self.token.to_le_bytes());
+        let _ = self.chan.send(&m, &[]);
+    }
+}
+
+/// `accept` returned `fd` on the listening socket `lfd`: take its clan stream if it was
+/// claimed. None: a plain connection.
+pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
+    let reg = lock(listeners()).get(&lfd).cloned()?;
+    if lock(&reg.pending).is_empty() {
+        return None;
+    }
+    let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
+    let peer = peer_of(fd)?;
+    let inode = crate::procnet::inode_of(peer, local)?;
+    let (token, _) = lock(&reg.pending).remove(&inode)?;
+    let rt = runtime()?;
+    let (s, q) = rt.wait_attached(token)?;
+    match Conn::new(s, q, nonblock) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!("clan run: a claimed connection could not be set up: {e}");
+            None
+        }
+    }
+}
