@@ -396,3 +396,64 @@ impl Drop for KillOnDrop<'_> {
         let _ = self.0.wait();
     }
 }
+
+/// sockperf (when installed): ping-pong and throughput over TCP with both sides under
+/// `clan run`, the connection over clan. Its client ends the test with `SIGALRM` (a handler
+/// without `SA_RESTART`): a blocked receive must return `EINTR` then, as the kernel's does,
+/// or it reports a corrupt sequence.
+#[test]
+fn sockperf_over_clan() {
+    if Command::new("sockperf").arg("--version").output().is_err() {
+        assert!(std::env::var_os("CI").is_none(), "CI installs sockperf");
+        eprintln!("sockperf is not installed: skipped");
+        return;
+    }
+    for mode in ["ping-pong", "throughput"] {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port().to_string()
+        };
+        let mut server = Command::new(CLAN)
+            .args(["run", "--", "sockperf", "server", "--tcp", "-i", "127.0.0.1", "-p", &port])
+            .env("CLAN_RUN_DEBUG", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "sockperf server did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // (that probe connection was a plain one: the client below is the clan one)
+        let out = Command::new("timeout")
+            .args([
+                "60",
+                CLAN,
+                "run",
+                "--",
+                "sockperf",
+                mode,
+                "--tcp",
+                "-i",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-t",
+                "1",
+                "-m",
+                "64",
+            ])
+            .env("CLAN_RUN_DEBUG", "1")
+            .output()
+            .unwrap();
+        let _ = server.kill();
+        let _ = server.wait();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "sockperf {mode} failed: {text}");
+        assert!(!text.contains("ERROR"), "sockperf {mode}: {text}");
+        assert_eq!(over_clan(&text), 1, "sockperf {mode} was not over clan: {text}");
+        let want = if mode == "ping-pong" { "avg-latency" } else { "Message Rate" };
+        assert!(text.contains(want), "sockperf {mode} reported nothing: {text}");
+    }
+}

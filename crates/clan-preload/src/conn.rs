@@ -4,7 +4,7 @@
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clan::{EventQueue, Tripwire};
 use clan_proto::stream::{Readiness, Stream};
@@ -63,7 +63,8 @@ pub(crate) fn errno_of(e: &io::Error) -> c_int {
 impl Conn {
     pub fn new(stream: Stream, queue: EventQueue, nonblock: bool) -> io::Result<Conn> {
         let (data, space) = stream.readiness_tripwires(1, 2)?;
-        stream.set_nonblocking(nonblock)?;
+        // The stream never blocks: waiting is done here, where a signal can interrupt it.
+        stream.set_nonblocking(true)?;
         Ok(Conn { stream, queue, data, space, nonblock: AtomicBool::new(nonblock) })
     }
 
@@ -73,7 +74,6 @@ impl Conn {
 
     pub fn set_nonblocking(&self, on: bool) {
         self.nonblock.store(on, Ordering::Release);
-        let _ = self.stream.set_nonblocking(on);
     }
 
     pub fn readiness(&self) -> Readiness {
@@ -92,77 +92,120 @@ impl Conn {
         while self.queue.try_take().is_some() {}
     }
 
-    /// Wait until a read (or a write) would not block, or `deadline`.
-    fn wait(&self, read: bool, deadline: Option<Instant>) {
+    /// Wait until a read (or a write) would not block: spin a little, then arm the
+    /// tripwire and sleep in the kernel on the connection's queue. `EINTR` when a signal
+    /// with a handler installed without `SA_RESTART` interrupted the sleep; `EAGAIN` when the
+    /// socket's `SO_RCVTIMEO` / `SO_SNDTIMEO` (set on the kernel socket `fd`) passed.
+    fn block(&self, fd: c_int, read: bool, since: Instant) -> Result<(), c_int> {
         let ready = |r: Readiness| if read { r.readable } else { r.writable };
-        if ready(self.readiness()) {
-            return;
+        let spin_until = Instant::now() + crate::ready::spin();
+        while Instant::now() < spin_until {
+            if ready(self.readiness()) {
+                return Ok(());
+            }
+            std::hint::spin_loop();
         }
+        let limit = crate::real::with_fd(fd, |b| {
+            let dir = if read { rustix::net::sockopt::Timeout::Recv } else { rustix::net::sockopt::Timeout::Send };
+            rustix::net::sockopt::socket_timeout(b, dir).ok().flatten()
+        });
         let tw = if read { &self.data } else { &self.space };
-        if tw.arm().is_err() || ready(self.readiness()) {
-            return;
+        loop {
+            if !self.queue.arm() {
+                self.drain();
+                return Ok(());
+            }
+            if tw.arm().is_err() || ready(self.readiness()) {
+                return Ok(());
+            }
+            let ms = match limit {
+                None => -1,
+                Some(l) => {
+                    let left = l.saturating_sub(since.elapsed());
+                    if left.is_zero() {
+                        return Err(libc::EAGAIN);
+                    }
+                    left.as_millis().clamp(1, c_int::MAX as u128) as c_int
+                }
+            };
+            use std::os::fd::AsRawFd;
+            let mut p = [libc::pollfd { fd: self.queue.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            match crate::real::poll_fds(&mut p, ms) {
+                Ok(_) => {
+                    self.drain();
+                    return Ok(());
+                }
+                Err(libc::EINTR) if crate::real::any_handler_without_restart() => return Err(libc::EINTR),
+                Err(libc::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
         }
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let _ = tw.wait(left.or(Some(Duration::from_millis(200))));
-        self.drain();
     }
 
-    pub fn read(&self, buf: &mut [u8], f: Flags) -> Result<usize, c_int> {
+    pub fn read(&self, fd: c_int, buf: &mut [u8], f: Flags) -> Result<usize, c_int> {
         if buf.is_empty() {
             return Ok(0);
         }
         let nb = f.dontwait || self.nonblocking();
-        if f.peek {
-            loop {
-                let n = self.stream.peek(buf).map_err(|e| errno_of(&e))?;
-                if n > 0 {
-                    return Ok(n);
-                }
-                let r = self.readiness();
-                if r.eof {
-                    return Ok(0);
-                }
-                if r.error {
-                    return Err(libc::ECONNRESET);
-                }
-                if nb {
-                    return Err(libc::EAGAIN);
-                }
-                self.wait(true, None);
-            }
-        }
-        if f.dontwait && !self.nonblocking() && !self.readiness().readable {
-            return Err(libc::EAGAIN);
-        }
+        let since = Instant::now();
         let mut done = 0;
         loop {
-            match (&self.stream).read(&mut buf[done..]) {
+            let r = if f.peek { self.stream.peek(&mut buf[done..]) } else { (&self.stream).read(&mut buf[done..]) };
+            match r {
+                Ok(0) if f.peek && !self.readiness().eof && !self.readiness().error => {}
                 Ok(0) => return Ok(done),
                 Ok(n) => {
                     done += n;
-                    if !f.waitall || done == buf.len() || nb {
+                    if f.peek || !f.waitall || done == buf.len() {
                         return Ok(done);
                     }
                 }
-                Err(e) if done > 0 && e.kind() == io::ErrorKind::WouldBlock => return Ok(done),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return if done > 0 { Ok(done) } else { Err(errno_of(&e)) },
+            }
+            if nb {
+                return if done > 0 { Ok(done) } else { Err(libc::EAGAIN) };
+            }
+            if let Err(e) = self.block(fd, true, since) {
+                return if done > 0 { Ok(done) } else { Err(e) };
             }
         }
     }
 
-    pub fn write(&self, buf: &[u8], f: Flags) -> Result<usize, c_int> {
-        if f.dontwait && !self.nonblocking() && !self.readiness().writable {
-            return Err(libc::EAGAIN);
-        }
-        match (&self.stream).write(buf) {
-            Ok(n) => Ok(n),
-            Err(e) => {
-                let n = errno_of(&e);
-                if n == libc::EPIPE && !f.nosignal {
-                    crate::real::raise_sigpipe();
+    pub fn write(&self, fd: c_int, buf: &[u8], f: Flags) -> Result<usize, c_int> {
+        // A blocking socket's send returns when everything was sent (as the kernel's does:
+        // programs rely on it); a non-blocking one returns what fitted.
+        let nb = f.dontwait || self.nonblocking();
+        let since = Instant::now();
+        let mut done = 0;
+        loop {
+            match (&self.stream).write(&buf[done..]) {
+                Ok(n) => {
+                    done += n;
+                    if done == buf.len() || (nb && n > 0) {
+                        return Ok(done);
+                    }
+                    if n > 0 {
+                        continue;
+                    }
                 }
-                Err(n)
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) if done > 0 => return Ok(done),
+                Err(e) => {
+                    let n = errno_of(&e);
+                    if n == libc::EPIPE && !f.nosignal {
+                        crate::real::raise_sigpipe();
+                    }
+                    return Err(n);
+                }
+            }
+            if nb {
+                return if done > 0 { Ok(done) } else { Err(libc::EAGAIN) };
+            }
+            if let Err(e) = self.block(fd, false, since) {
+                return if done > 0 { Ok(done) } else { Err(e) };
             }
         }
     }

@@ -214,7 +214,7 @@ unsafe fn buf_ref<'a>(buf: *const c_void, n: size_t) -> &'a [u8] {
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's buffer.
-        Some(c) => ret(c.read(unsafe { buf_mut(buf, n) }, Flags::default())),
+        Some(c) => ret(c.read(fd, unsafe { buf_mut(buf, n) }, Flags::default())),
         // SAFETY: forwarded.
         None => unsafe { real::read(fd, buf, n) },
     }
@@ -233,7 +233,7 @@ pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, bufl
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's buffer.
-        Some(c) => ret(c.read(unsafe { buf_mut(buf, n) }, Flags::from_msg(flags))),
+        Some(c) => ret(c.read(fd, unsafe { buf_mut(buf, n) }, Flags::from_msg(flags))),
         // SAFETY: forwarded.
         None => unsafe { real::recv(fd, buf, n, flags) },
     }
@@ -265,7 +265,7 @@ pub unsafe extern "C" fn recvfrom(
                 unsafe { *len = 0 };
             }
             // SAFETY: the application's buffer.
-            ret(c.read(unsafe { buf_mut(buf, n) }, Flags::from_msg(flags)))
+            ret(c.read(fd, unsafe { buf_mut(buf, n) }, Flags::from_msg(flags)))
         }
         // SAFETY: forwarded.
         None => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
@@ -302,14 +302,14 @@ unsafe fn iovs<'a>(iov: *const libc::iovec, n: c_int) -> Vec<&'a mut [u8]> {
 
 /// Scatter a read over `bufs`: the first part waits as the call would, the rest takes only
 /// what is there.
-fn read_scatter(c: &crate::conn::Conn, bufs: Vec<&mut [u8]>, f: Flags) -> Result<usize, c_int> {
+fn read_scatter(c: &crate::conn::Conn, fd: c_int, bufs: Vec<&mut [u8]>, f: Flags) -> Result<usize, c_int> {
     let mut done = 0;
     for (i, b) in bufs.into_iter().enumerate() {
         if b.is_empty() {
             continue;
         }
         let flags = if i == 0 || done == 0 { f } else { Flags { dontwait: true, ..f } };
-        match c.read(b, flags) {
+        match c.read(fd, b, flags) {
             Ok(n) => {
                 done += n;
                 if n < b.len() {
@@ -327,7 +327,7 @@ fn read_scatter(c: &crate::conn::Conn, bufs: Vec<&mut [u8]>, f: Flags) -> Result
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's iovecs.
-        Some(c) => ret(read_scatter(&c, unsafe { iovs(iov, n) }, Flags::default())),
+        Some(c) => ret(read_scatter(&c, fd, unsafe { iovs(iov, n) }, Flags::default())),
         // SAFETY: forwarded.
         None => unsafe { real::readv(fd, iov, n) },
     }
@@ -343,7 +343,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int
             m.msg_controllen = 0;
             m.msg_flags = 0;
             // SAFETY: its iovecs.
-            ret(read_scatter(&c, unsafe { iovs(m.msg_iov, m.msg_iovlen as c_int) }, Flags::from_msg(flags)))
+            ret(read_scatter(&c, fd, unsafe { iovs(m.msg_iov, m.msg_iovlen as c_int) }, Flags::from_msg(flags)))
         }
         // SAFETY: forwarded.
         _ => unsafe { real::recvmsg(fd, msg, flags) },
@@ -354,7 +354,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's buffer.
-        Some(c) => ret(c.write(unsafe { buf_ref(buf, n) }, Flags::default())),
+        Some(c) => ret(c.write(fd, unsafe { buf_ref(buf, n) }, Flags::default())),
         // SAFETY: forwarded.
         None => unsafe { real::write(fd, buf, n) },
     }
@@ -364,7 +364,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's buffer.
-        Some(c) => ret(c.write(unsafe { buf_ref(buf, n) }, Flags::from_msg(flags))),
+        Some(c) => ret(c.write(fd, unsafe { buf_ref(buf, n) }, Flags::from_msg(flags))),
         // SAFETY: forwarded.
         None => unsafe { real::send(fd, buf, n, flags) },
     }
@@ -381,7 +381,7 @@ pub unsafe extern "C" fn sendto(
 ) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's buffer (a connected stream ignores the address).
-        Some(c) => ret(c.write(unsafe { buf_ref(buf, n) }, Flags::from_msg(flags))),
+        Some(c) => ret(c.write(fd, unsafe { buf_ref(buf, n) }, Flags::from_msg(flags))),
         // SAFETY: forwarded.
         None => unsafe { real::sendto(fd, buf, n, flags, addr, len) },
     }
@@ -405,7 +405,7 @@ unsafe fn gather(iov: *const libc::iovec, n: c_int) -> Vec<u8> {
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const libc::iovec, n: c_int) -> ssize_t {
     match table::get(fd) {
         // SAFETY: the application's iovecs.
-        Some(c) => ret(c.write(&unsafe { gather(iov, n) }, Flags::default())),
+        Some(c) => ret(c.write(fd, &unsafe { gather(iov, n) }, Flags::default())),
         // SAFETY: forwarded.
         None => unsafe { real::writev(fd, iov, n) },
     }
@@ -417,7 +417,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_i
         Some(c) if !msg.is_null() => {
             // SAFETY: the application's message header and its iovecs.
             let data = unsafe { gather((*msg).msg_iov, (*msg).msg_iovlen as c_int) };
-            ret(c.write(&data, Flags::from_msg(flags)))
+            ret(c.write(fd, &data, Flags::from_msg(flags)))
         }
         // SAFETY: forwarded.
         _ => unsafe { real::sendmsg(fd, msg, flags) },
@@ -442,7 +442,7 @@ pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t,
     if n <= 0 {
         return n;
     }
-    match c.write(&buf[..n as usize], Flags::default()) {
+    match c.write(out, &buf[..n as usize], Flags::default()) {
         Ok(w) => {
             if !off.is_null() {
                 // SAFETY: as above.

@@ -22,7 +22,7 @@ use crate::{real, table};
 const TAG: u64 = 0xC1A9_5EED_0000_0000;
 const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
 
-fn spin() -> Duration {
+pub(crate) fn spin() -> Duration {
     static US: AtomicU64 = AtomicU64::new(u64::MAX);
     let mut us = US.load(Ordering::Relaxed);
     if us == u64::MAX {

@@ -144,3 +144,22 @@ pub(crate) fn fd_zero(s: &mut libc::fd_set) {
     // SAFETY: `s` is a valid set.
     unsafe { libc::FD_ZERO(s) }
 }
+
+/// Whether a signal handler is installed without `SA_RESTART` (then a blocking call a signal
+/// interrupts returns `EINTR`, as the kernel's would for that handler; we cannot tell which
+/// signal came, so any such handler counts).
+pub(crate) fn any_handler_without_restart() -> bool {
+    (1..libc::SIGRTMAX()).any(|sig| {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            return false;
+        }
+        // SAFETY: reading a signal's disposition into a zeroed struct.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: `old` is valid for writing; a null new action only reads.
+        let r = unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) };
+        r == 0
+            && old.sa_sigaction != libc::SIG_DFL
+            && old.sa_sigaction != libc::SIG_IGN
+            && old.sa_flags & libc::SA_RESTART == 0
+    })
+}

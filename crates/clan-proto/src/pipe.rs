@@ -214,10 +214,20 @@ impl PipeTx {
         // At most half the ring per publication: the receiver starts copying out
         // while the rest is still being written (with a small ring, one big write would
         // make the two sides take turns instead of working at once).
-        let n = (data.len() as u64).min(room).min(self.cap - at).min(chunk(self.cap));
+        let n = (data.len() as u64).min(room).min(chunk(self.cap));
+        // A write that wraps around the end of the ring is still published at once: the
+        // receiver never sees half of a small write (programs written for TCP over loopback
+        // count on small writes arriving whole).
+        let first = n.min(self.cap - at);
+        let peer = self.peer.get()?;
+        if first < n {
+            peer.write(RING + at, &data[..first as usize])?;
+        }
         // The bytes, then the counter that publishes them (one snooped transfer).
         self.write += n;
-        self.peer.get()?.write_then_store_u64(RING + at, &data[..n as usize], RX_WRITE, self.write)?;
+        let (to, rest) =
+            if first < n { (RING, &data[first as usize..n as usize]) } else { (RING + at, &data[..n as usize]) };
+        peer.write_then_store_u64(to, rest, RX_WRITE, self.write)?;
         Ok(n as usize)
     }
 
