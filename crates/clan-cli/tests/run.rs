@@ -458,3 +458,90 @@ fn sockperf_over_clan() {
         assert!(text.contains(want), "sockperf {mode} reported nothing: {text}");
     }
 }
+
+fn have(prog: &str) -> bool {
+    let ok = Command::new("sh").args(["-c", &format!("command -v {prog}")]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(std::env::var_os("CI").is_none(), "CI installs {prog}");
+        eprintln!("{prog} is not installed: skipped");
+    }
+    ok
+}
+
+/// nginx (when installed) serving a large file: curl under `clan run` gets identical bytes
+/// over clan, a plain curl too; wrk under `clan run` runs without a socket error. nginx with a
+/// master and a worker (it forks after listening) also serves identical bytes: after a fork
+/// the connections are the kernel's (`docs/ARCHITECTURE.md`).
+#[test]
+fn nginx_curl_and_wrk_over_clan() {
+    if !(have("nginx") && have("curl") && have("wrk")) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("clan-nginx-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("html")).unwrap();
+    std::fs::create_dir_all(dir.join("tmp")).unwrap();
+    let big = pattern(4 << 20, 5);
+    std::fs::write(dir.join("html/big.bin"), &big).unwrap();
+    std::fs::write(dir.join("html/small.txt"), b"hello\n").unwrap();
+    for forking in [false, true] {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let d = dir.display();
+        let conf = format!(
+            "daemon off;\nmaster_process {};\nworker_processes 1;\nerror_log {d}/error.log;\npid {d}/nginx.pid;\n\
+             events {{ worker_connections 256; }}\nhttp {{ access_log off; sendfile on;\n\
+             client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp;\n\
+             uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
+             server {{ listen 127.0.0.1:{port}; root {d}/html; }} }}\n",
+            if forking { "on" } else { "off" }
+        );
+        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+        let mut server = Command::new(CLAN)
+            .args(["run", "--", "nginx", "-p"])
+            .arg(&dir)
+            .arg("-c")
+            .arg(dir.join("nginx.conf"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let _kill = KillOnDrop(&mut server);
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "nginx did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let url = format!("http://127.0.0.1:{port}/big.bin");
+        for clan in [true, false] {
+            let mut c = if clan {
+                let mut c = Command::new(CLAN);
+                c.args(["run", "--", "curl"]);
+                c
+            } else {
+                Command::new("curl")
+            };
+            let out = c.args(["-s", "--max-time", "30", &url]).env("CLAN_RUN_DEBUG", "1").output().unwrap();
+            assert!(out.status.success(), "curl failed: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(out.stdout == big, "curl (clan: {clan}, forking nginx: {forking}) got different bytes");
+            let over = over_clan(&String::from_utf8_lossy(&out.stderr));
+            assert_eq!(over, usize::from(clan && !forking), "curl over clan (clan: {clan}, forking nginx: {forking})");
+        }
+        if !forking {
+            let out = Command::new("timeout")
+                .args(["60", CLAN, "run", "--", "wrk", "-t1", "-c4", "-d1s"])
+                .arg(format!("http://127.0.0.1:{port}/small.txt"))
+                .env("CLAN_RUN_DEBUG", "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "wrk failed: {text}");
+            assert!(text.contains("Requests/sec"), "wrk: {text}");
+            assert!(!text.contains("Socket errors"), "wrk saw socket errors over clan: {text}");
+            assert!(over_clan(&text) >= 4, "wrk's connections were not over clan: {text}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -526,7 +526,11 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut e
         Some(c) => {
             // SAFETY: the application's event (null allowed for DEL).
             let e = unsafe { ev.as_ref() }.map(|e| (e.events, e.u64));
-            ret0(ready::epoll_ctl(epfd, op, fd, c, e))
+            let r = ready::epoll_ctl(epfd, op, fd, c, e);
+            if let Err(e) = r {
+                crate::say(format_args!("epoll_ctl({epfd}, {op}, {fd}) on a connection over clan: errno {e}"));
+            }
+            ret0(r)
         }
         // SAFETY: forwarded.
         None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },

@@ -415,6 +415,7 @@ pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -
     loop {
         got.clear();
         collect(epfd, &mut got, max);
+        let collected = !got.is_empty();
         let sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
         let armed = sleep && arm(epfd);
         let wait = if armed { ms_left(end) } else { 0 };
@@ -439,7 +440,8 @@ pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -
             for (_, conn, ..) in members(epfd) {
                 conn.drain();
             }
-            if got.len() < max {
+            // (only if none was collected above: an event is reported once per call)
+            if !collected && got.len() < max {
                 collect(epfd, &mut got, max);
             }
         }

@@ -74,6 +74,12 @@ pub(crate) fn runtime() -> Option<&'static Arc<Runtime>> {
         .as_ref()
 }
 
+/// Half the descriptor limit (at least 256, at most 65 536): out of the program's way.
+fn fd_floor() -> i32 {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1 << 20);
+    (soft / 2).clamp(256, 1 << 16) as i32
+}
+
 fn small_queue(nic: &Nic) -> io::Result<EventQueue> {
     nic.event_queue(EventQueueConfig { ring_capacity: 64, tripwires: 64, ..EventQueueConfig::default() })
         .map_err(io::Error::other)
@@ -82,6 +88,8 @@ fn small_queue(nic: &Nic) -> io::Result<EventQueue> {
 impl Runtime {
     fn start() -> io::Result<Arc<Runtime>> {
         crate::hooks::on_fork_handlers();
+        // Our descriptors go high: the program sizes its tables by the ones it expects.
+        clan_shm::fdfloor::set(fd_floor());
         let nic = Nic::open(NicConfig { tcp: false, ..NicConfig::default() }).map_err(io::Error::other)?;
         let listener = Listener::bind(&nic)?;
         let rt = Arc::new(Runtime {

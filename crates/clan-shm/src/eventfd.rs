@@ -14,7 +14,7 @@ pub struct EventFd {
 impl EventFd {
     /// A new eventfd with count 0 (not readable).
     pub fn new() -> io::Result<EventFd> {
-        let fd = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+        let fd = crate::fdfloor::lift(rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?);
         Ok(EventFd { fd })
     }
 

@@ -46,6 +46,8 @@ pub mod trip;
 #[cfg(not(loom))]
 pub mod eventfd;
 #[cfg(not(loom))]
+pub mod fdfloor;
+#[cfg(not(loom))]
 pub mod futex;
 #[cfg(not(loom))]
 pub mod memfd;

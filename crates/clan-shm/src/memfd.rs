@@ -31,7 +31,7 @@ impl Memfd {
     /// Create a zero-filled memfd of `len` bytes, readable and writable by its owner only,
     /// and seal its size.
     pub fn create(name: &str, len: u64) -> io::Result<Memfd> {
-        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        let fd = crate::fdfloor::lift(rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?);
         rustix::fs::fchmod(&fd, rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR)?;
         rustix::fs::ftruncate(&fd, len)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;

@@ -48,7 +48,12 @@ pub struct SeqPacket {
 }
 
 fn socket() -> io::Result<OwnedFd> {
-    Ok(rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
+    Ok(crate::fdfloor::lift(rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?))
 }
 
 impl SeqPacket {
@@ -74,12 +79,12 @@ impl SeqPacket {
     /// full (try again later); `ConnectionRefused` or `NotFound` that nothing listens there.
     /// The socket is left non-blocking.
     pub fn connect_abstract_nonblocking(name: &[u8]) -> io::Result<SeqPacket> {
-        let fd = rustix::net::socket_with(
+        let fd = crate::fdfloor::lift(rustix::net::socket_with(
             AddressFamily::UNIX,
             SocketType::SEQPACKET,
             SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
             None,
-        )?;
+        )?);
         let addr = SocketAddrUnix::new_abstract_name(name)?;
         loop {
             match rustix::net::connect(&fd, &addr) {
@@ -93,13 +98,13 @@ impl SeqPacket {
     /// A connected pair (for tests and for in-process plumbing).
     pub fn pair() -> io::Result<(SeqPacket, SeqPacket)> {
         let (a, b) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-        Ok((SeqPacket { fd: a }, SeqPacket { fd: b }))
+        Ok((SeqPacket { fd: crate::fdfloor::lift(a) }, SeqPacket { fd: crate::fdfloor::lift(b) }))
     }
 
     /// Accept one connection; `Ok(None)` if none is pending on a non-blocking listener.
     pub fn accept(&self) -> io::Result<Option<SeqPacket>> {
         match rustix::net::accept_with(&self.fd, SocketFlags::CLOEXEC) {
-            Ok(fd) => Ok(Some(SeqPacket { fd })),
+            Ok(fd) => Ok(Some(SeqPacket { fd: crate::fdfloor::lift(fd) })),
             Err(rustix::io::Errno::AGAIN) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -164,7 +169,7 @@ impl SeqPacket {
         let mut fds = Vec::new();
         for m in control.drain() {
             if let RecvAncillaryMessage::ScmRights(rights) = m {
-                fds.extend(rights);
+                fds.extend(rights.map(crate::fdfloor::lift));
             }
         }
         let truncated = msg.flags.contains(ReturnFlags::TRUNC) || msg.flags.contains(ReturnFlags::CTRUNC);

@@ -76,9 +76,9 @@ impl std::fmt::Debug for Sleepers {
 impl Sleepers {
     pub fn new(notify: Arc<EventFd>) -> std::io::Result<Sleepers> {
         let kick = EventFd::new()?;
-        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        let ep = clan_shm::fdfloor::lift(epoll::create(epoll::CreateFlags::CLOEXEC)?);
         epoll::add(&ep, kick.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
-        let api = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        let api = clan_shm::fdfloor::lift(epoll::create(epoll::CreateFlags::CLOEXEC)?);
         epoll::add(&api, notify.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
         Ok(Sleepers {
             leader: AtomicBool::new(false),
