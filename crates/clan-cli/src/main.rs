@@ -56,6 +56,9 @@ enum BenchCmd {
     /// Connection set-up: connect + first echoed byte, and connections/s, against kernel TCP
     /// and Unix sockets.
     Connect(bench::connect::ConnectArgs),
+    /// Unmodified programs (sockperf, redis) with and without `clan run`, same run, same
+    /// pinning, against kernel TCP and a Unix socket.
+    Run(bench::run::RunArgs),
     /// What protecting a grant narrower than its aperture costs: mediated through the NIC
     /// (what clan does) against a direct mapping, and against splitting apertures into memfds.
     Grants(bench::grants::GrantsArgs),
@@ -75,6 +78,7 @@ fn main() {
         Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
         Cmd::Bench(BenchCmd::Server(a)) => bench::server::run(&a),
         Cmd::Bench(BenchCmd::Connect(a)) => bench::connect::run(&a),
+        Cmd::Bench(BenchCmd::Run(a)) => bench::run::run(&a),
         Cmd::Bench(BenchCmd::Grants(a)) => bench::grants::run(&a),
         Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),

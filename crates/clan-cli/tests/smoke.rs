@@ -379,3 +379,20 @@ fn grants_mediated_and_split() {
         positive(s, &["chunk", "chunks", "/per_aperture/p50_ns"]);
     }
 }
+
+/// `clan bench run`: the unmodified programs CI installs (sockperf, redis) with and without
+/// `clan run`; every row's figures finite and positive.
+#[test]
+fn unmodified_programs_with_and_without_clan() {
+    let v = run(&["bench", "run", "--secs", "1", "--requests", "2000", "--rounds", "1", "--json"]);
+    let rows = v["rows"].as_array().expect("rows");
+    let skipped = v["skipped"].as_array().expect("skipped");
+    if std::env::var_os("CI").is_some() {
+        assert!(skipped.is_empty(), "CI installs sockperf and redis: {skipped:?}");
+        assert_eq!(rows.len(), 6, "{v}");
+    }
+    for (i, _) in rows.iter().enumerate() {
+        positive(&v, &[&format!("/rows/{i}/clan"), &format!("/rows/{i}/baseline"), &format!("/rows/{i}/ratio")]);
+        named(&v, &[&format!("rows/{i}/measure"), &format!("rows/{i}/baseline_name"), &format!("rows/{i}/goal")]);
+    }
+}

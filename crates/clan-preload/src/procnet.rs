@@ -1,14 +1,90 @@
-//! Which socket is at the other end of a local TCP connection: its inode, from the
-//! kernel's table of this network namespace (`/proc/net/tcp`, `/proc/net/tcp6`).
+//! Which socket is at the other end of a local TCP connection: its inode, asked of the
+//! kernel by an exact `NETLINK_SOCK_DIAG` lookup of the 4-tuple (one round trip, whatever
+//! the number of sockets), or, where that is not available, found in the kernel's tables
+//! of this network namespace (`/proc/net/tcp`, `/proc/net/tcp6`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// The inode of the socket whose local address is `local` and remote address `remote`.
 pub(crate) fn inode_of(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
+    if let Some(i) = diag(local, remote) {
+        return Some(i);
+    }
     for file in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(file) else { continue };
         if let Some(i) = find(&text, local, remote) {
             return Some(i);
+        }
+    }
+    None
+}
+
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const NLM_F_REQUEST: u16 = 1;
+const NLMSG_ERROR: u16 = 2;
+
+/// The IPv6 form of an address (an IPv4 one mapped), as the diag socket id holds it for an
+/// AF_INET6 socket; the 16 bytes the id holds for `family`.
+fn id_bytes(a: SocketAddr, family: u8) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    match (a.ip(), family) {
+        (IpAddr::V4(v4), f) if f == libc::AF_INET as u8 => b[..4].copy_from_slice(&v4.octets()),
+        (IpAddr::V4(v4), _) => b = v4.to_ipv6_mapped().octets(),
+        (IpAddr::V6(v6), f) if f == libc::AF_INET as u8 => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                b[..4].copy_from_slice(&v4.octets());
+            }
+        }
+        (IpAddr::V6(v6), _) => b = v6.octets(),
+    }
+    b
+}
+
+/// One exact `inet_diag` lookup (`struct inet_diag_req_v2` after a `nlmsghdr`).
+fn diag(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
+    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketType};
+    let nl =
+        rustix::net::socket(AddressFamily::NETLINK, SocketType::DGRAM, Some(rustix::net::netlink::SOCK_DIAG)).ok()?;
+    // The socket could be IPv4 or IPv6 (dual stack): ask as each.
+    let families: &[u8] = if local.is_ipv4() && remote.is_ipv4() {
+        &[libc::AF_INET as u8, libc::AF_INET6 as u8]
+    } else {
+        &[libc::AF_INET6 as u8, libc::AF_INET as u8]
+    };
+    for &family in families {
+        let mut req = Vec::with_capacity(72);
+        req.extend_from_slice(&72u32.to_ne_bytes()); // nlmsg_len
+        req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        req.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+        req.extend_from_slice(&1u32.to_ne_bytes()); // seq
+        req.extend_from_slice(&0u32.to_ne_bytes()); // pid
+        req.push(family);
+        req.push(libc::IPPROTO_TCP as u8);
+        req.push(0); // ext
+        req.push(0); // pad
+        req.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
+        req.extend_from_slice(&local.port().to_be_bytes());
+        req.extend_from_slice(&remote.port().to_be_bytes());
+        req.extend_from_slice(&id_bytes(local, family));
+        req.extend_from_slice(&id_bytes(remote, family));
+        req.extend_from_slice(&0u32.to_ne_bytes()); // interface
+        req.extend_from_slice(&u32::MAX.to_ne_bytes()); // no cookie
+        req.extend_from_slice(&u32::MAX.to_ne_bytes());
+        debug_assert_eq!(req.len(), 72);
+        rustix::net::send(&nl, &req, SendFlags::empty()).ok()?;
+        let mut buf = [0u8; 512];
+        let (n, _) = rustix::net::recv(&nl, &mut buf, RecvFlags::empty()).ok()?;
+        let r = &buf[..n];
+        // nlmsghdr (16) + inet_diag_msg: family, state, timer, retrans (4), id (48),
+        // expires, rqueue, wqueue, uid (16), inode (4).
+        if n >= 16 + 88 && u16::from_ne_bytes([r[4], r[5]]) == SOCK_DIAG_BY_FAMILY {
+            let at = 16 + 4 + 48 + 16;
+            let inode = u32::from_ne_bytes(r[at..at + 4].try_into().ok()?);
+            if inode != 0 {
+                return Some(u64::from(inode));
+            }
+        } else if n >= 16 && u16::from_ne_bytes([r[4], r[5]]) != NLMSG_ERROR {
+            return None;
         }
     }
     None
@@ -70,6 +146,29 @@ mod tests {
         let a6: SocketAddr = "[::1]:8080".parse().unwrap();
         let b6: SocketAddr = "[::1]:54321".parse().unwrap();
         assert_eq!(find(t6, a6, b6), Some(777));
+    }
+
+    #[test]
+    fn sock_diag_finds_a_real_loopback_connection() {
+        use std::os::unix::fs::MetadataExt;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let ino = diag(s.peer_addr().unwrap(), s.local_addr().unwrap()).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&c);
+        assert_eq!(ino, std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino());
+        // And the server's own socket, seen the other way round.
+        let ino = diag(s.local_addr().unwrap(), s.peer_addr().unwrap()).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
+        assert_eq!(ino, std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino());
+        // IPv6.
+        if let Ok(l) = std::net::TcpListener::bind("[::1]:0") {
+            let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (s, _) = l.accept().unwrap();
+            let ino = diag(s.peer_addr().unwrap(), s.local_addr().unwrap()).unwrap();
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&c);
+            assert_eq!(ino, std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino());
+        }
     }
 
     #[test]

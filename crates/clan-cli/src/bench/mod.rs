@@ -8,6 +8,7 @@ pub mod latency;
 pub mod paper;
 pub mod proto;
 pub mod report;
+pub mod run;
 pub mod server;
 pub mod tcp;
 pub mod tripwires;
