@@ -277,7 +277,7 @@ pub(crate) fn epoll_ctl(
                 Err(e) => return Err(e),
             }
             set.insert(fd, Member { conn, events, data, last: (0, 0, 0), disabled: false });
-            if set.len() == 1 {
+            if !is_mixed(epfd) {
                 set_mixed(epfd, true);
             }
             Ok(())
@@ -289,11 +289,12 @@ pub(crate) fn epoll_ctl(
             Ok(())
         }
         libc::EPOLL_CTL_DEL => {
-            let m = set.remove(&fd).ok_or(libc::ENOENT)?;
-            if set.is_empty() {
-                set_mixed(epfd, false);
-            }
-            let _ = real::epoll_control(epfd, libc::EPOLL_CTL_DEL, queue_fd(&m.conn), 0, 0);
+            set.remove(&fd).ok_or(libc::ENOENT)?;
+            // The set stays marked as ours even when it has no accelerated member left: our
+            // queue entries may still be in the kernel's set, and only our `epoll_wait` filters
+            // them out. The queue stays in the kernel's set (programs remove and add again on every
+            // change of interest; a stray wake-up from it is drained and ignored), until the
+            // connection closes and the kernel drops it.
             Ok(())
         }
         _ => Err(libc::EINVAL),
@@ -307,13 +308,11 @@ pub(crate) fn forget(fd: c_int) {
         return;
     }
     let mut all = sets();
-    if all.remove(&fd).is_some_and(|s| !s.is_empty()) {
+    if all.remove(&fd).is_some() {
         set_mixed(fd, false);
     }
-    for (epfd, set) in all.iter_mut() {
-        if set.remove(&fd).is_some() && set.is_empty() {
-            set_mixed(*epfd, false);
-        }
+    for set in all.values_mut() {
+        set.remove(&fd);
     }
 }
 
@@ -405,13 +404,13 @@ pub(crate) fn is_mixed(epfd: c_int) -> bool {
     }
 }
 
-/// `epoll_wait` on a set holding accelerated descriptors.
+/// `epoll_wait` on a set holding accelerated descriptors. The kernel's events go straight
+/// into the caller's array (no buffer of ours: programs pass arrays of thousands).
 pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -> Result<usize, c_int> {
     let max = out.len();
     let end = deadline(timeout);
     let spin_until = Instant::now() + spin();
-    let mut got: Vec<epoll_event> = Vec::with_capacity(max);
-    let mut kern = vec![epoll_event { events: 0, u64: 0 }; max];
+    let mut got: Vec<epoll_event> = Vec::new();
     loop {
         got.clear();
         collect(epfd, &mut got, max);
@@ -419,36 +418,45 @@ pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -
         let sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
         let armed = sleep && arm(epfd);
         let wait = if armed { ms_left(end) } else { 0 };
-        let n = match real::epoll_wait_into(epfd, &mut kern[..max - got.len()], wait) {
-            Ok(n) => n,
+        // Ours first (at the front), the kernel's after them.
+        let room = max - got.len();
+        let n = match real::epoll_wait_into(epfd, &mut out[got.len()..], wait) {
+            Ok(n) => n.min(room),
             Err(libc::EINTR) if !got.is_empty() => 0,
             Err(e) => return Err(e),
         };
+        // Drop our own (queue) entries from the kernel's, in place.
+        let base = got.len();
+        let mut kept = 0;
         let mut woke = false;
-        for ev in &kern[..n] {
+        for i in 0..n {
+            let ev = out[base + i];
             if ev.u64 & TAG_MASK == TAG {
                 woke = true;
                 if let Some(c) = table::get((ev.u64 & !TAG_MASK) as c_int) {
                     c.drain();
                 }
             } else {
-                got.push(*ev);
+                out[base + kept] = ev;
+                kept += 1;
             }
         }
+        out[..base].copy_from_slice(&got);
+        let mut total = base + kept;
         if woke {
-            // Drain every member's queue (a tag can name a descriptor since reused).
             for (_, conn, ..) in members(epfd) {
                 conn.drain();
             }
             // (only if none was collected above: an event is reported once per call)
-            if !collected && got.len() < max {
-                collect(epfd, &mut got, max);
+            if !collected && total < max {
+                let mut more = Vec::new();
+                collect(epfd, &mut more, max - total);
+                out[total..total + more.len()].copy_from_slice(&more);
+                total += more.len();
             }
         }
-        if !got.is_empty() || timeout == 0 || end.is_some_and(|d| Instant::now() >= d) {
-            let k = got.len().min(max);
-            out[..k].copy_from_slice(&got[..k]);
-            return Ok(k);
+        if total > 0 || timeout == 0 || end.is_some_and(|d| Instant::now() >= d) {
+            return Ok(total);
         }
         if !armed {
             std::hint::spin_loop();
