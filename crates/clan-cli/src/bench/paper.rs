@@ -98,8 +98,15 @@ fn mbit(v: f64) -> String {
     if v >= 10_000.0 { format!("{:.1} Gbit/s", v / 1000.0) } else { format!("{v:.0} Mbit/s") }
 }
 
+/// A ratio with two decimals, or two significant digits when it is below 0.1 (a ratio of
+/// 0.004 is a figure, not "0.00").
 fn r2(v: f64) -> String {
-    format!("{v:.2}")
+    if v != 0.0 && v.is_finite() && v.abs() < 0.1 {
+        let decimals = (-v.abs().log10()).floor() as usize + 2;
+        format!("{v:.decimals$}")
+    } else {
+        format!("{v:.2}")
+    }
 }
 
 pub fn run(a: &PaperArgs) -> Result<()> {
@@ -1021,4 +1028,18 @@ fn plot(dir: &Path, fig: &Figure) -> Result<()> {
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::r2;
+
+    #[test]
+    fn small_ratios_keep_their_digits() {
+        assert_eq!(r2(1.234), "1.23");
+        assert_eq!(r2(0.5), "0.50");
+        assert_eq!(r2(0.0043), "0.0043");
+        assert_eq!(r2(0.043), "0.043");
+        assert_eq!(r2(0.0), "0.00");
+    }
 }
