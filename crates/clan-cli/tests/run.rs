@@ -253,12 +253,159 @@ fn child() {
             println!("accepted");
             std::thread::sleep(Duration::from_secs(60));
         }
+        "fork_server" => {
+            // Accept, read the start of the request, fork: the child serves the rest (it
+            // echoes the whole request, then a second one). The parent closes its copy at
+            // once ("early") or after the child has been using it for a while ("late").
+            let late = args[0] == "late";
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let (mut s, _) = l.accept().unwrap();
+            let mut first = vec![0u8; 1000];
+            s.read_exact(&mut first).unwrap();
+            // SAFETY: fork; the child only reads, writes and exits (no locks of other
+            // threads are needed: the C library's allocator is fork-safe).
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                drop(l);
+                let mut req = first;
+                req.resize(100_000, 0);
+                s.read_exact(&mut req[1000..]).unwrap();
+                s.write_all(&req).unwrap();
+                let mut second = vec![0u8; 50_000];
+                s.read_exact(&mut second).unwrap();
+                s.write_all(&second).unwrap();
+                s.shutdown(Shutdown::Write).unwrap();
+                // SAFETY: ending the child without running the parent's atexit work.
+                unsafe { libc::_exit(0) };
+            }
+            if late {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            drop(s);
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child failed: {status}");
+            println!("served by a child");
+        }
+        "fork_client" => {
+            let port: u16 = args[0].parse().unwrap();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let req = pattern(100_000, 11);
+            s.write_all(&req).unwrap();
+            let mut back = vec![0u8; req.len()];
+            s.read_exact(&mut back).unwrap();
+            assert!(back == req, "the first echo differs");
+            let second = pattern(50_000, 12);
+            s.write_all(&second).unwrap();
+            let mut back = vec![0u8; second.len()];
+            s.read_exact(&mut back).unwrap();
+            assert!(back == second, "the second echo differs");
+            assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "end of stream after the echo");
+            println!("client ok");
+        }
+        "exec_server" => {
+            // inetd's way: accept, read the start of the request, then `cat` serves the
+            // connection as its standard input and output, in a forked child ("fork") or
+            // in this very process ("self").
+            let in_child = args[0] == "fork";
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let (mut s, _) = l.accept().unwrap();
+            let mut first = [0u8; 10];
+            s.read_exact(&mut first).unwrap();
+            use std::os::fd::AsRawFd;
+            let fd = s.as_raw_fd();
+            let cat = c"/bin/cat";
+            let argv = [cat.as_ptr(), std::ptr::null()];
+            // SAFETY: fork (or not); the child dups the socket onto 0 and 1 and execs cat.
+            let pid = if in_child { unsafe { libc::fork() } } else { 0 };
+            if pid == 0 {
+                // SAFETY: plain descriptor calls, then exec with a null-terminated argv.
+                unsafe {
+                    libc::dup2(fd, 0);
+                    libc::dup2(fd, 1);
+                    libc::execv(cat.as_ptr(), argv.as_ptr());
+                    libc::_exit(127);
+                }
+            }
+            drop(s);
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "cat failed: {status}");
+            println!("served by cat");
+        }
+        "cat_client" => {
+            // Everything after the first 10 bytes comes back (cat echoes), then the end.
+            let port: u16 = args[0].parse().unwrap();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let req = pattern(300_000, 21);
+            let mut r = s.try_clone().unwrap();
+            let rest = req[10..].to_vec();
+            let reader = std::thread::spawn(move || {
+                let mut back = Vec::new();
+                r.read_to_end(&mut back).unwrap();
+                back
+            });
+            s.write_all(&req).unwrap();
+            s.shutdown(Shutdown::Write).unwrap();
+            let back = reader.join().unwrap();
+            assert_eq!(back.len(), rest.len(), "bytes echoed");
+            assert!(back == rest, "the echo differs");
+            println!("client ok");
+        }
         other => panic!("unknown role {other}"),
     }
 }
 
 fn over_clan(err: &str) -> usize {
     err.matches("over clan").count()
+}
+
+fn went_over(err: &str) -> usize {
+    err.matches("went over to the kernel").count()
+}
+
+/// A server that forks after accepting, its child serving the connection: the bytes the
+/// parent had not read when it forked, and everything after, reach the child exactly once,
+/// in order (the connection goes over to the kernel's socket, both sides following), whether
+/// the parent closes its copy at once or after the child has been using it.
+#[test]
+fn a_server_that_forks_after_accepting() {
+    for when in ["early", "late"] {
+        let mut server = Proc::spawn("fork_server", &[when], true);
+        let port = server.expect("port");
+        let mut client = Proc::spawn("fork_client", &[&port], true);
+        client.expect("client ok");
+        let cerr = client.finish(Duration::from_secs(60));
+        server.expect("served by a child");
+        let serr = server.finish(Duration::from_secs(60));
+        assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "{when}: client: {cerr}\nserver: {serr}");
+        assert_eq!((went_over(&cerr), went_over(&serr)), (1, 1), "{when}: client: {cerr}\nserver: {serr}");
+    }
+}
+
+/// An accelerated connection survives `exec` (inetd's way: `cat` serves it as its standard
+/// input and output), in a forked child or in the accepting process itself: every byte
+/// after what the server read first comes back, once, in order, then the end.
+#[test]
+fn exec_with_an_accelerated_socket_falls_back_transparently() {
+    for how in ["fork", "self"] {
+        let mut server = Proc::spawn("exec_server", &[how], true);
+        let port = server.expect("port");
+        let mut client = Proc::spawn("cat_client", &[&port], true);
+        client.expect("client ok");
+        let cerr = client.finish(Duration::from_secs(60));
+        if how == "fork" {
+            server.expect("served by cat");
+        }
+        let serr = server.finish(Duration::from_secs(60));
+        assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "{how}: client: {cerr}\nserver: {serr}");
+        assert_eq!(went_over(&cerr), 1, "{how}: client: {cerr}\nserver: {serr}");
+    }
 }
 
 /// Both sides under `clan run`: the bytes go over clan, identical, in order; a server that

@@ -1,13 +1,21 @@
 //! One accelerated connection: the clan stream that carries its bytes, the queue its
 //! readiness tripwires post to, and the application's view (blocking or not).
+//!
+//! A connection can go over to the kernel's TCP socket under it, for good: when this
+//! process gives it up ([`Conn::hand_over`]: a child shares it after `fork`, `exec`, or
+//! it is passed on) or when the peer did ([`Conn::over`] notices, and takes over: it sends
+//! again over the kernel what the peer never read, and keeps what the peer wrote that was
+//! not read here, to be read first). See `docs/design/clan-run.md`.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use clan::{EventQueue, Tripwire};
-use clan_proto::stream::{Readiness, Stream};
+use clan_proto::stream::{HandOver, Readiness, Stream, TakeOver};
 use libc::c_int;
 
 /// An accelerated connection (shared by every descriptor that refers to it: `dup`).
@@ -21,6 +29,63 @@ pub(crate) struct Conn {
     space: Tripwire,
     /// `O_NONBLOCK` of the open file (shared by its duplicates, as the kernel's flag is).
     nonblock: AtomicBool,
+    /// The application shut down writing while over clan (a hand-over ends the kernel's
+    /// stream too).
+    write_shut: AtomicBool,
+    /// A child got it at `fork`: closing it here hands it over instead of ending it.
+    pub shared: AtomicBool,
+    /// The kernel's socket carries the bytes now (set once, with Release, after `prefix`
+    /// is in place and what had to go again went; pairs with the Acquire in `over`).
+    kernel: AtomicBool,
+    /// Bytes that came over clan and were not read when the connection went over.
+    prefix: Mutex<VecDeque<u8>>,
+    prefix_len: AtomicUsize,
+    /// Serialises going over.
+    switching: Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `MSG_*` flags for the kernel's socket.
+fn msg_flags(f: Flags) -> c_int {
+    let mut m = 0;
+    if f.peek {
+        m |= libc::MSG_PEEK;
+    }
+    if f.dontwait {
+        m |= libc::MSG_DONTWAIT;
+    }
+    if f.waitall {
+        m |= libc::MSG_WAITALL;
+    }
+    if f.nosignal {
+        m |= libc::MSG_NOSIGNAL;
+    }
+    m
+}
+
+/// Send all of `bytes` on the kernel's socket (blocking or not: waits for room in slices),
+/// within a bound; false if they did not all go.
+fn send_all(fd: c_int, bytes: &[u8]) -> bool {
+    let mut done = 0;
+    let limit = Instant::now() + Duration::from_secs(10);
+    while done < bytes.len() {
+        match crate::real::send_from(fd, &bytes[done..], libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) {
+            Ok(n) => done += n,
+            Err(libc::EINTR) => {}
+            Err(libc::EAGAIN) if Instant::now() < limit => {
+                let mut p = [libc::pollfd { fd, events: libc::POLLOUT, revents: 0 }];
+                let _ = crate::real::poll_fds(&mut p, 100);
+            }
+            Err(e) => {
+                crate::say(format_args!("sending again what the peer had not read failed: errno {e}"));
+                return false;
+            }
+        }
+    }
+    true
 }
 
 /// What a read or a write call asked for, beyond the bytes.
@@ -65,7 +130,129 @@ impl Conn {
         let (data, space) = stream.readiness_tripwires(1, 2)?;
         // The stream never blocks: waiting is done here, where a signal can interrupt it.
         stream.set_nonblocking(true)?;
-        Ok(Conn { stream, queue, data, space, nonblock: AtomicBool::new(nonblock) })
+        Ok(Conn {
+            stream,
+            queue,
+            data,
+            space,
+            nonblock: AtomicBool::new(nonblock),
+            write_shut: AtomicBool::new(false),
+            shared: AtomicBool::new(false),
+            kernel: AtomicBool::new(false),
+            prefix: Mutex::new(VecDeque::new()),
+            prefix_len: AtomicUsize::new(0),
+            switching: Mutex::new(()),
+        })
+    }
+
+    /// Whether the kernel's socket `fd` carries the bytes now. If the peer has handed the
+    /// stream over, take it over first (one load of our own memory when it has not).
+    pub fn over(&self, fd: c_int) -> bool {
+        // SYNC POINT: pairs with the Release in `went_over`.
+        if self.kernel.load(Ordering::Acquire) {
+            return true;
+        }
+        if !self.stream.peer_left() {
+            return false;
+        }
+        let _g = lock(&self.switching);
+        if !self.kernel.load(Ordering::Relaxed) {
+            match self.stream.take_over() {
+                Ok(t) => self.settle(fd, t),
+                Err(e) => crate::say(format_args!("taking over from the peer failed ({e}): the kernel's socket as it is")),
+            }
+            self.went_over("the peer handed the connection over");
+        }
+        true
+    }
+
+    /// Whether the connection is the kernel's alone now (went over, and nothing of clan's
+    /// is left to read): it can leave the table.
+    pub fn is_kernel_only(&self) -> bool {
+        // SYNC POINT: pairs with the Release in `went_over` (the prefix length is stored
+        // before it, and only ever shrinks after).
+        self.kernel.load(Ordering::Acquire) && self.prefix_len.load(Ordering::Acquire) == 0
+    }
+
+    /// What a take-over found: send again what the peer never read, keep what it wrote.
+    fn settle(&self, fd: c_int, t: TakeOver) {
+        if !t.unread.is_empty() {
+            let mut p = lock(&self.prefix);
+            p.extend(t.unread.iter());
+            self.prefix_len.store(p.len(), Ordering::Release);
+        }
+        if !t.resend.is_empty() {
+            send_all(fd, &t.resend);
+        }
+        if t.write_shut {
+            let _ = crate::real::shutdown_fd(fd, libc::SHUT_WR);
+        }
+    }
+
+    fn went_over(&self, why: &str) {
+        // SYNC POINT: Release, pairs with the Acquire in `over` / `is_kernel_only`.
+        self.kernel.store(true, Ordering::Release);
+        // Wake whoever sleeps on the queue: they look again and find the kernel's socket.
+        let _ = self.queue.post_user(0);
+        crate::say(format_args!("a connection went over to the kernel: {why}"));
+    }
+
+    /// Give the connection up to the kernel's socket `fd` (a child shares it, `exec`, or it
+    /// is passed on). True when the peer will take back bytes from our memory: keep this
+    /// connection until [`Conn::taken`].
+    pub fn hand_over(&self, fd: c_int, why: &str) -> bool {
+        let _g = lock(&self.switching);
+        if self.kernel.load(Ordering::Relaxed) {
+            return false;
+        }
+        let keep = match self.stream.hand_over() {
+            Ok(HandOver::Left { .. }) => {
+                if self.write_shut.load(Ordering::Acquire) {
+                    let _ = crate::real::shutdown_fd(fd, libc::SHUT_WR);
+                }
+                true
+            }
+            Ok(HandOver::PeerLeftFirst(t)) => {
+                self.settle(fd, t);
+                false
+            }
+            Ok(_) => false,
+            Err(e) => {
+                crate::say(format_args!("handing over failed ({e}): the kernel's socket as it is"));
+                false
+            }
+        };
+        self.went_over(why);
+        keep
+    }
+
+    /// After [`Conn::hand_over`]: the peer has what it needed from our memory (or is gone).
+    pub fn taken(&self) -> bool {
+        self.stream.taken()
+    }
+
+    /// A read from what came over clan before going over, then from the kernel's socket.
+    fn kernel_read(&self, fd: c_int, buf: &mut [u8], f: Flags) -> Result<usize, c_int> {
+        let mut n = 0;
+        if self.prefix_len.load(Ordering::Acquire) > 0 {
+            let mut p = lock(&self.prefix);
+            n = p.len().min(buf.len());
+            for (d, s) in buf[..n].iter_mut().zip(p.iter()) {
+                *d = *s;
+            }
+            if !f.peek {
+                p.drain(..n);
+                self.prefix_len.store(p.len(), Ordering::Release);
+            }
+        }
+        if n > 0 && (n == buf.len() || f.peek || !f.waitall) {
+            return Ok(n);
+        }
+        match crate::real::recv_into(fd, &mut buf[n..], msg_flags(f)) {
+            Ok(k) => Ok(n + k),
+            Err(_) if n > 0 => Ok(n),
+            Err(e) => Err(e),
+        }
     }
 
     pub fn nonblocking(&self) -> bool {
@@ -78,6 +265,20 @@ impl Conn {
 
     pub fn readiness(&self) -> Readiness {
         self.stream.readiness()
+    }
+
+    /// The connection's readiness for a wait on `fd`; None when the kernel's socket is the
+    /// whole story now (the caller waits on it as on any other, [`crate::ready::retire`]).
+    pub fn state(&self, fd: c_int) -> Option<Readiness> {
+        if !self.over(fd) {
+            return Some(self.stream.readiness());
+        }
+        if self.prefix_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut p = [libc::pollfd { fd, events: libc::POLLOUT, revents: 0 }];
+        let writable = crate::real::poll_fds(&mut p, 0).is_ok_and(|n| n > 0 && p[0].revents & libc::POLLOUT != 0);
+        Some(Readiness { readable: true, writable, ..Readiness::default() })
     }
 
     /// Arm the tripwires a waiter for reading and/or writing needs (once-only: they fire
@@ -97,7 +298,12 @@ impl Conn {
     /// with a handler installed without `SA_RESTART` interrupted the sleep; `EAGAIN` when the
     /// socket's `SO_RCVTIMEO` / `SO_SNDTIMEO` (set on the kernel socket `fd`) passed.
     fn block(&self, fd: c_int, read: bool, since: Instant) -> Result<(), c_int> {
-        let ready = |r: Readiness| if read { r.readable } else { r.writable };
+        // Going over to the kernel counts as ready: the caller looks again.
+        let ready = |r: Readiness| {
+            (if read { r.readable } else { r.writable })
+                || self.kernel.load(Ordering::Relaxed)
+                || self.stream.peer_left()
+        };
         let spin_until = Instant::now() + crate::ready::spin();
         while Instant::now() < spin_until {
             if ready(self.readiness()) {
@@ -150,6 +356,16 @@ impl Conn {
         let since = Instant::now();
         let mut done = 0;
         loop {
+            if self.over(fd) {
+                if done > 0 {
+                    return Ok(done);
+                }
+                let r = self.kernel_read(fd, buf, f);
+                if self.is_kernel_only() {
+                    crate::ready::retire(self);
+                }
+                return r;
+            }
             let r = if f.peek { self.stream.peek(&mut buf[done..]) } else { (&self.stream).read(&mut buf[done..]) };
             match r {
                 Ok(0) if f.peek && !self.readiness().eof && !self.readiness().error => {}
@@ -180,6 +396,16 @@ impl Conn {
         let since = Instant::now();
         let mut done = 0;
         loop {
+            if self.over(fd) {
+                if done > 0 {
+                    return Ok(done);
+                }
+                let r = crate::real::send_from(fd, buf, msg_flags(f));
+                if self.is_kernel_only() {
+                    crate::ready::retire(self);
+                }
+                return r;
+            }
             match (&self.stream).write(&buf[done..]) {
                 Ok(n) => {
                     done += n;
@@ -210,7 +436,13 @@ impl Conn {
         }
     }
 
-    pub fn shutdown(&self, how: c_int) -> Result<(), c_int> {
+    pub fn shutdown(&self, fd: c_int, how: c_int) -> Result<(), c_int> {
+        if self.over(fd) {
+            return crate::real::shutdown_fd(fd, how);
+        }
+        if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
+            self.write_shut.store(true, Ordering::Release);
+        }
         let how = match how {
             libc::SHUT_RD => Shutdown::Read,
             libc::SHUT_WR => Shutdown::Write,
@@ -225,7 +457,10 @@ impl Conn {
         }
     }
 
-    pub fn available(&self) -> usize {
+    pub fn available(&self, fd: c_int) -> usize {
+        if self.over(fd) {
+            return self.prefix_len.load(Ordering::Acquire) + crate::real::fionread(fd);
+        }
         self.stream.available().unwrap_or(0) as usize
     }
 }

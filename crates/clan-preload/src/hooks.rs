@@ -12,7 +12,7 @@ use libc::{c_int, c_void, epoll_event, pollfd, size_t, sockaddr, socklen_t, ssiz
 
 use crate::conn::Flags;
 use crate::real::{self, set_errno};
-use crate::{ready, registry, table};
+use crate::{fork, ready, registry, table};
 
 thread_local! {
     /// Inside the library's own work: nested calls are the C library's.
@@ -178,7 +178,19 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     ready::forget(fd);
-    table::remove(fd);
+    if let Some(c) = table::remove(fd) {
+        // The last descriptor here of a connection a child shares: the child may go on with
+        // it, so it goes over to the kernel instead of ending.
+        if c.shared.load(std::sync::atomic::Ordering::Acquire)
+            && !c.is_kernel_only()
+            && !table::others(fd, Arc::as_ptr(&c))
+        {
+            if let Some(_inside) = Inside::enter() {
+                fork::hand_over(fd, &c, "closed here, and a child shares it");
+            }
+        }
+    }
+    fork::sweep();
     registry::on_close(fd);
     // SAFETY: forwarded.
     unsafe { real::close(fd) }
@@ -187,7 +199,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     match table::get(fd) {
-        Some(c) => ret0(c.shutdown(how)),
+        Some(c) => ret0(c.shutdown(fd, how)),
         // SAFETY: forwarded.
         None => unsafe { real::shutdown(fd, how) },
     }
@@ -419,9 +431,129 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_i
             let data = unsafe { gather((*msg).msg_iov, (*msg).msg_iovlen as c_int) };
             ret(c.write(fd, &data, Flags::from_msg(flags)))
         }
-        // SAFETY: forwarded.
-        _ => unsafe { real::sendmsg(fd, msg, flags) },
+        _ => {
+            // SAFETY: the application's message header (null or valid).
+            unsafe { pass_on(msg) };
+            // SAFETY: forwarded.
+            unsafe { real::sendmsg(fd, msg, flags) }
+        }
     }
+}
+
+/// Descriptors passed with `SCM_RIGHTS` in `msg`: an accelerated connection among them goes
+/// over to the kernel first (the receiving process has no clan state for it).
+unsafe fn pass_on(msg: *const libc::msghdr) {
+    if msg.is_null() {
+        return;
+    }
+    // SAFETY: the application's header.
+    let m = unsafe { &*msg };
+    if m.msg_control.is_null() || m.msg_controllen == 0 {
+        return;
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the application's control buffer with the C library's own macros,
+    // which stay within `msg_controllen`.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<c_int>();
+                let n = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize) / size_of::<c_int>();
+                for i in 0..n {
+                    fds.push(std::ptr::read_unaligned(data.add(i)));
+                }
+            }
+            c = libc::CMSG_NXTHDR(msg, c);
+        }
+    }
+    for fd in fds {
+        if table::forked() {
+            fork::inherited(fd);
+        } else if let Some(c) = table::get(fd) {
+            if let Some(_inside) = Inside::enter() {
+                fork::hand_over(fd, &c, "passed to another process (SCM_RIGHTS)");
+            }
+        }
+    }
+}
+
+fn before_exec(wait: bool) {
+    if let Some(_inside) = Inside::enter() {
+        fork::before_exec("it survives exec", wait);
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    before_exec(true);
+    // SAFETY: forwarded.
+    unsafe { real::execve(path, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    before_exec(true);
+    // SAFETY: forwarded.
+    unsafe { real::execv(path, argv) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    before_exec(true);
+    // SAFETY: forwarded.
+    unsafe { real::execvp(file, argv) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn execvpe(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    before_exec(true);
+    // SAFETY: forwarded.
+    unsafe { real::execvpe(file, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fexecve(fd: c_int, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int {
+    before_exec(true);
+    // SAFETY: forwarded.
+    unsafe { real::fexecve(fd, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn posix_spawn(
+    pid: *mut libc::pid_t,
+    path: *const libc::c_char,
+    fa: *const libc::posix_spawn_file_actions_t,
+    attr: *const libc::posix_spawnattr_t,
+    argv: *const *mut libc::c_char,
+    envp: *const *mut libc::c_char,
+) -> c_int {
+    // (this process stays: what the peers take back stays here as long as needed)
+    before_exec(false);
+    // SAFETY: forwarded.
+    unsafe { real::posix_spawn(pid, path, fa, attr, argv, envp) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn posix_spawnp(
+    pid: *mut libc::pid_t,
+    file: *const libc::c_char,
+    fa: *const libc::posix_spawn_file_actions_t,
+    attr: *const libc::posix_spawnattr_t,
+    argv: *const *mut libc::c_char,
+    envp: *const *mut libc::c_char,
+) -> c_int {
+    before_exec(false);
+    // SAFETY: forwarded.
+    unsafe { real::posix_spawnp(pid, file, fa, attr, argv, envp) }
 }
 
 #[unsafe(no_mangle)]
@@ -642,7 +774,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: libc::c_ulong, arg: usize) -> c_i
     if let Some(c) = table::get(fd) {
         if req == libc::FIONREAD as libc::c_ulong && arg != 0 {
             // SAFETY: FIONREAD's argument is an int the application gave.
-            unsafe { *(arg as *mut c_int) = c.available().min(c_int::MAX as usize) as c_int };
+            unsafe { *(arg as *mut c_int) = c.available(fd).min(c_int::MAX as usize) as c_int };
             return 0;
         }
         if req == libc::FIONBIO as libc::c_ulong && arg != 0 {
@@ -654,15 +786,12 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: libc::c_ulong, arg: usize) -> c_i
     unsafe { real::ioctl(fd, req, arg) }
 }
 
-/// After `fork`, in the child (async-signal-safe: one store).
-extern "C" fn forked_child() {
-    table::FORKED.store(true, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// After `fork`, in the parent: its listeners stop taking claims (a child may be the one
-/// that accepts, and it has no clan state); their connections go to the kernel from now on.
+/// that accepts, and it has no clan state; their connections go to the kernel from now on),
+/// and a thread answers the child's requests to hand shared connections over.
 extern "C" fn forked_parent() {
     registry::stop_claims();
+    fork::after_fork_parent();
 }
 
 /// Register the `fork` handlers (once, when the library first does something).
@@ -670,6 +799,6 @@ pub(crate) fn on_fork_handlers() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: registering two functions that are valid for the life of the process.
-        unsafe { libc::pthread_atfork(None, Some(forked_parent), Some(forked_child)) };
+        unsafe { libc::pthread_atfork(Some(fork::before_fork), Some(forked_parent), Some(fork::after_fork_child)) };
     });
 }

@@ -16,8 +16,9 @@
 //!   readiness from their streams and sleep in the kernel on the other descriptors together
 //!   with the streams' event queues.
 //!
-//! Not yet: sockets shared with a child after `fork` or passed by `SCM_RIGHTS`, and `exec`
-//! with accelerated sockets open (see `docs/ARCHITECTURE.md`).
+//! - **Other processes** ([`fork`]): a connection a child after `fork` touches, that
+//!   survives an `exec` or `posix_spawn`, or that is passed with `SCM_RIGHTS`, goes over
+//!   to the kernel's socket under it, losing and doubling no byte; the peer follows.
 #![deny(unsafe_code)]
 
 /// `CLAN_RUN_DEBUG=1`: say on stderr what was decided for each connection (tests read it).
@@ -29,6 +30,7 @@ pub(crate) fn say(what: std::fmt::Arguments<'_>) {
 }
 
 mod conn;
+mod fork;
 mod hooks;
 mod procnet;
 mod ready;

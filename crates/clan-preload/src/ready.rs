@@ -52,9 +52,10 @@ fn queue_fd(c: &Conn) -> c_int {
     c.queue.as_raw_fd()
 }
 
-/// `poll` events of an accelerated connection for interest `events`.
-fn poll_events(c: &Conn, events: i16) -> i16 {
-    let r = c.readiness();
+/// `poll` events of an accelerated connection for interest `events` (None: it is the
+/// kernel's socket now).
+fn poll_events(c: &Conn, fd: c_int, events: i16) -> Option<i16> {
+    let r = c.state(fd)?;
     let mut out = 0i16;
     if r.readable {
         out |= events & (libc::POLLIN | libc::POLLRDNORM);
@@ -68,18 +69,74 @@ fn poll_events(c: &Conn, events: i16) -> i16 {
     if r.error {
         out |= libc::POLLERR | libc::POLLHUP;
     }
-    out
+    Some(out)
+}
+
+/// The connection at `conn` went over to the kernel for good: its descriptors leave the
+/// table, and wherever one is in an epoll set, the kernel's socket takes its place there
+/// (with the application's events and data), so that waits see it as any other.
+pub(crate) fn retire(conn: *const Conn) {
+    let gone = table::remove_conn(conn);
+    if gone.is_empty() {
+        return;
+    }
+    let mut dropped = Vec::new();
+    {
+        let mut all = sets();
+        for (epfd, set) in all.iter_mut() {
+            for (fd, _) in &gone {
+                if set.get(fd).is_some_and(|m| std::ptr::eq(Arc::as_ptr(&m.conn), conn)) {
+                    if let Some(m) = set.remove(fd) {
+                        let io = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLPRI) as u32;
+                        let events = if m.disabled { m.events & !io } else { m.events };
+                        if let Err(e) = real::epoll_control(*epfd, libc::EPOLL_CTL_ADD, *fd, events, m.data) {
+                            crate::say(format_args!("epoll set {epfd}: adding the kernel's socket {fd} failed: errno {e}"));
+                        }
+                        dropped.push(m);
+                    }
+                }
+            }
+        }
+    }
+    // (the connections drop here, outside the lock)
+    drop(dropped);
+    drop(gone);
 }
 
 /// `poll(2)` over `fds`, some of which may be accelerated.
 pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_int> {
-    let accel: Vec<(usize, Arc<Conn>)> =
-        fds.iter().enumerate().filter_map(|(i, p)| table::get(p.fd).map(|c| (i, c))).collect();
-    if accel.is_empty() {
-        return real::poll_fds(fds, timeout);
-    }
     let end = deadline(timeout);
     let spin_until = Instant::now() + spin();
+    loop {
+        // (again from the start when a connection went over to the kernel meanwhile)
+        if let Some(n) = poll_round(fds, timeout, end, spin_until)? {
+            return Ok(n);
+        }
+    }
+}
+
+/// One go of [`poll`] over the connections accelerated now; None if one of them went over
+/// to the kernel meanwhile.
+fn poll_round(
+    fds: &mut [pollfd],
+    timeout: c_int,
+    end: Option<Instant>,
+    spin_until: Instant,
+) -> Result<Option<usize>, c_int> {
+    let mut accel: Vec<(usize, Arc<Conn>)> = Vec::new();
+    for (i, p) in fds.iter().enumerate() {
+        if let Some(c) = table::get(p.fd) {
+            if c.is_kernel_only() {
+                retire(Arc::as_ptr(&c));
+            } else {
+                accel.push((i, c));
+            }
+        }
+    }
+    if accel.is_empty() {
+        let left = if timeout < 0 { -1 } else { ms_left(end) };
+        return real::poll_fds(fds, left).map(Some);
+    }
     // The kernel's part: accelerated entries hidden (a negative fd is ignored), and one
     // entry per connection queue at the end (used only when sleeping).
     let mut kern: Vec<pollfd> = fds.to_vec();
@@ -90,8 +147,12 @@ pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_int> {
     loop {
         let mut n = 0;
         for (i, c) in &accel {
-            fds[*i].revents = poll_events(c, fds[*i].events);
-            n += usize::from(fds[*i].revents != 0);
+            let Some(ev) = poll_events(c, fds[*i].fd, fds[*i].events) else {
+                retire(Arc::as_ptr(c));
+                return Ok(None);
+            };
+            fds[*i].revents = ev;
+            n += usize::from(ev != 0);
         }
         if has_kernel {
             for p in kern.iter_mut() {
@@ -106,10 +167,10 @@ pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_int> {
             }
         }
         if n > 0 || timeout == 0 {
-            return Ok(n);
+            return Ok(Some(n));
         }
         if end.is_some_and(|d| Instant::now() >= d) {
-            return Ok(0);
+            return Ok(Some(0));
         }
         if Instant::now() < spin_until {
             std::hint::spin_loop();
@@ -127,7 +188,7 @@ pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_int> {
                 ready = true;
                 continue;
             }
-            ready |= !c.arm(want_r, want_w) || poll_events(c, ev) != 0;
+            ready |= !c.arm(want_r, want_w) || poll_events(c, fds[*i].fd, ev) != Some(0);
         }
         if ready {
             continue;
@@ -316,8 +377,9 @@ pub(crate) fn forget(fd: c_int) {
     }
 }
 
-fn epoll_bits(conn: &Conn, events: u32) -> (u32, u64, u64) {
-    let r = conn.readiness();
+/// (None: the connection is the kernel's socket now.)
+fn epoll_bits(conn: &Conn, fd: c_int, events: u32) -> Option<(u32, u64, u64)> {
+    let r = conn.state(fd)?;
     let mut b = 0u32;
     if r.readable {
         b |= libc::EPOLLIN as u32 | libc::EPOLLRDNORM as u32;
@@ -332,12 +394,13 @@ fn epoll_bits(conn: &Conn, events: u32) -> (u32, u64, u64) {
         b |= libc::EPOLLERR as u32 | libc::EPOLLHUP as u32;
     }
     let always = libc::EPOLLERR as u32 | libc::EPOLLHUP as u32;
-    (b & (events | always), r.rx_landed, r.tx_freed)
+    Some((b & (events | always), r.rx_landed, r.tx_freed))
 }
 
 /// Collect the ready accelerated members of `epfd` into `out` (at most `max`).
 fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
     let mut report = Vec::new();
+    let mut gone = Vec::new();
     for (fd, conn, events, data, last, disabled) in members(epfd) {
         if out.len() >= max {
             break;
@@ -345,12 +408,18 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
         if disabled {
             continue;
         }
-        let now = epoll_bits(&conn, events);
+        let Some(now) = epoll_bits(&conn, fd, events) else {
+            gone.push(conn);
+            continue;
+        };
         if now.0 == 0 || (events & libc::EPOLLET as u32 != 0 && now == last) {
             continue;
         }
         out.push(epoll_event { events: now.0, u64: data });
         report.push((fd, now, events & libc::EPOLLONESHOT as u32 != 0));
+    }
+    for c in gone {
+        retire(Arc::as_ptr(&c));
     }
     if !report.is_empty() {
         let mut all = sets();
@@ -367,7 +436,7 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
 
 /// Arm the members of `epfd` for what they wait for; false if one is ready meanwhile.
 fn arm(epfd: c_int) -> bool {
-    for (_, conn, events, _, last, disabled) in members(epfd) {
+    for (fd, conn, events, _, last, disabled) in members(epfd) {
         if disabled {
             continue;
         }
@@ -380,7 +449,9 @@ fn arm(epfd: c_int) -> bool {
         if !conn.arm(want_r, want_w) {
             return false;
         }
-        let now = epoll_bits(&conn, events);
+        let Some(now) = epoll_bits(&conn, fd, events) else {
+            return false;
+        };
         let et = events & libc::EPOLLET as u32 != 0;
         if now.0 != 0 && (!et || now != last) {
             return false;

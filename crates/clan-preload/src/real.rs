@@ -74,6 +74,13 @@ next! {
     fn ioctl(fd: c_int, req: libc::c_ulong, arg: usize) -> c_int;
     fn select(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, t: *mut libc::timeval) -> c_int;
     fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t;
+    fn execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+    fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;
+    fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int;
+    fn execvpe(file: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+    fn fexecve(fd: c_int, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+    fn posix_spawn(pid: *mut libc::pid_t, path: *const libc::c_char, fa: *const libc::posix_spawn_file_actions_t, attr: *const libc::posix_spawnattr_t, argv: *const *mut libc::c_char, envp: *const *mut libc::c_char) -> c_int;
+    fn posix_spawnp(pid: *mut libc::pid_t, file: *const libc::c_char, fa: *const libc::posix_spawn_file_actions_t, attr: *const libc::posix_spawnattr_t, argv: *const *mut libc::c_char, envp: *const *mut libc::c_char) -> c_int;
 }
 
 /// `poll` on `fds` (the kernel's, safe: the slice is valid for its length).
@@ -162,4 +169,32 @@ pub(crate) fn any_handler_without_restart() -> bool {
             && old.sa_sigaction != libc::SIG_IGN
             && old.sa_flags & libc::SA_RESTART == 0
     })
+}
+
+/// `recv` on the kernel's socket into `buf` (safe: the slice is valid for its length).
+pub(crate) fn recv_into(fd: c_int, buf: &mut [u8], flags: c_int) -> Result<usize, c_int> {
+    // SAFETY: `buf` is valid for writes of its length.
+    let n = unsafe { recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
+    if n < 0 { Err(errno()) } else { Ok(n as usize) }
+}
+
+/// `send` on the kernel's socket from `buf`.
+pub(crate) fn send_from(fd: c_int, buf: &[u8], flags: c_int) -> Result<usize, c_int> {
+    // SAFETY: `buf` is valid for reads of its length.
+    let n = unsafe { send(fd, buf.as_ptr().cast(), buf.len(), flags) };
+    if n < 0 { Err(errno()) } else { Ok(n as usize) }
+}
+
+/// `shutdown` of the kernel's socket.
+pub(crate) fn shutdown_fd(fd: c_int, how: c_int) -> Result<(), c_int> {
+    // SAFETY: plain integers.
+    if unsafe { shutdown(fd, how) } != 0 { Err(errno()) } else { Ok(()) }
+}
+
+/// Bytes the kernel's socket holds for reading (`FIONREAD`).
+pub(crate) fn fionread(fd: c_int) -> usize {
+    let mut n: c_int = 0;
+    // SAFETY: FIONREAD writes one int, ours.
+    let r = unsafe { ioctl(fd, libc::FIONREAD as libc::c_ulong, (&raw mut n) as usize) };
+    if r == 0 { n.max(0) as usize } else { 0 }
 }

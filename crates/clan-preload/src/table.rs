@@ -59,9 +59,14 @@ pub(crate) fn forked() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
-/// The connection of `fd`, if it is accelerated.
+/// The connection of `fd`, if it is accelerated. In a child after `fork`, an inherited one
+/// is first handed over by the parent (`crate::fork`), and is then the kernel's.
 pub(crate) fn get(fd: c_int) -> Option<Arc<Conn>> {
-    if !maybe(fd) || forked() {
+    if !maybe(fd) {
+        return None;
+    }
+    if forked() {
+        crate::fork::inherited(fd);
         return None;
     }
     CONNS.read().unwrap_or_else(|e| e.into_inner()).get(&fd).cloned()
@@ -80,9 +85,60 @@ pub(crate) fn remove(fd: c_int) -> Option<Arc<Conn>> {
     if !maybe(fd) {
         return None;
     }
+    if forked() {
+        // (never dropped in a child: see `take_inherited`)
+        take_inherited(fd);
+        return None;
+    }
     let old = CONNS.write().unwrap_or_else(|e| e.into_inner()).remove(&fd);
     if old.is_some() {
         mark(fd, false);
     }
     old
+}
+
+/// Every descriptor of the connection at `conn`: they leave the table (it went over to the
+/// kernel for good). The entries are returned, to be dropped by the caller outside any lock.
+pub(crate) fn remove_conn(conn: *const Conn) -> Vec<(c_int, Arc<Conn>)> {
+    let mut map = CONNS.write().unwrap_or_else(|e| e.into_inner());
+    let fds: Vec<c_int> = map.iter().filter(|(_, c)| std::ptr::eq(Arc::as_ptr(c), conn)).map(|(fd, _)| *fd).collect();
+    let mut out = Vec::with_capacity(fds.len());
+    for fd in fds {
+        if let Some(c) = map.remove(&fd) {
+            mark(fd, false);
+            out.push((fd, c));
+        }
+    }
+    out
+}
+
+/// Every accelerated descriptor and its connection, as they are now.
+pub(crate) fn snapshot() -> Vec<(c_int, Arc<Conn>)> {
+    CONNS.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(fd, c)| (*fd, c.clone())).collect()
+}
+
+/// Whether another descriptor than `fd` refers to the connection at `conn`.
+pub(crate) fn others(fd: c_int, conn: *const Conn) -> bool {
+    CONNS.read().unwrap_or_else(|e| e.into_inner()).iter().any(|(f, c)| *f != fd && std::ptr::eq(Arc::as_ptr(c), conn))
+}
+
+/// In a child after `fork`: the inherited entry of `fd`, taken out of the table without
+/// being dropped (its clan state belongs to the parent, whose threads did not come along:
+/// dropping it here would talk to an engine that is not there). None if `fd` was not
+/// accelerated, or the table is held (by a thread that did not come along).
+pub(crate) fn take_inherited(fd: c_int) -> Option<usize> {
+    if !maybe(fd) {
+        return None;
+    }
+    let mut map = CONNS.try_write().ok()?;
+    let c = map.remove(&fd)?;
+    mark(fd, false);
+    let id = Arc::as_ptr(&c) as usize;
+    std::mem::forget(c);
+    Some(id)
+}
+
+/// In a child after `fork`: the descriptors still in the inherited table.
+pub(crate) fn inherited_fds() -> Vec<c_int> {
+    CONNS.try_read().map(|m| m.keys().copied().collect()).unwrap_or_default()
 }

@@ -14,10 +14,13 @@
 //!   64  CTL_POST_SEQ  peer: seqlock of a posted receive buffer (even: stable)
 //!   72  CTL_POST_AT   peer: stream position the posted buffer starts at
 //!   80  CTL_POST_LEN  peer: its length
+//!   96  CTL_LEFT      peer: LEFT bit | its final read position, once it has stopped reading
+//!                     this stream (hand-over: the bytes past it go again by other means)
 //!  128  RX_WRITE      peer (the sender of my incoming data): bytes it has written
 //!  136  RX_FIN        peer: FIN bit | final position, once it has shut down writing
 //!  144  RX_ACK_SEQ    peer: the post it redirected (its seq)
 //!  152  RX_ACK_AT     peer: the position redirection began at
+//!  160  RX_TAKEN      peer: non-zero once it has taken back what we left unread
 //! 4096  ring          incoming data, `cap` bytes
 //! 4096+cap  post area incoming data redirected into a posted buffer, `post_cap` bytes
 //! ```
@@ -52,12 +55,16 @@ pub(crate) const CTL_READ: u64 = 0;
 pub(crate) const CTL_POST_SEQ: u64 = 64;
 pub(crate) const CTL_POST_AT: u64 = 72;
 pub(crate) const CTL_POST_LEN: u64 = 80;
+pub(crate) const CTL_LEFT: u64 = 96;
 pub(crate) const RX_WRITE: u64 = 128;
 pub(crate) const RX_FIN: u64 = 136;
 pub(crate) const RX_ACK_SEQ: u64 = 144;
 pub(crate) const RX_ACK_AT: u64 = 152;
+pub(crate) const RX_TAKEN: u64 = 160;
 pub(crate) const RING: u64 = 4096;
 const FIN: u64 = 1 << 63;
+/// The flag of `CTL_LEFT` (a position is below it).
+pub(crate) const LEFT: u64 = 1 << 63;
 
 /// Bytes moved per publication of a position: half the ring (at least 1 KiB), so that the two
 /// sides copy at once (measured with `clan bench queue`: a quarter costs more in publications).
@@ -243,6 +250,44 @@ impl PipeTx {
     /// Whether writing was shut down here.
     pub fn is_finished(&self) -> bool {
         self.fin
+    }
+
+    /// The position the receiver stopped reading at, if it has handed the stream over
+    /// (validated: never beyond what we wrote, never more than a ring behind).
+    pub fn peer_left(&self) -> Result<Option<u64>, PipeError> {
+        let v = self.mine.load_u64(CTL_LEFT)?;
+        if v & LEFT == 0 {
+            return Ok(None);
+        }
+        let r = v & !LEFT;
+        if r > self.write || self.write - r >= self.cap {
+            return Err(PipeError::Protocol("the receiver left at an impossible position"));
+        }
+        Ok(Some(r))
+    }
+
+    /// The receiver has handed the stream over: read back from its ring the bytes written
+    /// that it never read (they must go again by other means), and write no more. The
+    /// receiver keeps its side until we say we have them (`RX_TAKEN`).
+    pub fn take_back(&mut self) -> Result<Vec<u8>, PipeError> {
+        let r = self.peer_left()?.ok_or(PipeError::Protocol("the receiver has not left"))?;
+        if self.redirect.is_some() {
+            // Bytes placed in a posted buffer are not in the ring (clan run never posts).
+            return Err(PipeError::Protocol("bytes redirected into a posted buffer cannot be taken back"));
+        }
+        let mut out = vec![0u8; (self.write - r) as usize];
+        let peer = self.peer.get()?;
+        let mut done = 0u64;
+        while done < out.len() as u64 {
+            let at = (r + done) % self.cap;
+            let n = (out.len() as u64 - done).min(self.cap - at);
+            peer.read(RING + at, &mut out[done as usize..(done + n) as usize])?;
+            done += n;
+        }
+        self.fin = true;
+        // Release (the store): the receiver may let go of its side once it reads this.
+        peer.store_u64(RX_TAKEN, 1)?;
+        Ok(out)
     }
 
     /// Wait until there is room for at least one byte.
@@ -457,6 +502,27 @@ impl PipeRx {
             Err(_) if self.fin()?.is_some() => Ok(()),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Stop reading for good: tell the sender where (it then takes back what we have not
+    /// read, [`PipeTx::take_back`]). The position goes first, then the read counter, whose
+    /// store wakes a sender waiting for room.
+    pub fn leave(&mut self) -> Result<(), PipeError> {
+        let peer = self.peer.get()?;
+        peer.store_u64(CTL_LEFT, LEFT | self.read)?;
+        self.published = self.read;
+        peer.store_u64(CTL_READ, self.read)?;
+        Ok(())
+    }
+
+    /// Bytes landed and not read (what the sender will take back after [`PipeRx::leave`]).
+    pub fn unread(&self) -> Result<u64, PipeError> {
+        self.available()
+    }
+
+    /// Whether the sender has taken back what we left unread (our side may go).
+    pub fn taken(&self) -> bool {
+        self.mine.load_u64(RX_TAKEN).is_ok_and(|v| v != 0)
     }
 
     /// Wait for data or the end of the stream.

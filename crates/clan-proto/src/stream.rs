@@ -233,13 +233,15 @@ struct Inner {
     tx: Mutex<PipeTx>,
     rx: Mutex<PipeRx>,
     conn: Connection,
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     side: Arc<clan::Aperture>,
     ep: Arc<Endpoint>,
     local: EndpointAddr,
     peer: EndpointAddr,
     nonblocking: AtomicBool,
     read_shut: AtomicBool,
+    /// Handed over or taken over ([`Stream::hand_over`], [`Stream::take_over`]): no more
+    /// reads or writes.
+    handed: AtomicBool,
     /// Nanoseconds; 0: none.
     read_timeout: AtomicU64,
     write_timeout: AtomicU64,
@@ -307,6 +309,7 @@ impl Stream {
                 ep: s.ep,
                 nonblocking: AtomicBool::new(false),
                 read_shut: AtomicBool::new(false),
+                handed: AtomicBool::new(false),
                 read_timeout: AtomicU64::new(0),
                 write_timeout: AtomicU64::new(0),
             }),
@@ -438,6 +441,75 @@ impl Stream {
         Ok(())
     }
 
+    /// Hand the stream over to another carrier of the same bytes (`clan run` uses this when
+    /// a socket is shared with a child at `fork`, or passed on: the kernel's TCP
+    /// connection under the stream carries them from then on). Writing ends here, as with
+    /// [`Shutdown::Write`]; reading stops at once, and the peer learns at its next look
+    /// ([`Stream::peer_left`]) where: it then takes back, with [`Stream::take_over`], what it
+    /// wrote that we never read. Our side stays exported until it has
+    /// ([`Stream::taken`]): keep this handle until then.
+    ///
+    /// If the peer had handed over first, we take over instead ([`HandOver::PeerLeftFirst`]).
+    /// The two sides' checks are ordered like Dekker's (a store, a full fence, a load), so
+    /// they never both miss each other; within a host, that is (a link gives no such order).
+    pub fn hand_over(&self) -> io::Result<HandOver> {
+        let mut tx = lock(&self.inner.tx);
+        if tx.peer_left().map_err(pipe_error)?.is_some() {
+            drop(tx);
+            return self.take_over().map(HandOver::PeerLeftFirst);
+        }
+        let mut rx = lock(&self.inner.rx);
+        let unread = rx.unread().map_err(pipe_error)?;
+        rx.leave().map_err(pipe_error)?;
+        drop(rx);
+        // SeqCst: our CTL_LEFT store (above) against the peer's, each side loading the
+        // other's after its own; pairs with the same fence in the peer's `hand_over`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if tx.peer_left().map_err(pipe_error)?.is_some() {
+            // Both left: we saw the peer's, so we also take back what it will not read.
+            drop(tx);
+            return self.take_over().map(HandOver::PeerLeftFirst);
+        }
+        tx.finish().map_err(pipe_error)?;
+        self.inner.handed.store(true, Ordering::Release);
+        Ok(HandOver::Left { unread })
+    }
+
+    /// Whether the peer has handed the stream over ([`Stream::hand_over`]): one load of our
+    /// own memory. Then the stream must be taken over ([`Stream::take_over`]) before
+    /// anything else is written.
+    pub fn peer_left(&self) -> bool {
+        self.inner.side.load_u64(crate::pipe::CTL_LEFT).is_ok_and(|v| v & crate::pipe::LEFT != 0)
+    }
+
+    /// The peer handed the stream over: take back from its memory what we wrote and it
+    /// never read (to be sent again by the other carrier, before anything else), and take
+    /// what it wrote and we have not read yet (all of it has landed: the peer wrote nothing
+    /// after leaving). The stream is done after this.
+    pub fn take_over(&self) -> io::Result<TakeOver> {
+        let mut tx = lock(&self.inner.tx);
+        let finished = tx.is_finished();
+        let resend = tx.take_back().map_err(pipe_error)?;
+        let mut rx = lock(&self.inner.rx);
+        let mut unread = vec![0u8; rx.unread().map_err(pipe_error)? as usize];
+        let mut got = 0;
+        while got < unread.len() {
+            match rx.try_read(&mut unread[got..]).map_err(pipe_error)? {
+                0 => break,
+                n => got += n,
+            }
+        }
+        unread.truncate(got);
+        self.inner.handed.store(true, Ordering::Release);
+        Ok(TakeOver { resend, unread, write_shut: finished })
+    }
+
+    /// After [`Stream::hand_over`]: whether the peer has taken back what we left unread (the
+    /// handle may then go), or can no longer (it is gone).
+    pub fn taken(&self) -> bool {
+        lock(&self.inner.rx).taken() || !self.inner.alive()
+    }
+
     fn deadline(&self, t: &AtomicU64) -> Option<Instant> {
         match t.load(Ordering::Acquire) {
             0 => None,
@@ -455,6 +527,9 @@ impl Stream {
     /// Read what is there (waiting for at least one byte unless non-blocking). 0: end of
     /// stream.
     fn do_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.inner.handed.load(Ordering::Acquire) {
+            return Err(handed());
+        }
         if buf.is_empty() || self.inner.read_shut.load(Ordering::Acquire) {
             return Ok(0);
         }
@@ -480,6 +555,9 @@ impl Stream {
     }
 
     fn do_write(&self, data: &[u8]) -> io::Result<usize> {
+        if self.inner.handed.load(Ordering::Acquire) {
+            return Err(handed());
+        }
         if data.is_empty() {
             return Ok(0);
         }
@@ -571,6 +649,36 @@ impl Stream {
     pub fn available(&self) -> io::Result<u64> {
         lock(&self.inner.rx).available().map_err(pipe_error)
     }
+}
+
+/// What [`Stream::hand_over`] did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum HandOver {
+    /// We left; the peer will take back `unread` bytes it wrote (and any it writes before
+    /// it notices).
+    Left {
+        /// Bytes that had landed here and were not read.
+        unread: u64,
+    },
+    /// The peer had left first: we took over instead.
+    PeerLeftFirst(TakeOver),
+}
+
+/// What [`Stream::take_over`] found.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct TakeOver {
+    /// Bytes we wrote that the peer never read: to be sent again, first.
+    pub resend: Vec<u8>,
+    /// Bytes the peer wrote that we had not read: to be read first.
+    pub unread: Vec<u8>,
+    /// Writing had been shut down here before (the other carrier must end the stream too).
+    pub write_shut: bool,
+}
+
+fn handed() -> io::Error {
+    io::Error::new(io::ErrorKind::NotConnected, "the stream was handed over to another carrier")
 }
 
 /// What [`Stream::readiness`] saw.

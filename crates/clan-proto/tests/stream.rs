@@ -283,3 +283,58 @@ fn refused_and_timed_out_connects() {
     assert_eq!(l.accept().unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
     assert_eq!(l.accept_timeout(Duration::from_millis(20)).unwrap_err().kind(), std::io::ErrorKind::TimedOut);
 }
+
+/// A stream handed over (what `clan run` does at `fork`): the side that stays takes back
+/// exactly the bytes it wrote that the leaver never read, and gets every byte the leaver
+/// wrote that it had not read yet; nothing is lost or doubled, and the leaver's side stays
+/// until the taker says it has them. Both sides leaving at once: the second one takes over.
+#[test]
+fn hand_over_and_take_over_lose_and_double_nothing() {
+    use clan_proto::stream::HandOver;
+    let _wd = Watchdog::new("stream hand-over", Duration::from_secs(60));
+    let cfg = StreamConfig { ring: 4096, post_area: 0, ..StreamConfig::default() };
+    let (mut c, mut s, _l) = pair(cfg.clone());
+    let to_s: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+    let to_c: Vec<u8> = (0..2000u32).map(|i| (i % 239) as u8).collect();
+    c.write_all(&to_s).unwrap();
+    s.write_all(&to_c).unwrap();
+    // Each reads part of what it got.
+    let mut got_s = vec![0u8; 1000];
+    s.read_exact(&mut got_s).unwrap();
+    let mut got_c = vec![0u8; 500];
+    c.read_exact(&mut got_c).unwrap();
+    assert!(!c.peer_left() && !s.peer_left());
+    let HandOver::Left { unread } = s.hand_over().unwrap() else { panic!("s was first") };
+    assert_eq!(unread, 2000, "s had 2000 of c's bytes unread");
+    assert!(!s.taken(), "nothing taken back yet");
+    assert!(c.peer_left());
+    // The leaver reads and writes no more.
+    assert_eq!(s.write(b"x").unwrap_err().kind(), std::io::ErrorKind::NotConnected);
+    assert_eq!(s.read(&mut [0u8; 8]).unwrap_err().kind(), std::io::ErrorKind::NotConnected);
+    let t = c.take_over().unwrap();
+    assert_eq!(t.resend, to_s[1000..], "c sends again what s never read");
+    assert_eq!(t.unread, to_c[500..], "c reads first what s wrote and c had not read");
+    assert!(!t.write_shut);
+    assert!(s.taken(), "the leaver learns it may let go");
+    assert_eq!(c.write(b"x").unwrap_err().kind(), std::io::ErrorKind::NotConnected);
+
+    // A write shut down before: the taker learns it must end the other carrier too.
+    let (c, s, _l) = pair(cfg.clone());
+    c.shutdown(Shutdown::Write).unwrap();
+    s.hand_over().unwrap();
+    let t = c.take_over().unwrap();
+    assert!(t.write_shut && t.resend.is_empty() && t.unread.is_empty());
+
+    // Both leave: the one that sees the other's mark takes over (here the second).
+    let (mut c, mut s, _l) = pair(cfg);
+    c.write_all(b"abc").unwrap();
+    s.write_all(b"defg").unwrap();
+    assert!(matches!(c.hand_over().unwrap(), HandOver::Left { unread: 4 }));
+    match s.hand_over().unwrap() {
+        HandOver::PeerLeftFirst(t) => {
+            assert_eq!(t.resend, b"defg", "s sends again what c dropped");
+            assert_eq!(t.unread, b"abc", "s keeps what c wrote");
+        }
+        other => panic!("s should take over: {other:?}"),
+    }
+}
