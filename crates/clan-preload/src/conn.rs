@@ -10,8 +10,8 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clan::{EventQueue, Tripwire};
@@ -159,7 +159,9 @@ impl Conn {
         if !self.kernel.load(Ordering::Relaxed) {
             match self.stream.take_over() {
                 Ok(t) => self.settle(fd, t),
-                Err(e) => crate::say(format_args!("taking over from the peer failed ({e}): the kernel's socket as it is")),
+                Err(e) => {
+                    crate::say(format_args!("taking over from the peer failed ({e}): the kernel's socket as it is"))
+                }
             }
             self.went_over("the peer handed the connection over");
         }

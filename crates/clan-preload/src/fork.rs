@@ -138,7 +138,9 @@ pub(crate) extern "C" fn before_fork() {
 pub(crate) extern "C" fn after_fork_parent() {
     let Some((mine, theirs)) = PAIR.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
     drop(theirs);
-    let spawned = std::thread::Builder::new().name("clan-run-fork".into()).spawn(move || serve(mine));
+    let spawned = crate::real::with_signals_blocked(|| {
+        std::thread::Builder::new().name("clan-run-fork".into()).spawn(move || serve(mine))
+    });
     if let Err(e) = spawned {
         crate::say(format_args!("no thread to serve a child's requests ({e}): its shared connections stay here"));
     }
@@ -194,9 +196,8 @@ pub(crate) fn inherited(fd: c_int) {
         }
         std::thread::yield_now();
     }
-    let ok = crate::real::with_fd(to, |s| {
-        rustix::net::send(s, &id.to_ne_bytes(), rustix::net::SendFlags::NOSIGNAL).is_ok()
-    });
+    let ok =
+        crate::real::with_fd(to, |s| rustix::net::send(s, &id.to_ne_bytes(), rustix::net::SendFlags::NOSIGNAL).is_ok());
     if ok {
         let mut p = [libc::pollfd { fd: to, events: libc::POLLIN, revents: 0 }];
         if crate::real::poll_fds(&mut p, 5000).is_ok_and(|n| n > 0) {

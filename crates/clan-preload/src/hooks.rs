@@ -521,7 +521,11 @@ pub unsafe extern "C" fn execvpe(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn fexecve(fd: c_int, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int {
+pub unsafe extern "C" fn fexecve(
+    fd: c_int,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
     before_exec(true);
     // SAFETY: forwarded.
     unsafe { real::fexecve(fd, argv, envp) }
@@ -611,7 +615,56 @@ pub unsafe extern "C" fn poll(fds: *mut pollfd, n: libc::nfds_t, timeout: c_int)
     }
     // SAFETY: the application's array of `n` entries.
     let v = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
-    ret(ready::poll(v, timeout)) as c_int
+    ret(ready::poll(v, timeout, None)) as c_int
+}
+
+/// Milliseconds of a `timespec` (rounded up; -1 for none).
+unsafe fn ts_ms(ts: *const libc::timespec) -> c_int {
+    if ts.is_null() {
+        return -1;
+    }
+    // SAFETY: the application's timeout.
+    let t = unsafe { *ts };
+    if t.tv_sec < 0 || t.tv_nsec < 0 {
+        return 0;
+    }
+    let (sec, nsec): (i64, i64) = (t.tv_sec, t.tv_nsec);
+    sec.saturating_mul(1000).saturating_add((nsec + 999_999) / 1_000_000).clamp(0, c_int::MAX as i64) as c_int
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    if fds.is_null() || n == 0 {
+        // SAFETY: forwarded.
+        return unsafe { real::ppoll(fds, n, ts, mask) };
+    }
+    // SAFETY: the application's array of `n` entries, its timeout and mask (null or valid).
+    let (v, ms, m) = unsafe { (std::slice::from_raw_parts_mut(fds, n as usize), ts_ms(ts), mask.as_ref()) };
+    if !v.iter().any(|p| table::is_marked(p.fd)) {
+        // SAFETY: forwarded.
+        return unsafe { real::ppoll(fds, n, ts, mask) };
+    }
+    ret(ready::poll(v, ms, m)) as c_int
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    if (n as usize).saturating_mul(size_of::<pollfd>()) > fdslen {
+        std::process::abort();
+    }
+    // SAFETY: forwarded.
+    unsafe { ppoll(fds, n, ts, mask) }
 }
 
 #[unsafe(no_mangle)]
@@ -649,7 +702,32 @@ pub unsafe extern "C" fn select(
         let tv = unsafe { *t };
         (tv.tv_sec * 1000 + (tv.tv_usec + 999) / 1000).clamp(0, c_int::MAX as i64) as c_int
     };
-    ret(ready::select(n, rs, ws, es, ms)) as c_int
+    ret(ready::select(n, rs, ws, es, ms, None)) as c_int
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pselect(
+    n: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let lim = n.clamp(0, libc::FD_SETSIZE as c_int);
+    // SAFETY: the application's sets (each null or valid).
+    let (rs, ws, es) = unsafe { (r.as_mut(), w.as_mut(), e.as_mut()) };
+    let ours = (0..lim).any(|fd| {
+        let set = |s: &Option<&mut libc::fd_set>| s.as_ref().is_some_and(|s| real::fd_isset(fd, s));
+        (set(&rs) || set(&ws) || set(&es)) && table::get(fd).is_some()
+    });
+    if !ours {
+        // SAFETY: forwarded.
+        return unsafe { real::pselect(n, r, w, e, ts, mask) };
+    }
+    // SAFETY: the application's timeout and mask (null or valid).
+    let (ms, m) = unsafe { (ts_ms(ts), mask.as_ref()) };
+    ret(ready::select(n, rs, ws, es, ms, m)) as c_int
 }
 
 #[unsafe(no_mangle)]
@@ -677,7 +755,7 @@ pub unsafe extern "C" fn epoll_wait(epfd: c_int, evs: *mut epoll_event, max: c_i
     }
     // SAFETY: the application's array of `max` events.
     let out = unsafe { std::slice::from_raw_parts_mut(evs, max as usize) };
-    ret(ready::epoll_wait(epfd, out, timeout)) as c_int
+    ret(ready::epoll_wait(epfd, out, timeout, None)) as c_int
 }
 
 #[unsafe(no_mangle)]
@@ -688,18 +766,14 @@ pub unsafe extern "C" fn epoll_pwait(
     timeout: c_int,
     mask: *const libc::sigset_t,
 ) -> c_int {
-    if mask.is_null() || !ready::is_mixed(epfd) {
-        if !ready::is_mixed(epfd) {
-            // SAFETY: forwarded.
-            return unsafe { real::epoll_pwait(epfd, evs, max, timeout, mask) };
-        }
+    if max <= 0 || evs.is_null() || !ready::is_mixed(epfd) {
         // SAFETY: forwarded.
-        return unsafe { epoll_wait(epfd, evs, max, timeout) };
+        return unsafe { real::epoll_pwait(epfd, evs, max, timeout, mask) };
     }
-    // A signal mask with accelerated members: the mask is not applied while we wait (the
-    // application's handlers run as usual).
-    // SAFETY: forwarded.
-    unsafe { epoll_wait(epfd, evs, max, timeout) }
+    // SAFETY: the application's array of `max` events and its mask (null or valid): the
+    // mask is the kernel's while we sleep, as with epoll_pwait itself.
+    let (out, m) = unsafe { (std::slice::from_raw_parts_mut(evs, max as usize), mask.as_ref()) };
+    ret(ready::epoll_wait(epfd, out, timeout, m)) as c_int
 }
 
 #[unsafe(no_mangle)]

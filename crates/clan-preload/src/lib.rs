@@ -21,10 +21,20 @@
 //!   to the kernel's socket under it, losing and doubling no byte; the peer follows.
 #![deny(unsafe_code)]
 
-/// `CLAN_RUN_DEBUG=1`: say on stderr what was decided for each connection (tests read it).
+/// `CLAN_LOG=debug` (or `CLAN_RUN_DEBUG=1`): say on stderr what was decided for each
+/// connection and why (accelerated, left to the kernel, gone over to it). Tests read it.
 pub(crate) fn say(what: std::fmt::Arguments<'_>) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("CLAN_RUN_DEBUG").is_some_and(|v| v != "0")) {
+    let on = || {
+        std::env::var_os("CLAN_RUN_DEBUG").is_some_and(|v| v != "0")
+            || std::env::var("CLAN_LOG").is_ok_and(|v| {
+                v.split(',').any(|d| {
+                    let level = d.rsplit('=').next().unwrap_or("");
+                    level.eq_ignore_ascii_case("debug") || level.eq_ignore_ascii_case("trace")
+                })
+            })
+    };
+    if *ON.get_or_init(on) {
         eprintln!("clan run[{}]: {what}", std::process::id());
     }
 }

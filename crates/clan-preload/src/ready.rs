@@ -90,7 +90,9 @@ pub(crate) fn retire(conn: *const Conn) {
                         let io = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLPRI) as u32;
                         let events = if m.disabled { m.events & !io } else { m.events };
                         if let Err(e) = real::epoll_control(*epfd, libc::EPOLL_CTL_ADD, *fd, events, m.data) {
-                            crate::say(format_args!("epoll set {epfd}: adding the kernel's socket {fd} failed: errno {e}"));
+                            crate::say(format_args!(
+                                "epoll set {epfd}: adding the kernel's socket {fd} failed: errno {e}"
+                            ));
                         }
                         dropped.push(m);
                     }
@@ -103,13 +105,15 @@ pub(crate) fn retire(conn: *const Conn) {
     drop(gone);
 }
 
-/// `poll(2)` over `fds`, some of which may be accelerated.
-pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_int> {
+/// `poll(2)` over `fds`, some of which may be accelerated; `ppoll(2)`'s signal mask, if
+/// given, is the kernel's while it sleeps (so a signal it unblocks interrupts the sleep, as
+/// with `ppoll`; the brief spin before runs with the caller's mask).
+pub(crate) fn poll(fds: &mut [pollfd], timeout: c_int, mask: Option<&libc::sigset_t>) -> Result<usize, c_int> {
     let end = deadline(timeout);
     let spin_until = Instant::now() + spin();
     loop {
         // (again from the start when a connection went over to the kernel meanwhile)
-        if let Some(n) = poll_round(fds, timeout, end, spin_until)? {
+        if let Some(n) = poll_round(fds, timeout, end, spin_until, mask)? {
             return Ok(n);
         }
     }
@@ -122,6 +126,7 @@ fn poll_round(
     timeout: c_int,
     end: Option<Instant>,
     spin_until: Instant,
+    mask: Option<&libc::sigset_t>,
 ) -> Result<Option<usize>, c_int> {
     let mut accel: Vec<(usize, Arc<Conn>)> = Vec::new();
     for (i, p) in fds.iter().enumerate() {
@@ -135,7 +140,7 @@ fn poll_round(
     }
     if accel.is_empty() {
         let left = if timeout < 0 { -1 } else { ms_left(end) };
-        return real::poll_fds(fds, left).map(Some);
+        return real::poll_masked(fds, left, mask).map(Some);
     }
     // The kernel's part: accelerated entries hidden (a negative fd is ignored), and one
     // entry per connection queue at the end (used only when sleeping).
@@ -195,13 +200,12 @@ fn poll_round(
         }
         let mut sleep = kern.clone();
         sleep.extend(accel.iter().map(|(_, c)| pollfd { fd: queue_fd(c), events: libc::POLLIN, revents: 0 }));
-        match real::poll_fds(&mut sleep, ms_left(end)) {
-            Ok(_) | Err(libc::EINTR) => {}
-            Err(e) => return Err(e),
-        }
+        let slept = real::poll_masked(&mut sleep, ms_left(end), mask);
         for (_, c) in &accel {
             c.drain();
         }
+        // A signal handler ran: the kernel's poll returns EINTR (it is never restarted).
+        slept?;
     }
 }
 
@@ -212,6 +216,7 @@ pub(crate) fn select(
     w: Option<&mut libc::fd_set>,
     e: Option<&mut libc::fd_set>,
     timeout_ms: c_int,
+    mask: Option<&libc::sigset_t>,
 ) -> Result<usize, c_int> {
     let n = n.clamp(0, libc::FD_SETSIZE as c_int);
     let isset = |s: &Option<&mut libc::fd_set>, fd: c_int| s.as_ref().is_some_and(|s| real::fd_isset(fd, s));
@@ -231,7 +236,7 @@ pub(crate) fn select(
             fds.push(pollfd { fd, events, revents: 0 });
         }
     }
-    poll(&mut fds, timeout_ms)?;
+    poll(&mut fds, timeout_ms, mask)?;
     let (mut r, mut w, mut e) = (r, w, e);
     for s in [&mut r, &mut w, &mut e].into_iter().flatten() {
         real::fd_zero(s);
@@ -477,7 +482,12 @@ pub(crate) fn is_mixed(epfd: c_int) -> bool {
 
 /// `epoll_wait` on a set holding accelerated descriptors. The kernel's events go straight
 /// into the caller's array (no buffer of ours: programs pass arrays of thousands).
-pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -> Result<usize, c_int> {
+pub(crate) fn epoll_wait(
+    epfd: c_int,
+    out: &mut [epoll_event],
+    timeout: c_int,
+    mask: Option<&libc::sigset_t>,
+) -> Result<usize, c_int> {
     let max = out.len();
     let end = deadline(timeout);
     let spin_until = Instant::now() + spin();
@@ -491,7 +501,8 @@ pub(crate) fn epoll_wait(epfd: c_int, out: &mut [epoll_event], timeout: c_int) -
         let wait = if armed { ms_left(end) } else { 0 };
         // Ours first (at the front), the kernel's after them.
         let room = max - got.len();
-        let n = match real::epoll_wait_into(epfd, &mut out[got.len()..], wait) {
+        // (the mask only for a sleep: a look without waiting runs with the caller's)
+        let n = match real::epoll_wait_into(epfd, &mut out[got.len()..], wait, mask.filter(|_| wait != 0)) {
             Ok(n) => n.min(room),
             Err(libc::EINTR) if !got.is_empty() => 0,
             Err(e) => return Err(e),

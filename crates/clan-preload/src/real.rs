@@ -63,6 +63,8 @@ next! {
     fn sendto(fd: c_int, buf: *const c_void, n: size_t, flags: c_int, addr: *const sockaddr, len: socklen_t) -> ssize_t;
     fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_int) -> ssize_t;
     fn poll(fds: *mut pollfd, n: libc::nfds_t, timeout: c_int) -> c_int;
+    fn ppoll(fds: *mut pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
+    fn pselect(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event) -> c_int;
     fn epoll_wait(epfd: c_int, evs: *mut epoll_event, max: c_int, timeout: c_int) -> c_int;
     fn epoll_pwait(epfd: c_int, evs: *mut epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int;
@@ -90,13 +92,38 @@ pub(crate) fn poll_fds(fds: &mut [pollfd], timeout: c_int) -> Result<usize, c_in
     if r < 0 { Err(errno()) } else { Ok(r as usize) }
 }
 
-/// `epoll_wait` into `evs` (the kernel's).
-pub(crate) fn epoll_wait_into(epfd: c_int, evs: &mut [epoll_event], timeout: c_int) -> Result<usize, c_int> {
+/// `ppoll` with the signal mask `mask` while it waits (`poll` when None).
+pub(crate) fn poll_masked(fds: &mut [pollfd], timeout: c_int, mask: Option<&libc::sigset_t>) -> Result<usize, c_int> {
+    let Some(mask) = mask else { return poll_fds(fds, timeout) };
+    let ts = (timeout >= 0).then(|| libc::timespec {
+        tv_sec: (timeout / 1000) as libc::time_t,
+        tv_nsec: ((timeout % 1000) * 1_000_000) as libc::c_long,
+    });
+    let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: `fds` is a valid, writable array of `fds.len()` entries; `tsp` is null or
+    // points at `ts`, alive for the call; `mask` is a valid signal set.
+    let r = unsafe { ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, tsp, mask) };
+    if r < 0 { Err(errno()) } else { Ok(r as usize) }
+}
+
+/// `epoll_wait` into `evs` (the kernel's); `epoll_pwait` with `mask` while it waits.
+pub(crate) fn epoll_wait_into(
+    epfd: c_int,
+    evs: &mut [epoll_event],
+    timeout: c_int,
+    mask: Option<&libc::sigset_t>,
+) -> Result<usize, c_int> {
     if evs.is_empty() {
         return Ok(0);
     }
-    // SAFETY: `evs` is a valid, writable array of `evs.len()` entries.
-    let r = unsafe { epoll_wait(epfd, evs.as_mut_ptr(), evs.len().min(c_int::MAX as usize) as c_int, timeout) };
+    let n = evs.len().min(c_int::MAX as usize) as c_int;
+    // SAFETY: `evs` is a valid, writable array of `evs.len()` entries; `mask` a valid set.
+    let r = unsafe {
+        match mask {
+            None => epoll_wait(epfd, evs.as_mut_ptr(), n, timeout),
+            Some(m) => epoll_pwait(epfd, evs.as_mut_ptr(), n, timeout, m),
+        }
+    };
     if r < 0 { Err(errno()) } else { Ok(r as usize) }
 }
 
@@ -197,4 +224,27 @@ pub(crate) fn fionread(fd: c_int) -> usize {
     // SAFETY: FIONREAD writes one int, ours.
     let r = unsafe { ioctl(fd, libc::FIONREAD as libc::c_ulong, (&raw mut n) as usize) };
     if r == 0 { n.max(0) as usize } else { 0 }
+}
+
+/// Run `f` with every asynchronous signal blocked in this thread: the threads it starts
+/// inherit that mask, so that the application's signals go to the application's threads
+/// (a process-directed signal goes to any thread not blocking it: it must not be one of
+/// ours, where the application's waits would not see it).
+pub(crate) fn with_signals_blocked<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: sigset_t is plain data, filled by sigfillset before use; pthread_sigmask with
+    // valid pointers.
+    let old = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        for s in [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP] {
+            libc::sigdelset(&mut all, s);
+        }
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+        old
+    };
+    let r = f();
+    // SAFETY: restoring the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    r
 }

@@ -64,10 +64,10 @@ static RUNTIME: OnceLock<Option<Arc<Runtime>>> = OnceLock::new();
 /// kernel).
 pub(crate) fn runtime() -> Option<&'static Arc<Runtime>> {
     RUNTIME
-        .get_or_init(|| match Runtime::start() {
+        .get_or_init(|| match real::with_signals_blocked(Runtime::start) {
             Ok(r) => Some(r),
             Err(e) => {
-                tracing::warn!("clan run: clan is not available ({e}); every socket stays with the kernel");
+                crate::say(format_args!("clan is not available ({e}): every socket stays with the kernel"));
                 None
             }
         })
@@ -210,15 +210,17 @@ pub(crate) fn on_listen(fd: c_int) {
     let sock = match SeqPacket::listen_abstract(&name(local)) {
         Ok(s) => s,
         Err(e) => {
-            tracing::debug!(%local, "clan run: not registering the listener: {e}");
+            crate::say(format_args!("listener {local} not registered (its connections stay with the kernel): {e}"));
             return;
         }
     };
     let reg = Arc::new(Registered { pending: Mutex::new(HashMap::new()), closed: AtomicBool::new(false) });
     lock(listeners()).insert(fd, reg.clone());
     let rt = rt.clone();
-    let _ = std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg, sock));
-    tracing::debug!(%local, "clan run: listener registered");
+    let _ = real::with_signals_blocked(|| {
+        std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg, sock))
+    });
+    crate::say(format_args!("listener {local} registered: connections from clan-run clients will be claimed"));
 }
 
 /// After a `fork` in the parent: no listener takes claims any more.
@@ -342,28 +344,42 @@ pub(crate) struct Claimed {
 /// Before the kernel `connect` of `fd` to `dest`: claim the connection if a clan-run
 /// process listens there. None: a plain connection.
 pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claimed> {
-    tcp_local(fd)?;
+    match make_claim(fd, dest) {
+        Ok(c) => Some(c),
+        Err(why) => {
+            crate::say(format_args!("connection to {dest} left to the kernel: {why}"));
+            None
+        }
+    }
+}
+
+fn make_claim(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
+    tcp_local(fd).ok_or("not a TCP socket")?;
     if !is_local(dest.ip()) {
-        return None;
+        return Err("not an address of this host");
     }
     let unspecified = match dest {
         SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), dest.port()),
         SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), dest.port()),
     };
     let mapped_any = SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), dest.port());
-    let chan = [dest, unspecified, mapped_any].into_iter().find_map(|a| SeqPacket::connect_abstract(&name(a)).ok())?;
-    runtime()?;
+    let chan = [dest, unspecified, mapped_any]
+        .into_iter()
+        .find_map(|a| SeqPacket::connect_abstract(&name(a)).ok())
+        .ok_or("no process under clan run listens there")?;
+    runtime().ok_or("clan is not available in this process")?;
     let _ = chan.set_timeouts(Duration::from_secs(5));
-    real::with_fd(fd, |b| chan.send(b"CLAIM", &[b])).ok()?;
+    real::with_fd(fd, |b| chan.send(b"CLAIM", &[b])).map_err(|_| "the listener's registry did not take the claim")?;
     let mut buf = [0u8; 256];
-    let m = chan.recv(&mut buf).ok()?;
+    let m = chan.recv(&mut buf).map_err(|_| "the listener's registry did not answer")?;
     let r = &buf[..m.len];
     if !r.starts_with(b"OK") || r.len() < 10 {
-        return None;
+        return Err("the listener declined (it has forked, or is full)");
     }
-    let token = u64::from_le_bytes(r[2..10].try_into().ok()?);
-    let server: EndpointAddr = std::str::from_utf8(&r[10..]).ok()?.parse().ok()?;
-    Some(Claimed { token, server, chan })
+    let token = u64::from_le_bytes(r[2..10].try_into().map_err(|_| "a malformed answer")?);
+    let server: EndpointAddr =
+        std::str::from_utf8(&r[10..]).ok().and_then(|a| a.parse().ok()).ok_or("a malformed answer")?;
+    Ok(Claimed { token, server, chan })
 }
 
 impl Claimed {
@@ -411,7 +427,7 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     match Conn::new(s, q, nonblock) {
         Ok(c) => Some(c),
         Err(e) => {
-            tracing::warn!("clan run: a claimed connection could not be set up: {e}");
+            crate::say(format_args!("a claimed connection could not be set up ({e}): the kernel's"));
             None
         }
     }
