@@ -24,6 +24,21 @@ enum Cmd {
     Info,
     /// Run an unmodified program with its TCP connections to other clan-run processes of
     /// this host carried over clan (every other socket stays with the kernel).
+    ///
+    /// The rules: a TCP connection between two processes of this host that both run under
+    /// `clan run` (loopback or any local address) is decided before its first byte and
+    /// carried over clan; a peer not under clan, another host, UDP, Unix sockets and raw
+    /// sockets are the kernel's, untouched. A connection that another process comes to use
+    /// (a child after fork touches it, it survives exec, it is passed with SCM_RIGHTS) goes
+    /// over to the kernel's TCP connection under it, losing and doubling no byte; after a
+    /// fork, the parent's listeners leave new connections to the kernel.
+    ///
+    /// Environment: CLAN_LOG=debug says on standard error what was decided for each
+    /// connection and why; CLAN_SPIN_US sets the spin before sleeping (default 20).
+    ///
+    /// Example: `clan run -- redis-server --port 6379` and, in another shell,
+    /// `clan run -- redis-benchmark -p 6379 -t get`.
+    #[command(verbatim_doc_comment)]
     Run(RunArgs),
     /// Internal: the peer process of a benchmark.
     #[command(name = "__peer", hide = true)]

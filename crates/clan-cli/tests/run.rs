@@ -523,6 +523,60 @@ fn child() {
             assert!(back == data, "the echo differs ({} bytes back)", back.len());
             println!("client ok");
         }
+        "epoll_first_client" => {
+            // The socket goes into an epoll set before its (non-blocking) connect: the set
+            // must report what arrives over clan (echo_server greets first, then echoes).
+            let port: u16 = args[0].parse().unwrap();
+            // SAFETY: plain socket calls on our own descriptors and buffers.
+            unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0);
+                assert!(fd >= 0);
+                let ep = libc::epoll_create1(0);
+                let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: 7 };
+                assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+                let mut sa: libc::sockaddr_in = std::mem::zeroed();
+                sa.sin_family = libc::AF_INET as libc::sa_family_t;
+                sa.sin_port = port.to_be();
+                sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+                let r = libc::connect(fd, (&raw const sa).cast(), size_of::<libc::sockaddr_in>() as u32);
+                assert!(r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EINPROGRESS));
+                let wait_in = || {
+                    let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 4];
+                    let n = libc::epoll_wait(ep, evs.as_mut_ptr(), 4, 20_000);
+                    assert!(n >= 1, "the epoll set saw nothing (n = {n})");
+                    assert_eq!({ evs[0].u64 }, 7, "the application's data");
+                };
+                let read_exact = |buf: &mut [u8]| {
+                    let mut got = 0;
+                    while got < buf.len() {
+                        let n = libc::read(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got);
+                        if n > 0 {
+                            got += n as usize;
+                        } else {
+                            assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EAGAIN));
+                            wait_in();
+                        }
+                    }
+                };
+                let mut hello = [0u8; 6];
+                read_exact(&mut hello);
+                assert_eq!(&hello, b"hello\n");
+                let msg = pattern(1000, 41);
+                let mut sent = 0;
+                while sent < msg.len() {
+                    let n = libc::write(fd, msg[sent..].as_ptr().cast(), msg.len() - sent);
+                    assert!(n > 0, "write: {}", std::io::Error::last_os_error());
+                    sent += n as usize;
+                }
+                let mut back = vec![0u8; msg.len()];
+                read_exact(&mut back);
+                assert!(back == msg, "the echo differs");
+                libc::shutdown(fd, libc::SHUT_WR);
+                libc::close(fd);
+                libc::close(ep);
+            }
+            println!("client ok");
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -552,6 +606,21 @@ fn a_server_that_forks_after_accepting() {
         assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "{when}: client: {cerr}\nserver: {serr}");
         assert_eq!((went_over(&cerr), went_over(&serr)), (1, 1), "{when}: client: {cerr}\nserver: {serr}");
     }
+}
+
+/// A socket added to an epoll set before its non-blocking `connect` made it an accelerated
+/// connection: the set reports its readiness from clan (a server that speaks first).
+#[test]
+fn a_socket_in_an_epoll_set_before_it_connects() {
+    let mut server = Proc::spawn("echo_server", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("epoll_first_client", &[&port], true);
+    client.expect("client ok");
+    let cerr = client.finish(Duration::from_secs(60));
+    server.expect("echoed");
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
+    assert!(cerr.contains("before it was accelerated: moved"), "{cerr}");
 }
 
 /// `ppoll`, `pselect` and `epoll_pwait` on an accelerated connection apply their signal

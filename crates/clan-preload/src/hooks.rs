@@ -131,8 +131,10 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     }
     match claim.attach(fd, dest, nb) {
         Some(c) => {
-            table::insert(fd, Arc::new(c));
+            let c = Arc::new(c);
+            table::insert(fd, c.clone());
             crate::say(format_args!("connection to {dest} over clan"));
+            ready::adopt(fd, &c);
         }
         None => crate::say(format_args!("connection to {dest} left to the kernel (the clan stream failed)")),
     }
@@ -178,6 +180,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     ready::forget(fd);
+    ready::forget_epoll(fd);
     if let Some(c) = table::remove(fd) {
         // The last descriptor here of a connection a child shares: the child may go on with
         // it, so it goes over to the kernel instead of ending.
@@ -745,6 +748,22 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut e
         // SAFETY: forwarded.
         None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: forwarded.
+    let fd = unsafe { real::epoll_create(size) };
+    ready::note_epoll(fd);
+    fd
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: forwarded.
+    let fd = unsafe { real::epoll_create1(flags) };
+    ready::note_epoll(fd);
+    fd
 }
 
 #[unsafe(no_mangle)]

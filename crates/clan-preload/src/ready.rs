@@ -545,3 +545,57 @@ pub(crate) fn epoll_wait(
         }
     }
 }
+
+/// The application's epoll sets (made through `epoll_create*`), so that a socket it added to
+/// one before it was accelerated (a non-blocking `connect` registered first) can be moved to
+/// our side of the set when it is.
+static EPOLLS: Mutex<Vec<c_int>> = Mutex::new(Vec::new());
+/// How many (`close` looks here first: no lock for a program without epoll sets).
+static EPOLL_COUNT: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn note_epoll(epfd: c_int) {
+    if epfd >= 0 {
+        let mut e = EPOLLS.lock().unwrap_or_else(|e| e.into_inner());
+        if !e.contains(&epfd) {
+            e.push(epfd);
+        }
+        EPOLL_COUNT.store(e.len() as u64, Ordering::Release);
+    }
+}
+
+pub(crate) fn forget_epoll(fd: c_int) {
+    // Acquire: pairs with the Release in `note_epoll` (a set noted before is seen).
+    if EPOLL_COUNT.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    let mut e = EPOLLS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = e.iter().position(|x| *x == fd) {
+        e.swap_remove(i);
+        EPOLL_COUNT.store(e.len() as u64, Ordering::Release);
+    }
+}
+
+/// `fd` was just accelerated: where the kernel's socket is already in an epoll set of the
+/// application (`/proc/self/fdinfo` of each says so), take it out of the kernel's part and
+/// keep it as an accelerated member with the same events and data.
+pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
+    let sets: Vec<c_int> = EPOLLS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    for epfd in sets {
+        let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else { continue };
+        for line in info.lines() {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            if w.len() < 6 || w[0] != "tfd:" || w[1].parse::<c_int>() != Ok(fd) {
+                continue;
+            }
+            let (Ok(events), Ok(data)) = (u32::from_str_radix(w[3], 16), u64::from_str_radix(w[5], 16)) else {
+                continue;
+            };
+            if real::epoll_control(epfd, libc::EPOLL_CTL_DEL, fd, 0, 0).is_ok() {
+                let r = epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, conn.clone(), Some((events, data)));
+                crate::say(format_args!(
+                    "descriptor {fd} was in epoll set {epfd} before it was accelerated: moved ({r:?})"
+                ));
+            }
+        }
+    }
+}

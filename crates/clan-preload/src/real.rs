@@ -66,6 +66,8 @@ next! {
     fn ppoll(fds: *mut pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     fn pselect(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event) -> c_int;
+    fn epoll_create(size: c_int) -> c_int;
+    fn epoll_create1(flags: c_int) -> c_int;
     fn epoll_wait(epfd: c_int, evs: *mut epoll_event, max: c_int, timeout: c_int) -> c_int;
     fn epoll_pwait(epfd: c_int, evs: *mut epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int;
     fn dup(fd: c_int) -> c_int;
