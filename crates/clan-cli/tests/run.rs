@@ -577,6 +577,8 @@ fn child() {
             }
             println!("client ok");
         }
+        "sem_server" => sem::server(),
+        "sem_client" => sem::client(args[0].parse().unwrap()),
         other => panic!("unknown role {other}"),
     }
 }
@@ -994,4 +996,299 @@ fn nginx_curl_and_wrk_over_clan() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The calls programs make, each checked against what the kernel does: the same two roles
+/// run under `clan run` (both sides over clan) and without it (the kernel's TCP), and must
+/// pass both ways.
+mod sem {
+    use std::io::Error;
+
+    use libc::c_int;
+
+    fn errno() -> i32 {
+        Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    pub fn write_all(fd: c_int, b: &[u8]) {
+        let mut done = 0;
+        while done < b.len() {
+            // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+            // across each call and lengths that match them.
+            let n = unsafe { libc::write(fd, b[done..].as_ptr().cast(), b.len() - done) };
+            assert!(n > 0, "write: {}", Error::last_os_error());
+            done += n as usize;
+        }
+    }
+
+    /// Read exactly `n` bytes (blocking descriptor).
+    pub fn read_n(fd: c_int, n: usize) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        let mut got = 0;
+        while got < n {
+            // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+            // across each call and lengths that match them.
+            let k = unsafe { libc::read(fd, v[got..].as_mut_ptr().cast(), n - got) };
+            assert!(k > 0, "read {got}/{n}: {} ({})", k, Error::last_os_error());
+            got += k as usize;
+        }
+        v
+    }
+
+    fn poll1(fd: c_int, events: i16, ms: c_int) -> i16 {
+        let mut p = [libc::pollfd { fd, events, revents: 0 }];
+        // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+        // across each call and lengths that match them.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 1, ms) };
+        assert!(n >= 0, "poll: {}", Error::last_os_error());
+        p[0].revents
+    }
+
+    fn select_read(fd: c_int, ms: i64) -> c_int {
+        // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+        // across each call and lengths that match them.
+        unsafe {
+            let mut set: libc::fd_set = std::mem::zeroed();
+            libc::FD_ZERO(&mut set);
+            libc::FD_SET(fd, &mut set);
+            let mut tv = libc::timeval { tv_sec: ms / 1000, tv_usec: (ms % 1000) * 1000 };
+            let n = libc::select(fd + 1, &mut set, std::ptr::null_mut(), std::ptr::null_mut(), &mut tv);
+            assert!(n >= 0, "select: {}", Error::last_os_error());
+            if n == 1 {
+                assert!(libc::FD_ISSET(fd, &set));
+            }
+            n
+        }
+    }
+
+    fn epoll_wait1(ep: c_int, ms: c_int) -> c_int {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+        // across each call and lengths that match them.
+        let n = unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), 4, ms) };
+        assert!(n >= 0, "epoll_wait: {}", Error::last_os_error());
+        if n > 0 {
+            assert_eq!({ evs[0].u64 }, 99, "the data of the registration");
+        }
+        n
+    }
+
+    pub fn server() {
+        // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+        // across each call and lengths that match them.
+        unsafe {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            use std::os::fd::AsRawFd;
+            let fd = libc::accept4(
+                l.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            );
+            assert!(fd >= 0, "accept4: {}", Error::last_os_error());
+            assert_ne!(libc::fcntl(fd, libc::F_GETFL) & libc::O_NONBLOCK, 0, "accept4's SOCK_NONBLOCK");
+            assert_ne!(libc::fcntl(fd, libc::F_GETFD) & libc::FD_CLOEXEC, 0, "accept4's SOCK_CLOEXEC");
+            // 1. writev arrives whole: poll, FIONREAD, MSG_PEEK, MSG_DONTWAIT, EAGAIN.
+            assert_ne!(poll1(fd, libc::POLLIN, 20_000) & libc::POLLIN, 0);
+            let mut avail: c_int = 0;
+            for _ in 0..2000 {
+                assert_eq!(libc::ioctl(fd, libc::FIONREAD, &mut avail), 0);
+                if avail >= 6 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            assert_eq!(avail, 6, "FIONREAD");
+            let mut b = [0u8; 16];
+            assert_eq!(libc::recv(fd, b.as_mut_ptr().cast(), 3, libc::MSG_PEEK), 3);
+            assert_eq!(&b[..3], b"abc", "MSG_PEEK");
+            assert_eq!(libc::recv(fd, b.as_mut_ptr().cast(), 16, libc::MSG_DONTWAIT), 6);
+            assert_eq!(&b[..6], b"abcdef");
+            assert_eq!(libc::recv(fd, b.as_mut_ptr().cast(), 16, 0), -1);
+            assert_eq!(errno(), libc::EAGAIN, "non-blocking, nothing there");
+            // 2. Blocking again (fcntl), MSG_WAITALL across two writes.
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            assert_eq!(libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK), 0);
+            write_all(fd, b"g");
+            assert_eq!(libc::recv(fd, b.as_mut_ptr().cast(), 10, libc::MSG_WAITALL), 10, "MSG_WAITALL");
+            assert_eq!(&b[..10], b"0123456789");
+            // 3. Duplicates write to the same connection.
+            let d1 = libc::dup(fd);
+            assert_eq!(libc::dup2(fd, 700), 700);
+            assert_eq!(libc::dup3(fd, 701, libc::O_CLOEXEC), 701);
+            assert_ne!(libc::fcntl(701, libc::F_GETFD) & libc::FD_CLOEXEC, 0, "dup3's O_CLOEXEC");
+            let d4 = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 710);
+            assert!(d1 >= 0 && d4 >= 710);
+            for (d, c) in [(d1, b"x"), (700, b"y"), (701, b"z"), (d4, b"w")] {
+                write_all(d, c);
+            }
+            // 4. recvmsg scatters what sendmsg gathered.
+            let (mut p1, mut p2) = ([0u8; 5], [0u8; 6]);
+            let mut iov = [
+                libc::iovec { iov_base: p1.as_mut_ptr().cast(), iov_len: 5 },
+                libc::iovec { iov_base: p2.as_mut_ptr().cast(), iov_len: 6 },
+            ];
+            let mut got = 0usize;
+            while got < 11 {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                // (what is left of the two buffers)
+                let mut rest: Vec<libc::iovec> = Vec::new();
+                let mut skip = got;
+                for v in iov.iter_mut() {
+                    if skip >= v.iov_len {
+                        skip -= v.iov_len;
+                        continue;
+                    }
+                    rest.push(libc::iovec {
+                        iov_base: v.iov_base.cast::<u8>().add(skip).cast(),
+                        iov_len: v.iov_len - skip,
+                    });
+                    skip = 0;
+                }
+                msg.msg_iov = rest.as_mut_ptr();
+                msg.msg_iovlen = rest.len();
+                let n = libc::recvmsg(fd, &mut msg, 0);
+                assert!(n > 0, "recvmsg: {}", Error::last_os_error());
+                got += n as usize;
+            }
+            assert_eq!((&p1, &p2), (b"hello", b" world"), "recvmsg");
+            // 5. select: nothing, then something.
+            assert_eq!(select_read(fd, 0), 0, "select with nothing to read");
+            write_all(fd, b"g");
+            assert_eq!(select_read(fd, 20_000), 1, "select");
+            assert_eq!(read_n(fd, 1), b"s");
+            // 6. Closing duplicates does not end the connection.
+            for d in [d1, 700, 701, d4] {
+                assert_eq!(libc::close(d), 0);
+            }
+            write_all(fd, b"g");
+            assert_eq!(read_n(fd, 1), b"q");
+            // 7. epoll: one-shot, then edge-triggered.
+            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32, u64: 99 };
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+            write_all(fd, b"g");
+            assert_eq!(epoll_wait1(ep, 20_000), 1, "one-shot fires");
+            assert_eq!(epoll_wait1(ep, 100), 0, "one-shot fired already");
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut ev), 0);
+            assert_eq!(epoll_wait1(ep, 20_000), 1, "re-armed");
+            assert_eq!(read_n(fd, 1), b"1");
+            let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLET) as u32, u64: 99 };
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut ev), 0);
+            write_all(fd, b"g");
+            assert_eq!(epoll_wait1(ep, 20_000), 1, "an edge");
+            assert_eq!(epoll_wait1(ep, 100), 0, "no new edge");
+            write_all(fd, b"g");
+            assert_eq!(epoll_wait1(ep, 20_000), 1, "a new edge");
+            // (both bytes, maybe not at once)
+            assert_eq!(read_n(fd, 2), b"23");
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()), 0);
+            libc::close(ep);
+            // 8. The client shuts down writing: end of stream here, and we still write.
+            write_all(fd, b"g");
+            assert_ne!(poll1(fd, libc::POLLIN, 20_000) & libc::POLLIN, 0, "end of stream is readable");
+            assert_eq!(libc::read(fd, b.as_mut_ptr().cast(), 16), 0, "end of stream");
+            write_all(fd, b"after");
+            // 9. Gone: the client's writes fail with EPIPE (SIGPIPE unless MSG_NOSIGNAL).
+            assert_eq!(libc::close(fd), 0);
+            println!("server ok");
+        }
+    }
+
+    pub fn client(port: u16) {
+        static PIPES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        extern "C" fn on_pipe(_: c_int) {
+            PIPES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+        // across each call and lengths that match them.
+        unsafe {
+            let s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            use std::os::fd::IntoRawFd;
+            let fd = s.into_raw_fd();
+            let mut b = [0u8; 16];
+            // 1.
+            let iov = [
+                libc::iovec { iov_base: b"ab".as_ptr() as *mut _, iov_len: 2 },
+                libc::iovec { iov_base: b"cdef".as_ptr() as *mut _, iov_len: 4 },
+            ];
+            assert_eq!(libc::writev(fd, iov.as_ptr(), 2), 6, "writev");
+            // 2.
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"01234");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            write_all(fd, b"56789");
+            // 3. Four bytes, read with readv into two buffers.
+            let mut got = Vec::new();
+            while got.len() < 4 {
+                let (mut a, mut c) = ([0u8; 2], [0u8; 2]);
+                let iov = [
+                    libc::iovec { iov_base: a.as_mut_ptr().cast(), iov_len: 2 },
+                    libc::iovec { iov_base: c.as_mut_ptr().cast(), iov_len: 2 },
+                ];
+                let n = libc::readv(fd, iov.as_ptr(), 2) as usize;
+                assert!(n > 0 && n <= 4 - got.len(), "readv: {n}");
+                got.extend_from_slice(&a[..n.min(2)]);
+                got.extend_from_slice(&c[..n.saturating_sub(2)]);
+            }
+            assert_eq!(got, b"xyzw");
+            // 4.
+            let iov = [
+                libc::iovec { iov_base: b"hello".as_ptr() as *mut _, iov_len: 5 },
+                libc::iovec { iov_base: b" world".as_ptr() as *mut _, iov_len: 6 },
+            ];
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_ptr() as *mut _;
+            msg.msg_iovlen = 2;
+            assert_eq!(libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL), 11, "sendmsg");
+            // 5.
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"s");
+            // 6.
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"q");
+            // 7.
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"1");
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"2");
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"3");
+            // 8.
+            assert_eq!(read_n(fd, 1), b"g");
+            assert_eq!(libc::shutdown(fd, libc::SHUT_WR), 0);
+            assert_eq!(read_n(fd, 5), b"after", "reading after shutting down writing");
+            // 9. The server closes: EOF here; writes fail with EPIPE, SIGPIPE unless asked.
+            assert_eq!(libc::read(fd, b.as_mut_ptr().cast(), 16), 0, "end of stream");
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_pipe as *const () as usize;
+            libc::sigaction(libc::SIGPIPE, &sa, std::ptr::null_mut());
+            // (we shut down writing: every write fails at once, as with the kernel)
+            assert_eq!(libc::send(fd, b"x".as_ptr().cast(), 1, libc::MSG_NOSIGNAL), -1);
+            assert_eq!(errno(), libc::EPIPE, "send after shutdown");
+            assert_eq!(PIPES.load(std::sync::atomic::Ordering::SeqCst), 0, "MSG_NOSIGNAL: no SIGPIPE");
+            assert_eq!(libc::write(fd, b"x".as_ptr().cast(), 1), -1);
+            assert_eq!(errno(), libc::EPIPE, "write after shutdown");
+            assert_eq!(PIPES.load(std::sync::atomic::Ordering::SeqCst), 1, "SIGPIPE");
+            libc::close(fd);
+            println!("client ok");
+        }
+    }
+}
+
+/// Every call of the list the programs need, over clan and over the kernel alike.
+#[test]
+fn socket_calls_behave_as_the_kernels() {
+    for clan in [true, false] {
+        let mut server = Proc::spawn("sem_server", &[], clan);
+        let port = server.expect("port");
+        let mut client = Proc::spawn("sem_client", &[&port], clan);
+        client.expect("client ok");
+        let cerr = client.finish(Duration::from_secs(60));
+        server.expect("server ok");
+        let serr = server.finish(Duration::from_secs(60));
+        let want = usize::from(clan);
+        assert_eq!((over_clan(&cerr), over_clan(&serr)), (want, want), "client: {cerr}\nserver: {serr}");
+    }
 }
