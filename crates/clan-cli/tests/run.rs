@@ -577,6 +577,43 @@ fn child() {
             }
             println!("client ok");
         }
+        "prefork_server" => {
+            // A connection claimed by a clan-run client is waiting in the accept queue when
+            // the server forks; the child accepts it (the parent never does).
+            use std::os::fd::AsRawFd;
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let mut p = [libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            // SAFETY: poll on our listener; fork, the child serving one connection and exiting.
+            let pid = unsafe {
+                assert_eq!(libc::poll(p.as_mut_ptr(), 1, 20_000), 1, "no connection came");
+                libc::fork()
+            };
+            assert!(pid >= 0);
+            if pid == 0 {
+                let (mut s, _) = l.accept().unwrap();
+                let mut req = vec![0u8; 10_000];
+                s.read_exact(&mut req).unwrap();
+                s.write_all(&req).unwrap();
+                // SAFETY: ending the child.
+                unsafe { libc::_exit(0) };
+            }
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child failed: {status}");
+            println!("served by a child");
+        }
+        "prefork_client" => {
+            let port: u16 = args[0].parse().unwrap();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let req = pattern(10_000, 51);
+            s.write_all(&req).unwrap();
+            let mut back = vec![0u8; req.len()];
+            s.read_exact(&mut back).unwrap();
+            assert!(back == req, "the echo differs");
+            println!("client ok");
+        }
         "sem_server" => sem::server(),
         "sem_client" => sem::client(args[0].parse().unwrap()),
         other => panic!("unknown role {other}"),
@@ -691,6 +728,22 @@ fn idle_connections_cost_no_cpu() {
         s1 - s0,
         c1 - c0
     );
+}
+
+/// A connection a clan-run client claimed, still in the accept queue when the server forks,
+/// accepted by the child: the parent hands its clan stream over, and the bytes come over the
+/// kernel to the child.
+#[test]
+fn a_claimed_connection_accepted_by_a_forked_child() {
+    let mut server = Proc::spawn("prefork_server", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("prefork_client", &[&port], true);
+    client.expect("client ok");
+    let cerr = client.finish(Duration::from_secs(60));
+    server.expect("served by a child");
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!(over_clan(&cerr), 1, "client: {cerr}\nserver: {serr}");
+    assert_eq!((went_over(&cerr), went_over(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
 }
 
 /// An accelerated connection survives `exec` (inetd's way: `cat` serves it as its standard

@@ -34,7 +34,7 @@ use crate::{ready, table};
 static GRAVEYARD: Mutex<Vec<Arc<Conn>>> = Mutex::new(Vec::new());
 static BURIED: AtomicUsize = AtomicUsize::new(0);
 
-fn bury(c: Arc<Conn>) {
+pub(crate) fn bury(c: Arc<Conn>) {
     let mut g = GRAVEYARD.lock().unwrap_or_else(|e| e.into_inner());
     g.push(c);
     BURIED.store(g.len(), Ordering::Relaxed);
@@ -115,7 +115,7 @@ pub(crate) extern "C" fn before_fork() {
         return;
     }
     let conns = table::snapshot();
-    if conns.is_empty() {
+    if conns.is_empty() && !crate::registry::active() {
         return;
     }
     for (_, c) in &conns {
@@ -160,17 +160,24 @@ pub(crate) extern "C" fn after_fork_child() {
     }
 }
 
-/// A request: the connection's identity in the parent (its address, the same in the child).
+/// A request: the connection's identity in the parent (its address, the same in the child),
+/// 8 bytes; or [`CLAIMED`] and the token of a claimed connection a child accepted, 16.
 fn serve(sock: OwnedFd) {
-    let mut buf = [0u8; 8];
+    let mut buf = [0u8; 16];
     loop {
-        match rustix::net::recv(&sock, &mut buf, rustix::net::RecvFlags::empty()) {
-            Ok((8, _)) => {}
+        let n = match rustix::net::recv(&sock, &mut buf, rustix::net::RecvFlags::empty()) {
+            Ok((n @ (8 | 16), _)) => n,
             Ok(_) => return,
             Err(rustix::io::Errno::INTR) => continue,
             Err(_) => return,
+        };
+        let first = u64::from_ne_bytes(buf[..8].try_into().unwrap_or_default());
+        if n == 16 && first == CLAIMED {
+            crate::registry::hand_over_claimed(u64::from_ne_bytes(buf[8..].try_into().unwrap_or_default()));
+            let _ = rustix::net::send(&sock, &[1], rustix::net::SendFlags::NOSIGNAL);
+            continue;
         }
-        let id = usize::from_ne_bytes(buf);
+        let id = first as usize;
         let found = table::snapshot().into_iter().find(|(_, c)| Arc::as_ptr(c) as usize == id);
         if let Some((fd, c)) = found {
             hand_over(fd, &c, "a child after fork uses it");
@@ -180,10 +187,27 @@ fn serve(sock: OwnedFd) {
     }
 }
 
+/// The first word of a request about a claimed connection (never a connection's address).
+const CLAIMED: u64 = u64::MAX;
+
 /// In a child: `fd` was accelerated in the parent when it forked. Ask the parent to hand it
 /// over (waiting for its answer, a few seconds at most), then it is the kernel's here.
 pub(crate) fn inherited(fd: c_int) {
     let Some(id) = table::take_inherited(fd) else { return };
+    ask_parent(&(id as u64).to_ne_bytes(), fd);
+}
+
+/// In a child: `fd`, accepted here, was claimed by a clan-run client whose stream went to
+/// the parent: have the parent hand it over, so that its bytes come over the kernel.
+pub(crate) fn accepted_claimed(lfd: c_int, fd: c_int) {
+    let Some(token) = crate::registry::claimed_token(lfd, fd) else { return };
+    let mut m = [0u8; 16];
+    m[..8].copy_from_slice(&CLAIMED.to_ne_bytes());
+    m[8..].copy_from_slice(&token.to_ne_bytes());
+    ask_parent(&m, fd);
+}
+
+fn ask_parent(request: &[u8], fd: c_int) {
     let to = TO_PARENT.load(Ordering::Relaxed);
     if to < 0 {
         return;
@@ -196,8 +220,7 @@ pub(crate) fn inherited(fd: c_int) {
         }
         std::thread::yield_now();
     }
-    let ok =
-        crate::real::with_fd(to, |s| rustix::net::send(s, &id.to_ne_bytes(), rustix::net::SendFlags::NOSIGNAL).is_ok());
+    let ok = crate::real::with_fd(to, |s| rustix::net::send(s, request, rustix::net::SendFlags::NOSIGNAL).is_ok());
     if ok {
         let mut p = [libc::pollfd { fd: to, events: libc::POLLIN, revents: 0 }];
         if crate::real::poll_fds(&mut p, 5000).is_ok_and(|n| n > 0) {

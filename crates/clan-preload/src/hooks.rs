@@ -154,7 +154,13 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 fn on_accepted(lfd: c_int, fd: c_int, flags: c_int) -> c_int {
-    if fd >= 0 && !table::forked() {
+    if fd >= 0 && table::forked() {
+        if let Some(_inside) = Inside::enter() {
+            fork::accepted_claimed(lfd, fd);
+        }
+        return fd;
+    }
+    if fd >= 0 {
         if let Some(_inside) = Inside::enter() {
             if let Some(c) = registry::on_accept(lfd, fd, flags & libc::SOCK_NONBLOCK != 0) {
                 table::insert(fd, Arc::new(c));

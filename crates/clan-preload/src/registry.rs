@@ -223,17 +223,60 @@ pub(crate) fn on_listen(fd: c_int) {
     crate::say(format_args!("listener {local} registered: connections from clan-run clients will be claimed"));
 }
 
-/// After a `fork` in the parent: no listener takes claims any more.
+/// After a `fork` in the parent: no listener takes claims any more (a child may be the one
+/// that accepts). The claims already made stay: whichever process accepts one of them gets it
+/// (a child through the parent: [`hand_over_claimed`]).
 pub(crate) fn stop_claims() {
     if let Some(m) = LISTENERS.get() {
         // (no allocation, no blocking: a lock that a thread of ours could hold at the fork
         // is only ever held briefly, and this runs in the parent, whose threads go on)
-        if let Ok(mut m) = m.try_lock() {
+        if let Ok(m) = m.try_lock() {
             for r in m.values() {
                 r.closed.store(true, Ordering::Release);
             }
-            m.clear();
         }
+    }
+}
+
+/// Whether this process has registered listeners or clan connections (a `fork` then makes
+/// the pair its children ask through).
+pub(crate) fn active() -> bool {
+    RUNTIME.get().is_some_and(Option::is_some)
+}
+
+/// In a child after `fork`: `fd`, just accepted on the inherited listener `lfd`, may be a
+/// connection a clan-run client claimed before the fork (its clan stream went to the
+/// parent). Its token, if so.
+pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
+    let reg = LISTENERS.get()?.try_lock().ok()?.get(&lfd).cloned()?;
+    let pending = reg.pending.try_lock().ok()?;
+    if pending.is_empty() {
+        return None;
+    }
+    let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
+    let inode = crate::procnet::inode_of(peer_of(fd)?, local)?;
+    pending.get(&inode).map(|(t, _)| *t)
+}
+
+/// In the parent: a child accepted the claimed connection `token`: hand its clan stream over
+/// (the client then sends everything over the kernel, where the child reads it).
+pub(crate) fn hand_over_claimed(token: u64) {
+    if let Some(m) = LISTENERS.get() {
+        for r in lock(m).values() {
+            lock(&r.pending).retain(|_, (t, _)| *t != token);
+        }
+    }
+    let Some(rt) = runtime() else { return };
+    let Some((s, q)) = rt.wait_attached(token) else { return };
+    match Conn::new(s, q, false) {
+        Ok(c) => {
+            let c = Arc::new(c);
+            // (no kernel socket here: the child has it; nothing was shut down)
+            if c.hand_over(-1, "a child accepted it") {
+                crate::fork::bury(c);
+            }
+        }
+        Err(e) => crate::say(format_args!("a claimed connection a child accepted could not be handed over ({e})")),
     }
 }
 
