@@ -40,6 +40,9 @@ enum Cmd {
     /// `clan run -- redis-benchmark -p 6379 -t get`.
     #[command(verbatim_doc_comment)]
     Run(RunArgs),
+    /// The libfabric provider (`libclan-fi.so`).
+    #[command(subcommand)]
+    Fabric(FabricCmd),
     /// Internal: the peer process of a benchmark.
     #[command(name = "__peer", hide = true)]
     Peer {
@@ -98,12 +101,50 @@ fn main() {
         Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),
         Cmd::Run(a) => run(&a),
+        Cmd::Fabric(FabricCmd::Env) => fabric_env(),
         Cmd::Peer { role, args } => bench::peer_main(&role, &args),
     };
     if let Err(e) = r {
         eprintln!("clan: {e}");
         std::process::exit(1);
     }
+}
+
+#[derive(Subcommand, Debug)]
+enum FabricCmd {
+    /// Print the `export` lines that make libfabric find the clan provider:
+    /// `eval "$(clan fabric env)"`, then `fi_info -p clan`.
+    Env,
+}
+
+/// `clan fabric env`: a directory holding `libclan-fi.so` (the name libfabric's loader looks
+/// for; cargo builds `libclan_fi.so` next to this executable), and the lines that put it on
+/// `FI_PROVIDER_PATH`.
+fn fabric_env() -> bench::Result<()> {
+    let dir = std::env::current_exe()?.parent().ok_or("the clan executable has no directory")?.to_path_buf();
+    let lib = dir.join("libclan_fi.so");
+    if !lib.is_file() {
+        return Err(format!(
+            "the provider {} is missing (build it with `cargo build -p clan-fi`; it needs libfabric-dev and libclang-dev)",
+            lib.display()
+        )
+        .into());
+    }
+    let prov = dir.join("fabric-provider");
+    std::fs::create_dir_all(&prov)?;
+    let link = prov.join(clan_fi::FILE_NAME);
+    if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&lib, &link)?;
+    }
+    let path = match std::env::var("FI_PROVIDER_PATH") {
+        Ok(old) if !old.is_empty() && !old.split(':').any(|p| std::path::Path::new(p) == prov) => {
+            format!("{}:{old}", prov.display())
+        }
+        _ => prov.display().to_string(),
+    };
+    println!("export FI_PROVIDER_PATH='{path}'");
+    Ok(())
 }
 
 #[derive(clap::Args, Debug)]

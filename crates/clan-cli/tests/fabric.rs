@@ -1,0 +1,64 @@
+//! The libfabric provider as libfabric's own tools see it: `clan fabric env` makes the
+//! loader find `libclan-fi.so`, and `fi_info -p clan` lists what it offers, narrowed by the
+//! hints it is given. Without `fi_info` (Debian's `libfabric-bin`) this is skipped, except in
+//! CI (`CI=1`), where it must be installed.
+
+use std::process::Command;
+
+const CLAN: &str = env!("CARGO_BIN_EXE_clan");
+
+fn have_fi_info() -> bool {
+    let there = Command::new("sh").args(["-c", "command -v fi_info"]).output().is_ok_and(|o| o.status.success());
+    if !there && std::env::var_os("CI").is_some() {
+        panic!("fi_info is not installed (libfabric-bin): .ci/run installs it");
+    }
+    there
+}
+
+/// The provider directory `clan fabric env` sets up.
+fn provider_path() -> String {
+    let out = Command::new(CLAN).args(["fabric", "env"]).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "clan fabric env: {}", String::from_utf8_lossy(&out.stderr));
+    let line = text.lines().find(|l| l.starts_with("export FI_PROVIDER_PATH=")).expect("an export line");
+    let path = line.trim_start_matches("export FI_PROVIDER_PATH=").trim_matches('\'').to_string();
+    assert!(std::path::Path::new(&path).join("libclan-fi.so").exists(), "{path}/libclan-fi.so");
+    path
+}
+
+fn fi_info(path: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new("fi_info")
+        .args(["-p", "clan"])
+        .args(args)
+        .env("FI_PROVIDER_PATH", path)
+        .env_remove("FI_PROVIDER")
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn fi_info_lists_the_clan_provider() {
+    if !have_fi_info() {
+        eprintln!("skipped: fi_info is not installed");
+        return;
+    }
+    let path = provider_path();
+    let (ok, all) = fi_info(&path, &[]);
+    assert!(ok, "fi_info -p clan failed:\n{all}");
+    // Ours, not a utility provider layered over it.
+    let ours: Vec<&str> = all.split("provider: ").filter(|b| b.starts_with("clan\n")).collect();
+    assert!(ours.iter().any(|b| b.contains("type: FI_EP_RDM")), "an RDM endpoint:\n{all}");
+    assert!(ours.iter().any(|b| b.contains("type: FI_EP_MSG")), "a MSG endpoint:\n{all}");
+    assert!(ours.iter().all(|b| b.contains("fabric: clan") && b.contains("domain: clan")), "{all}");
+
+    // Hints narrow it: tagged messages on RDM only; atomics not at all.
+    let (ok, tagged) = fi_info(&path, &["-c", "FI_TAGGED|FI_DIRECTED_RECV", "-t", "FI_EP_RDM", "-v"]);
+    assert!(ok, "{tagged}");
+    let ours = tagged.split("fi_info:").find(|b| b.contains("prov_name: clan\n")).unwrap_or_else(|| panic!("{tagged}"));
+    assert!(ours.contains("FI_TAGGED") && ours.contains("FI_DIRECTED_RECV") && ours.contains("FI_EP_RDM"), "{ours}");
+    let (ok, msg_tagged) = fi_info(&path, &["-c", "FI_TAGGED", "-t", "FI_EP_MSG"]);
+    assert!(!ok || !msg_tagged.contains("provider: clan\n"), "tagged over MSG is not offered:\n{msg_tagged}");
+    let (ok, atomics) = fi_info(&path, &["-c", "FI_ATOMIC"]);
+    assert!(!ok || !atomics.contains("provider: clan\n"), "atomics are not offered:\n{atomics}");
+}

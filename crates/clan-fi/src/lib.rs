@@ -1,0 +1,24 @@
+//! A libfabric provider over clan: libfabric's dynamic provider loader finds it as
+//! `libclan-fi.so` in a directory on `FI_PROVIDER_PATH` (`clan fabric env` prints the lines
+//! that set it up) and calls `fi_prov_ini`.
+//!
+//! Built so far: the provider loads, `fi_getinfo` (`fi_info -p clan`) lists its endpoint
+//! types (`FI_EP_RDM`, `FI_EP_MSG`) with their capabilities filtered by the caller's hints,
+//! and a fabric opens and closes. Not yet: domains, endpoints, completion queues, address
+//! vectors, memory registration, data transfer (see `docs/ARCHITECTURE.md`).
+//!
+//! The unsafe code is confined to [`ffi`], the thin `extern "C"` boundary: every pointer
+//! libfabric or the application passes is checked there, and a bad argument gets the right
+//! `-FI_E*` value, never a crash. What is decided (which endpoint types match the hints) is
+//! safe Rust ([`offer`]).
+#![deny(unsafe_code)]
+
+#[cfg(not(no_libfabric))]
+pub mod ffi;
+pub mod offer;
+
+/// The provider's name, as `fi_info -p` takes it.
+pub const NAME: &str = "clan";
+
+/// The file libfabric's loader looks for (`lib<name>-fi.so`).
+pub const FILE_NAME: &str = "libclan-fi.so";
