@@ -30,8 +30,8 @@ enum Cmd {
     /// carried over clan; a peer not under clan, another host, UDP, Unix sockets and raw
     /// sockets are the kernel's, untouched. A connection that another process comes to use
     /// (a child after fork touches it, it survives exec, it is passed with SCM_RIGHTS) goes
-    /// over to the kernel's TCP connection under it, losing and doubling no byte; after a
-    /// fork, the parent's listeners leave new connections to the kernel.
+    /// over to the kernel's TCP connection under it, losing and doubling no byte; while the
+    /// children of a fork live, the parent's listeners leave new connections to the kernel.
     ///
     /// Environment: CLAN_LOG=debug says on standard error what was decided for each
     /// connection and why; CLAN_SPIN_US sets the spin before sleeping (default 20).

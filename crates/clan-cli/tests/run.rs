@@ -614,6 +614,48 @@ fn child() {
             assert!(back == req, "the echo differs");
             println!("client ok");
         }
+        "bgsave_server" => {
+            // A connection over clan, then a fork whose child never touches it and exits (as
+            // redis's background save does); the connection stays accelerated, and once the
+            // child is gone, new connections are claimed again. Then: echo 5 bytes per
+            // connection until one says "stop!".
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let (mut first, _) = l.accept().unwrap();
+            // SAFETY: fork; the child sleeps and exits.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0);
+            if pid == 0 {
+                std::thread::sleep(Duration::from_millis(200));
+                // SAFETY: ending the child.
+                unsafe { libc::_exit(0) };
+            }
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            let mut b = [0u8; 5];
+            first.read_exact(&mut b).unwrap();
+            first.write_all(&b).unwrap();
+            println!("child gone");
+            loop {
+                let (mut s, _) = l.accept().unwrap();
+                s.read_exact(&mut b).unwrap();
+                s.write_all(&b).unwrap();
+                if &b == b"stop!" {
+                    break;
+                }
+            }
+            println!("server done");
+        }
+        "echo5_client" => {
+            let port: u16 = args[0].parse().unwrap();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(args[1].as_bytes()).unwrap();
+            let mut b = [0u8; 5];
+            s.read_exact(&mut b).unwrap();
+            assert_eq!(&b, args[1].as_bytes());
+            println!("client ok");
+        }
         "sem_server" => sem::server(),
         "sem_client" => sem::client(args[0].parse().unwrap()),
         other => panic!("unknown role {other}"),
@@ -744,6 +786,44 @@ fn a_claimed_connection_accepted_by_a_forked_child() {
     let serr = server.finish(Duration::from_secs(60));
     assert_eq!(over_clan(&cerr), 1, "client: {cerr}\nserver: {serr}");
     assert_eq!((went_over(&cerr), went_over(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
+}
+
+/// A fork whose child never touches the connections (redis's background save): they stay
+/// accelerated, and once the child is gone the listener takes claims again.
+#[test]
+fn a_fork_that_leaves_connections_alone() {
+    let mut server = Proc::spawn("bgsave_server", &[], true);
+    let port = server.expect("port");
+    // The first connection: made before the fork, used after it.
+    let first = std::thread::spawn({
+        let port = port.clone();
+        move || {
+            let mut c = Proc::spawn("echo5_client", &[&port, "first"], true);
+            c.expect("client ok");
+            c.finish(Duration::from_secs(60))
+        }
+    });
+    server.expect("child gone");
+    let cerr = first.join().unwrap();
+    assert_eq!((over_clan(&cerr), went_over(&cerr)), (1, 0), "the first connection stays over clan: {cerr}");
+    // New connections: over clan again once the parent has seen its child go (a bounded
+    // number of tries: that happens on a thread of the parent, soon after).
+    let mut again = false;
+    for _ in 0..100 {
+        let mut c = Proc::spawn("echo5_client", &[&port, "again"], true);
+        c.expect("client ok");
+        if over_clan(&c.finish(Duration::from_secs(60))) == 1 {
+            again = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut stop = Proc::spawn("echo5_client", &[&port, "stop!"], false);
+    stop.expect("client ok");
+    stop.finish(Duration::from_secs(60));
+    server.expect("server done");
+    let serr = server.finish(Duration::from_secs(60));
+    assert!(again, "claims were not resumed after the child went: {serr}");
 }
 
 /// An accelerated connection survives `exec` (inetd's way: `cat` serves it as its standard

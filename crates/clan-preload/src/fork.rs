@@ -73,6 +73,11 @@ pub(crate) fn before_exec(why: &str, wait: bool) {
                 inherited(fd);
             }
         }
+        // A listening socket going on into the new image: it could accept claimed
+        // connections it knows nothing of, so the parent must not take claims again.
+        if crate::registry::inherited_listeners().into_iter().any(|fd| !cloexec(fd)) {
+            ask_parent(&PIN.to_ne_bytes(), -1);
+        }
         return;
     }
     let mut kept = Vec::new();
@@ -133,13 +138,24 @@ pub(crate) extern "C" fn before_fork() {
     drop(conns);
 }
 
+/// Forks whose children (or their children) still hold their end of the pair.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
 /// `pthread_atfork` parent: serve the child's requests (a thread, until the child and its
-/// own children have all closed their end).
+/// own children have all closed their end: exited, or exec'ed). When the last such fork is
+/// done, the listeners take claims again.
 pub(crate) extern "C" fn after_fork_parent() {
     let Some((mine, theirs)) = PAIR.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
     drop(theirs);
+    LIVE.fetch_add(1, Ordering::AcqRel);
     let spawned = crate::real::with_signals_blocked(|| {
-        std::thread::Builder::new().name("clan-run-fork".into()).spawn(move || serve(mine))
+        std::thread::Builder::new().name("clan-run-fork".into()).spawn(move || {
+            serve(mine);
+            // AcqRel: the last one out sees every other's decrement.
+            if LIVE.fetch_sub(1, Ordering::AcqRel) == 1 {
+                crate::registry::resume_claims();
+            }
+        })
     });
     if let Err(e) = spawned {
         crate::say(format_args!("no thread to serve a child's requests ({e}): its shared connections stay here"));
@@ -172,6 +188,11 @@ fn serve(sock: OwnedFd) {
             Err(_) => return,
         };
         let first = u64::from_ne_bytes(buf[..8].try_into().unwrap_or_default());
+        if n == 8 && first == PIN {
+            crate::registry::pin_stop();
+            let _ = rustix::net::send(&sock, &[1], rustix::net::SendFlags::NOSIGNAL);
+            continue;
+        }
         if n == 16 && first == CLAIMED {
             crate::registry::hand_over_claimed(u64::from_ne_bytes(buf[8..].try_into().unwrap_or_default()));
             let _ = rustix::net::send(&sock, &[1], rustix::net::SendFlags::NOSIGNAL);
@@ -189,6 +210,8 @@ fn serve(sock: OwnedFd) {
 
 /// The first word of a request about a claimed connection (never a connection's address).
 const CLAIMED: u64 = u64::MAX;
+/// A request saying a listener survives the child's `exec` (never a connection's address).
+const PIN: u64 = u64::MAX - 1;
 
 /// In a child: `fd` was accelerated in the parent when it forked. Ask the parent to hand it
 /// over (waiting for its answer, a few seconds at most), then it is the kernel's here.

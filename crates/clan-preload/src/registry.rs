@@ -238,6 +238,62 @@ pub(crate) fn stop_claims() {
     }
 }
 
+/// In a child after `fork`: the parent's registered listeners (their descriptors).
+pub(crate) fn inherited_listeners() -> Vec<c_int> {
+    LISTENERS.get().and_then(|m| m.try_lock().ok().map(|m| m.keys().copied().collect())).unwrap_or_default()
+}
+
+/// Never resume claims (a listener went on into an `exec`ed image, which could accept).
+static PINNED: AtomicBool = AtomicBool::new(false);
+
+/// A child's listener survives its `exec`: claims stay stopped for good.
+pub(crate) fn pin_stop() {
+    PINNED.store(true, Ordering::Release);
+}
+
+/// The children a `fork` made are all gone (or exec'ed without a listener): the listeners
+/// still open take claims again, each under a new registration (the old one's thread lets go
+/// of the name within its poll period, so binding it is retried for a while).
+pub(crate) fn resume_claims() {
+    if PINNED.load(Ordering::Acquire) {
+        return;
+    }
+    let Some(m) = LISTENERS.get() else { return };
+    let stopped: Vec<(c_int, Arc<Registered>)> =
+        lock(m).iter().filter(|(_, r)| r.closed.load(Ordering::Acquire)).map(|(fd, r)| (*fd, r.clone())).collect();
+    for (fd, old) in stopped {
+        let listening = real::with_fd(fd, |b| rustix::net::sockopt::socket_acceptconn(b).unwrap_or(false));
+        let Some(local) = tcp_local(fd).filter(|_| listening) else {
+            lock(m).remove(&fd);
+            continue;
+        };
+        let Some(rt) = runtime() else { return };
+        let mut sock = None;
+        for _ in 0..50 {
+            match SeqPacket::listen_abstract(&name(local)) {
+                Ok(s) => {
+                    sock = Some(s);
+                    break;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        let Some(sock) = sock else {
+            crate::say(format_args!("listener {local}: claims not resumed (its name stayed taken)"));
+            continue;
+        };
+        // The claims made before the stop stay (a connection in the accept queue may be one).
+        let pending = std::mem::take(&mut *lock(&old.pending));
+        let reg = Arc::new(Registered { pending: Mutex::new(pending), closed: AtomicBool::new(false) });
+        lock(m).insert(fd, reg.clone());
+        let rt = rt.clone();
+        let _ = real::with_signals_blocked(|| {
+            std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg, sock))
+        });
+        crate::say(format_args!("listener {local}: claims resumed (the children of the fork are gone)"));
+    }
+}
+
 /// Whether this process has registered listeners or clan connections (a `fork` then makes
 /// the pair its children ask through).
 pub(crate) fn active() -> bool {
