@@ -238,6 +238,19 @@ fn server_benchmark() {
     // One in flight: the raw shared-memory ping-pong of the same run, and the ratio to it.
     positive(&v, &["raw_shm_rtt_p50_ns", "raw_shm_rtt_p99_ns", "raw_shm_ratio"]);
     assert!(v["raw_shm_target_met"].is_boolean());
+    // What the connections hold, from /proc: at least a descriptor each, some memory.
+    positive(
+        &v,
+        &[
+            "/footprint_clan/fds",
+            "/footprint_clan/maps",
+            "/footprint_clan/rss_kib",
+            "/footprint_tcp/fds",
+            "/per_endpoint_clan/fds",
+            "/per_endpoint_tcp/fds",
+        ],
+    );
+    assert!(v["per_endpoint_clan"]["fds"].as_f64().unwrap() >= 1.0, "a clan endpoint holds descriptors: {v}");
     named(&v, &["raw_shm_target"]);
     let v = run(&[
         "bench",

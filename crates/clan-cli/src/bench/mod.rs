@@ -28,6 +28,11 @@ pub struct PeerProc {
 }
 
 impl PeerProc {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn spawn(role: &str, args: &[String]) -> Result<PeerProc> {
         PeerProc::spawn_via(Command::new(std::env::current_exe()?), role, args)
     }

@@ -185,8 +185,56 @@ pub struct ServerReport {
     pub raw_shm_target: String,
     pub raw_shm_target_met: Option<bool>,
     pub setup_s: f64,
+    /// Descriptors, mappings and resident memory of both processes with every connection up.
+    pub footprint_clan: Footprint,
+    pub footprint_tcp: Footprint,
+    pub per_endpoint_clan: PerEndpoint,
+    pub per_endpoint_tcp: PerEndpoint,
     pub placement: String,
     pub machine: sys::Machine,
+}
+
+/// What a set of connections holds: descriptors, memory mappings and resident memory of the
+/// client and the server process together, from `/proc`.
+#[derive(Serialize, Debug, Clone, Copy, Default)]
+pub struct Footprint {
+    pub fds: u64,
+    pub maps: u64,
+    pub rss_kib: u64,
+}
+
+impl Footprint {
+    fn of(pid: u32) -> Footprint {
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_or(0, |m| m.lines().count() as u64);
+        let rss_kib = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+            })
+            .unwrap_or(0);
+        Footprint { fds, maps, rss_kib }
+    }
+
+    fn of_both(server: u32) -> Footprint {
+        let (a, b) = (Footprint::of(std::process::id()), Footprint::of(server));
+        Footprint { fds: a.fds + b.fds, maps: a.maps + b.maps, rss_kib: a.rss_kib + b.rss_kib }
+    }
+
+    /// Per endpoint: the whole divided by the endpoints (fixed costs included).
+    fn per(&self, n: usize) -> PerEndpoint {
+        let n = n.max(1) as f64;
+        PerEndpoint { fds: self.fds as f64 / n, maps: self.maps as f64 / n, rss_kib: self.rss_kib as f64 / n }
+    }
+}
+
+#[derive(Serialize, Debug, Clone, Copy, Default)]
+pub struct PerEndpoint {
+    pub fds: f64,
+    pub maps: f64,
+    pub rss_kib: f64,
 }
 
 /// What client runs measured (merged over rounds).
@@ -241,6 +289,7 @@ pub fn run(a: &ServerArgs) -> Result<()> {
     // in rounds: one set of connections alive at a time (10 000 endpoints are 10 000
     // connections of each kind).
     let mut clan = ClanSide::start(a)?;
+    let footprint_clan = Footprint::of_both(clan.peer.pid());
     let (mut clan_spin, mut clan_block, mut clan_policy) = (Run::default(), Run::default(), Run::default());
     let mut raw: Option<Samples> = None;
     for _ in 0..a.rounds.max(1) {
@@ -255,6 +304,7 @@ pub fn run(a: &ServerArgs) -> Result<()> {
     let setup = clan.setup;
     clan.stop()?;
     let mut tcp = TcpSide::start(a)?;
+    let footprint_tcp = Footprint::of_both(tcp.peer.pid());
     let (mut tcp_spin, mut tcp_block) = (Run::default(), Run::default());
     for _ in 0..a.rounds.max(1) {
         tcp_spin.merge(&tcp.measure(a, Sync::Spin)?);
@@ -320,6 +370,10 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         ),
         raw_shm_target_met: raw_ratio.map(|r| r <= TARGET_RAW_SHM),
         setup_s: setup.as_secs_f64(),
+        footprint_clan,
+        footprint_tcp,
+        per_endpoint_clan: footprint_clan.per(a.endpoints),
+        per_endpoint_tcp: footprint_tcp.per(a.endpoints),
         placement: format!(
             "client pinned to CPU {}, server process (one thread) to CPU 1 ({} CPUs); requests on connections chosen \
              at random, {} in flight{}; clan: RPC over its event loop; baseline: mio (epoll) TCP server over \
@@ -376,6 +430,12 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         if let (Some(p50), Some(p99)) = (r.raw_shm_rtt_p50_ns, r.raw_shm_rtt_p99_ns) {
             println!("{:<22} {:>10} {:>10} {:>10}", "raw shm ping-pong", ns(p50), "", ns(p99));
         }
+        let (c, t) = (&r.per_endpoint_clan, &r.per_endpoint_tcp);
+        println!(
+            "per endpoint (client and server together, fixed costs included): clan {:.1} fds, {:.1} mappings, \
+             {:.0} KiB resident; epoll-tcp {:.1} fds, {:.1} mappings, {:.0} KiB",
+            c.fds, c.maps, c.rss_kib, t.fds, t.maps, t.rss_kib
+        );
         println!("spin : {}", r.spin.how);
         println!("block: {}", r.block.how);
         println!(
