@@ -38,6 +38,9 @@ const _: () = {
     assert!(caps::LOCAL_COMM == FI_LOCAL_COMM as u64 && caps::REMOTE_COMM == FI_REMOTE_COMM as u64);
 };
 
+/// `FI_ADDR_NOTAVAIL` (a cast macro bindgen does not carry over).
+const FI_ADDR_NOTAVAIL: fi_addr_t = u64::MAX;
+
 /// A `-FI_E*` return value.
 fn err(code: u32) -> c_int {
     -(code as c_int)
@@ -230,7 +233,7 @@ static FABRIC_FI_OPS: fi_ops = fi_ops {
 
 static FABRIC_OPS: fi_ops_fabric = fi_ops_fabric {
     size: size_of::<fi_ops_fabric>(),
-    domain: Some(no_domain),
+    domain: Some(domain_open),
     passive_ep: Some(no_passive_ep),
     eq_open: Some(no_eq_open),
     wait_open: Some(no_wait_open),
@@ -284,9 +287,6 @@ unsafe extern "C" fn fi_no_ops_open(
 ) -> c_int {
     err(FI_ENOSYS)
 }
-unsafe extern "C" fn no_domain(_: *mut fid_fabric, _: *mut fi_info, _: *mut *mut fid_domain, _: *mut c_void) -> c_int {
-    err(FI_ENOSYS)
-}
 unsafe extern "C" fn no_domain2(
     _: *mut fid_fabric,
     _: *mut fi_info,
@@ -307,4 +307,612 @@ unsafe extern "C" fn no_wait_open(_: *mut fid_fabric, _: *mut fi_wait_attr, _: *
 }
 unsafe extern "C" fn no_trywait(_: *mut fid_fabric, _: *mut *mut fid, _: c_int) -> c_int {
     err(FI_ENOSYS)
+}
+
+// ---- domain ----------------------------------------------------------------------------------
+
+/// A domain (`fid_domain` first).
+#[repr(C)]
+struct Domain {
+    fid: fid_domain,
+}
+
+static DOMAIN_FI_OPS: fi_ops = fi_ops {
+    size: size_of::<fi_ops>(),
+    close: Some(domain_close),
+    bind: Some(fi_no_bind),
+    control: Some(fi_no_control),
+    ops_open: Some(fi_no_ops_open),
+    tostr: None,
+    ops_set: None,
+};
+
+static DOMAIN_OPS: fi_ops_domain = fi_ops_domain {
+    size: size_of::<fi_ops_domain>(),
+    av_open: Some(av_open),
+    cq_open: Some(cq_open),
+    endpoint: Some(no_endpoint),
+    scalable_ep: Some(no_endpoint),
+    cntr_open: Some(no_cntr_open),
+    poll_open: Some(no_poll_open),
+    stx_ctx: Some(no_stx_ctx),
+    srx_ctx: Some(no_srx_ctx),
+    query_atomic: Some(no_query_atomic),
+    query_collective: Some(no_query_collective),
+    endpoint2: Some(no_endpoint2),
+};
+
+static MR_OPS: fi_ops_mr = fi_ops_mr {
+    size: size_of::<fi_ops_mr>(),
+    reg: Some(no_mr_reg),
+    regv: Some(no_mr_regv),
+    regattr: Some(no_mr_regattr),
+};
+
+unsafe extern "C" fn domain_open(
+    fabric: *mut fid_fabric,
+    info: *mut fi_info,
+    out: *mut *mut fid_domain,
+    context: *mut c_void,
+) -> c_int {
+    if fabric.is_null() || info.is_null() || out.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: checked non-null; an fi_info's attribute pointers are null or valid.
+    if let Some(d) = unsafe { (*info).domain_attr.as_ref() } {
+        // SAFETY: null or NUL-terminated.
+        if unsafe { c_str(d.name) }.is_some_and(|n| n != crate::NAME) {
+            return err(FI_EINVAL);
+        }
+    }
+    let d = Box::new(Domain {
+        fid: fid_domain {
+            fid: fid { fclass: FI_CLASS_DOMAIN as usize, context, ops: (&raw const DOMAIN_FI_OPS).cast_mut() },
+            ops: (&raw const DOMAIN_OPS).cast_mut(),
+            mr: (&raw const MR_OPS).cast_mut(),
+        },
+    });
+    // SAFETY: checked non-null; the domain lives until `domain_close`.
+    unsafe { *out = &mut Box::leak(d).fid };
+    0
+}
+
+unsafe extern "C" fn domain_close(f: *mut fid) -> c_int {
+    if f.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of a `Domain` leaked by `domain_open`, closed once.
+    drop(unsafe { Box::from_raw(f.cast::<Domain>()) });
+    0
+}
+
+unsafe extern "C" fn no_endpoint(_: *mut fid_domain, _: *mut fi_info, _: *mut *mut fid_ep, _: *mut c_void) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_endpoint2(
+    _: *mut fid_domain,
+    _: *mut fi_info,
+    _: *mut *mut fid_ep,
+    _: u64,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_cntr_open(
+    _: *mut fid_domain,
+    _: *mut fi_cntr_attr,
+    _: *mut *mut fid_cntr,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_poll_open(_: *mut fid_domain, _: *mut fi_poll_attr, _: *mut *mut fid_poll) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_stx_ctx(_: *mut fid_domain, _: *mut fi_tx_attr, _: *mut *mut fid_stx, _: *mut c_void) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_srx_ctx(_: *mut fid_domain, _: *mut fi_rx_attr, _: *mut *mut fid_ep, _: *mut c_void) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_query_atomic(
+    _: *mut fid_domain,
+    _: fi_datatype,
+    _: fi_op,
+    _: *mut fi_atomic_attr,
+    _: u64,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_query_collective(
+    _: *mut fid_domain,
+    _: fi_collective_op,
+    _: *mut fi_collective_attr,
+    _: u64,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_mr_reg(
+    _: *mut fid,
+    _: *const c_void,
+    _: usize,
+    _: u64,
+    _: u64,
+    _: u64,
+    _: u64,
+    _: *mut *mut fid_mr,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_mr_regv(
+    _: *mut fid,
+    _: *const iovec,
+    _: usize,
+    _: u64,
+    _: u64,
+    _: u64,
+    _: u64,
+    _: *mut *mut fid_mr,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_mr_regattr(_: *mut fid, _: *const fi_mr_attr, _: u64, _: *mut *mut fid_mr) -> c_int {
+    err(FI_ENOSYS)
+}
+
+// ---- address vectors -------------------------------------------------------------------------
+
+/// An address vector (`fid_av` first).
+#[repr(C)]
+struct Av {
+    fid: fid_av,
+    table: crate::av::Table,
+}
+
+static AV_FI_OPS: fi_ops = fi_ops {
+    size: size_of::<fi_ops>(),
+    close: Some(av_close),
+    bind: Some(fi_no_bind),
+    control: Some(fi_no_control),
+    ops_open: Some(fi_no_ops_open),
+    tostr: None,
+    ops_set: None,
+};
+
+static AV_OPS: fi_ops_av = fi_ops_av {
+    size: size_of::<fi_ops_av>(),
+    insert: Some(av_insert),
+    insertsvc: Some(no_av_insertsvc),
+    insertsym: Some(no_av_insertsym),
+    remove: Some(av_remove),
+    lookup: Some(av_lookup),
+    straddr: Some(av_straddr),
+    av_set: Some(no_av_set),
+};
+
+/// The `Av` behind an `fid_av` we made.
+unsafe fn av_of<'a>(av: *mut fid_av) -> Option<&'a Av> {
+    // SAFETY: null, or the `fid_av` at the start of an `Av` leaked by `av_open`.
+    unsafe { av.cast::<Av>().as_ref() }
+}
+
+unsafe extern "C" fn av_open(
+    domain: *mut fid_domain,
+    attr: *mut fi_av_attr,
+    out: *mut *mut fid_av,
+    context: *mut c_void,
+) -> c_int {
+    if domain.is_null() || attr.is_null() || out.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: checked non-null.
+    let a = unsafe { &*attr };
+    if a.type_ != fi_av_type_FI_AV_UNSPEC && a.type_ != fi_av_type_FI_AV_TABLE && a.type_ != fi_av_type_FI_AV_MAP {
+        return err(FI_EINVAL);
+    }
+    if !a.name.is_null() || a.flags & (FI_EVENT as u64) != 0 {
+        // Shared (named) address vectors and asynchronous inserts are not offered.
+        return err(FI_ENOSYS);
+    }
+    let av = Box::new(Av {
+        fid: fid_av {
+            fid: fid { fclass: FI_CLASS_AV as usize, context, ops: (&raw const AV_FI_OPS).cast_mut() },
+            ops: (&raw const AV_OPS).cast_mut(),
+        },
+        table: crate::av::Table::default(),
+    });
+    // SAFETY: checked non-null; lives until `av_close`.
+    unsafe { *out = &mut Box::leak(av).fid };
+    0
+}
+
+unsafe extern "C" fn av_close(f: *mut fid) -> c_int {
+    if f.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of an `Av` leaked by `av_open`, closed once.
+    drop(unsafe { Box::from_raw(f.cast::<Av>()) });
+    0
+}
+
+unsafe extern "C" fn av_insert(
+    av: *mut fid_av,
+    addr: *const c_void,
+    count: usize,
+    fi_addr: *mut fi_addr_t,
+    flags: u64,
+    _context: *mut c_void,
+) -> c_int {
+    // SAFETY: as `av_of` requires.
+    let Some(av) = (unsafe { av_of(av) }) else { return err(FI_EINVAL) };
+    if flags & (FI_EVENT as u64) != 0 {
+        return err(FI_EINVAL);
+    }
+    if count > 0 && addr.is_null() {
+        return err(FI_EINVAL);
+    }
+    let mut done = 0;
+    for i in 0..count {
+        // SAFETY: the caller passes `count` addresses of the provider's address length.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(addr.cast::<u8>().add(i * crate::av::ADDR_LEN), crate::av::ADDR_LEN) };
+        let out = match crate::av::Addr::from_bytes(bytes) {
+            Ok(a) => {
+                done += 1;
+                av.table.insert(a)
+            }
+            Err(_) => FI_ADDR_NOTAVAIL,
+        };
+        if !fi_addr.is_null() {
+            // SAFETY: the caller's array of `count` entries.
+            unsafe { *fi_addr.add(i) = out };
+        }
+    }
+    done as c_int
+}
+
+unsafe extern "C" fn av_remove(av: *mut fid_av, fi_addr: *mut fi_addr_t, count: usize, _flags: u64) -> c_int {
+    // SAFETY: as `av_of` requires.
+    let Some(av) = (unsafe { av_of(av) }) else { return err(FI_EINVAL) };
+    if count > 0 && fi_addr.is_null() {
+        return err(FI_EINVAL);
+    }
+    let mut all = true;
+    for i in 0..count {
+        // SAFETY: the caller's array of `count` entries.
+        all &= av.table.remove(unsafe { *fi_addr.add(i) });
+    }
+    if all { 0 } else { err(FI_EINVAL) }
+}
+
+unsafe extern "C" fn av_lookup(av: *mut fid_av, fi_addr: fi_addr_t, addr: *mut c_void, addrlen: *mut usize) -> c_int {
+    // SAFETY: as `av_of` requires.
+    let Some(av) = (unsafe { av_of(av) }) else { return err(FI_EINVAL) };
+    if addrlen.is_null() {
+        return err(FI_EINVAL);
+    }
+    let Some(a) = av.table.lookup(fi_addr) else { return err(FI_ENOENT) };
+    // SAFETY: checked non-null: the caller's buffer length.
+    let room = unsafe { *addrlen };
+    if !addr.is_null() {
+        let n = room.min(crate::av::ADDR_LEN);
+        // SAFETY: the caller's buffer of `room` bytes (at least `n`).
+        unsafe { std::ptr::copy_nonoverlapping(a.bytes().as_ptr(), addr.cast::<u8>(), n) };
+    }
+    // SAFETY: as above.
+    unsafe { *addrlen = crate::av::ADDR_LEN };
+    0
+}
+
+/// Text of an address: `clan://` and the endpoint address, truncated to the caller's buffer;
+/// `*len` says how long the whole is (its NUL included).
+unsafe extern "C" fn av_straddr(
+    _av: *mut fid_av,
+    addr: *const c_void,
+    buf: *mut c_char,
+    len: *mut usize,
+) -> *const c_char {
+    if addr.is_null() || len.is_null() {
+        return buf;
+    }
+    // SAFETY: an address of the provider's length.
+    let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), crate::av::ADDR_LEN) };
+    let text = match crate::av::Addr::from_bytes(bytes) {
+        Ok(a) => format!("clan://{}", a.text()),
+        Err(_) => "clan://(invalid)".to_string(),
+    };
+    // SAFETY: checked non-null.
+    let room = unsafe { *len };
+    if !buf.is_null() && room > 0 {
+        let n = text.len().min(room - 1);
+        // SAFETY: the caller's buffer of `room` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    // SAFETY: as above.
+    unsafe { *len = text.len() + 1 };
+    buf
+}
+
+unsafe extern "C" fn no_av_insertsvc(
+    _: *mut fid_av,
+    _: *const c_char,
+    _: *const c_char,
+    _: *mut fi_addr_t,
+    _: u64,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_av_insertsym(
+    _: *mut fid_av,
+    _: *const c_char,
+    _: usize,
+    _: *const c_char,
+    _: usize,
+    _: *mut fi_addr_t,
+    _: u64,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+unsafe extern "C" fn no_av_set(
+    _: *mut fid_av,
+    _: *mut fi_av_set_attr,
+    _: *mut *mut fid_av_set,
+    _: *mut c_void,
+) -> c_int {
+    err(FI_ENOSYS)
+}
+
+// ---- completion queues -----------------------------------------------------------------------
+
+/// A completion queue (`fid_cq` first).
+#[repr(C)]
+struct CqObj {
+    fid: fid_cq,
+    cq: crate::cq::Cq,
+    format: fi_cq_format,
+}
+
+static CQ_FI_OPS: fi_ops = fi_ops {
+    size: size_of::<fi_ops>(),
+    close: Some(cq_close),
+    bind: Some(fi_no_bind),
+    control: Some(fi_no_control),
+    ops_open: Some(fi_no_ops_open),
+    tostr: None,
+    ops_set: None,
+};
+
+static CQ_OPS: fi_ops_cq = fi_ops_cq {
+    size: size_of::<fi_ops_cq>(),
+    read: Some(cq_read),
+    readfrom: Some(cq_readfrom),
+    readerr: Some(cq_readerr),
+    sread: Some(cq_sread),
+    sreadfrom: Some(cq_sreadfrom),
+    signal: Some(cq_signal),
+    strerror: Some(cq_strerror),
+};
+
+unsafe fn cq_of<'a>(cq: *mut fid_cq) -> Option<&'a CqObj> {
+    // SAFETY: null, or the `fid_cq` at the start of a `CqObj` leaked by `cq_open`.
+    unsafe { cq.cast::<CqObj>().as_ref() }
+}
+
+unsafe extern "C" fn cq_open(
+    domain: *mut fid_domain,
+    attr: *mut fi_cq_attr,
+    out: *mut *mut fid_cq,
+    context: *mut c_void,
+) -> c_int {
+    if domain.is_null() || attr.is_null() || out.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: checked non-null.
+    let a = unsafe { &mut *attr };
+    let format = match a.format {
+        fi_cq_format_FI_CQ_FORMAT_UNSPEC => fi_cq_format_FI_CQ_FORMAT_CONTEXT,
+        f @ (fi_cq_format_FI_CQ_FORMAT_CONTEXT
+        | fi_cq_format_FI_CQ_FORMAT_MSG
+        | fi_cq_format_FI_CQ_FORMAT_DATA
+        | fi_cq_format_FI_CQ_FORMAT_TAGGED) => f,
+        _ => return err(FI_ENOSYS),
+    };
+    match a.wait_obj {
+        fi_wait_obj_FI_WAIT_NONE | fi_wait_obj_FI_WAIT_UNSPEC | fi_wait_obj_FI_WAIT_YIELD => {}
+        // (a descriptor to wait on comes with the endpoints: the event queue's)
+        _ => return err(FI_ENOSYS),
+    }
+    let size = if a.size == 0 { 1024 } else { a.size };
+    let cq = Box::new(CqObj {
+        fid: fid_cq {
+            fid: fid { fclass: FI_CLASS_CQ as usize, context, ops: (&raw const CQ_FI_OPS).cast_mut() },
+            ops: (&raw const CQ_OPS).cast_mut(),
+        },
+        cq: crate::cq::Cq::new(size),
+        format,
+    });
+    // SAFETY: checked non-null; lives until `cq_close`.
+    unsafe { *out = &mut Box::leak(cq).fid };
+    0
+}
+
+unsafe extern "C" fn cq_close(f: *mut fid) -> c_int {
+    if f.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of a `CqObj` leaked by `cq_open`, closed once.
+    drop(unsafe { Box::from_raw(f.cast::<CqObj>()) });
+    0
+}
+
+/// Write `entries` at `buf` in the queue's format; how many.
+unsafe fn write_entries(format: fi_cq_format, buf: *mut c_void, entries: &[crate::cq::Entry]) -> isize {
+    for (i, e) in entries.iter().enumerate() {
+        let ctx = e.op_context as *mut c_void;
+        // SAFETY: the caller's buffer holds at least `entries.len()` entries of its format.
+        unsafe {
+            match format {
+                fi_cq_format_FI_CQ_FORMAT_MSG => buf.cast::<fi_cq_msg_entry>().add(i).write(fi_cq_msg_entry {
+                    op_context: ctx,
+                    flags: e.flags,
+                    len: e.len,
+                }),
+                fi_cq_format_FI_CQ_FORMAT_DATA => buf.cast::<fi_cq_data_entry>().add(i).write(fi_cq_data_entry {
+                    op_context: ctx,
+                    flags: e.flags,
+                    len: e.len,
+                    buf: e.buf as *mut c_void,
+                    data: e.data,
+                }),
+                fi_cq_format_FI_CQ_FORMAT_TAGGED => buf.cast::<fi_cq_tagged_entry>().add(i).write(fi_cq_tagged_entry {
+                    op_context: ctx,
+                    flags: e.flags,
+                    len: e.len,
+                    buf: e.buf as *mut c_void,
+                    data: e.data,
+                    tag: e.tag,
+                }),
+                _ => buf.cast::<fi_cq_entry>().add(i).write(fi_cq_entry { op_context: ctx }),
+            }
+        }
+    }
+    entries.len() as isize
+}
+
+fn read_err(e: crate::cq::ReadError) -> isize {
+    use crate::cq::ReadError;
+    -(match e {
+        ReadError::Again => FI_EAGAIN,
+        ReadError::Avail => FI_EAVAIL,
+        ReadError::Canceled => FI_ECANCELED,
+    } as isize)
+}
+
+unsafe extern "C" fn cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) -> isize {
+    // SAFETY: as `cq_of` requires.
+    let Some(q) = (unsafe { cq_of(cq) }) else { return err(FI_EINVAL) as isize };
+    if count > 0 && buf.is_null() {
+        return err(FI_EINVAL) as isize;
+    }
+    match q.cq.read(count) {
+        // SAFETY: the caller's buffer of `count` entries.
+        Ok(v) => unsafe { write_entries(q.format, buf, &v) },
+        Err(e) => read_err(e),
+    }
+}
+
+unsafe extern "C" fn cq_readfrom(cq: *mut fid_cq, buf: *mut c_void, count: usize, src: *mut fi_addr_t) -> isize {
+    // SAFETY: forwarded.
+    let n = unsafe { cq_read(cq, buf, count) };
+    if n > 0 && !src.is_null() {
+        for i in 0..n as usize {
+            // SAFETY: the caller's array of `count` ≥ n entries. (Source addresses come
+            // with the endpoints.)
+            unsafe { *src.add(i) = FI_ADDR_NOTAVAIL };
+        }
+    }
+    n
+}
+
+unsafe extern "C" fn cq_sread(
+    cq: *mut fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    _cond: *const c_void,
+    timeout: c_int,
+) -> isize {
+    // SAFETY: as `cq_of` requires.
+    let Some(q) = (unsafe { cq_of(cq) }) else { return err(FI_EINVAL) as isize };
+    if count > 0 && buf.is_null() {
+        return err(FI_EINVAL) as isize;
+    }
+    let t = (timeout >= 0).then(|| std::time::Duration::from_millis(timeout as u64));
+    match q.cq.sread(count, t) {
+        // SAFETY: the caller's buffer of `count` entries.
+        Ok(v) => unsafe { write_entries(q.format, buf, &v) },
+        Err(e) => read_err(e),
+    }
+}
+
+unsafe extern "C" fn cq_sreadfrom(
+    cq: *mut fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    src: *mut fi_addr_t,
+    cond: *const c_void,
+    timeout: c_int,
+) -> isize {
+    // SAFETY: forwarded.
+    let n = unsafe { cq_sread(cq, buf, count, cond, timeout) };
+    if n > 0 && !src.is_null() {
+        for i in 0..n as usize {
+            // SAFETY: the caller's array of `count` ≥ n entries.
+            unsafe { *src.add(i) = FI_ADDR_NOTAVAIL };
+        }
+    }
+    n
+}
+
+unsafe extern "C" fn cq_readerr(cq: *mut fid_cq, buf: *mut fi_cq_err_entry, _flags: u64) -> isize {
+    // SAFETY: as `cq_of` requires.
+    let Some(q) = (unsafe { cq_of(cq) }) else { return err(FI_EINVAL) as isize };
+    if buf.is_null() {
+        return err(FI_EINVAL) as isize;
+    }
+    let Some(e) = q.cq.readerr() else { return err(FI_EAGAIN) as isize };
+    // SAFETY: the caller's entry (its err_data / err_data_size are the caller's to give: we
+    // leave err_data alone and say we wrote none of it).
+    unsafe {
+        let b = &mut *buf;
+        b.op_context = e.entry.op_context as *mut c_void;
+        b.flags = e.entry.flags;
+        b.len = e.entry.len;
+        b.buf = e.entry.buf as *mut c_void;
+        b.data = e.entry.data;
+        b.tag = e.entry.tag;
+        b.olen = e.olen;
+        b.err = e.err;
+        b.prov_errno = e.prov_errno;
+        b.err_data_size = 0;
+    }
+    1
+}
+
+unsafe extern "C" fn cq_signal(cq: *mut fid_cq) -> c_int {
+    // SAFETY: as `cq_of` requires.
+    let Some(q) = (unsafe { cq_of(cq) }) else { return err(FI_EINVAL) };
+    q.cq.signal();
+    0
+}
+
+unsafe extern "C" fn cq_strerror(
+    _cq: *mut fid_cq,
+    prov_errno: c_int,
+    _err_data: *const c_void,
+    buf: *mut c_char,
+    len: usize,
+) -> *const c_char {
+    let text = crate::cq::strerror(prov_errno);
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: the caller's buffer of `len` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+        return buf;
+    }
+    match prov_errno {
+        crate::cq::prov::OVERRUN => c"the completion queue was full: completions were lost".as_ptr(),
+        crate::cq::prov::PEER_GONE => c"the peer went away".as_ptr(),
+        crate::cq::prov::TRUNCATED => c"the message was longer than the posted buffer".as_ptr(),
+        _ => c"no provider error".as_ptr(),
+    }
 }

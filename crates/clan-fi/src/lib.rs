@@ -3,9 +3,10 @@
 //! that set it up) and calls `fi_prov_ini`.
 //!
 //! Built so far: the provider loads, `fi_getinfo` (`fi_info -p clan`) lists its endpoint
-//! types (`FI_EP_RDM`, `FI_EP_MSG`) with their capabilities filtered by the caller's hints,
-//! and a fabric opens and closes. Not yet: domains, endpoints, completion queues, address
-//! vectors, memory registration, data transfer (see `docs/ARCHITECTURE.md`).
+//! types (`FI_EP_RDM`, `FI_EP_MSG`) with their capabilities filtered by the caller's hints;
+//! fabrics, domains, address vectors ([`av`]) and completion queues ([`cq`]) work. Not yet:
+//! endpoints, counters, memory registration, data transfer (see `docs/ARCHITECTURE.md`);
+//! those calls return `-FI_ENOSYS`.
 //!
 //! The unsafe code is confined to [`ffi`], the thin `extern "C"` boundary: every pointer
 //! libfabric or the application passes is checked there, and a bad argument gets the right
@@ -13,6 +14,8 @@
 //! safe Rust ([`offer`]).
 #![deny(unsafe_code)]
 
+pub mod av;
+pub mod cq;
 #[cfg(not(no_libfabric))]
 pub mod ffi;
 pub mod offer;
