@@ -235,7 +235,7 @@ static FABRIC_OPS: fi_ops_fabric = fi_ops_fabric {
     size: size_of::<fi_ops_fabric>(),
     domain: Some(domain_open),
     passive_ep: Some(no_passive_ep),
-    eq_open: Some(no_eq_open),
+    eq_open: Some(eq_open),
     wait_open: Some(no_wait_open),
     trywait: Some(no_trywait),
     domain2: Some(no_domain2),
@@ -297,9 +297,6 @@ unsafe extern "C" fn no_domain2(
     err(FI_ENOSYS)
 }
 unsafe extern "C" fn no_passive_ep(_: *mut fid_fabric, _: *mut fi_info, _: *mut *mut fid_pep, _: *mut c_void) -> c_int {
-    err(FI_ENOSYS)
-}
-unsafe extern "C" fn no_eq_open(_: *mut fid_fabric, _: *mut fi_eq_attr, _: *mut *mut fid_eq, _: *mut c_void) -> c_int {
     err(FI_ENOSYS)
 }
 unsafe extern "C" fn no_wait_open(_: *mut fid_fabric, _: *mut fi_wait_attr, _: *mut *mut fid_wait) -> c_int {
@@ -915,4 +912,172 @@ unsafe extern "C" fn cq_strerror(
         crate::cq::prov::TRUNCATED => c"the message was longer than the posted buffer".as_ptr(),
         _ => c"no provider error".as_ptr(),
     }
+}
+
+// ---- event queues ----------------------------------------------------------------------------
+
+/// An event queue (`fid_eq` first).
+#[repr(C)]
+struct EqObj {
+    fid: fid_eq,
+    eq: crate::eq::Eq,
+}
+
+static EQ_FI_OPS: fi_ops = fi_ops {
+    size: size_of::<fi_ops>(),
+    close: Some(eq_close),
+    bind: Some(fi_no_bind),
+    control: Some(fi_no_control),
+    ops_open: Some(fi_no_ops_open),
+    tostr: None,
+    ops_set: None,
+};
+
+static EQ_OPS: fi_ops_eq = fi_ops_eq {
+    size: size_of::<fi_ops_eq>(),
+    read: Some(eq_read),
+    readerr: Some(eq_readerr),
+    write: Some(eq_write),
+    sread: Some(eq_sread),
+    strerror: Some(eq_strerror),
+};
+
+unsafe fn eq_of<'a>(eq: *mut fid_eq) -> Option<&'a EqObj> {
+    // SAFETY: null, or the `fid_eq` at the start of an `EqObj` leaked by `eq_open`.
+    unsafe { eq.cast::<EqObj>().as_ref() }
+}
+
+unsafe extern "C" fn eq_open(
+    fabric: *mut fid_fabric,
+    attr: *mut fi_eq_attr,
+    out: *mut *mut fid_eq,
+    context: *mut c_void,
+) -> c_int {
+    if fabric.is_null() || attr.is_null() || out.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: checked non-null.
+    let a = unsafe { &*attr };
+    match a.wait_obj {
+        fi_wait_obj_FI_WAIT_NONE | fi_wait_obj_FI_WAIT_UNSPEC | fi_wait_obj_FI_WAIT_YIELD => {}
+        _ => return err(FI_ENOSYS),
+    }
+    let eq = Box::new(EqObj {
+        fid: fid_eq {
+            fid: fid { fclass: FI_CLASS_EQ as usize, context, ops: (&raw const EQ_FI_OPS).cast_mut() },
+            ops: (&raw const EQ_OPS).cast_mut(),
+        },
+        eq: crate::eq::Eq::new(if a.size == 0 { 1024 } else { a.size }),
+    });
+    // SAFETY: checked non-null; lives until `eq_close`.
+    unsafe { *out = &mut Box::leak(eq).fid };
+    0
+}
+
+unsafe extern "C" fn eq_close(f: *mut fid) -> c_int {
+    if f.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of an `EqObj` leaked by `eq_open`, closed once.
+    drop(unsafe { Box::from_raw(f.cast::<EqObj>()) });
+    0
+}
+
+fn eq_read_err(e: crate::eq::ReadError) -> isize {
+    use crate::eq::ReadError;
+    -(match e {
+        ReadError::Again => FI_EAGAIN,
+        ReadError::Avail => FI_EAVAIL,
+        ReadError::TooSmall => FI_ETOOSMALL,
+    } as isize)
+}
+
+/// Hand an event to the caller: its number and its bytes (the caller's buffer holds `len`).
+unsafe fn eq_out(ev: (u32, Vec<u8>), event: *mut u32, buf: *mut c_void) -> isize {
+    if !event.is_null() {
+        // SAFETY: the caller's event slot.
+        unsafe { *event = ev.0 };
+    }
+    if !buf.is_null() {
+        // SAFETY: the caller's buffer, checked by the queue to be long enough.
+        unsafe { std::ptr::copy_nonoverlapping(ev.1.as_ptr(), buf.cast::<u8>(), ev.1.len()) };
+    }
+    ev.1.len() as isize
+}
+
+unsafe extern "C" fn eq_read(eq: *mut fid_eq, event: *mut u32, buf: *mut c_void, len: usize, flags: u64) -> isize {
+    // SAFETY: as `eq_of` requires.
+    let Some(q) = (unsafe { eq_of(eq) }) else { return err(FI_EINVAL) as isize };
+    let room = if buf.is_null() { 0 } else { len };
+    match q.eq.read(room, flags & (FI_PEEK as u64) != 0) {
+        // SAFETY: the caller's slots.
+        Ok(ev) => unsafe { eq_out(ev, event, buf) },
+        Err(e) => eq_read_err(e),
+    }
+}
+
+unsafe extern "C" fn eq_sread(
+    eq: *mut fid_eq,
+    event: *mut u32,
+    buf: *mut c_void,
+    len: usize,
+    timeout: c_int,
+    flags: u64,
+) -> isize {
+    // SAFETY: as `eq_of` requires.
+    let Some(q) = (unsafe { eq_of(eq) }) else { return err(FI_EINVAL) as isize };
+    let room = if buf.is_null() { 0 } else { len };
+    let t = (timeout >= 0).then(|| std::time::Duration::from_millis(timeout as u64));
+    match q.eq.sread(room, flags & (FI_PEEK as u64) != 0, t) {
+        // SAFETY: the caller's slots.
+        Ok(ev) => unsafe { eq_out(ev, event, buf) },
+        Err(e) => eq_read_err(e),
+    }
+}
+
+unsafe extern "C" fn eq_write(eq: *mut fid_eq, event: u32, buf: *const c_void, len: usize, _flags: u64) -> isize {
+    // SAFETY: as `eq_of` requires.
+    let Some(q) = (unsafe { eq_of(eq) }) else { return err(FI_EINVAL) as isize };
+    if len > 0 && buf.is_null() {
+        return err(FI_EINVAL) as isize;
+    }
+    let bytes = if len == 0 {
+        &[][..]
+    } else {
+        // SAFETY: the caller's `len` bytes.
+        unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
+    };
+    if q.eq.write(event, bytes) { len as isize } else { err(FI_EAGAIN) as isize }
+}
+
+unsafe extern "C" fn eq_readerr(eq: *mut fid_eq, buf: *mut fi_eq_err_entry, _flags: u64) -> isize {
+    // SAFETY: as `eq_of` requires.
+    let Some(q) = (unsafe { eq_of(eq) }) else { return err(FI_EINVAL) as isize };
+    if buf.is_null() {
+        return err(FI_EINVAL) as isize;
+    }
+    let Some(e) = q.eq.readerr() else { return err(FI_EAGAIN) as isize };
+    // SAFETY: the caller's entry (its err_data is the caller's: we say we wrote none).
+    unsafe {
+        let b = &mut *buf;
+        b.fid = e.fid as fid_t;
+        b.context = e.context as *mut c_void;
+        b.data = e.data;
+        b.err = e.err;
+        b.prov_errno = e.prov_errno;
+        b.err_data_size = 0;
+    }
+    size_of::<fi_eq_err_entry>() as isize
+}
+
+unsafe extern "C" fn eq_strerror(
+    eq: *mut fid_eq,
+    prov_errno: c_int,
+    err_data: *const c_void,
+    buf: *mut c_char,
+    len: usize,
+) -> *const c_char {
+    // (the same provider codes as the completion queues')
+    // SAFETY: forwarded; the queue pointer is not used.
+    unsafe { cq_strerror(eq.cast(), prov_errno, err_data, buf, len) }
 }

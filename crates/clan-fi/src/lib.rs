@@ -4,7 +4,8 @@
 //!
 //! Built so far: the provider loads, `fi_getinfo` (`fi_info -p clan`) lists its endpoint
 //! types (`FI_EP_RDM`, `FI_EP_MSG`) with their capabilities filtered by the caller's hints;
-//! fabrics, domains, address vectors ([`av`]) and completion queues ([`cq`]) work. Not yet:
+//! fabrics, domains, address vectors ([`av`]), completion queues ([`cq`]) and event queues
+//! ([`eq`]) work. Not yet:
 //! endpoints, counters, memory registration, data transfer (see `docs/ARCHITECTURE.md`);
 //! those calls return `-FI_ENOSYS`.
 //!
@@ -16,6 +17,7 @@
 
 pub mod av;
 pub mod cq;
+pub mod eq;
 #[cfg(not(no_libfabric))]
 pub mod ffi;
 pub mod offer;

@@ -3,6 +3,7 @@
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,6 +76,22 @@ int main(void)
 	struct fi_cq_attr bad = { .format = FI_CQ_FORMAT_TAGGED, .wait_obj = FI_WAIT_FD };
 	struct fid_cq *cq2;
 	CHECK(fi_cq_open(domain, &bad, &cq2, NULL) == -FI_ENOSYS, "a wait descriptor is not there yet");
+
+	/* Event queue: what the application writes comes back, in order; sizes checked. */
+	struct fi_eq_attr eq_attr = { .wait_obj = FI_WAIT_UNSPEC };
+	struct fid_eq *eq;
+	r = fi_eq_open(fabric, &eq_attr, &eq, NULL);
+	CHECK(r == 0, "fi_eq_open: %s", fi_strerror(-r));
+	uint32_t event;
+	char ebuf[32];
+	CHECK(fi_eq_read(eq, &event, ebuf, sizeof ebuf, 0) == -FI_EAGAIN, "an empty event queue");
+	CHECK(fi_eq_write(eq, FI_NOTIFY, "hello", 5, 0) == 5, "fi_eq_write");
+	CHECK(fi_eq_read(eq, &event, ebuf, 2, 0) == -FI_ETOOSMALL, "a buffer too small");
+	CHECK(fi_eq_read(eq, &event, ebuf, sizeof ebuf, FI_PEEK) == 5, "peek");
+	CHECK(fi_eq_sread(eq, &event, ebuf, sizeof ebuf, 1000, 0) == 5 && event == FI_NOTIFY &&
+	      !memcmp(ebuf, "hello", 5), "the event back");
+	CHECK(fi_eq_sread(eq, &event, ebuf, sizeof ebuf, 10, 0) == -FI_EAGAIN, "a blocking read that times out");
+	CHECK(fi_close(&eq->fid) == 0, "close");
 
 	/* Not there yet: refused by code. */
 	struct fid_ep *ep;
