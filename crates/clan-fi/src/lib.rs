@@ -21,6 +21,7 @@ pub mod eq;
 #[cfg(not(no_libfabric))]
 pub mod ffi;
 pub mod offer;
+pub mod rdm;
 
 /// The provider's name, as `fi_info -p` takes it.
 pub const NAME: &str = "clan";

@@ -46,10 +46,10 @@ pub fn all() -> [Offer; 2] {
         Offer {
             ep_type: EpType::Rdm,
             caps: common | TAGGED | DIRECTED_RECV | SOURCE,
-            max_msg_size: 1 << 30,
+            max_msg_size: crate::rdm::MAX_MSG as u64,
             inject_size: 64,
         },
-        Offer { ep_type: EpType::Msg, caps: common, max_msg_size: 1 << 30, inject_size: 64 },
+        Offer { ep_type: EpType::Msg, caps: common, max_msg_size: crate::rdm::MAX_MSG as u64, inject_size: 64 },
     ]
 }
 
