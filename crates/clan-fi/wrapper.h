@@ -7,3 +7,5 @@
 #include <rdma/fi_rma.h>
 #include <rdma/fi_errno.h>
 #include <rdma/providers/fi_prov.h>
+#include <rdma/fi_atomic.h>
+#include <rdma/fi_collective.h>

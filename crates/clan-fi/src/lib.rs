@@ -2,12 +2,13 @@
 //! `libclan-fi.so` in a directory on `FI_PROVIDER_PATH` (`clan fabric env` prints the lines
 //! that set it up) and calls `fi_prov_ini`.
 //!
-//! Built so far: the provider loads, `fi_getinfo` (`fi_info -p clan`) lists its endpoint
-//! types (`FI_EP_RDM`, `FI_EP_MSG`) with their capabilities filtered by the caller's hints;
-//! fabrics, domains, address vectors ([`av`]), completion queues ([`cq`]) and event queues
-//! ([`eq`]) work. Not yet:
-//! endpoints, counters, memory registration, data transfer (see `docs/ARCHITECTURE.md`);
-//! those calls return `-FI_ENOSYS`.
+//! Built so far: `fi_getinfo` (`fi_info -p clan`) lists reliable-datagram endpoints
+//! (`FI_EP_RDM`, with `FI_MSG` and `FI_TAGGED`) filtered by the caller's hints; fabrics,
+//! domains, address vectors ([`av`]), completion queues ([`cq`]), event queues ([`eq`]) and
+//! reliable-datagram endpoints ([`rdm`], over clan's distributed queue) work, and
+//! `fi_pingpong -e rdm` runs. Not yet: connected endpoints, RMA, counters, memory
+//! registration, wait descriptors (see `docs/ARCHITECTURE.md`); those calls return
+//! `-FI_ENOSYS`.
 //!
 //! The unsafe code is confined to [`ffi`], the thin `extern "C"` boundary: every pointer
 //! libfabric or the application passes is checked there, and a bad argument gets the right

@@ -11,6 +11,8 @@ pub mod sys {
     include!(concat!(env!("OUT_DIR"), "/fabric.rs"));
 }
 
+mod stubs;
+
 use std::cell::UnsafeCell;
 use std::ffi::{CStr, c_char, c_int, c_void};
 
@@ -38,8 +40,9 @@ const _: () = {
     assert!(caps::LOCAL_COMM == FI_LOCAL_COMM as u64 && caps::REMOTE_COMM == FI_REMOTE_COMM as u64);
 };
 
-/// `FI_ADDR_NOTAVAIL` (a cast macro bindgen does not carry over).
+/// `FI_ADDR_NOTAVAIL` and `FI_ADDR_UNSPEC` (cast macros bindgen does not carry over).
 const FI_ADDR_NOTAVAIL: fi_addr_t = u64::MAX;
+const FI_ADDR_UNSPEC: fi_addr_t = u64::MAX;
 
 /// A `-FI_E*` return value.
 fn err(code: u32) -> c_int {
@@ -173,12 +176,12 @@ unsafe fn fill(i: &mut fi_info, o: &offer::Offer) {
     tx.msg_order = (FI_ORDER_SAS | FI_ORDER_RAW | FI_ORDER_WAW | FI_ORDER_WAR | FI_ORDER_RAR) as u64;
     tx.inject_size = o.inject_size as usize;
     tx.size = 1024;
-    tx.iov_limit = 4;
+    tx.iov_limit = 1;
     tx.rma_iov_limit = 1;
     rx.caps = o.caps;
     rx.msg_order = tx.msg_order;
     rx.size = 1024;
-    rx.iov_limit = 4;
+    rx.iov_limit = 1;
     ep.type_ = match o.ep_type {
         EpType::Rdm => fi_ep_type_FI_EP_RDM,
         EpType::Msg => fi_ep_type_FI_EP_MSG,
@@ -328,7 +331,7 @@ static DOMAIN_OPS: fi_ops_domain = fi_ops_domain {
     size: size_of::<fi_ops_domain>(),
     av_open: Some(av_open),
     cq_open: Some(cq_open),
-    endpoint: Some(no_endpoint),
+    endpoint: Some(ep_open),
     scalable_ep: Some(no_endpoint),
     cntr_open: Some(no_cntr_open),
     poll_open: Some(no_poll_open),
@@ -674,6 +677,24 @@ struct CqObj {
     fid: fid_cq,
     cq: crate::cq::Cq,
     format: fi_cq_format,
+    /// The endpoints bound to it (their addresses): reading the queue makes their progress.
+    eps: std::sync::Mutex<Vec<usize>>,
+}
+
+impl CqObj {
+    fn eps(&self) -> Vec<usize> {
+        self.eps.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Progress of every endpoint bound here.
+    fn progress(&self) {
+        for ep in self.eps() {
+            // SAFETY: an endpoint removes itself from this list before it is freed.
+            if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
+                ep.progress();
+            }
+        }
+    }
 }
 
 static CQ_FI_OPS: fi_ops = fi_ops {
@@ -734,6 +755,7 @@ unsafe extern "C" fn cq_open(
         },
         cq: crate::cq::Cq::new(size),
         format,
+        eps: std::sync::Mutex::new(Vec::new()),
     });
     // SAFETY: checked non-null; lives until `cq_close`.
     unsafe { *out = &mut Box::leak(cq).fid };
@@ -743,6 +765,10 @@ unsafe extern "C" fn cq_open(
 unsafe extern "C" fn cq_close(f: *mut fid) -> c_int {
     if f.is_null() {
         return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of a `CqObj`.
+    if unsafe { !(*f.cast::<CqObj>()).eps().is_empty() } {
+        return err(FI_EBUSY);
     }
     // SAFETY: the `fid` at the start of a `CqObj` leaked by `cq_open`, closed once.
     drop(unsafe { Box::from_raw(f.cast::<CqObj>()) });
@@ -798,6 +824,7 @@ unsafe extern "C" fn cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) ->
     if count > 0 && buf.is_null() {
         return err(FI_EINVAL) as isize;
     }
+    q.progress();
     match q.cq.read(count) {
         // SAFETY: the caller's buffer of `count` entries.
         Ok(v) => unsafe { write_entries(q.format, buf, &v) },
@@ -830,11 +857,20 @@ unsafe extern "C" fn cq_sread(
     if count > 0 && buf.is_null() {
         return err(FI_EINVAL) as isize;
     }
-    let t = (timeout >= 0).then(|| std::time::Duration::from_millis(timeout as u64));
-    match q.cq.sread(count, t) {
-        // SAFETY: the caller's buffer of `count` entries.
-        Ok(v) => unsafe { write_entries(q.format, buf, &v) },
-        Err(e) => read_err(e),
+    let end = (timeout >= 0).then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
+    loop {
+        // Progress, then wait a little for a completion (the endpoints' arrivals are taken
+        // in by this progress: data progress is manual).
+        q.progress();
+        let slice = std::time::Duration::from_millis(1);
+        let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
+        let r = q.cq.sread(count, Some(left.map_or(slice, |l| l.min(slice))));
+        match r {
+            // SAFETY: the caller's buffer of `count` entries.
+            Ok(v) => return unsafe { write_entries(q.format, buf, &v) },
+            Err(crate::cq::ReadError::Again) if left.is_none_or(|l| !l.is_zero()) => {}
+            Err(e) => return read_err(e),
+        }
     }
 }
 
@@ -1080,4 +1116,531 @@ unsafe extern "C" fn eq_strerror(
     // (the same provider codes as the completion queues')
     // SAFETY: forwarded; the queue pointer is not used.
     unsafe { cq_strerror(eq.cast(), prov_errno, err_data, buf, len) }
+}
+
+// ---- endpoints -------------------------------------------------------------------------------
+
+/// A reliable-datagram endpoint (`fid_ep` first).
+#[repr(C)]
+struct EpObj {
+    fid: fid_ep,
+    rdm: crate::rdm::Rdm,
+    /// Receives honour their source address (`FI_DIRECTED_RECV` among the endpoint's caps).
+    directed: bool,
+    av: std::sync::atomic::AtomicUsize,
+    tx_cq: std::sync::atomic::AtomicUsize,
+    rx_cq: std::sync::atomic::AtomicUsize,
+}
+
+static EP_FI_OPS: fi_ops = fi_ops {
+    size: size_of::<fi_ops>(),
+    close: Some(ep_close),
+    bind: Some(ep_bind),
+    control: Some(ep_control),
+    ops_open: Some(fi_no_ops_open),
+    tostr: None,
+    ops_set: None,
+};
+static EP_OPS: fi_ops_ep = fi_ops_ep { cancel: Some(ep_cancel), ..stubs::EP_ENOSYS };
+static CM_OPS: fi_ops_cm = fi_ops_cm { getname: Some(ep_getname), ..stubs::CM_ENOSYS };
+static MSG_OPS: fi_ops_msg = fi_ops_msg {
+    recv: Some(msg_recv),
+    recvmsg: Some(msg_recvmsg),
+    send: Some(msg_send),
+    sendmsg: Some(msg_sendmsg),
+    inject: Some(msg_inject),
+    senddata: Some(msg_senddata),
+    injectdata: Some(msg_injectdata),
+    ..stubs::MSG_ENOSYS
+};
+static TAGGED_OPS: fi_ops_tagged = fi_ops_tagged {
+    recv: Some(tagged_recv),
+    recvmsg: Some(tagged_recvmsg),
+    send: Some(tagged_send),
+    sendmsg: Some(tagged_sendmsg),
+    inject: Some(tagged_inject),
+    senddata: Some(tagged_senddata),
+    injectdata: Some(tagged_injectdata),
+    ..stubs::TAGGED_ENOSYS
+};
+static RMA_OPS: fi_ops_rma = stubs::RMA_ENOSYS;
+static ATOMIC_OPS: fi_ops_atomic = stubs::ATOMIC_ENOSYS;
+static COLLECTIVE_OPS: fi_ops_collective = stubs::COLLECTIVE_ENOSYS;
+
+unsafe fn ep_of<'a>(ep: *mut fid_ep) -> Option<&'a EpObj> {
+    // SAFETY: null, or the `fid_ep` at the start of an `EpObj` leaked by `ep_open`.
+    unsafe { ep.cast::<EpObj>().as_ref() }
+}
+
+impl EpObj {
+    fn cq(&self, which: &std::sync::atomic::AtomicUsize) -> Option<&CqObj> {
+        // SAFETY: a bound queue stays open while we are bound (its close refuses, FI_EBUSY).
+        unsafe { (which.load(std::sync::atomic::Ordering::Acquire) as *const CqObj).as_ref() }
+    }
+
+    fn dest(&self, a: fi_addr_t) -> Option<crate::av::Addr> {
+        // SAFETY: the bound address vector stays open while the endpoint uses it (the
+        // application's contract).
+        let av = unsafe { (self.av.load(std::sync::atomic::Ordering::Acquire) as *const Av).as_ref() }?;
+        av.table.lookup(a)
+    }
+
+    /// Take in arrivals and complete the receives they match.
+    fn progress(&self) {
+        for (p, a) in self.rdm.progress() {
+            self.deliver(p, a);
+        }
+    }
+
+    fn deliver(&self, p: crate::rdm::Posted, a: crate::rdm::Arrival) {
+        let n = a.data.len().min(p.len);
+        if n > 0 {
+            // SAFETY: the application posted `p.len` writable bytes at `p.buf`, valid until
+            // this receive completes (now).
+            unsafe { std::ptr::copy_nonoverlapping(a.data.as_ptr(), p.buf as *mut u8, n) };
+        }
+        let mut flags = (FI_RECV as u64) | if a.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
+        if a.cq_data.is_some() {
+            flags |= FI_REMOTE_CQ_DATA as u64;
+        }
+        let entry = crate::cq::Entry {
+            op_context: p.context,
+            flags,
+            len: n,
+            buf: p.buf,
+            data: a.cq_data.unwrap_or(0),
+            tag: a.tag,
+        };
+        let Some(cq) = self.cq(&self.rx_cq) else { return };
+        if a.data.len() > p.len {
+            cq.cq.push_err(crate::cq::ErrEntry {
+                entry,
+                olen: a.data.len() - p.len,
+                err: FI_ETRUNC as i32,
+                prov_errno: crate::cq::prov::TRUNCATED,
+            });
+        } else {
+            cq.cq.push(entry);
+        }
+    }
+
+    fn post(&self, p: crate::rdm::Posted) -> isize {
+        if let Some((p, a)) = self.rdm.post(p) {
+            self.deliver(p, a);
+        }
+        0
+    }
+
+    fn send(
+        &self,
+        buf: *const c_void,
+        len: usize,
+        dest: fi_addr_t,
+        tag: Option<u64>,
+        data: Option<u64>,
+        ctx: Option<*mut c_void>,
+    ) -> isize {
+        if len > 0 && buf.is_null() {
+            return err(FI_EINVAL) as isize;
+        }
+        let Some(to) = self.dest(dest) else { return err(FI_EINVAL) as isize };
+        let bytes = if len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the application's `len` readable bytes.
+            unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
+        };
+        match self.rdm.send(to, bytes, tag.is_some(), tag.unwrap_or(0), data) {
+            Ok(()) => {}
+            Err(crate::rdm::Error::TooLong(_)) => return err(FI_EMSGSIZE) as isize,
+            Err(_) => return err(FI_EIO) as isize,
+        }
+        // (an inject has no context and no completion)
+        if let (Some(ctx), Some(cq)) = (ctx, self.cq(&self.tx_cq)) {
+            let flags = (FI_SEND as u64) | if tag.is_some() { FI_TAGGED as u64 } else { FI_MSG as u64 };
+            cq.cq.push(crate::cq::Entry { op_context: ctx as usize, flags, len, ..Default::default() });
+        }
+        // Sending is a chance to take in arrivals too.
+        self.progress();
+        0
+    }
+}
+
+unsafe extern "C" fn ep_open(
+    domain: *mut fid_domain,
+    info: *mut fi_info,
+    out: *mut *mut fid_ep,
+    context: *mut c_void,
+) -> c_int {
+    if domain.is_null() || info.is_null() || out.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: checked non-null; an fi_info's attribute pointers are null or valid.
+    if let Some(ep) = unsafe { (*info).ep_attr.as_ref() } {
+        if ep.type_ != fi_ep_type_FI_EP_RDM {
+            // Connected endpoints come later.
+            return err(FI_ENOSYS);
+        }
+    }
+    // SAFETY: checked non-null above.
+    let caps = unsafe { (*info).caps | (*info).rx_attr.as_ref().map_or(0, |r| r.caps) };
+    let directed = caps & FI_DIRECTED_RECV as u64 != 0;
+    let rdm = match crate::rdm::Rdm::open() {
+        Ok(r) => r,
+        Err(_) => return err(FI_ENODEV),
+    };
+    let ep = Box::new(EpObj {
+        fid: fid_ep {
+            fid: fid { fclass: FI_CLASS_EP as usize, context, ops: (&raw const EP_FI_OPS).cast_mut() },
+            ops: (&raw const EP_OPS).cast_mut(),
+            cm: (&raw const CM_OPS).cast_mut(),
+            msg: (&raw const MSG_OPS).cast_mut(),
+            rma: (&raw const RMA_OPS).cast_mut(),
+            tagged: (&raw const TAGGED_OPS).cast_mut(),
+            atomic: (&raw const ATOMIC_OPS).cast_mut(),
+            collective: (&raw const COLLECTIVE_OPS).cast_mut(),
+        },
+        rdm,
+        directed,
+        av: std::sync::atomic::AtomicUsize::new(0),
+        tx_cq: std::sync::atomic::AtomicUsize::new(0),
+        rx_cq: std::sync::atomic::AtomicUsize::new(0),
+    });
+    // SAFETY: checked non-null; lives until `ep_close`.
+    unsafe { *out = &mut Box::leak(ep).fid };
+    0
+}
+
+unsafe extern "C" fn ep_close(f: *mut fid) -> c_int {
+    if f.is_null() {
+        return err(FI_EINVAL);
+    }
+    let me = f as usize;
+    // SAFETY: the `fid` at the start of an `EpObj` leaked by `ep_open`.
+    let ep = unsafe { Box::from_raw(f.cast::<EpObj>()) };
+    for q in [&ep.tx_cq, &ep.rx_cq] {
+        if let Some(cq) = ep.cq(q) {
+            cq.eps.lock().unwrap_or_else(|p| p.into_inner()).retain(|e| *e != me);
+        }
+    }
+    drop(ep);
+    0
+}
+
+unsafe extern "C" fn ep_bind(f: *mut fid, bfid: *mut fid, flags: u64) -> c_int {
+    if f.is_null() || bfid.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of an `EpObj`; `bfid` is an object of ours (its class
+    // says which).
+    let (ep, class) = unsafe { (&*f.cast::<EpObj>(), (*bfid).fclass as u32) };
+    use std::sync::atomic::Ordering;
+    match class {
+        FI_CLASS_AV => ep.av.store(bfid as usize, Ordering::Release),
+        FI_CLASS_CQ => {
+            let known = (FI_TRANSMIT | FI_RECV) as u64 | FI_SELECTIVE_COMPLETION as u64;
+            if flags & !known != 0 || flags & ((FI_TRANSMIT | FI_RECV) as u64) == 0 {
+                return err(FI_EINVAL);
+            }
+            // SAFETY: a CQ of ours.
+            let cq = unsafe { &*bfid.cast::<CqObj>() };
+            let mut eps = cq.eps.lock().unwrap_or_else(|p| p.into_inner());
+            if !eps.contains(&(f as usize)) {
+                eps.push(f as usize);
+            }
+            if flags & FI_TRANSMIT as u64 != 0 {
+                ep.tx_cq.store(bfid as usize, Ordering::Release);
+            }
+            if flags & FI_RECV as u64 != 0 {
+                ep.rx_cq.store(bfid as usize, Ordering::Release);
+            }
+        }
+        FI_CLASS_EQ | FI_CLASS_CNTR => return err(FI_ENOSYS),
+        _ => return err(FI_EINVAL),
+    }
+    0
+}
+
+unsafe extern "C" fn ep_control(f: *mut fid, command: c_int, _arg: *mut c_void) -> c_int {
+    if f.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of an `EpObj`.
+    let ep = unsafe { &*f.cast::<EpObj>() };
+    match command as u32 {
+        FI_ENABLE => {
+            use std::sync::atomic::Ordering;
+            if ep.av.load(Ordering::Acquire) == 0
+                || ep.tx_cq.load(Ordering::Acquire) == 0
+                || ep.rx_cq.load(Ordering::Acquire) == 0
+            {
+                // (FI_ENOAV / FI_ENOCQ in libfabric's terms)
+                return err(FI_ENOCQ);
+            }
+            0
+        }
+        _ => err(FI_ENOSYS),
+    }
+}
+
+unsafe extern "C" fn ep_cancel(f: fid_t, context: *mut c_void) -> isize {
+    if f.is_null() {
+        return err(FI_EINVAL) as isize;
+    }
+    // SAFETY: the `fid` at the start of an `EpObj`.
+    let ep = unsafe { &*f.cast::<EpObj>() };
+    match ep.rdm.cancel(context as usize) {
+        Some(p) => {
+            if let Some(cq) = ep.cq(&ep.rx_cq) {
+                cq.cq.push_err(crate::cq::ErrEntry {
+                    entry: crate::cq::Entry { op_context: p.context, flags: FI_RECV as u64, ..Default::default() },
+                    olen: 0,
+                    err: FI_ECANCELED as i32,
+                    prov_errno: 0,
+                });
+            }
+            0
+        }
+        None => err(FI_ENOENT) as isize,
+    }
+}
+
+unsafe extern "C" fn ep_getname(f: fid_t, addr: *mut c_void, addrlen: *mut usize) -> c_int {
+    if f.is_null() || addrlen.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of an `EpObj`; the caller's length slot.
+    let (ep, room) = unsafe { (&*f.cast::<EpObj>(), *addrlen) };
+    // SAFETY: as above.
+    unsafe { *addrlen = crate::av::ADDR_LEN };
+    if room < crate::av::ADDR_LEN || addr.is_null() {
+        return err(FI_ETOOSMALL);
+    }
+    // SAFETY: the caller's buffer of `room` ≥ ADDR_LEN bytes.
+    unsafe { std::ptr::copy_nonoverlapping(ep.rdm.addr().bytes().as_ptr(), addr.cast::<u8>(), crate::av::ADDR_LEN) };
+    0
+}
+
+fn posted(
+    buf: *mut c_void,
+    len: usize,
+    context: *mut c_void,
+    tag: Option<(u64, u64)>,
+    from: Option<crate::av::Addr>,
+) -> crate::rdm::Posted {
+    crate::rdm::Posted {
+        buf: buf as usize,
+        len: if buf.is_null() { 0 } else { len },
+        context: context as usize,
+        tagged: tag.is_some(),
+        tag: tag.map_or(0, |t| t.0),
+        ignore: tag.map_or(0, |t| t.1),
+        from,
+    }
+}
+
+/// The source a receive is directed to (FI_ADDR_UNSPEC: any).
+fn source(ep: &EpObj, src: fi_addr_t) -> Result<Option<crate::av::Addr>, isize> {
+    if src == FI_ADDR_UNSPEC || !ep.directed {
+        return Ok(None);
+    }
+    ep.dest(src).map(Some).ok_or(err(FI_EINVAL) as isize)
+}
+
+unsafe extern "C" fn msg_recv(
+    ep: *mut fid_ep,
+    buf: *mut c_void,
+    len: usize,
+    _desc: *mut c_void,
+    src: fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    match source(ep, src) {
+        Ok(from) => ep.post(posted(buf, len, ctx, None, from)),
+        Err(e) => e,
+    }
+}
+
+unsafe extern "C" fn msg_recvmsg(ep: *mut fid_ep, msg: *const fi_msg, _flags: u64) -> isize {
+    // SAFETY: null or the caller's message.
+    let Some(m) = (unsafe { msg.as_ref() }) else { return err(FI_EINVAL) as isize };
+    // SAFETY: the message's iovecs.
+    let (buf, len) = match unsafe { one_iov(m.msg_iov, m.iov_count) } {
+        Ok(b) => b,
+        Err(e) => return e,
+    };
+    // SAFETY: forwarded.
+    unsafe { msg_recv(ep, buf, len, std::ptr::null_mut(), m.addr, m.context) }
+}
+
+unsafe extern "C" fn msg_send(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    _desc: *mut c_void,
+    dest: fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, None, None, Some(ctx))
+}
+
+unsafe extern "C" fn msg_sendmsg(ep: *mut fid_ep, msg: *const fi_msg, flags: u64) -> isize {
+    // SAFETY: null or the caller's message.
+    let Some(m) = (unsafe { msg.as_ref() }) else { return err(FI_EINVAL) as isize };
+    // SAFETY: the message's iovecs.
+    let (buf, len) = match unsafe { one_iov(m.msg_iov, m.iov_count) } {
+        Ok(b) => b,
+        Err(e) => return e,
+    };
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    let data = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data);
+    let ctx = (flags & FI_INJECT as u64 == 0).then_some(m.context);
+    ep.send(buf, len, m.addr, None, data, ctx)
+}
+
+unsafe extern "C" fn msg_inject(ep: *mut fid_ep, buf: *const c_void, len: usize, dest: fi_addr_t) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, None, None, None)
+}
+
+unsafe extern "C" fn msg_senddata(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    _desc: *mut c_void,
+    data: u64,
+    dest: fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, None, Some(data), Some(ctx))
+}
+
+unsafe extern "C" fn msg_injectdata(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    data: u64,
+    dest: fi_addr_t,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, None, Some(data), None)
+}
+
+unsafe extern "C" fn tagged_recv(
+    ep: *mut fid_ep,
+    buf: *mut c_void,
+    len: usize,
+    _desc: *mut c_void,
+    src: fi_addr_t,
+    tag: u64,
+    ignore: u64,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    match source(ep, src) {
+        Ok(from) => ep.post(posted(buf, len, ctx, Some((tag, ignore)), from)),
+        Err(e) => e,
+    }
+}
+
+unsafe extern "C" fn tagged_send(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    _desc: *mut c_void,
+    dest: fi_addr_t,
+    tag: u64,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, Some(tag), None, Some(ctx))
+}
+
+unsafe extern "C" fn tagged_inject(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    dest: fi_addr_t,
+    tag: u64,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, Some(tag), None, None)
+}
+
+unsafe extern "C" fn tagged_senddata(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    _desc: *mut c_void,
+    data: u64,
+    dest: fi_addr_t,
+    tag: u64,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, Some(tag), Some(data), Some(ctx))
+}
+
+unsafe extern "C" fn tagged_injectdata(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    data: u64,
+    dest: fi_addr_t,
+    tag: u64,
+) -> isize {
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    ep.send(buf, len, dest, Some(tag), Some(data), None)
+}
+
+/// The one buffer of a message's iovecs (more than one is not offered: `iov_limit` is 1).
+unsafe fn one_iov(iov: *const iovec, count: usize) -> Result<(*mut c_void, usize), isize> {
+    match count {
+        0 => Ok((std::ptr::null_mut(), 0)),
+        // SAFETY: the caller's iovec.
+        1 if !iov.is_null() => Ok(unsafe { ((*iov).iov_base, (*iov).iov_len) }),
+        _ => Err(err(FI_EINVAL) as isize),
+    }
+}
+
+unsafe extern "C" fn tagged_recvmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, _flags: u64) -> isize {
+    // SAFETY: null or the caller's message.
+    let Some(m) = (unsafe { msg.as_ref() }) else { return err(FI_EINVAL) as isize };
+    // SAFETY: the message's iovecs.
+    let (buf, len) = match unsafe { one_iov(m.msg_iov, m.iov_count) } {
+        Ok(b) => b,
+        Err(e) => return e,
+    };
+    // SAFETY: forwarded.
+    unsafe { tagged_recv(ep, buf, len, std::ptr::null_mut(), m.addr, m.tag, m.ignore, m.context) }
+}
+
+unsafe extern "C" fn tagged_sendmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, flags: u64) -> isize {
+    // SAFETY: null or the caller's message.
+    let Some(m) = (unsafe { msg.as_ref() }) else { return err(FI_EINVAL) as isize };
+    // SAFETY: the message's iovecs.
+    let (buf, len) = match unsafe { one_iov(m.msg_iov, m.iov_count) } {
+        Ok(b) => b,
+        Err(e) => return e,
+    };
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    let data = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data);
+    // (FI_INJECT: no completion; a send completes when it returns, whatever was asked)
+    let ctx = (flags & FI_INJECT as u64 == 0).then_some(m.context);
+    ep.send(buf, len, m.addr, Some(m.tag), data, ctx)
 }
