@@ -141,3 +141,46 @@ fn fi_pingpong_rdm_every_size_checked() {
         }
     }
 }
+
+/// Open MPI (Debian's `openmpi-bin`) with its `cm` layer over libfabric (`mtl ofi`), held to
+/// the clan provider: an MPI program of our own (`tests/fabric/mpi.c`: a ping-pong checking
+/// every byte from 1 B to 1 MiB, an all-reduce, many messages received with wildcards) on 2
+/// ranks and on 3 (more ranks than CPUs).
+#[test]
+fn open_mpi_over_the_clan_provider() {
+    let have = |p: &str| {
+        Command::new("sh").args(["-c", &format!("command -v {p}")]).output().is_ok_and(|o| o.status.success())
+    };
+    if !(have("mpicc") && have("mpirun") && have("fi_info")) {
+        assert!(std::env::var_os("CI").is_none(), "Open MPI and libfabric are installed by .ci/run");
+        eprintln!("skipped: Open MPI is not installed");
+        return;
+    }
+    let path = provider_path();
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fabric/mpi.c");
+    let exe = std::env::temp_dir().join(format!("clan-fi-mpi-{}", std::process::id()));
+    let cc = Command::new("mpicc").args(["-Wall", "-o"]).arg(&exe).arg(src).output().unwrap();
+    assert!(cc.status.success(), "building {src}: {}", String::from_utf8_lossy(&cc.stderr));
+    for np in ["2", "3"] {
+        let out = Command::new("timeout")
+            .args(["180", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", np])
+            .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "clan"])
+            // (one host: started by fork, no ssh needed)
+            .args(["--mca", "plm", "isolated", "--mca", "mtl_base_verbose", "100", "-x", "FI_PROVIDER_PATH"])
+            .arg(&exe)
+            .env("FI_PROVIDER_PATH", &path)
+            .env_remove("FI_PROVIDER")
+            .output()
+            .unwrap();
+        let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success() && so.lines().any(|l| l.trim() == "ok"),
+            "{np} ranks ({}):\n{so}\n{se}",
+            out.status
+        );
+        // Every rank's MPI went over the clan provider (nothing else was allowed either).
+        let chosen = format!("{so}{se}").matches("mtl:ofi:provider: clan").count();
+        assert_eq!(chosen.to_string(), np, "{so}\n{se}");
+    }
+    let _ = std::fs::remove_file(&exe);
+}
