@@ -64,6 +64,8 @@ const _: () = {
     send_sync::<stream::Listener>();
     send_sync::<stream::Stream>();
     send_sync::<stream::Readiness>();
+    send_sync::<stream::HandOver>();
+    send_sync::<stream::TakeOver>();
     send_sync::<vmmc::VmmcError>();
     send_sync::<vmmc::VmmcConfig>();
     send_sync::<vmmc::Notification>();
