@@ -184,3 +184,75 @@ fn open_mpi_over_the_clan_provider() {
     }
     let _ = std::fs::remove_file(&exe);
 }
+
+/// Two processes through libfabric's API (`tests/fabric/peers.c`): the server sleeps on its
+/// completion queue's wait descriptor (`FI_WAIT_FD`, `fi_trywait`, `poll`) until the client's
+/// first message wakes it, using little CPU meanwhile; then the client is SIGKILLed, and the
+/// server's receive directed to it completes in error within a second, as do a send to it
+/// and a receive directed to it posted afterwards. Never a hang.
+#[test]
+fn a_sleeping_peer_wakes_and_a_killed_peer_fails_its_operations() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    if !have_fi_info() {
+        eprintln!("skipped: libfabric is not installed");
+        return;
+    }
+    let path = provider_path();
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fabric/peers.c");
+    let exe = std::env::temp_dir().join(format!("clan-fi-peers-{}", std::process::id()));
+    let cc = Command::new("cc").args(["-Wall", "-O1", "-o"]).arg(&exe).arg(src).arg("-lfabric").output().unwrap();
+    assert!(cc.status.success(), "building {src}: {}", String::from_utf8_lossy(&cc.stderr));
+    let spawn = |args: &[&str]| {
+        Command::new("timeout")
+            .arg("120")
+            .arg(&exe)
+            .args(args)
+            .env("FI_PROVIDER_PATH", &path)
+            .env_remove("FI_PROVIDER")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut server = spawn(&["server"]);
+    let mut sin = server.stdin.take().unwrap();
+    let mut sout = BufReader::new(server.stdout.take().unwrap()).lines();
+    let mut line = || sout.next().and_then(Result::ok).unwrap_or_default();
+    let first = line();
+    let addr = first.strip_prefix("addr ").unwrap_or_else(|| panic!("the server's address, got {first:?}")).to_string();
+    let mut client = spawn(&["client", &addr]);
+    let slept = line();
+    let ready = line();
+    let mut cout = BufReader::new(client.stdout.take().unwrap()).lines();
+    let answered = cout.next().and_then(Result::ok).unwrap_or_default();
+    // The client is SIGKILLed (`timeout` runs it in the foreground: kill the program itself).
+    let killed = Command::new("pkill").args(["-KILL", "-f", &format!("{} client", exe.display())]).status().unwrap();
+    let _ = writeln!(sin, "killed");
+    let rest: Vec<String> = std::iter::repeat_with(&mut line).take_while(|l| !l.is_empty()).collect();
+    let s = server.wait_with_output().unwrap();
+    let c = client.wait_with_output().unwrap();
+    let _ = std::fs::remove_file(&exe);
+    let all = format!(
+        "server: {first}\n{slept}\n{ready}\n{}\n{}\nclient: {answered}\n{}",
+        rest.join("\n"),
+        String::from_utf8_lossy(&s.stderr),
+        String::from_utf8_lossy(&c.stderr)
+    );
+    assert!(killed.success() && answered == "answered" && ready == "ready", "{all}");
+    assert!(s.status.success() && rest.last().is_some_and(|l| l == "ok"), "{all}");
+    // Asleep, not spinning: while it waited (the client waits 400 ms before it sends), the
+    // server used a fraction of one CPU.
+    let field = |l: &str, k: &str| -> f64 {
+        let mut w = l.split_whitespace();
+        w.position(|x| x == k)
+            .and_then(|_| w.next())
+            .and_then(|v| v.trim_end_matches(':').parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let (cpu, wall) = (field(&slept, "cpu_ms"), field(&slept, "wall_ms"));
+    assert!(wall >= 100.0 && cpu < 0.25 * wall, "slept {wall} ms using {cpu} ms of CPU: {all}");
+    let after = field(&rest[0], "after_ms");
+    assert!(after < 1000.0, "the receive failed only after {after} ms: {all}");
+}

@@ -141,6 +141,17 @@ impl Cq {
         }
     }
 
+    /// Whether a read would return something (a completion or an error).
+    pub fn has_any(&self) -> bool {
+        let s = self.lock();
+        !s.entries.is_empty() || !s.errors.is_empty()
+    }
+
+    /// Whether `signal` was called since the last look (and forget it).
+    pub fn take_signal(&self) -> bool {
+        std::mem::take(&mut self.lock().signaled)
+    }
+
     /// The first error completion.
     pub fn readerr(&self) -> Option<ErrEntry> {
         self.lock().errors.pop_front()

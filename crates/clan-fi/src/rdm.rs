@@ -7,18 +7,29 @@
 //! Progress is made when the application reads a completion queue or posts (the
 //! provider's data progress is manual). Safe Rust: the bytes go to the application's buffers
 //! in `ffi`, which owns the pointers.
+//!
+//! Waiting: every receiver's endpoint reports to one event queue (the domain's, whose
+//! descriptor is the completion queues' `FI_WAIT_FD`). A waiter arms each receiver's
+//! readiness tripwire, looks again ([`Rdm::prepare_wait`]), then sleeps on the queue; the
+//! sender's store of its write counter, the end of a connection and a newly accepted sender
+//! (posted by the acceptor thread) wake it. Nothing spins.
+//!
+//! A peer that goes away (its process killed, or its endpoint closed) is noticed when its
+//! connection ends: what it sent is still delivered, then receives directed to it fail
+//! ([`Done::Failed`]), as do sends to it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use clan::Nic;
+use clan::{EventQueue, Nic, Tripwire};
+use clan_proto::SetupError;
 use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueError, QueueListener};
 
 use crate::av::Addr;
 
 /// The process's NIC (one for every endpoint).
-fn nic() -> Result<&'static Nic, Error> {
+pub(crate) fn nic() -> Result<&'static Nic, Error> {
     static NIC: OnceLock<Result<Nic, String>> = OnceLock::new();
     NIC.get_or_init(|| Nic::open(clan::NicConfig::default()).map_err(|e| e.to_string()))
         .as_ref()
@@ -36,6 +47,8 @@ pub enum Error {
     BadAddr,
     #[error("the message is longer than the endpoint takes ({0} bytes)")]
     TooLong(usize),
+    #[error("the peer went away")]
+    PeerGone,
 }
 
 /// Bytes before the payload of every message: flags, tag, remote CQ data.
@@ -82,13 +95,35 @@ impl Posted {
     }
 }
 
+/// What progress finished: a receive matched by an arrival, or a receive directed to a
+/// peer that went away.
+#[derive(Debug)]
+pub enum Done {
+    Received(Posted, Arrival),
+    Failed(Posted),
+}
+
+/// A sender's queue into this endpoint.
+struct Rx {
+    rx: MsgReceiver,
+    /// Who it is (its hello says).
+    from: Option<Addr>,
+    /// Armed by a waiter: fires when the sender publishes.
+    ready: Tripwire,
+}
+
 #[derive(Default)]
 struct State {
     senders: HashMap<[u8; crate::av::ADDR_LEN], std::sync::Arc<Mutex<MsgSender>>>,
-    receivers: Vec<(MsgReceiver, Option<Addr>)>,
+    receivers: Vec<Rx>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Arrival>,
+    /// Peers whose connection to us ended (until they connect again).
+    gone: HashSet<[u8; crate::av::ADDR_LEN]>,
 }
+
+/// The cookie of receivers' readiness events, and of the acceptor's wake-up.
+const READY: u64 = 1;
 
 /// An endpoint. A thread of its own takes in new senders (a sender's connect waits for
 /// that, and must not wait for this application to look).
@@ -101,6 +136,8 @@ struct Shared {
     listener: QueueListener,
     state: Mutex<State>,
     closed: std::sync::atomic::AtomicBool,
+    /// Where receivers report (the domain's queue).
+    queue: EventQueue,
 }
 
 impl Drop for Rdm {
@@ -112,8 +149,13 @@ impl Drop for Rdm {
 fn take_senders(shared: std::sync::Arc<Shared>) {
     use std::sync::atomic::Ordering;
     while !shared.closed.load(Ordering::Acquire) {
-        match shared.listener.accept(Some(Duration::from_millis(100))) {
-            Ok(rx) => shared.state.lock().unwrap_or_else(|p| p.into_inner()).receivers.push((rx, None)),
+        match shared.listener.accept_to(&shared.queue, Some(Duration::from_millis(100))) {
+            Ok(rx) => {
+                let Ok(ready) = rx.readiness_tripwire(READY) else { continue };
+                shared.state.lock().unwrap_or_else(|p| p.into_inner()).receivers.push(Rx { rx, from: None, ready });
+                // A waiter that looked before this receiver was there looks again.
+                shared.queue.post_user(READY);
+            }
             Err(QueueError::Timeout) => {}
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
@@ -127,13 +169,15 @@ impl std::fmt::Debug for Rdm {
 }
 
 impl Rdm {
-    pub fn open() -> Result<Rdm, Error> {
+    /// A new endpoint whose receivers report to `queue`.
+    pub fn open(queue: &EventQueue) -> Result<Rdm, Error> {
         let listener = QueueListener::bind(nic()?, config())?;
         let me = Addr::of(listener.local_addr());
         let shared = std::sync::Arc::new(Shared {
             listener,
             state: Mutex::new(State::default()),
             closed: std::sync::atomic::AtomicBool::new(false),
+            queue: queue.clone(),
         });
         let s2 = shared.clone();
         std::thread::Builder::new()
@@ -163,7 +207,10 @@ impl Rdm {
             None => {
                 // (connecting without the lock: the peer's acceptor thread may be ours)
                 let dest = to.endpoint().ok_or(Error::BadAddr)?;
-                let mut tx = MsgSender::connect(nic()?, dest, &config())?;
+                let mut tx = MsgSender::connect(nic()?, dest, &config()).map_err(|e| match e {
+                    QueueError::Setup(SetupError::Connect(_)) => Error::PeerGone,
+                    e => Error::Queue(e),
+                })?;
                 let mut hello = vec![0u8; HEADER];
                 hello[..8].copy_from_slice(&F_HELLO.to_le_bytes());
                 hello.extend_from_slice(self.me.bytes());
@@ -179,35 +226,67 @@ impl Rdm {
         m.extend_from_slice(data);
         // Only this peer's sender is held while it waits for room (never the receive side).
         let r = tx.lock().unwrap_or_else(|p| p.into_inner()).send(0, &m);
-        if r.is_err() {
-            // A broken connection is made again by the next send.
-            self.lock().senders.remove(to.bytes());
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // A broken connection is made again by the next send.
+                self.lock().senders.remove(to.bytes());
+                Err(match e {
+                    QueueError::Disconnected | QueueError::Access(_) => Error::PeerGone,
+                    e => Error::Queue(e),
+                })
+            }
         }
-        r?;
-        Ok(())
     }
 
-    /// Post a receive: matched at once against what already arrived, if anything did.
-    pub fn post(&self, p: Posted) -> Option<(Posted, Arrival)> {
+    /// Post a receive: matched at once against what already arrived, if anything did; failed
+    /// at once if it is directed to a peer that went away.
+    pub fn post(&self, p: Posted) -> Option<Done> {
         let mut s = self.lock();
         if let Some(i) = s.unexpected.iter().position(|a| p.matches(a)) {
             let a = s.unexpected.remove(i)?;
-            return Some((p, a));
+            return Some(Done::Received(p, a));
+        }
+        if p.from.is_some_and(|f| s.gone.contains(f.bytes())) {
+            return Some(Done::Failed(p));
         }
         s.posted.push_back(p);
         None
     }
 
-    /// Take in new senders and what arrived; the receives it completes.
-    pub fn progress(&self) -> Vec<(Posted, Arrival)> {
+    /// Before sleeping on the queue: arm every receiver's readiness tripwire and look again.
+    /// `true`: nothing has arrived and every sender is still there (sleep; a sender's next
+    /// message wakes the queue); `false`: make progress first.
+    pub fn prepare_wait(&self) -> bool {
+        let s = self.lock();
+        for r in &s.receivers {
+            if r.ready.arm().is_err() {
+                return false;
+            }
+        }
+        // (after arming: a message published before the arm is seen here, one after it
+        // fires the tripwire)
+        s.receivers.iter().all(|r| r.rx.pending().is_ok_and(|n| n == 0) && r.rx.is_connected())
+    }
+
+    /// Take in what arrived; the receives it completes (and those directed to peers that
+    /// went away, which fail).
+    pub fn progress(&self) -> Vec<Done> {
         let mut done = Vec::new();
         let mut s = self.lock();
         let mut arrivals = Vec::new();
         let mut dead = Vec::new();
-        for (i, (rx, from)) in s.receivers.iter_mut().enumerate() {
+        for (i, r) in s.receivers.iter_mut().enumerate() {
             loop {
-                match rx.pending() {
-                    Ok(0) => break,
+                match r.rx.pending() {
+                    Ok(0) => {
+                        // (looked at after `pending`: a sender that published and then went
+                        // away has its last messages taken before it counts as gone)
+                        if !r.rx.is_connected() {
+                            dead.push(i);
+                        }
+                        break;
+                    }
                     Ok(_) => {}
                     Err(_) => {
                         dead.push(i);
@@ -215,7 +294,7 @@ impl Rdm {
                     }
                 }
                 // (a message's parts come as its sender writes them: wait for the rest)
-                let Ok(m) = rx.recv(Some(Duration::from_secs(5))) else {
+                let Ok(m) = r.rx.recv(Some(Duration::from_secs(5))) else {
                     dead.push(i);
                     break;
                 };
@@ -225,7 +304,7 @@ impl Rdm {
                 let word = |k: usize| u64::from_le_bytes(m.data[k * 8..k * 8 + 8].try_into().unwrap_or_default());
                 let flags = word(0);
                 if flags & F_HELLO != 0 {
-                    *from = Addr::from_bytes(&m.data[HEADER..]).ok();
+                    r.from = Addr::from_bytes(&m.data[HEADER..]).ok();
                     continue;
                 }
                 arrivals.push(Arrival {
@@ -233,21 +312,41 @@ impl Rdm {
                     tagged: flags & F_TAGGED != 0,
                     tag: word(1),
                     cq_data: (flags & F_DATA != 0).then(|| word(2)),
-                    from: *from,
+                    from: r.from,
                 });
             }
         }
         for i in dead.into_iter().rev() {
-            s.receivers.swap_remove(i);
+            let r = s.receivers.swap_remove(i);
+            if let Some(f) = r.from {
+                s.gone.insert(*f.bytes());
+                s.senders.remove(f.bytes());
+            }
+        }
+        // A peer that connected again is back.
+        let back: Vec<_> = s.receivers.iter().filter_map(|r| r.from).filter(|f| s.gone.contains(f.bytes())).collect();
+        for f in back {
+            s.gone.remove(f.bytes());
         }
         for a in arrivals {
             match s.posted.iter().position(|p| p.matches(&a)) {
                 Some(i) => {
                     if let Some(p) = s.posted.remove(i) {
-                        done.push((p, a));
+                        done.push(Done::Received(p, a));
                     }
                 }
                 None => s.unexpected.push_back(a),
+            }
+        }
+        // Receives directed to a peer that went away can never complete.
+        let mut k = 0;
+        while k < s.posted.len() {
+            if s.posted[k].from.is_some_and(|f| s.gone.contains(f.bytes())) {
+                if let Some(p) = s.posted.remove(k) {
+                    done.push(Done::Failed(p));
+                }
+            } else {
+                k += 1;
             }
         }
         done
@@ -269,10 +368,22 @@ mod tests {
         Posted { buf: 0, len: 64, context: ctx, tagged, tag, ignore: 0, from: None }
     }
 
+    fn queue() -> EventQueue {
+        nic().unwrap().event_queue(clan::EventQueueConfig::default()).unwrap()
+    }
+
+    fn received(d: Done) -> (Posted, Arrival) {
+        match d {
+            Done::Received(p, a) => (p, a),
+            Done::Failed(p) => panic!("failed: {p:?}"),
+        }
+    }
+
     #[test]
     fn messages_match_posted_receives_in_order_by_tag_and_source() {
-        let a = Rdm::open().unwrap();
-        let b = Rdm::open().unwrap();
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
         // Before anything is posted: kept.
         a.send(b.addr(), b"one", false, 0, None).unwrap();
         a.send(b.addr(), b"tagged 7", true, 7, Some(99)).unwrap();
@@ -286,12 +397,12 @@ mod tests {
         }
         assert!(got.is_empty());
         // A tagged receive for tag 7 takes the tagged one, not the first.
-        let (p, m) = b.post(posted(1, true, 7)).expect("matched at once");
+        let (p, m) = received(b.post(posted(1, true, 7)).expect("matched at once"));
         assert_eq!((p.context, m.data.as_slice(), m.cq_data, m.from), (1, &b"tagged 7"[..], Some(99), Some(a.addr())));
-        let (_, m) = b.post(posted(2, false, 0)).unwrap();
+        let (_, m) = received(b.post(posted(2, false, 0)).unwrap());
         assert_eq!(m.data, b"one");
         // Directed: only from `a`; a receive from elsewhere waits.
-        let c = Rdm::open().unwrap();
+        let c = Rdm::open(&q).unwrap();
         assert!(b.post(Posted { from: Some(c.addr()), ..posted(3, false, 0) }).is_none());
         assert!(b.post(Posted { from: Some(a.addr()), ..posted(4, false, 0) }).is_none());
         a.send(b.addr(), b"from a", false, 0, None).unwrap();
@@ -304,8 +415,76 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert_eq!(done.len(), 1);
-        assert_eq!((done[0].0.context, done[0].1.data.as_slice()), (4, &b"from a"[..]));
+        let (p, m) = received(done.remove(0));
+        assert_eq!((p.context, m.data.as_slice()), (4, &b"from a"[..]));
         assert_eq!(b.cancel(3).map(|p| p.context), Some(3));
         assert!(b.cancel(3).is_none());
+    }
+
+    /// A waiter sleeps on the queue (nothing pending) and is woken by a message; a peer that
+    /// goes away fails the receives directed to it, after what it sent was delivered.
+    #[test]
+    fn waiting_wakes_for_messages_and_a_gone_peer_fails_directed_receives() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        a.send(b.addr(), b"first", false, 0, None).unwrap();
+        // Until the message is taken, b must not sleep.
+        let mut got = Vec::new();
+        for _ in 0..2000 {
+            got.extend(b.progress());
+            if !b.lock().unexpected.is_empty() {
+                break;
+            }
+            if b.prepare_wait() {
+                let _ = q.wait(Some(Duration::from_millis(50)));
+            }
+        }
+        assert_eq!(b.lock().unexpected.len(), 1);
+        assert!(b.prepare_wait(), "nothing pending: safe to sleep");
+        while q.try_take().is_some() {}
+        let t = std::thread::spawn({
+            let to = b.addr();
+            move || {
+                std::thread::sleep(Duration::from_millis(30));
+                a.send(to, b"second", false, 0, None).unwrap();
+                a
+            }
+        });
+        // Woken by the sender's store, not by a timeout.
+        let woke = q.wait(Some(Duration::from_secs(20)));
+        assert!(woke.is_ok(), "{woke:?}");
+        let a = t.join().unwrap();
+        // Directed receives from `a`: the next message, then `a` goes away.
+        let from = Some(a.addr());
+        let first = b.post(Posted { from, ..posted(1, false, 0) }).map(received).unwrap();
+        assert_eq!(first.1.data, b"first");
+        assert!(b.post(Posted { from, ..posted(5, false, 0) }).is_none());
+        let mut done = Vec::new();
+        for _ in 0..2000 {
+            done.extend(b.progress().into_iter().map(received));
+            if !done.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(done[0].1.data, b"second");
+        assert!(b.post(Posted { from, ..posted(2, false, 0) }).is_none(), "waits for a live peer");
+        drop(a);
+        let mut failed = None;
+        for _ in 0..2000 {
+            if let Some(Done::Failed(p)) = b.progress().into_iter().next() {
+                failed = Some(p.context);
+                break;
+            }
+            if b.prepare_wait() {
+                let _ = q.wait(Some(Duration::from_millis(50)));
+            }
+        }
+        assert_eq!(failed, Some(2), "the receive directed to the gone peer failed");
+        assert!(
+            matches!(b.post(Posted { from, ..posted(3, false, 0) }), Some(Done::Failed(_))),
+            "and later ones at once"
+        );
     }
 }

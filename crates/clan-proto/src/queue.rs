@@ -25,7 +25,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clan::{AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, Nic, Tripwire};
+use clan::{
+    AccessError, Aperture, DmaOptions, DmaRequest, DmaTicket, Endpoint, EndpointAddr, EventQueue, Nic, Tripwire,
+};
 
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RING, RX_WRITE};
@@ -168,9 +170,21 @@ impl QueueListener {
 
     /// Accept the next sender: the receiving end of its queue.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
+        self.accept_on(None, timeout)
+    }
+
+    /// As [`QueueListener::accept`], the receiver's endpoint reporting to `queue`: its
+    /// [`MsgReceiver::readiness_tripwire`] and the end of its connection
+    /// ([`clan::Event::Disconnect`]) are posted there, so one queue (one descriptor) can
+    /// wait for many receivers.
+    pub fn accept_to(&self, queue: &EventQueue, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
+        self.accept_on(Some(queue), timeout)
+    }
+
+    fn accept_on(&self, queue: Option<&EventQueue>, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
         let req = self.ep.accept(timeout).map_err(SetupError::from)?;
         let g = Geometry { cap: self.cfg.slots * self.cfg.slot_size, post_cap: 0, slot: self.cfg.slot_size };
-        let s = side::accept(&self.nic, None, req, g, self.cfg.connect_timeout)?;
+        let s = side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout)?;
         MsgReceiver::new(s, &self.cfg)
     }
 }
@@ -550,5 +564,27 @@ impl MsgReceiver {
     /// Slots taken so far.
     pub fn received(&self) -> u64 {
         self.read
+    }
+
+    /// Whether the sender is still there. Once it is gone, what it sent before is still
+    /// received ([`MsgReceiver::pending`]); waiting for more fails.
+    pub fn is_connected(&self) -> bool {
+        self.conn.is_alive()
+    }
+
+    /// A once-only tripwire, disarmed, that posts an event with `cookie` to the queue of the
+    /// receiver's endpoint ([`QueueListener::accept_to`]) when the sender publishes a
+    /// message. Arm it, look at [`MsgReceiver::pending`] again, then wait on the queue: no
+    /// wake-up is lost. A busy receiver never touches it (only a waiter arms it).
+    pub fn readiness_tripwire(&self, cookie: u64) -> Result<Tripwire, QueueError> {
+        self.mine
+            .tripwire(
+                clan::TripwireConfig::writes(RX_WRITE..RX_WRITE + 8)
+                    .once()
+                    .disarmed()
+                    .actions(clan::Actions::NONE)
+                    .event(cookie),
+            )
+            .map_err(|_| QueueError::Access(AccessError::Revoked))
     }
 }

@@ -75,9 +75,21 @@ int main(void)
 	struct fi_cq_err_entry err = { 0 };
 	CHECK(fi_cq_readerr(cq, &err, 0) == -FI_EAGAIN, "no error");
 	CHECK(strlen(fi_cq_strerror(cq, 2, NULL, NULL, 0)) > 0, "strerror");
-	struct fi_cq_attr bad = { .format = FI_CQ_FORMAT_TAGGED, .wait_obj = FI_WAIT_FD };
+	int fd = -1;
+	CHECK(fi_control(&cq->fid, FI_GETWAIT, &fd) == -FI_ENODATA, "no descriptor without FI_WAIT_FD");
+	struct fi_cq_attr fd_attr = { .format = FI_CQ_FORMAT_TAGGED, .wait_obj = FI_WAIT_FD };
 	struct fid_cq *cq2;
-	CHECK(fi_cq_open(domain, &bad, &cq2, NULL) == -FI_ENOSYS, "a wait descriptor is not there yet");
+	CHECK(fi_cq_open(domain, &fd_attr, &cq2, NULL) == 0, "a queue with a wait descriptor");
+	CHECK(fi_control(&cq2->fid, FI_GETWAIT, &fd) == 0 && fd >= 0, "its descriptor");
+	enum fi_wait_obj obj;
+	CHECK(fi_control(&cq2->fid, FI_GETWAITOBJ, &obj) == 0 && obj == FI_WAIT_FD, "its wait object");
+	struct fid *fids[1] = { &cq2->fid };
+	CHECK(fi_trywait(fabric, fids, 1) == 0, "nothing to read: may wait");
+	CHECK(fi_trywait(fabric, NULL, 1) == -FI_EINVAL, "trywait without objects");
+	CHECK(fi_control(&cq2->fid, FI_GETWAIT, NULL) == -FI_EINVAL, "no argument");
+	CHECK(fi_close(&cq2->fid) == 0, "close");
+	struct fi_cq_attr bad = { .format = FI_CQ_FORMAT_TAGGED, .wait_obj = FI_WAIT_MUTEX_COND };
+	CHECK(fi_cq_open(domain, &bad, &cq2, NULL) == -FI_ENOSYS, "a mutex wait object is not offered");
 
 	/* Event queue: what the application writes comes back, in order; sizes checked. */
 	struct fi_eq_attr eq_attr = { .wait_obj = FI_WAIT_UNSPEC };

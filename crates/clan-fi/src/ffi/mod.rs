@@ -240,7 +240,7 @@ static FABRIC_OPS: fi_ops_fabric = fi_ops_fabric {
     passive_ep: Some(no_passive_ep),
     eq_open: Some(eq_open),
     wait_open: Some(no_wait_open),
-    trywait: Some(no_trywait),
+    trywait: Some(trywait),
     domain2: Some(no_domain2),
 };
 
@@ -305,8 +305,37 @@ unsafe extern "C" fn no_passive_ep(_: *mut fid_fabric, _: *mut fi_info, _: *mut 
 unsafe extern "C" fn no_wait_open(_: *mut fid_fabric, _: *mut fi_wait_attr, _: *mut *mut fid_wait) -> c_int {
     err(FI_ENOSYS)
 }
-unsafe extern "C" fn no_trywait(_: *mut fid_fabric, _: *mut *mut fid, _: c_int) -> c_int {
-    err(FI_ENOSYS)
+/// `fi_trywait`: 0 when the application may block on the wait descriptors of `fids`
+/// (completion queues opened with `FI_WAIT_FD`): nothing is there to read, every bound
+/// endpoint's receivers are armed, and the descriptor becomes readable when anything
+/// arrives. `-FI_EAGAIN`: read the queues first.
+unsafe extern "C" fn trywait(fabric: *mut fid_fabric, fids: *mut *mut fid, count: c_int) -> c_int {
+    if fabric.is_null() || (count > 0 && fids.is_null()) || count < 0 {
+        return err(FI_EINVAL);
+    }
+    for i in 0..count as usize {
+        // SAFETY: the caller's array of `count` object pointers.
+        let f = unsafe { *fids.add(i) };
+        if f.is_null() {
+            return err(FI_EINVAL);
+        }
+        // SAFETY: an object of ours: its class says which.
+        match unsafe { (*f).fclass } as u32 {
+            FI_CLASS_CQ => {
+                // SAFETY: the `fid` at the start of a `CqObj`.
+                let q = unsafe { &*f.cast::<CqObj>() };
+                if !q.wait_fd {
+                    return err(FI_EINVAL);
+                }
+                q.progress();
+                if !q.prepare_wait() || !q.queue.arm() {
+                    return err(FI_EAGAIN);
+                }
+            }
+            _ => return err(FI_ENOSYS),
+        }
+    }
+    0
 }
 
 // ---- domain ----------------------------------------------------------------------------------
@@ -315,6 +344,9 @@ unsafe extern "C" fn no_trywait(_: *mut fid_fabric, _: *mut *mut fid, _: c_int) 
 #[repr(C)]
 struct Domain {
     fid: fid_domain,
+    /// Where the domain's endpoints report arrivals: its descriptor is the completion
+    /// queues' wait object (`FI_WAIT_FD`).
+    queue: clan::EventQueue,
 }
 
 static DOMAIN_FI_OPS: fi_ops = fi_ops {
@@ -365,12 +397,17 @@ unsafe extern "C" fn domain_open(
             return err(FI_EINVAL);
         }
     }
+    let queue = match crate::rdm::nic().map(|n| n.event_queue(clan::EventQueueConfig::default())) {
+        Ok(Ok(q)) => q,
+        _ => return err(FI_ENODEV),
+    };
     let d = Box::new(Domain {
         fid: fid_domain {
             fid: fid { fclass: FI_CLASS_DOMAIN as usize, context, ops: (&raw const DOMAIN_FI_OPS).cast_mut() },
             ops: (&raw const DOMAIN_OPS).cast_mut(),
             mr: (&raw const MR_OPS).cast_mut(),
         },
+        queue,
     });
     // SAFETY: checked non-null; the domain lives until `domain_close`.
     unsafe { *out = &mut Box::leak(d).fid };
@@ -679,6 +716,9 @@ struct CqObj {
     format: fi_cq_format,
     /// The endpoints bound to it (their addresses): reading the queue makes their progress.
     eps: std::sync::Mutex<Vec<usize>>,
+    /// The domain's event queue: blocking reads sleep on it.
+    queue: clan::EventQueue,
+    wait_fd: bool,
 }
 
 impl CqObj {
@@ -695,13 +735,55 @@ impl CqObj {
             }
         }
     }
+
+    /// Before sleeping on the queue: forget the events already there, arm every bound
+    /// endpoint's receivers and look again. `true`: sleeping is safe (whatever arrives from
+    /// now on posts to the queue); `false`: something is there to progress or read.
+    fn prepare_wait(&self) -> bool {
+        while self.queue.try_take().is_some() {}
+        for ep in self.eps() {
+            // SAFETY: as in `progress`.
+            if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
+                if !ep.rdm.prepare_wait() {
+                    return false;
+                }
+            }
+        }
+        !self.cq.has_any()
+    }
+
+    /// Wait until a completion (or an error completion) is there, `end` passes, or the
+    /// queue is signalled. Progress is made on the way; the thread sleeps on the event
+    /// queue in between (it never spins).
+    fn wait(&self, end: Option<std::time::Instant>) -> Result<(), crate::cq::ReadError> {
+        use crate::cq::ReadError;
+        loop {
+            self.progress();
+            if self.cq.has_any() {
+                return Ok(());
+            }
+            if self.cq.take_signal() {
+                return Err(ReadError::Canceled);
+            }
+            let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
+                return Err(ReadError::Again);
+            }
+            if self.prepare_wait() {
+                // (bounded: a wake-up taken by another thread sleeping on the same queue
+                // costs at most this)
+                let nap = std::time::Duration::from_millis(100);
+                let _ = self.queue.wait(Some(left.map_or(nap, |l| l.min(nap))));
+            }
+        }
+    }
 }
 
 static CQ_FI_OPS: fi_ops = fi_ops {
     size: size_of::<fi_ops>(),
     close: Some(cq_close),
     bind: Some(fi_no_bind),
-    control: Some(fi_no_control),
+    control: Some(cq_control),
     ops_open: Some(fi_no_ops_open),
     tostr: None,
     ops_set: None,
@@ -742,11 +824,17 @@ unsafe extern "C" fn cq_open(
         | fi_cq_format_FI_CQ_FORMAT_TAGGED) => f,
         _ => return err(FI_ENOSYS),
     };
-    match a.wait_obj {
-        fi_wait_obj_FI_WAIT_NONE | fi_wait_obj_FI_WAIT_UNSPEC | fi_wait_obj_FI_WAIT_YIELD => {}
-        // (a descriptor to wait on comes with the endpoints: the event queue's)
+    let wait_fd = match a.wait_obj {
+        fi_wait_obj_FI_WAIT_NONE | fi_wait_obj_FI_WAIT_UNSPEC | fi_wait_obj_FI_WAIT_YIELD => false,
+        // (the descriptor is the domain's event queue's)
+        fi_wait_obj_FI_WAIT_FD => true,
         _ => return err(FI_ENOSYS),
+    };
+    if a.flags & !(FI_AFFINITY as u64) != 0 && a.wait_cond != fi_cq_wait_cond_FI_CQ_COND_NONE {
+        return err(FI_ENOSYS);
     }
+    // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours.
+    let queue = unsafe { (*domain.cast::<Domain>()).queue.clone() };
     let size = if a.size == 0 { 1024 } else { a.size };
     let cq = Box::new(CqObj {
         fid: fid_cq {
@@ -756,10 +844,38 @@ unsafe extern "C" fn cq_open(
         cq: crate::cq::Cq::new(size),
         format,
         eps: std::sync::Mutex::new(Vec::new()),
+        queue,
+        wait_fd,
     });
     // SAFETY: checked non-null; lives until `cq_close`.
     unsafe { *out = &mut Box::leak(cq).fid };
     0
+}
+
+/// `FI_GETWAIT` (the descriptor, for a queue opened with `FI_WAIT_FD`) and
+/// `FI_GETWAITOBJ`.
+unsafe extern "C" fn cq_control(f: *mut fid, command: c_int, arg: *mut c_void) -> c_int {
+    if f.is_null() || arg.is_null() {
+        return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of a `CqObj`.
+    let q = unsafe { &*f.cast::<CqObj>() };
+    match command as u32 {
+        FI_GETWAIT if q.wait_fd => {
+            use std::os::fd::AsRawFd;
+            // SAFETY: for FI_WAIT_FD the argument is the caller's `int`.
+            unsafe { *arg.cast::<c_int>() = q.queue.as_raw_fd() };
+            0
+        }
+        FI_GETWAIT => err(FI_ENODATA),
+        FI_GETWAITOBJ => {
+            let obj = if q.wait_fd { fi_wait_obj_FI_WAIT_FD } else { fi_wait_obj_FI_WAIT_NONE };
+            // SAFETY: for FI_GETWAITOBJ the argument is the caller's `enum fi_wait_obj`.
+            unsafe { *arg.cast::<fi_wait_obj>() = obj };
+            0
+        }
+        _ => err(FI_ENOSYS),
+    }
 }
 
 unsafe extern "C" fn cq_close(f: *mut fid) -> c_int {
@@ -858,19 +974,13 @@ unsafe extern "C" fn cq_sread(
         return err(FI_EINVAL) as isize;
     }
     let end = (timeout >= 0).then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
-    loop {
-        // Progress, then wait a little for a completion (the endpoints' arrivals are taken
-        // in by this progress: data progress is manual).
-        q.progress();
-        let slice = std::time::Duration::from_millis(1);
-        let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
-        let r = q.cq.sread(count, Some(left.map_or(slice, |l| l.min(slice))));
-        match r {
-            // SAFETY: the caller's buffer of `count` entries.
-            Ok(v) => return unsafe { write_entries(q.format, buf, &v) },
-            Err(crate::cq::ReadError::Again) if left.is_none_or(|l| !l.is_zero()) => {}
-            Err(e) => return read_err(e),
-        }
+    if let Err(e) = q.wait(end) {
+        return read_err(e);
+    }
+    match q.cq.read(count) {
+        // SAFETY: the caller's buffer of `count` entries.
+        Ok(v) => unsafe { write_entries(q.format, buf, &v) },
+        Err(e) => read_err(e),
     }
 }
 
@@ -922,6 +1032,7 @@ unsafe extern "C" fn cq_signal(cq: *mut fid_cq) -> c_int {
     // SAFETY: as `cq_of` requires.
     let Some(q) = (unsafe { cq_of(cq) }) else { return err(FI_EINVAL) };
     q.cq.signal();
+    q.queue.post_user(0);
     0
 }
 
@@ -1187,12 +1298,30 @@ impl EpObj {
 
     /// Take in arrivals and complete the receives they match.
     fn progress(&self) {
-        for (p, a) in self.rdm.progress() {
-            self.deliver(p, a);
+        for d in self.rdm.progress() {
+            self.deliver(d);
         }
     }
 
-    fn deliver(&self, p: crate::rdm::Posted, a: crate::rdm::Arrival) {
+    fn deliver(&self, d: crate::rdm::Done) {
+        let (p, a) = match d {
+            crate::rdm::Done::Received(p, a) => (p, a),
+            crate::rdm::Done::Failed(p) => {
+                // A receive directed to a peer that went away.
+                if let Some(cq) = self.cq(&self.rx_cq) {
+                    let flags = (FI_RECV as u64) | if p.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
+                    let entry =
+                        crate::cq::Entry { op_context: p.context, flags, buf: p.buf, tag: p.tag, ..Default::default() };
+                    cq.cq.push_err(crate::cq::ErrEntry {
+                        entry,
+                        olen: 0,
+                        err: FI_ECONNRESET as i32,
+                        prov_errno: crate::cq::prov::PEER_GONE,
+                    });
+                }
+                return;
+            }
+        };
         let n = a.data.len().min(p.len);
         if n > 0 {
             // SAFETY: the application posted `p.len` writable bytes at `p.buf`, valid until
@@ -1225,8 +1354,8 @@ impl EpObj {
     }
 
     fn post(&self, p: crate::rdm::Posted) -> isize {
-        if let Some((p, a)) = self.rdm.post(p) {
-            self.deliver(p, a);
+        if let Some(d) = self.rdm.post(p) {
+            self.deliver(d);
         }
         0
     }
@@ -1250,14 +1379,29 @@ impl EpObj {
             // SAFETY: the application's `len` readable bytes.
             unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
         };
+        let flags = (FI_SEND as u64) | if tag.is_some() { FI_TAGGED as u64 } else { FI_MSG as u64 };
         match self.rdm.send(to, bytes, tag.is_some(), tag.unwrap_or(0), data) {
             Ok(()) => {}
             Err(crate::rdm::Error::TooLong(_)) => return err(FI_EMSGSIZE) as isize,
+            Err(crate::rdm::Error::PeerGone) => {
+                // The peer went away: the send completes in error (an inject, which has no
+                // completion, fails here).
+                let (Some(ctx), Some(cq)) = (ctx, self.cq(&self.tx_cq)) else {
+                    return err(FI_ECONNRESET) as isize;
+                };
+                let entry = crate::cq::Entry { op_context: ctx as usize, flags, len, ..Default::default() };
+                cq.cq.push_err(crate::cq::ErrEntry {
+                    entry,
+                    olen: 0,
+                    err: FI_ECONNRESET as i32,
+                    prov_errno: crate::cq::prov::PEER_GONE,
+                });
+                return 0;
+            }
             Err(_) => return err(FI_EIO) as isize,
         }
         // (an inject has no context and no completion)
         if let (Some(ctx), Some(cq)) = (ctx, self.cq(&self.tx_cq)) {
-            let flags = (FI_SEND as u64) | if tag.is_some() { FI_TAGGED as u64 } else { FI_MSG as u64 };
             cq.cq.push(crate::cq::Entry { op_context: ctx as usize, flags, len, ..Default::default() });
         }
         // Sending is a chance to take in arrivals too.
@@ -1285,7 +1429,9 @@ unsafe extern "C" fn ep_open(
     // SAFETY: checked non-null above.
     let caps = unsafe { (*info).caps | (*info).rx_attr.as_ref().map_or(0, |r| r.caps) };
     let directed = caps & FI_DIRECTED_RECV as u64 != 0;
-    let rdm = match crate::rdm::Rdm::open() {
+    // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours.
+    let queue = unsafe { &(*domain.cast::<Domain>()).queue };
+    let rdm = match crate::rdm::Rdm::open(queue) {
         Ok(r) => r,
         Err(_) => return err(FI_ENODEV),
     };
