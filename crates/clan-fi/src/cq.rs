@@ -1,11 +1,12 @@
 //! Completion queues: completions waiting to be read, in order, errors apart (a read while
-//! an error completion waits says so, `-FI_EAVAIL`, as libfabric specifies), and a blocking
-//! read that a `signal` interrupts. Safe Rust; `ffi` writes the entries in the format the
-//! queue was opened with.
+//! an error completion waits says so, `-FI_EAVAIL`, as libfabric specifies), and a `signal`
+//! that interrupts a blocking read. Blocking reads sleep on the domain's event queue (`ffi`):
+//! a completion pushed while a reader sleeps posts to it ([`Cq::sleeping`]). Safe Rust; `ffi`
+//! writes the entries in the format the queue was opened with.
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One completion (the fields of `fi_cq_tagged_entry`; smaller formats use a prefix).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -52,7 +53,10 @@ struct State {
 #[derive(Debug)]
 pub struct Cq {
     state: Mutex<State>,
-    cv: Condvar,
+    /// Readers asleep on `waker`.
+    sleepers: AtomicUsize,
+    /// Woken when a completion comes while a reader sleeps.
+    waker: Option<clan::EventQueue>,
     /// Entries it holds at most (`fi_cq_attr::size`); beyond, an error completion says so.
     capacity: usize,
 }
@@ -75,8 +79,27 @@ pub fn strerror(prov_errno: i32) -> &'static str {
 }
 
 impl Cq {
-    pub fn new(capacity: usize) -> Cq {
-        Cq { state: Mutex::new(State::default()), cv: Condvar::new(), capacity: capacity.max(1) }
+    pub fn new(capacity: usize, waker: Option<clan::EventQueue>) -> Cq {
+        Cq { state: Mutex::new(State::default()), sleepers: AtomicUsize::new(0), waker, capacity: capacity.max(1) }
+    }
+
+    /// Run `sleep` counted as a sleeping reader: a completion pushed meanwhile wakes the
+    /// queue it sleeps on. `sleep` must look at [`Cq::has_any`] after it is counted (the
+    /// SeqCst increment here and the SeqCst load in `wake` make one of the two see the other).
+    pub fn sleeping<R>(&self, sleep: impl FnOnce() -> R) -> R {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let r = sleep();
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
+    fn wake(&self) {
+        // Pairs with the increment in `sleeping` (both SeqCst, after the push's unlock).
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            if let Some(q) = &self.waker {
+                q.post_user(0);
+            }
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -92,12 +115,12 @@ impl Cq {
             s.entries.push_back(e);
         }
         drop(s);
-        self.cv.notify_all();
+        self.wake();
     }
 
     pub fn push_err(&self, e: ErrEntry) {
         self.lock().errors.push_back(e);
-        self.cv.notify_all();
+        self.wake();
     }
 
     /// Up to `max` completions, oldest first.
@@ -116,35 +139,15 @@ impl Cq {
         Ok(s.entries.drain(..n).collect())
     }
 
-    /// As [`Cq::read`], waiting up to `timeout` (None: forever) for at least one.
-    pub fn sread(&self, max: usize, timeout: Option<Duration>) -> Result<Vec<Entry>, ReadError> {
-        let end = timeout.map(|t| Instant::now() + t);
-        let mut s = self.lock();
-        loop {
-            match Self::take(&mut s, max) {
-                Err(ReadError::Again) => {}
-                r => return r,
-            }
-            if std::mem::take(&mut s.signaled) {
-                return Err(ReadError::Canceled);
-            }
-            s = match end {
-                None => self.cv.wait(s).unwrap_or_else(|p| p.into_inner()),
-                Some(end) => {
-                    let left = end.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(ReadError::Again);
-                    }
-                    self.cv.wait_timeout(s, left).unwrap_or_else(|p| p.into_inner()).0
-                }
-            };
-        }
-    }
-
     /// Whether a read would return something (a completion or an error).
     pub fn has_any(&self) -> bool {
         let s = self.lock();
         !s.entries.is_empty() || !s.errors.is_empty()
+    }
+
+    /// Whether `signal` was called and not yet taken.
+    pub fn is_signaled(&self) -> bool {
+        self.lock().signaled
     }
 
     /// Whether `signal` was called since the last look (and forget it).
@@ -157,10 +160,10 @@ impl Cq {
         self.lock().errors.pop_front()
     }
 
-    /// Wake a blocked [`Cq::sread`] (it returns [`ReadError::Canceled`]).
+    /// Interrupt a blocking read (it returns [`ReadError::Canceled`]).
     pub fn signal(&self) {
         self.lock().signaled = true;
-        self.cv.notify_all();
+        self.wake();
     }
 }
 
@@ -173,8 +176,8 @@ mod tests {
     }
 
     #[test]
-    fn order_errors_overrun_and_blocking_reads() {
-        let q = Cq::new(3);
+    fn order_errors_overrun_and_signal() {
+        let q = Cq::new(3, None);
         assert_eq!(q.read(4), Err(ReadError::Again));
         q.push(e(1));
         q.push(e(2));
@@ -188,18 +191,8 @@ mod tests {
         assert_eq!((err.entry, err.prov_errno), (e(5), prov::OVERRUN));
         assert!(!strerror(err.prov_errno).is_empty());
         assert_eq!(q.read(8).unwrap(), [e(2), e(3), e(4)]);
-        assert_eq!(q.sread(1, Some(Duration::from_millis(20))), Err(ReadError::Again));
-        // A blocked read wakes for a completion, and for a signal.
-        let q = std::sync::Arc::new(Cq::new(8));
-        let q2 = q.clone();
-        let t = std::thread::spawn(move || q2.sread(4, Some(Duration::from_secs(30))));
-        std::thread::sleep(Duration::from_millis(20));
-        q.push(e(9));
-        assert_eq!(t.join().unwrap().unwrap(), [e(9)]);
-        let q2 = q.clone();
-        let t = std::thread::spawn(move || q2.sread(4, None));
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(!q.has_any());
         q.signal();
-        assert_eq!(t.join().unwrap(), Err(ReadError::Canceled));
+        assert!(q.take_signal() && !q.take_signal());
     }
 }

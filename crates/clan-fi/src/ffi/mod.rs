@@ -749,7 +749,7 @@ impl CqObj {
                 }
             }
         }
-        !self.cq.has_any()
+        !self.cq.has_any() && !self.cq.is_signaled()
     }
 
     /// Wait until a completion (or an error completion) is there, `end` passes, or the
@@ -757,10 +757,16 @@ impl CqObj {
     /// queue in between (it never spins).
     fn wait(&self, end: Option<std::time::Instant>) -> Result<(), crate::cq::ReadError> {
         use crate::cq::ReadError;
+        // Spin first (a reply that comes within the spin costs no wake-up), then sleep.
+        let spin_end = std::time::Instant::now() + spin();
         loop {
             self.progress();
             if self.cq.has_any() {
                 return Ok(());
+            }
+            if std::time::Instant::now() < spin_end && end.is_none_or(|e| std::time::Instant::now() < e) {
+                std::hint::spin_loop();
+                continue;
             }
             if self.cq.take_signal() {
                 return Err(ReadError::Canceled);
@@ -769,12 +775,14 @@ impl CqObj {
             if left.is_some_and(|l| l.is_zero()) {
                 return Err(ReadError::Again);
             }
-            if self.prepare_wait() {
-                // (bounded: a wake-up taken by another thread sleeping on the same queue
-                // costs at most this)
-                let nap = std::time::Duration::from_millis(100);
-                let _ = self.queue.wait(Some(left.map_or(nap, |l| l.min(nap))));
-            }
+            self.cq.sleeping(|| {
+                if self.prepare_wait() {
+                    // (bounded: a wake-up taken by another thread sleeping on the same
+                    // queue costs at most this)
+                    let nap = std::time::Duration::from_millis(100);
+                    let _ = self.queue.wait(Some(left.map_or(nap, |l| l.min(nap))));
+                }
+            });
         }
     }
 }
@@ -799,6 +807,15 @@ static CQ_OPS: fi_ops_cq = fi_ops_cq {
     signal: Some(cq_signal),
     strerror: Some(cq_strerror),
 };
+
+/// How long a blocking read polls before it sleeps: `CLAN_SPIN_US` (µs, default 20; 0:
+/// sleep at once).
+fn spin() -> std::time::Duration {
+    static US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    std::time::Duration::from_micros(
+        *US.get_or_init(|| std::env::var("CLAN_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20)),
+    )
+}
 
 unsafe fn cq_of<'a>(cq: *mut fid_cq) -> Option<&'a CqObj> {
     // SAFETY: null, or the `fid_cq` at the start of a `CqObj` leaked by `cq_open`.
@@ -841,7 +858,7 @@ unsafe extern "C" fn cq_open(
             fid: fid { fclass: FI_CLASS_CQ as usize, context, ops: (&raw const CQ_FI_OPS).cast_mut() },
             ops: (&raw const CQ_OPS).cast_mut(),
         },
-        cq: crate::cq::Cq::new(size),
+        cq: crate::cq::Cq::new(size, Some(queue.clone())),
         format,
         eps: std::sync::Mutex::new(Vec::new()),
         queue,
@@ -1032,7 +1049,6 @@ unsafe extern "C" fn cq_signal(cq: *mut fid_cq) -> c_int {
     // SAFETY: as `cq_of` requires.
     let Some(q) = (unsafe { cq_of(cq) }) else { return err(FI_EINVAL) };
     q.cq.signal();
-    q.queue.post_user(0);
     0
 }
 
