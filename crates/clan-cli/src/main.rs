@@ -77,6 +77,9 @@ enum BenchCmd {
     /// Unmodified programs (sockperf, redis) with and without `clan run`, same run, same
     /// pinning, against kernel TCP and a Unix socket.
     Run(bench::run::RunArgs),
+    /// The libfabric provider: fi_pingpong against libfabric's shm and tcp providers, and
+    /// an MPI ping-pong over Open MPI against its own shared memory (vader), same run.
+    Fabric(bench::fabric::FabricArgs),
     /// What protecting a grant narrower than its aperture costs: mediated through the NIC
     /// (what clan does) against a direct mapping, and against splitting apertures into memfds.
     Grants(bench::grants::GrantsArgs),
@@ -98,6 +101,7 @@ fn main() {
         Cmd::Bench(BenchCmd::Connect(a)) => bench::connect::run(&a),
         Cmd::Bench(BenchCmd::Run(a)) => bench::run::run(&a),
         Cmd::Bench(BenchCmd::Grants(a)) => bench::grants::run(&a),
+        Cmd::Bench(BenchCmd::Fabric(a)) => bench::fabric::run(&a),
         Cmd::Bench(BenchCmd::Paper(a)) => bench::paper::run(&a),
         Cmd::Info => info(),
         Cmd::Run(a) => run(&a),
@@ -121,22 +125,7 @@ enum FabricCmd {
 /// for; cargo builds `libclan_fi.so` next to this executable), and the lines that put it on
 /// `FI_PROVIDER_PATH`.
 fn fabric_env() -> bench::Result<()> {
-    let dir = std::env::current_exe()?.parent().ok_or("the clan executable has no directory")?.to_path_buf();
-    let lib = dir.join("libclan_fi.so");
-    if !lib.is_file() {
-        return Err(format!(
-            "the provider {} is missing (build it with `cargo build -p clan-fi`; it needs libfabric-dev and libclang-dev)",
-            lib.display()
-        )
-        .into());
-    }
-    let prov = dir.join("fabric-provider");
-    std::fs::create_dir_all(&prov)?;
-    let link = prov.join(clan_fi::FILE_NAME);
-    if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&lib, &link)?;
-    }
+    let prov = bench::fabric::provider_dir()?;
     let path = match std::env::var("FI_PROVIDER_PATH") {
         Ok(old) if !old.is_empty() && !old.split(':').any(|p| std::path::Path::new(p) == prov) => {
             format!("{}:{old}", prov.display())

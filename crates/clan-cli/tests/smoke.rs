@@ -412,3 +412,26 @@ fn unmodified_programs_with_and_without_clan() {
         named(&v, &[&format!("rows/{i}/measure"), &format!("rows/{i}/baseline_name"), &format!("rows/{i}/goal")]);
     }
 }
+
+/// `clan bench fabric`: fi_pingpong over clan, shm and tcp, and Open MPI over clan and vader;
+/// every row's figures finite and positive (CI installs libfabric-bin and Open MPI).
+#[test]
+fn fabric_programs_against_their_baselines() {
+    if std::process::Command::new("sh").args(["-c", "command -v fi_info"]).output().is_ok_and(|o| !o.status.success())
+        && std::env::var_os("CI").is_none()
+    {
+        eprintln!("skipped: libfabric is not installed");
+        return;
+    }
+    let v = run(&["bench", "fabric", "--iters", "200", "--rounds", "1", "--json"]);
+    let rows = v["rows"].as_array().expect("rows");
+    let skipped = v["skipped"].as_array().expect("skipped");
+    if std::env::var_os("CI").is_some() {
+        assert!(skipped.is_empty(), "CI installs libfabric-bin and Open MPI: {skipped:?}");
+        assert_eq!(rows.len(), 7, "{v}");
+    }
+    for (i, _) in rows.iter().enumerate() {
+        positive(&v, &[&format!("/rows/{i}/clan"), &format!("/rows/{i}/baseline"), &format!("/rows/{i}/ratio")]);
+        named(&v, &[&format!("rows/{i}/measure"), &format!("rows/{i}/baseline_name"), &format!("rows/{i}/goal")]);
+    }
+}

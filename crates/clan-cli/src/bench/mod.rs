@@ -3,6 +3,7 @@
 
 pub mod bandwidth;
 pub mod connect;
+pub mod fabric;
 pub mod grants;
 pub mod latency;
 pub mod paper;

@@ -1,0 +1,335 @@
+//! `clan bench fabric`: the libfabric provider against libfabric's own `shm` and `tcp`
+//! providers (libfabric's `fi_pingpong`, reliable datagrams, 64 B and 1 MiB), and Open MPI
+//! over it (`pml cm`, `mtl ofi`, provider clan) against Open MPI's own shared memory
+//! (`pml ob1`, `btl vader,self`), with an MPI ping-pong of ours built with `mpicc` at run time.
+//! Same run, same placement: the two sides on CPUs 1 and 0, and, oversubscribed, both on
+//! CPU 0. Programs that are not installed are skipped and said so.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::Result;
+
+#[derive(clap::Args, Debug)]
+pub struct FabricArgs {
+    /// Ping-pong iterations of the 64 B and 8 B runs (1 MiB runs do a twentieth).
+    #[arg(long, default_value_t = 20_000)]
+    pub iters: u64,
+    /// Rounds the variants alternate in (the figure is the median over rounds).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One line of the report.
+#[derive(Serialize, Debug, Clone)]
+pub struct Row {
+    pub program: &'static str,
+    pub measure: String,
+    pub clan: f64,
+    pub baseline: f64,
+    pub baseline_name: &'static str,
+    /// clan / baseline.
+    pub ratio: f64,
+    pub goal: &'static str,
+    pub met: bool,
+}
+
+#[derive(Serialize, Debug)]
+pub struct FabricReport {
+    pub bench: &'static str,
+    pub rows: Vec<Row>,
+    pub skipped: Vec<String>,
+    pub placement: &'static str,
+}
+
+const PLACEMENT: &str = "fi_pingpong: server on CPU 1, client on CPU 0 (taskset); MPI: 2 ranks bound to CPUs 0 \
+                         and 1 (--cpu-set 0,1 --bind-to core), oversubscribed: both on CPU 0; the providers \
+                         alternate in rounds; figures are medians over the rounds";
+
+fn have(prog: &str) -> bool {
+    Command::new("sh").args(["-c", &format!("command -v {prog}")]).output().is_ok_and(|o| o.status.success())
+}
+
+/// The directory that makes libfabric's loader find the provider: `libclan-fi.so` (the
+/// name it looks for) linked to `libclan_fi.so`, which cargo builds next to this executable.
+pub fn provider_dir() -> Result<PathBuf> {
+    let dir = std::env::current_exe()?.parent().ok_or("the clan executable has no directory")?.to_path_buf();
+    let lib = dir.join("libclan_fi.so");
+    if !lib.is_file() {
+        return Err(format!(
+            "the provider {} is missing (build it with `cargo build -p clan-fi`; it needs libfabric-dev and libclang-dev)",
+            lib.display()
+        )
+        .into());
+    }
+    let prov = dir.join("fabric-provider");
+    std::fs::create_dir_all(&prov)?;
+    let link = prov.join(clan_fi::FILE_NAME);
+    if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&lib, &link)?;
+    }
+    Ok(prov)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// One fi_pingpong run with `prov`: (µs per transfer, MB/s) as it prints them.
+fn fi_pingpong(prov: &str, dir: &std::path::Path, size: u64, iters: u64) -> Result<(f64, f64)> {
+    let port = free_port()?.to_string();
+    let args = |cpu: &str| {
+        let mut c = Command::new("taskset");
+        c.args(["-c", cpu, "timeout", "120", "fi_pingpong", "-p", prov, "-e", "rdm"])
+            .args(["-I", &iters.to_string(), "-S", &size.to_string()])
+            .env("FI_PROVIDER_PATH", dir)
+            .env_remove("FI_PROVIDER");
+        c
+    };
+    let server = args("1").args(["-B", &port]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn()?;
+    // The client again while the server is not listening yet (bounded).
+    let mut out = args("0").args(["-P", &port, "127.0.0.1"]).output()?;
+    for _ in 0..100 {
+        if out.status.success() || !String::from_utf8_lossy(&out.stderr).contains("Connection refused") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        out = args("0").args(["-P", &port, "127.0.0.1"]).output()?;
+    }
+    let s = server.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    // bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
+    let row = text
+        .lines()
+        // (the size column reads "64", "1m")
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_digit()) && l.split_whitespace().count() >= 8)
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            Some((w.get(6)?.parse::<f64>().ok()?, w.get(5)?.parse::<f64>().ok()?))
+        })
+        .next_back();
+    match row {
+        Some(r) if out.status.success() => Ok(r),
+        _ => Err(format!(
+            "fi_pingpong -p {prov} -S {size} failed: {text}{}{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&s.stderr)
+        )
+        .into()),
+    }
+}
+
+/// The MPI ping-pong, built once.
+fn mpi_program() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("clan-bench-fabric-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let src = dir.join("mpi_pingpong.c");
+    std::fs::write(&src, include_str!("fabric/mpi_pingpong.c"))?;
+    let exe = dir.join("mpi_pingpong");
+    let cc = Command::new("mpicc").args(["-O2", "-o"]).arg(&exe).arg(&src).output()?;
+    if !cc.status.success() {
+        return Err(format!("mpicc: {}", String::from_utf8_lossy(&cc.stderr)).into());
+    }
+    Ok(exe)
+}
+
+/// One MPI ping-pong: (one-way µs p50, Mbit/s). `clan`: over the provider, else vader.
+fn mpi(
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    clan: bool,
+    oversub: bool,
+    size: u64,
+    iters: u64,
+) -> Result<(f64, f64)> {
+    let mut c = Command::new("timeout");
+    c.args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "--mca", "plm", "isolated"]);
+    if oversub {
+        c.args(["--cpu-set", "0", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]);
+    } else {
+        c.args(["--cpu-set", "0,1", "--bind-to", "core"]);
+    }
+    if clan {
+        c.args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "clan"])
+            .args(["-x", "FI_PROVIDER_PATH"]);
+    } else {
+        c.args(["--mca", "pml", "ob1", "--mca", "btl", "vader,self"]);
+    }
+    let out = c
+        .arg(exe)
+        .args([size.to_string(), iters.to_string()])
+        .env("FI_PROVIDER_PATH", dir)
+        .env_remove("FI_PROVIDER")
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |k: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.starts_with("size "))?;
+        let mut w = line.split_whitespace();
+        w.position(|x| x == k)?;
+        w.next()?.parse().ok()
+    };
+    match (field("one_way_us_p50"), field("mbit_s")) {
+        (Some(l), Some(b)) if out.status.success() => Ok((l, b)),
+        _ => Err(format!(
+            "mpirun ({}) failed: {text}{}",
+            if clan { "clan" } else { "vader" },
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into()),
+    }
+}
+
+pub fn run(a: &FabricArgs) -> Result<()> {
+    if !have("taskset") {
+        return Err("taskset (util-linux) is needed to pin the programs".into());
+    }
+    let dir = provider_dir()?;
+    let rounds = a.rounds.max(1);
+    let iters = a.iters.max(100);
+    let big_iters = (iters / 20).max(100);
+    let mut rows = Vec::new();
+    let mut skipped = Vec::new();
+    let progress = |what: &str| {
+        if !a.json {
+            eprintln!("clan bench fabric: {what}");
+        }
+    };
+
+    if have("fi_pingpong") {
+        let provs = ["clan", "shm", "tcp"];
+        let mut lat = vec![Vec::new(); provs.len()];
+        let mut bw = vec![Vec::new(); provs.len()];
+        for r in 0..rounds {
+            for (k, p) in provs.iter().enumerate() {
+                progress(&format!("fi_pingpong -p {p}, round {}/{rounds}", r + 1));
+                lat[k].push(fi_pingpong(p, &dir, 64, iters)?.0);
+                bw[k].push(fi_pingpong(p, &dir, 1 << 20, big_iters)?.1);
+            }
+        }
+        let lat: Vec<f64> = lat.into_iter().map(median).collect();
+        let bw: Vec<f64> = bw.into_iter().map(median).collect();
+        for (k, name) in [(1, "libfabric shm provider"), (2, "libfabric tcp provider")] {
+            rows.push(Row {
+                program: "fi_pingpong",
+                measure: "RDM 64 B, µs per transfer".into(),
+                clan: lat[0],
+                baseline: lat[k],
+                baseline_name: name,
+                ratio: lat[0] / lat[k],
+                goal: if k == 1 { "≤ the shm provider's" } else { "—" },
+                met: lat[0] <= lat[k],
+            });
+        }
+        for (k, name) in [(1, "libfabric shm provider"), (2, "libfabric tcp provider")] {
+            rows.push(Row {
+                program: "fi_pingpong",
+                measure: "RDM 1 MiB, MB/s".into(),
+                clan: bw[0],
+                baseline: bw[k],
+                baseline_name: name,
+                ratio: bw[0] / bw[k],
+                goal: "—",
+                met: true,
+            });
+        }
+    } else {
+        skipped.push("fi_pingpong (libfabric-bin not installed)".into());
+    }
+
+    if have("mpicc") && have("mpirun") {
+        let exe = mpi_program()?;
+        let (mut l8, mut b1m, mut over) =
+            ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+        for r in 0..rounds {
+            for (k, clan) in [true, false].into_iter().enumerate() {
+                let who = if clan { "clan" } else { "vader" };
+                progress(&format!("MPI ping-pong over {who}, round {}/{rounds}", r + 1));
+                l8[k].push(mpi(&exe, &dir, clan, false, 8, iters)?.0);
+                b1m[k].push(mpi(&exe, &dir, clan, false, 1 << 20, big_iters)?.1);
+                over[k].push(mpi(&exe, &dir, clan, true, 8, (iters / 10).max(100))?.0);
+            }
+        }
+        let _ = std::fs::remove_dir_all(exe.parent().unwrap_or(&exe));
+        let [lc, lv] = l8.map(median);
+        let [bc, bv] = b1m.map(median);
+        let [oc, ov] = over.map(median);
+        let vader = "Open MPI shared memory (vader)";
+        rows.push(Row {
+            program: "Open MPI",
+            measure: "ping-pong 8 B, one-way µs (p50)".into(),
+            clan: lc,
+            baseline: lv,
+            baseline_name: vader,
+            ratio: lc / lv,
+            goal: "≤ 1.5× vader",
+            met: lc <= 1.5 * lv,
+        });
+        rows.push(Row {
+            program: "Open MPI",
+            measure: "ping-pong 1 MiB, Mbit/s".into(),
+            clan: bc,
+            baseline: bv,
+            baseline_name: vader,
+            ratio: bc / bv,
+            goal: "≥ 0.8× vader",
+            met: bc >= 0.8 * bv,
+        });
+        rows.push(Row {
+            program: "Open MPI",
+            measure: "ping-pong 8 B, both ranks on one CPU, one-way µs (p50)".into(),
+            clan: oc,
+            baseline: ov,
+            baseline_name: vader,
+            ratio: oc / ov,
+            goal: "≤ 10 µs",
+            met: oc <= 10.0,
+        });
+    } else {
+        skipped.push("Open MPI (mpicc or mpirun not installed)".into());
+    }
+
+    let report = FabricReport { bench: "fabric", rows, skipped, placement: PLACEMENT };
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!("libfabric programs over the clan provider and over their baselines, same run.");
+    println!("{PLACEMENT}\n");
+    println!("| program | measure | clan | baseline | ratio | goal | met |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &report.rows {
+        println!(
+            "| {} | {} | {:.3} | {:.3} ({}) | {:.3} | {} | {} |",
+            r.program,
+            r.measure,
+            r.clan,
+            r.baseline,
+            r.baseline_name,
+            r.ratio,
+            r.goal,
+            if r.goal == "—" {
+                ""
+            } else if r.met {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+    }
+    for s in &report.skipped {
+        println!("skipped: {s}");
+    }
+    Ok(())
+}
