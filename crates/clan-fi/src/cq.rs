@@ -66,6 +66,10 @@ pub mod prov {
     pub const OVERRUN: i32 = 1;
     pub const PEER_GONE: i32 = 2;
     pub const TRUNCATED: i32 = 3;
+    pub const RMA_NO_KEY: i32 = 4;
+    pub const RMA_RANGE: i32 = 5;
+    pub const RMA_RIGHTS: i32 = 6;
+    pub const RMA_MALFORMED: i32 = 7;
 }
 
 /// The text of a provider error code.
@@ -74,6 +78,10 @@ pub fn strerror(prov_errno: i32) -> &'static str {
         prov::OVERRUN => "the completion queue was full: completions were lost",
         prov::PEER_GONE => "the peer went away",
         prov::TRUNCATED => "the message was longer than the posted buffer",
+        prov::RMA_NO_KEY => "the target has no registration with this key (in this domain)",
+        prov::RMA_RANGE => "the range is not inside the target's registration",
+        prov::RMA_RIGHTS => "the target's registration does not allow this access",
+        prov::RMA_MALFORMED => "the remote memory request or its answer was malformed",
         _ => "no provider error",
     }
 }

@@ -17,10 +17,12 @@
 #![deny(unsafe_code)]
 
 pub mod av;
+pub mod cntr;
 pub mod cq;
 pub mod eq;
 #[cfg(not(no_libfabric))]
 pub mod ffi;
+pub mod mr;
 pub mod offer;
 pub mod rdm;
 

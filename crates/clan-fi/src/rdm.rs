@@ -56,6 +56,13 @@ const HEADER: usize = 24;
 const F_TAGGED: u64 = 1;
 const F_DATA: u64 = 2;
 const F_HELLO: u64 = 4;
+/// A remote write: tag word = request id, payload = key, address, bytes.
+const F_WRITE: u64 = 8;
+/// A remote read: tag word = request id, payload = key, address, length.
+const F_READ: u64 = 16;
+/// The answer to a remote write or read: tag word = request id, data word = status,
+/// payload = the bytes read.
+const F_REPLY: u64 = 32;
 
 /// Longest message.
 pub const MAX_MSG: usize = 1 << 20;
@@ -75,6 +82,9 @@ pub struct Posted {
     pub ignore: u64,
     /// Only from this address (directed receive).
     pub from: Option<Addr>,
+    /// Whether its success is reported in the completion queue (not so for receives
+    /// posted without `FI_COMPLETION` under selective completion; failures always are).
+    pub completion: bool,
 }
 
 /// A message that arrived.
@@ -96,11 +106,81 @@ impl Posted {
 }
 
 /// What progress finished: a receive matched by an arrival, or a receive directed to a
-/// peer that went away.
+/// peer that went away; or what it brought that `ffi` must serve: a peer's request for this
+/// endpoint's registered memory, or the answer to one of ours.
 #[derive(Debug)]
 pub enum Done {
     Received(Posted, Arrival),
     Failed(Posted),
+    Rma(RmaRequest),
+    Reply(RmaReply),
+}
+
+/// What a remote memory request asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RmaKind {
+    /// Write these bytes (and, with `cq_data`, report it in the target's receive queue).
+    Write { data: Vec<u8>, cq_data: Option<u64> },
+    /// Read this many bytes.
+    Read { len: u64 },
+}
+
+/// A peer's request for this endpoint's registered memory: unchecked (`ffi` checks the
+/// key, the range and the rights against its registrations before it touches memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RmaRequest {
+    /// Who asked (where the answer goes).
+    pub from: Option<Addr>,
+    pub id: u64,
+    pub key: u64,
+    pub addr: u64,
+    pub kind: RmaKind,
+}
+
+/// The answer to a request of ours.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RmaReply {
+    pub id: u64,
+    /// [`RmaStatus`] as a word (anything unknown counts as refused).
+    pub status: u64,
+    /// The bytes read.
+    pub data: Vec<u8>,
+}
+
+/// How a remote memory request ended, as the target answers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum RmaStatus {
+    Done = 0,
+    /// No registration has this key.
+    NoKey = 1,
+    /// The range is not inside the registration.
+    OutOfRange = 2,
+    /// The registration does not allow this access.
+    NoRights = 3,
+    /// The request was malformed.
+    Malformed = 4,
+}
+
+impl RmaStatus {
+    /// From the word in an answer.
+    pub fn from_word(w: u64) -> RmaStatus {
+        match w {
+            0 => RmaStatus::Done,
+            1 => RmaStatus::NoKey,
+            2 => RmaStatus::OutOfRange,
+            3 => RmaStatus::NoRights,
+            _ => RmaStatus::Malformed,
+        }
+    }
+}
+
+/// What a peek finds: a waiting message that a receive would match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peeked {
+    pub len: usize,
+    pub tag: u64,
+    pub cq_data: Option<u64>,
 }
 
 /// A sender's queue into this endpoint.
@@ -120,6 +200,10 @@ struct State {
     unexpected: VecDeque<Arrival>,
     /// Peers whose connection to us ended (until they connect again).
     gone: HashSet<[u8; crate::av::ADDR_LEN]>,
+    /// Finished while a send waited for room (handed out by the next `progress`).
+    done: Vec<Done>,
+    /// Messages claimed by a peek (`FI_CLAIM`), by the peek's context.
+    claimed: HashMap<usize, Arrival>,
 }
 
 /// The cookie of receivers' readiness events, and of the acceptor's wake-up.
@@ -201,6 +285,43 @@ impl Rdm {
         if data.len() > MAX_MSG {
             return Err(Error::TooLong(MAX_MSG));
         }
+        let flags = if tagged { F_TAGGED } else { 0 } | if cq_data.is_some() { F_DATA } else { 0 };
+        self.send_frame(to, flags, tag, cq_data.unwrap_or(0), &[data])
+    }
+
+    /// Ask `to` to write `data` at `addr` of its registration `key` (request `id`: its
+    /// answer comes back as [`Done::Reply`]).
+    pub fn write(
+        &self,
+        to: Addr,
+        id: u64,
+        key: u64,
+        addr: u64,
+        data: &[u8],
+        cq_data: Option<u64>,
+    ) -> Result<(), Error> {
+        if data.len() > MAX_MSG {
+            return Err(Error::TooLong(MAX_MSG));
+        }
+        let flags = F_WRITE | if cq_data.is_some() { F_DATA } else { 0 };
+        self.send_frame(to, flags, id, cq_data.unwrap_or(0), &[&key.to_le_bytes(), &addr.to_le_bytes(), data])
+    }
+
+    /// Ask `to` for `len` bytes at `addr` of its registration `key` (request `id`).
+    pub fn read(&self, to: Addr, id: u64, key: u64, addr: u64, len: usize) -> Result<(), Error> {
+        if len > MAX_MSG {
+            return Err(Error::TooLong(MAX_MSG));
+        }
+        let words = [key.to_le_bytes(), addr.to_le_bytes(), (len as u64).to_le_bytes()];
+        self.send_frame(to, F_READ, id, 0, &[&words[0], &words[1], &words[2]])
+    }
+
+    /// Answer request `id` of `to`.
+    pub fn reply(&self, to: Addr, id: u64, status: RmaStatus, data: &[u8]) -> Result<(), Error> {
+        self.send_frame(to, F_REPLY, id, status as u64, &[data])
+    }
+
+    fn send_frame(&self, to: Addr, flags: u64, tag: u64, word2: u64, parts: &[&[u8]]) -> Result<(), Error> {
         let existing = self.lock().senders.get(to.bytes()).cloned();
         let tx = match existing {
             Some(tx) => tx,
@@ -218,14 +339,20 @@ impl Rdm {
                 self.lock().senders.entry(*to.bytes()).or_insert_with(|| std::sync::Arc::new(Mutex::new(tx))).clone()
             }
         };
-        let mut m = Vec::with_capacity(HEADER + data.len());
-        let flags = if tagged { F_TAGGED } else { 0 } | if cq_data.is_some() { F_DATA } else { 0 };
+        let mut m = Vec::with_capacity(HEADER + parts.iter().map(|p| p.len()).sum::<usize>());
         m.extend_from_slice(&flags.to_le_bytes());
         m.extend_from_slice(&tag.to_le_bytes());
-        m.extend_from_slice(&cq_data.unwrap_or(0).to_le_bytes());
-        m.extend_from_slice(data);
+        m.extend_from_slice(&word2.to_le_bytes());
+        for p in parts {
+            m.extend_from_slice(p);
+        }
         // Only this peer's sender is held while it waits for room (never the receive side).
-        let r = tx.lock().unwrap_or_else(|p| p.into_inner()).send(0, &m);
+        // While it waits, what others send us is taken in: the peer may be waiting for room
+        // in our rings to finish a send to us before it reads ours.
+        let r = tx.lock().unwrap_or_else(|p| p.into_inner()).send_idling(0, &m, &mut || {
+            let mut s = self.lock();
+            take_in(&mut s);
+        });
         match r {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -270,86 +397,46 @@ impl Rdm {
     }
 
     /// Take in what arrived; the receives it completes (and those directed to peers that
-    /// went away, which fail).
+    /// went away, which fail), and the remote memory requests and answers that came.
     pub fn progress(&self) -> Vec<Done> {
-        let mut done = Vec::new();
         let mut s = self.lock();
-        let mut arrivals = Vec::new();
-        let mut dead = Vec::new();
-        for (i, r) in s.receivers.iter_mut().enumerate() {
-            loop {
-                match r.rx.pending() {
-                    Ok(0) => {
-                        // (looked at after `pending`: a sender that published and then went
-                        // away has its last messages taken before it counts as gone)
-                        if !r.rx.is_connected() {
-                            dead.push(i);
-                        }
-                        break;
-                    }
-                    Ok(_) => {}
-                    Err(_) => {
-                        dead.push(i);
-                        break;
-                    }
-                }
-                // (a message's parts come as its sender writes them: wait for the rest)
-                let Ok(m) = r.rx.recv(Some(Duration::from_secs(5))) else {
-                    dead.push(i);
-                    break;
-                };
-                if m.data.len() < HEADER {
-                    continue;
-                }
-                let word = |k: usize| u64::from_le_bytes(m.data[k * 8..k * 8 + 8].try_into().unwrap_or_default());
-                let flags = word(0);
-                if flags & F_HELLO != 0 {
-                    r.from = Addr::from_bytes(&m.data[HEADER..]).ok();
-                    continue;
-                }
-                arrivals.push(Arrival {
-                    data: m.data[HEADER..].to_vec(),
-                    tagged: flags & F_TAGGED != 0,
-                    tag: word(1),
-                    cq_data: (flags & F_DATA != 0).then(|| word(2)),
-                    from: r.from,
-                });
+        take_in(&mut s);
+        std::mem::take(&mut s.done)
+    }
+
+    /// Whether `peer` went away: its connection to us ended (and it has not connected
+    /// again), or ours to it did.
+    pub fn is_gone(&self, peer: Addr) -> bool {
+        let tx = {
+            let s = self.lock();
+            if s.gone.contains(peer.bytes()) {
+                return true;
             }
+            s.senders.get(peer.bytes()).cloned()
+        };
+        // (never the sender's lock while holding the state's: a send holds its sender's and
+        // takes the state's while it waits; a sender busy sending is found out by its send)
+        tx.is_some_and(|tx| tx.try_lock().is_ok_and(|tx| !tx.is_connected()))
+    }
+
+    /// The first waiting message that `p` would match, without taking it; with `claim`,
+    /// taken aside for the receive that names the same context ([`Rdm::claimed`]).
+    pub fn peek(&self, p: &Posted, claim: bool) -> Option<Peeked> {
+        let mut s = self.lock();
+        take_in(&mut s);
+        let i = s.unexpected.iter().position(|a| p.matches(a))?;
+        let a = &s.unexpected[i];
+        let found = Peeked { len: a.data.len(), tag: a.tag, cq_data: a.cq_data };
+        if claim {
+            let a = s.unexpected.remove(i)?;
+            s.claimed.insert(p.context, a);
         }
-        for i in dead.into_iter().rev() {
-            let r = s.receivers.swap_remove(i);
-            if let Some(f) = r.from {
-                s.gone.insert(*f.bytes());
-                s.senders.remove(f.bytes());
-            }
-        }
-        // A peer that connected again is back.
-        let back: Vec<_> = s.receivers.iter().filter_map(|r| r.from).filter(|f| s.gone.contains(f.bytes())).collect();
-        for f in back {
-            s.gone.remove(f.bytes());
-        }
-        for a in arrivals {
-            match s.posted.iter().position(|p| p.matches(&a)) {
-                Some(i) => {
-                    if let Some(p) = s.posted.remove(i) {
-                        done.push(Done::Received(p, a));
-                    }
-                }
-                None => s.unexpected.push_back(a),
-            }
-        }
-        // Receives directed to a peer that went away can never complete.
-        let mut k = 0;
-        while k < s.posted.len() {
-            if s.posted[k].from.is_some_and(|f| s.gone.contains(f.bytes())) {
-                if let Some(p) = s.posted.remove(k) {
-                    done.push(Done::Failed(p));
-                }
-            } else {
-                k += 1;
-            }
-        }
-        done
+        Some(found)
+    }
+
+    /// The message a peek with this context claimed (taken: a second call finds nothing).
+    pub fn claimed(&self, context: usize) -> Option<Arrival> {
+        self.lock().claimed.remove(&context)
     }
 
     /// Cancel the posted receive with `context`; whether there was one.
@@ -360,12 +447,131 @@ impl Rdm {
     }
 }
 
+/// Take in what arrived into `s`: messages match posted receives (or wait as unexpected),
+/// remote memory requests and answers are handed on, and receives directed to peers that
+/// went away fail; what finished goes to `s.done`, in the order it came.
+fn take_in(s: &mut State) {
+    let mut incoming = Vec::new();
+    let mut dead = Vec::new();
+    for (i, r) in s.receivers.iter_mut().enumerate() {
+        // (looked at first: a sender that published and then went away has its last
+        // messages taken before it counts as gone)
+        let alive = r.rx.is_connected();
+        loop {
+            // (never waiting: a message's parts come as its sender, which may be waiting
+            // for us in turn, writes them; the parts taken wait in the receiver)
+            match r.rx.try_recv() {
+                Ok(Some(m)) => {
+                    if let Some(x) = parse(m.data, &mut r.from) {
+                        incoming.push(x);
+                    }
+                }
+                Ok(None) => {
+                    if !alive {
+                        dead.push(i);
+                    }
+                    break;
+                }
+                Err(_) => {
+                    dead.push(i);
+                    break;
+                }
+            }
+        }
+    }
+    for i in dead.into_iter().rev() {
+        let r = s.receivers.swap_remove(i);
+        if let Some(f) = r.from {
+            s.gone.insert(*f.bytes());
+            s.senders.remove(f.bytes());
+        }
+    }
+    // A peer that connected again is back.
+    let back: Vec<_> = s.receivers.iter().filter_map(|r| r.from).filter(|f| s.gone.contains(f.bytes())).collect();
+    for f in back {
+        s.gone.remove(f.bytes());
+    }
+    for x in incoming {
+        match x {
+            Incoming::Msg(a) => match s.posted.iter().position(|p| p.matches(&a)) {
+                Some(i) => {
+                    if let Some(p) = s.posted.remove(i) {
+                        s.done.push(Done::Received(p, a));
+                    }
+                }
+                None => s.unexpected.push_back(a),
+            },
+            Incoming::Done(d) => s.done.push(d),
+        }
+    }
+    // Receives directed to a peer that went away can never complete.
+    let mut k = 0;
+    while k < s.posted.len() {
+        if s.posted[k].from.is_some_and(|f| s.gone.contains(f.bytes())) {
+            if let Some(p) = s.posted.remove(k) {
+                s.done.push(Done::Failed(p));
+            }
+        } else {
+            k += 1;
+        }
+    }
+}
+
+/// A message taken from a sender's ring.
+enum Incoming {
+    Msg(Arrival),
+    Done(Done),
+}
+
+/// Parse one message of the sender whose hello said `from` (a hello sets it). Memory a peer
+/// wrote: anything short or malformed is dropped (a malformed request is answered as such).
+fn parse(mut data: Vec<u8>, from: &mut Option<Addr>) -> Option<Incoming> {
+    if data.len() < HEADER {
+        return None;
+    }
+    let word = |d: &[u8], k: usize| u64::from_le_bytes(d[k * 8..k * 8 + 8].try_into().unwrap_or_default());
+    let (flags, w1, w2) = (word(&data, 0), word(&data, 1), word(&data, 2));
+    let body = &data[HEADER..];
+    if flags & F_HELLO != 0 {
+        *from = Addr::from_bytes(body).ok();
+        return None;
+    }
+    if flags & (F_WRITE | F_READ) != 0 {
+        let bad = RmaRequest { from: *from, id: w1, key: 0, addr: 0, kind: RmaKind::Read { len: 0 } };
+        let need = if flags & F_READ != 0 { 24 } else { 16 };
+        if body.len() < need || flags & F_WRITE != 0 && flags & F_READ != 0 {
+            // (key 0 is never a registration's: the answer says no such key)
+            return Some(Incoming::Done(Done::Rma(bad)));
+        }
+        let (key, addr) = (word(body, 0), word(body, 1));
+        let kind = if flags & F_READ != 0 {
+            RmaKind::Read { len: word(body, 2) }
+        } else {
+            data.drain(..HEADER + 16);
+            RmaKind::Write { data, cq_data: (flags & F_DATA != 0).then_some(w2) }
+        };
+        return Some(Incoming::Done(Done::Rma(RmaRequest { from: *from, id: w1, key, addr, kind })));
+    }
+    if flags & F_REPLY != 0 {
+        data.drain(..HEADER);
+        return Some(Incoming::Done(Done::Reply(RmaReply { id: w1, status: w2, data })));
+    }
+    data.drain(..HEADER);
+    Some(Incoming::Msg(Arrival {
+        data,
+        tagged: flags & F_TAGGED != 0,
+        tag: w1,
+        cq_data: (flags & F_DATA != 0).then_some(w2),
+        from: *from,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn posted(ctx: usize, tagged: bool, tag: u64) -> Posted {
-        Posted { buf: 0, len: 64, context: ctx, tagged, tag, ignore: 0, from: None }
+        Posted { buf: 0, len: 64, context: ctx, tagged, tag, ignore: 0, from: None, completion: true }
     }
 
     fn queue() -> EventQueue {
@@ -375,7 +581,7 @@ mod tests {
     fn received(d: Done) -> (Posted, Arrival) {
         match d {
             Done::Received(p, a) => (p, a),
-            Done::Failed(p) => panic!("failed: {p:?}"),
+            d => panic!("not a received message: {d:?}"),
         }
     }
 
@@ -486,5 +692,112 @@ mod tests {
             matches!(b.post(Posted { from, ..posted(3, false, 0) }), Some(Done::Failed(_))),
             "and later ones at once"
         );
+    }
+    fn until<T>(mut f: impl FnMut() -> Option<T>) -> T {
+        for _ in 0..5000 {
+            if let Some(x) = f() {
+                return x;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("nothing came in 5 s");
+    }
+
+    /// Remote memory requests reach the target's progress with who sent them; answers reach
+    /// the requester's.
+    #[test]
+    fn remote_memory_requests_and_their_answers_travel() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        a.write(b.addr(), 7, 0xfeed, 4096, b"bytes", Some(3)).unwrap();
+        a.read(b.addr(), 8, 0xfeed, 8192, 100).unwrap();
+        let mut reqs = Vec::new();
+        until(|| {
+            reqs.extend(b.progress());
+            (reqs.len() == 2).then_some(())
+        });
+        let want_w = RmaRequest {
+            from: Some(a.addr()),
+            id: 7,
+            key: 0xfeed,
+            addr: 4096,
+            kind: RmaKind::Write { data: b"bytes".to_vec(), cq_data: Some(3) },
+        };
+        assert!(matches!(&reqs[0], Done::Rma(r) if *r == want_w), "{reqs:?}");
+        assert!(matches!(&reqs[1], Done::Rma(r) if r.id == 8 && r.kind == RmaKind::Read { len: 100 }));
+        b.reply(a.addr(), 8, RmaStatus::OutOfRange, b"").unwrap();
+        let d = until(|| a.progress().pop());
+        assert!(matches!(d, Done::Reply(RmaReply { id: 8, status: 2, .. })), "{d:?}");
+        assert_eq!(RmaStatus::from_word(2), RmaStatus::OutOfRange);
+        assert_eq!(RmaStatus::from_word(99), RmaStatus::Malformed);
+    }
+
+    /// A peek finds a waiting message without taking it; a claim takes it aside for the
+    /// receive with the same context.
+    #[test]
+    fn peeks_find_and_claims_take_aside() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        assert_eq!(b.peek(&posted(1, true, 5), false), None);
+        a.send(b.addr(), b"five", true, 5, None).unwrap();
+        let found = until(|| b.peek(&posted(1, true, 5), false));
+        assert_eq!((found.len, found.tag), (4, 5));
+        assert_eq!(b.peek(&posted(1, true, 6), false), None, "another tag");
+        assert!(b.peek(&posted(2, true, 5), true).is_some(), "claimed");
+        assert_eq!(b.peek(&posted(3, true, 5), false), None, "a claimed message is not found again");
+        assert!(b.post(posted(4, true, 5)).is_none(), "nor received");
+        assert!(b.claimed(1).is_none());
+        assert_eq!(b.claimed(2).map(|a| a.data), Some(b"five".to_vec()));
+        assert!(b.claimed(2).is_none());
+    }
+
+    /// Two endpoints sending each other more than their rings hold at the same time both
+    /// finish: a sender waiting for room takes in what is sent to it.
+    #[test]
+    fn two_peers_sending_each_other_more_than_a_ring_holds_both_finish() {
+        let q = queue();
+        let a = std::sync::Arc::new(Rdm::open(&q).unwrap());
+        let b = std::sync::Arc::new(Rdm::open(&q).unwrap());
+        let big = vec![0x5au8; MAX_MSG];
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        for (from, to) in [(a.clone(), b.addr()), (b.clone(), a.addr())] {
+            let (big, done_tx) = (big.clone(), done_tx.clone());
+            std::thread::spawn(move || {
+                let r = from.send(to, &big, false, 0, None);
+                let _ = done_tx.send(r.is_ok());
+            });
+        }
+        // Both sends are under way together; once one has finished, its side's application
+        // goes on making progress (here, this thread) so that the other finishes too. (The
+        // watchdog: a deadlock fails here instead of hanging.)
+        // Until one has finished nobody else makes progress: each sender must take in the
+        // other's message while it waits for room (or neither ever finishes).
+        assert_eq!(done_rx.recv_timeout(Duration::from_secs(60)), Ok(true), "neither send finished");
+        let (mut finished, mut got) = (1, [None, None]);
+        let start = std::time::Instant::now();
+        while finished < 2 || got.iter().any(Option::is_none) {
+            assert!(start.elapsed() < Duration::from_secs(60), "{finished} sends finished, received {got:?}");
+            if let Ok(ok) = done_rx.recv_timeout(Duration::from_millis(1)) {
+                assert!(ok, "a send failed");
+                finished += 1;
+            }
+            for (k, r) in [&a, &b].into_iter().enumerate() {
+                for d in r.progress() {
+                    got[k] = Some(matches!(d, Done::Received(_, m) if m.data == big));
+                }
+                if got[k].is_none() {
+                    let mut p = posted(9, false, 0);
+                    p.len = MAX_MSG;
+                    if let Some(Done::Received(_, m)) = r.post(p) {
+                        got[k] = Some(m.data == big);
+                    } else {
+                        r.cancel(9);
+                    }
+                }
+            }
+        }
+        assert_eq!(got, [Some(true), Some(true)]);
     }
 }

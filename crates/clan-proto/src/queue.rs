@@ -38,6 +38,8 @@ use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
 pub const HEADER: u64 = 32;
 const MORE: u32 = 1;
 const FIRST: u32 = 2;
+/// How long [`MsgSender::send_idling`] waits for room between calls of its `idle`.
+const IDLE_EVERY: Duration = Duration::from_millis(1);
 
 /// Geometry and behaviour of a message queue.
 #[derive(Debug, Clone)]
@@ -303,6 +305,24 @@ impl MsgSender {
 
     /// [`MsgSender::send`] with a time limit for each slot to free up.
     pub fn send_timeout(&mut self, meta: u64, data: &[u8], timeout: Option<Duration>) -> Result<(), QueueError> {
+        self.send_inner(meta, data, timeout, None)
+    }
+
+    /// [`MsgSender::send`] that, while it waits for room, calls `idle` every so often
+    /// (about every millisecond of waiting): a sender whose receiver may itself be waiting
+    /// to send to it takes in that receiver's messages there, so that two peers sending each
+    /// other more than their rings hold do not wait for each other forever.
+    pub fn send_idling(&mut self, meta: u64, data: &[u8], idle: &mut dyn FnMut()) -> Result<(), QueueError> {
+        self.send_inner(meta, data, None, Some(idle))
+    }
+
+    fn send_inner(
+        &mut self,
+        meta: u64,
+        data: &[u8],
+        timeout: Option<Duration>,
+        mut idle: Option<&mut dyn FnMut()>,
+    ) -> Result<(), QueueError> {
         let payload = self.slot_payload();
         let total = data.len() as u64;
         let mut done = 0u64;
@@ -310,7 +330,17 @@ impl MsgSender {
         self.settle_dma(timeout.map(|t| Instant::now() + t))?;
         loop {
             if self.free()? == 0 {
-                self.wait_free(timeout.map(|t| Instant::now() + t))?;
+                match idle.as_deref_mut() {
+                    None => self.wait_free(timeout.map(|t| Instant::now() + t))?,
+                    Some(idle) => loop {
+                        idle();
+                        match self.wait_free(Some(Instant::now() + IDLE_EVERY)) {
+                            Ok(()) => break,
+                            Err(QueueError::Timeout) => {}
+                            Err(e) => return Err(e),
+                        }
+                    },
+                }
             }
             let n = (total - done).min(payload);
             let flags = if first { FIRST } else { 0 } | if done + n < total { MORE } else { 0 };
@@ -375,6 +405,11 @@ impl MsgSender {
         Ok(Some(t))
     }
 
+    /// Whether the receiver is still there (a send to a receiver that went away fails).
+    pub fn is_connected(&self) -> bool {
+        self.conn.is_alive()
+    }
+
     /// Messages (slots) sent.
     pub fn sent(&self) -> u64 {
         self.write
@@ -395,6 +430,9 @@ pub struct MsgReceiver {
     published: u64,
     data: Tripwire,
     spin: Duration,
+    /// The message being taken in part by part (by [`MsgReceiver::try_recv`], or a `recv`
+    /// that timed out): its metadata word, its length, its bytes so far.
+    partial: Option<(u64, u64, Vec<u8>)>,
 }
 
 impl MsgReceiver {
@@ -411,6 +449,7 @@ impl MsgReceiver {
             published: 0,
             data,
             spin: cfg.spin,
+            partial: None,
         })
     }
 
@@ -477,30 +516,47 @@ impl MsgReceiver {
         Ok(())
     }
 
-    /// Receive the next message (waiting for it; its parts as they come).
+    /// Receive the next message (waiting for it; its parts as they come). A timeout in
+    /// the middle of a message keeps the parts taken: the next receive goes on from there.
     pub fn recv(&mut self, timeout: Option<Duration>) -> Result<Message, QueueError> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut data = Vec::new();
-        let mut meta = 0;
-        let mut first = true;
         loop {
-            if self.pending()? == 0 {
-                self.wait_published(deadline)?;
+            if let Some(m) = self.take_parts()? {
+                return Ok(m);
             }
+            self.wait_published(deadline)?;
+        }
+    }
+
+    /// Take the parts of the next message that are there without waiting: the message once
+    /// its last part is taken, `None` until then (the parts taken are kept for the next
+    /// call). A message longer than the ring comes in over several calls, as its sender
+    /// frees room by them.
+    pub fn try_recv(&mut self) -> Result<Option<Message>, QueueError> {
+        self.take_parts()
+    }
+
+    fn take_parts(&mut self) -> Result<Option<Message>, QueueError> {
+        while self.pending()? > 0 {
             let (part, flags, m, total) =
                 self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
-            if first {
-                if flags & FIRST == 0 {
-                    return Err(QueueError::Protocol("a message that does not start with its first part"));
+            let (meta, total, mut data) = match self.partial.take() {
+                None => {
+                    if flags & FIRST == 0 {
+                        return Err(QueueError::Protocol("a message that does not start with its first part"));
+                    }
+                    if total > (1 << 32) {
+                        return Err(QueueError::Protocol("a message of more than 4 GiB"));
+                    }
+                    (m, total, Vec::with_capacity(total as usize))
                 }
-                if total > (1 << 32) {
-                    return Err(QueueError::Protocol("a message of more than 4 GiB"));
+                Some((meta, total, data)) => {
+                    if flags & FIRST != 0 || m != meta {
+                        return Err(QueueError::Protocol("parts of different messages interleaved"));
+                    }
+                    (meta, total, data)
                 }
-                meta = m;
-                data.reserve(total as usize);
-            } else if flags & FIRST != 0 || m != meta {
-                return Err(QueueError::Protocol("parts of different messages interleaved"));
-            }
+            };
             let at = data.len();
             if at as u64 + part > total {
                 return Err(QueueError::Protocol("parts longer than the message"));
@@ -508,14 +564,15 @@ impl MsgReceiver {
             data.resize(at + part as usize, 0);
             self.mine.read(self.slot_off(self.read) + HEADER, &mut data[at..])?;
             self.consume()?;
-            first = false;
             if flags & MORE == 0 {
                 if data.len() as u64 != total {
                     return Err(QueueError::Protocol("a message shorter than its header says"));
                 }
-                return Ok(Message { meta, data });
+                return Ok(Some(Message { meta, data }));
             }
+            self.partial = Some((meta, total, data));
         }
+        Ok(None)
     }
 
     /// Take the next message if it fits one slot and lend it in place (no copy); a
@@ -530,7 +587,7 @@ impl MsgReceiver {
         }
         let (part, flags, meta, _) =
             self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
-        if flags & MORE != 0 || flags & FIRST == 0 {
+        if flags & MORE != 0 || flags & FIRST == 0 || self.partial.is_some() {
             return Err(QueueError::BadConfig("a multi-part message cannot be lent in place"));
         }
         let r = f(meta, InPlace::new(&self.mine, self.slot_off(self.read) + HEADER, part));

@@ -1,11 +1,15 @@
-/* The clan provider's objects through libfabric's own API: fabric, domain, address vector
- * and completion queue, with bad arguments refused by code, never a crash. Prints "ok". */
+/* The clan provider's objects through libfabric's own API: fabric, domain, address vector,
+ * completion and event queues, endpoints, counters, memory registration and remote memory
+ * access, peeks; bad arguments refused by code, never a crash. Prints "ok". */
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>
+#include <stdint.h>
+#include <time.h>
 #include <rdma/fi_errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +18,35 @@
 #define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAILED %s:%d: ", __FILE__, __LINE__); \
 	fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
 #define ADDR_LEN 64
+
+/* The next completion of `cq` within 5 s: 1 (in *e), -1 (an error, in *ee), 0 (none). */
+static int next(struct fid_cq *cq, struct fi_cq_tagged_entry *e, struct fi_cq_err_entry *ee)
+{
+	time_t end = time(NULL) + 5;
+	while (time(NULL) <= end) {
+		ssize_t n = fi_cq_read(cq, e, 1);
+		if (n == 1)
+			return 1;
+		if (n == -FI_EAVAIL) {
+			CHECK(fi_cq_readerr(cq, ee, 0) == 1, "readerr");
+			return -1;
+		}
+		if (n != -FI_EAGAIN)
+			return 0;
+	}
+	return 0;
+}
+
+/* The error code `cq`'s next completion fails with (0: it succeeded; its context in *ctx). */
+static int outcome(struct fid_cq *cq, void **ctx)
+{
+	struct fi_cq_tagged_entry e;
+	struct fi_cq_err_entry ee = { 0 };
+	int r = next(cq, &e, &ee);
+	CHECK(r != 0, "no completion within 5 s");
+	*ctx = r > 0 ? e.op_context : ee.op_context;
+	return r > 0 ? 0 : ee.err;
+}
 
 int main(void)
 {
@@ -28,6 +61,19 @@ int main(void)
 			ours = i;
 	CHECK(ours, "no info of the clan provider itself");
 	CHECK(ours->ep_attr->type == FI_EP_RDM && (ours->caps & FI_TAGGED), "the RDM entry");
+	CHECK(ours->domain_attr->data_progress == FI_PROGRESS_MANUAL, "data progress is manual");
+
+	/* The threading level asked for is the one reported; automatic data progress is not
+	 * offered. */
+	struct fi_info *h2 = fi_dupinfo(hints), *i2 = NULL;
+	h2->domain_attr->threading = FI_THREAD_DOMAIN;
+	CHECK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, h2, &i2) == 0 && i2->domain_attr->threading == FI_THREAD_DOMAIN,
+	      "FI_THREAD_DOMAIN asked, given");
+	fi_freeinfo(i2);
+	i2 = NULL;
+	h2->domain_attr->data_progress = FI_PROGRESS_AUTO;
+	CHECK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, h2, &i2) == -FI_ENODATA, "auto data progress is not offered");
+	fi_freeinfo(h2);
 
 	struct fid_fabric *fabric;
 	r = fi_fabric(ours->fabric_attr, &fabric, NULL);
@@ -121,8 +167,6 @@ int main(void)
 	CHECK(fi_getname(&ep->fid, name, &len) == 0, "getname");
 	CHECK(fi_av_insert(av, name, 1, fa, 0, NULL) == 1, "our own name is an address");
 	CHECK(fi_close(&cq->fid) == -FI_EBUSY, "a queue an endpoint uses stays");
-	char one[8] = "x";
-	CHECK(fi_write(ep, one, 1, NULL, fa[0], 0, 0, NULL) == -FI_ENOSYS, "RMA comes later");
 	/* A message to ourselves. */
 	CHECK(fi_recv(ep, back, sizeof back, NULL, FI_ADDR_UNSPEC, (void *)7) == 0, "recv");
 	CHECK(fi_send(ep, "ping", 5, NULL, fa[0], (void *)8) == 0, "send");
@@ -134,7 +178,87 @@ int main(void)
 				got += e[k].op_context == (void *)7 ? (e[k].len == 5 && !strcmp(back, "ping")) : 1;
 	}
 	CHECK(got == 2, "a send and a receive completion");
+
+	/* Remote memory access to ourselves, counted. */
+	static char target[4096], src[4096], dst[4096];
+	struct fid_mr *mr, *ro, *bad_mr;
+	CHECK(fi_mr_reg(domain, target, 4000, FI_REMOTE_WRITE | FI_REMOTE_READ, 0, 0, 0, &mr, NULL) == 0, "mr_reg");
+	CHECK(fi_mr_reg(domain, target + 2048, 1024, FI_REMOTE_READ, 0, 0, 0, &ro, NULL) == 0, "a read-only one");
+	CHECK(fi_mr_reg(domain, NULL, 10, FI_REMOTE_READ, 0, 0, 0, &bad_mr, NULL) == -FI_EINVAL, "no memory");
+	CHECK(fi_mr_key(mr) != fi_mr_key(ro) && fi_mr_key(mr) != 0, "keys");
+	uint64_t key = fi_mr_key(mr), at = (uint64_t)(uintptr_t)target;
+	struct fi_cntr_attr cattr = { .events = FI_CNTR_EVENTS_COMP };
+	struct fid_cntr *wc, *rc;
+	CHECK(fi_cntr_open(domain, &cattr, &wc, NULL) == 0 && fi_cntr_open(domain, &cattr, &rc, NULL) == 0, "counters");
+	CHECK(fi_ep_bind(ep, &wc->fid, FI_WRITE) == 0 && fi_ep_bind(ep, &rc->fid, FI_READ | FI_REMOTE_WRITE) == 0,
+	      "bind counters");
+	CHECK(fi_ep_bind(ep, &wc->fid, 1ULL << 40) == -FI_EINVAL, "a bind flag that means nothing");
+	CHECK(fi_close(&wc->fid) == -FI_EBUSY, "a counter an endpoint uses stays");
+	memset(src, 'w', sizeof src);
+	void *ctx;
+	CHECK(fi_write(ep, src, 100, NULL, fa[0], at + 10, key, (void *)20) == 0, "fi_write");
+	CHECK(fi_cntr_wait(wc, 1, 5000) == 0 && fi_cntr_read(wc) == 1, "the write counted");
+	CHECK(outcome(cq, &ctx) == 0 && ctx == (void *)20, "the write's completion");
+	CHECK(target[9] == 0 && target[10] == 'w' && target[109] == 'w' && target[110] == 0, "written where asked");
+	CHECK(fi_read(ep, dst, 50, NULL, fa[0], at + 60, key, (void *)21) == 0, "fi_read");
+	CHECK(outcome(cq, &ctx) == 0 && ctx == (void *)21, "the read's completion");
+	CHECK(dst[0] == 'w' && dst[49] == 'w' && dst[50] == 0, "read");
+	/* (rc counts our reads and the remote writes we served: one of each so far) */
+	CHECK(fi_cntr_wait(rc, 2, 5000) == 0, "counted");
+	CHECK(fi_writedata(ep, src, 8, NULL, 0xabc, fa[0], at, key, (void *)22) == 0, "fi_writedata");
+	int seen = 0;
+	for (int k = 0; k < 2; k++) {
+		struct fi_cq_tagged_entry x;
+		struct fi_cq_err_entry xe;
+		CHECK(next(cq, &x, &xe) == 1, "writedata completions");
+		if (x.op_context == (void *)22)
+			seen |= 1;
+		else if ((x.flags & FI_REMOTE_CQ_DATA) && (x.flags & FI_REMOTE_WRITE) && x.data == 0xabc)
+			seen |= 2;
+	}
+	CHECK(seen == 3, "the writer's completion and the target's remote CQ data");
+	/* Refused: a wrong key, a range beyond the registration, a write through a read-only
+	 * one; nothing is written, the errors are counted. */
+	CHECK(fi_write(ep, src, 10, NULL, fa[0], at, key ^ 1, (void *)23) == 0, "post");
+	CHECK(outcome(cq, &ctx) == FI_EKEYREJECTED && ctx == (void *)23, "a wrong key");
+	CHECK(fi_write(ep, src, 100, NULL, fa[0], at + 3950, key, (void *)24) == 0, "post");
+	CHECK(outcome(cq, &ctx) == FI_EINVAL && ctx == (void *)24 && target[3950] == 0, "beyond the registration");
+	CHECK(fi_write(ep, src, 10, NULL, fa[0], at + 2048, fi_mr_key(ro), (void *)25) == 0, "post");
+	CHECK(outcome(cq, &ctx) == FI_EACCES && ctx == (void *)25 && target[2048] == 0, "read-only");
+	CHECK(fi_read(ep, dst, 10, NULL, fa[0], at + 2048, fi_mr_key(ro), (void *)26) == 0, "post");
+	CHECK(outcome(cq, &ctx) == 0 && ctx == (void *)26, "but readable");
+	CHECK(fi_cntr_readerr(wc) == 3, "three failed writes counted, %llu", (unsigned long long)fi_cntr_readerr(wc));
+	CHECK(fi_close(&mr->fid) == 0, "close the registration");
+	CHECK(fi_write(ep, src, 10, NULL, fa[0], at, key, (void *)27) == 0, "post");
+	CHECK(outcome(cq, &ctx) == FI_EKEYREJECTED && target[0] == 'w' && target[8] == 0, "a closed registration");
+	CHECK(fi_cntr_wait(wc, 100, 10) == -FI_ETIMEDOUT, "a bounded counter wait");
+
+	/* Peeks: nothing there, a message there (not taken), claimed, then received. */
+	CHECK(fi_tsend(ep, "tagged", 7, NULL, fa[0], 0x55, (void *)30) == 0, "tsend");
+	CHECK(outcome(cq, &ctx) == 0 && ctx == (void *)30, "sent");
+	char pbuf[16] = { 0 };
+	struct iovec iov = { .iov_base = pbuf, .iov_len = sizeof pbuf };
+	struct fi_context claim;
+	struct fi_msg_tagged tm = { .msg_iov = &iov, .iov_count = 1, .addr = FI_ADDR_UNSPEC, .tag = 0x66,
+				    .context = (void *)31 };
+	CHECK(fi_trecvmsg(ep, &tm, FI_PEEK) == 0 && outcome(cq, &ctx) == FI_ENOMSG && ctx == (void *)31, "no tag 0x66");
+	tm.tag = 0x55;
+	struct fi_cq_tagged_entry pe;
+	struct fi_cq_err_entry pee;
+	CHECK(fi_trecvmsg(ep, &tm, FI_PEEK) == 0 && next(cq, &pe, &pee) == 1 && pe.len == 7 && pe.tag == 0x55,
+	      "found, with its length and tag");
+	tm.context = &claim;
+	CHECK(fi_trecvmsg(ep, &tm, FI_PEEK | FI_CLAIM) == 0 && outcome(cq, &ctx) == 0 && ctx == &claim, "claimed");
+	tm.context = (void *)32;
+	CHECK(fi_trecvmsg(ep, &tm, FI_PEEK) == 0 && outcome(cq, &ctx) == FI_ENOMSG, "a claimed message is not found");
+	tm.context = (void *)33;
+	CHECK(fi_trecvmsg(ep, &tm, FI_CLAIM) == -FI_EINVAL, "nothing claimed under another context");
+	tm.context = &claim;
+	CHECK(fi_trecvmsg(ep, &tm, FI_CLAIM) == 0 && next(cq, &pe, &pee) == 1 && pe.op_context == &claim &&
+	      pe.len == 7 && !strcmp(pbuf, "tagged"), "the claimed message received");
+	CHECK(fi_ep_bind(ep, &wc->fid, 0) == -FI_EINVAL, "no flags");
 	CHECK(fi_close(&ep->fid) == 0, "close the endpoint");
+	CHECK(fi_close(&wc->fid) == 0 && fi_close(&rc->fid) == 0 && fi_close(&ro->fid) == 0, "close");
 
 	CHECK(fi_close(&cq->fid) == 0 && fi_close(&av->fid) == 0, "close");
 	CHECK(fi_close(&domain->fid) == 0 && fi_close(&fabric->fid) == 0, "close");

@@ -11,7 +11,11 @@ pub mod sys {
     include!(concat!(env!("OUT_DIR"), "/fabric.rs"));
 }
 
+mod cntr;
+mod rma;
 mod stubs;
+
+use cntr::CntrObj;
 
 use std::cell::UnsafeCell;
 use std::ffi::{CStr, c_char, c_int, c_void};
@@ -141,9 +145,19 @@ unsafe extern "C" fn getinfo(
     // SAFETY: null or valid hints.
     let h = unsafe { hints_of(hints) };
     let offers = offer::matching(&h);
-    if offers.is_empty() {
+    // SAFETY: null or valid hints, whose attribute pointers are null or valid.
+    let dom_hints = unsafe { hints.as_ref().and_then(|h| h.domain_attr.as_ref()) };
+    // Data progress is manual (the application's calls make it); a caller that needs it
+    // automatic is not served.
+    if offers.is_empty() || dom_hints.is_some_and(|d| d.data_progress == fi_progress_FI_PROGRESS_AUTO) {
         return err(FI_ENODATA);
     }
+    // Every threading level is met (the provider is thread-safe throughout): the one asked
+    // for is the one reported (MPICH, for one, takes only what it asked for).
+    let threading = dom_hints
+        .map(|d| d.threading)
+        .filter(|&t| t != fi_threading_FI_THREAD_UNSPEC)
+        .unwrap_or(fi_threading_FI_THREAD_SAFE);
     let mut head: *mut fi_info = std::ptr::null_mut();
     for o in offers.iter().rev() {
         // SAFETY: libfabric's allocator of a zeroed fi_info with every attribute structure.
@@ -154,7 +168,21 @@ unsafe extern "C" fn getinfo(
             return err(FI_ENOMEM);
         }
         // SAFETY: `i` was just allocated with all of its attribute structures.
-        unsafe { fill(&mut *i, o) };
+        unsafe { fill(&mut *i, o, threading) };
+        // The default flags of operations given without flags are the caller's (with
+        // FI_SELECTIVE_COMPLETION, FI_COMPLETION among them says those report success).
+        // SAFETY: `i` was just allocated with all of its attribute structures; the hints'
+        // are null or valid.
+        unsafe {
+            if let Some(h) = hints.as_ref() {
+                if let Some(t) = h.tx_attr.as_ref() {
+                    (*(*i).tx_attr).op_flags = t.op_flags;
+                }
+                if let Some(r) = h.rx_attr.as_ref() {
+                    (*(*i).rx_attr).op_flags = r.op_flags;
+                }
+            }
+        }
         // SAFETY: as above.
         unsafe { (*i).next = head };
         head = i;
@@ -165,7 +193,7 @@ unsafe extern "C" fn getinfo(
 }
 
 /// Fill a fresh `fi_info` (from `fi_dupinfo(NULL)`) for `o`.
-unsafe fn fill(i: &mut fi_info, o: &offer::Offer) {
+unsafe fn fill(i: &mut fi_info, o: &offer::Offer, threading: fi_threading) {
     i.caps = o.caps;
     i.mode = 0;
     i.addr_format = FI_FORMAT_UNSPEC;
@@ -193,9 +221,11 @@ unsafe fn fill(i: &mut fi_info, o: &offer::Offer) {
     ep.tx_ctx_cnt = 1;
     ep.rx_ctx_cnt = 1;
     dom.name = strdup(c"clan");
-    dom.threading = fi_threading_FI_THREAD_SAFE;
+    dom.threading = threading;
+    // (connections are taken in by a thread of the endpoint's own; data moves when the
+    // application calls in)
     dom.control_progress = fi_progress_FI_PROGRESS_AUTO;
-    dom.data_progress = fi_progress_FI_PROGRESS_AUTO;
+    dom.data_progress = fi_progress_FI_PROGRESS_MANUAL;
     dom.resource_mgmt = fi_resource_mgmt_FI_RM_ENABLED;
     dom.av_type = fi_av_type_FI_AV_UNSPEC;
     dom.mr_mode = (FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED) as c_int;
@@ -365,7 +395,7 @@ static DOMAIN_OPS: fi_ops_domain = fi_ops_domain {
     cq_open: Some(cq_open),
     endpoint: Some(ep_open),
     scalable_ep: Some(no_endpoint),
-    cntr_open: Some(no_cntr_open),
+    cntr_open: Some(cntr::cntr_open),
     poll_open: Some(no_poll_open),
     stx_ctx: Some(no_stx_ctx),
     srx_ctx: Some(no_srx_ctx),
@@ -376,9 +406,9 @@ static DOMAIN_OPS: fi_ops_domain = fi_ops_domain {
 
 static MR_OPS: fi_ops_mr = fi_ops_mr {
     size: size_of::<fi_ops_mr>(),
-    reg: Some(no_mr_reg),
-    regv: Some(no_mr_regv),
-    regattr: Some(no_mr_regattr),
+    reg: Some(rma::mr_reg),
+    regv: Some(rma::mr_regv),
+    regattr: Some(rma::mr_regattr),
 };
 
 unsafe extern "C" fn domain_open(
@@ -435,14 +465,6 @@ unsafe extern "C" fn no_endpoint2(
 ) -> c_int {
     err(FI_ENOSYS)
 }
-unsafe extern "C" fn no_cntr_open(
-    _: *mut fid_domain,
-    _: *mut fi_cntr_attr,
-    _: *mut *mut fid_cntr,
-    _: *mut c_void,
-) -> c_int {
-    err(FI_ENOSYS)
-}
 unsafe extern "C" fn no_poll_open(_: *mut fid_domain, _: *mut fi_poll_attr, _: *mut *mut fid_poll) -> c_int {
     err(FI_ENOSYS)
 }
@@ -467,35 +489,6 @@ unsafe extern "C" fn no_query_collective(
     _: *mut fi_collective_attr,
     _: u64,
 ) -> c_int {
-    err(FI_ENOSYS)
-}
-unsafe extern "C" fn no_mr_reg(
-    _: *mut fid,
-    _: *const c_void,
-    _: usize,
-    _: u64,
-    _: u64,
-    _: u64,
-    _: u64,
-    _: *mut *mut fid_mr,
-    _: *mut c_void,
-) -> c_int {
-    err(FI_ENOSYS)
-}
-unsafe extern "C" fn no_mr_regv(
-    _: *mut fid,
-    _: *const iovec,
-    _: usize,
-    _: u64,
-    _: u64,
-    _: u64,
-    _: u64,
-    _: *mut *mut fid_mr,
-    _: *mut c_void,
-) -> c_int {
-    err(FI_ENOSYS)
-}
-unsafe extern "C" fn no_mr_regattr(_: *mut fid, _: *const fi_mr_attr, _: u64, _: *mut *mut fid_mr) -> c_int {
     err(FI_ENOSYS)
 }
 
@@ -728,12 +721,7 @@ impl CqObj {
 
     /// Progress of every endpoint bound here.
     fn progress(&self) {
-        for ep in self.eps() {
-            // SAFETY: an endpoint removes itself from this list before it is freed.
-            if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
-                ep.progress();
-            }
-        }
+        progress_eps(&self.eps());
     }
 
     /// Before sleeping on the queue: forget the events already there, arm every bound
@@ -741,15 +729,7 @@ impl CqObj {
     /// now on posts to the queue); `false`: something is there to progress or read.
     fn prepare_wait(&self) -> bool {
         while self.queue.try_take().is_some() {}
-        for ep in self.eps() {
-            // SAFETY: as in `progress`.
-            if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
-                if !ep.rdm.prepare_wait() {
-                    return false;
-                }
-            }
-        }
-        !self.cq.has_any() && !self.cq.is_signaled()
+        prepare_eps(&self.eps()) && !self.cq.has_any() && !self.cq.is_signaled()
     }
 
     /// Wait until a completion (or an error completion) is there, `end` passes, or the
@@ -785,6 +765,25 @@ impl CqObj {
             });
         }
     }
+}
+
+/// Progress of the endpoints `eps` (addresses of `EpObj`s bound to a queue or counter).
+fn progress_eps(eps: &[usize]) {
+    for &ep in eps {
+        // SAFETY: an endpoint removes itself from the lists it is on before it is freed.
+        if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
+            ep.progress();
+        }
+    }
+}
+
+/// Arm the receivers of the endpoints `eps` and look again: `true` when nothing has
+/// arrived (sleeping on the domain's queue is safe).
+fn prepare_eps(eps: &[usize]) -> bool {
+    eps.iter().all(|&ep| {
+        // SAFETY: as in `progress_eps`.
+        unsafe { (ep as *const EpObj).as_ref() }.is_none_or(|ep| ep.rdm.prepare_wait())
+    })
 }
 
 static CQ_FI_OPS: fi_ops = fi_ops {
@@ -1257,6 +1256,42 @@ struct EpObj {
     av: std::sync::atomic::AtomicUsize,
     tx_cq: std::sync::atomic::AtomicUsize,
     rx_cq: std::sync::atomic::AtomicUsize,
+    /// Completion queues bound with `FI_SELECTIVE_COMPLETION`: only operations that ask
+    /// (`FI_COMPLETION`) report success there.
+    tx_selective: std::sync::atomic::AtomicBool,
+    rx_selective: std::sync::atomic::AtomicBool,
+    /// The default flags of operations given without flags (`tx_attr`/`rx_attr.op_flags`).
+    tx_op_flags: u64,
+    rx_op_flags: u64,
+    /// Bound counters, by [`Count`].
+    cntrs: [std::sync::atomic::AtomicUsize; 6],
+    /// The domain (its address): which registrations peers may reach through us.
+    domain: usize,
+    /// Remote memory requests of ours not yet answered, by id.
+    rma: std::sync::Mutex<std::collections::HashMap<u64, rma::Pending>>,
+    next_rma: std::sync::atomic::AtomicU64,
+}
+
+/// What a counter bound to an endpoint counts (the bind flags, in this order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Count {
+    Send = 0,
+    Recv = 1,
+    Read = 2,
+    Write = 3,
+    RemoteRead = 4,
+    RemoteWrite = 5,
+}
+
+impl Count {
+    const FLAGS: [(u32, Count); 6] = [
+        (FI_SEND, Count::Send),
+        (FI_RECV, Count::Recv),
+        (FI_READ, Count::Read),
+        (FI_WRITE, Count::Write),
+        (FI_REMOTE_READ, Count::RemoteRead),
+        (FI_REMOTE_WRITE, Count::RemoteWrite),
+    ];
 }
 
 static EP_FI_OPS: fi_ops = fi_ops {
@@ -1290,7 +1325,7 @@ static TAGGED_OPS: fi_ops_tagged = fi_ops_tagged {
     injectdata: Some(tagged_injectdata),
     ..stubs::TAGGED_ENOSYS
 };
-static RMA_OPS: fi_ops_rma = stubs::RMA_ENOSYS;
+static RMA_OPS: fi_ops_rma = rma::RMA_OPS;
 static ATOMIC_OPS: fi_ops_atomic = stubs::ATOMIC_ENOSYS;
 static COLLECTIVE_OPS: fi_ops_collective = stubs::COLLECTIVE_ENOSYS;
 
@@ -1305,6 +1340,11 @@ impl EpObj {
         unsafe { (which.load(std::sync::atomic::Ordering::Acquire) as *const CqObj).as_ref() }
     }
 
+    fn cntr(&self, c: Count) -> Option<&CntrObj> {
+        // SAFETY: a bound counter stays open while we are bound (its close refuses, FI_EBUSY).
+        unsafe { (self.cntrs[c as usize].load(std::sync::atomic::Ordering::Acquire) as *const CntrObj).as_ref() }
+    }
+
     fn dest(&self, a: fi_addr_t) -> Option<crate::av::Addr> {
         // SAFETY: the bound address vector stays open while the endpoint uses it (the
         // application's contract).
@@ -1312,11 +1352,47 @@ impl EpObj {
         av.table.lookup(a)
     }
 
-    /// Take in arrivals and complete the receives they match.
+    /// Whether an operation with `flags` (None: given without flags) reports its success in
+    /// the transmit (or receive) completion queue.
+    fn wants_completion(&self, rx: bool, flags: Option<u64>) -> bool {
+        use std::sync::atomic::Ordering;
+        let (selective, default) = if rx {
+            (self.rx_selective.load(Ordering::Relaxed), self.rx_op_flags)
+        } else {
+            (self.tx_selective.load(Ordering::Relaxed), self.tx_op_flags)
+        };
+        !selective || flags.unwrap_or(default) & FI_COMPLETION as u64 != 0
+    }
+
+    /// An operation succeeded: its completion (if it asked for one) and its count.
+    fn succeeded(&self, rx: bool, entry: crate::cq::Entry, completion: bool, count: Count) {
+        if completion {
+            if let Some(cq) = self.cq(if rx { &self.rx_cq } else { &self.tx_cq }) {
+                cq.cq.push(entry);
+            }
+        }
+        if let Some(c) = self.cntr(count) {
+            c.cntr.add(1);
+        }
+    }
+
+    /// An operation failed: its error completion (always) and its error count.
+    fn failed(&self, rx: bool, e: crate::cq::ErrEntry, count: Count) {
+        if let Some(cq) = self.cq(if rx { &self.rx_cq } else { &self.tx_cq }) {
+            cq.cq.push_err(e);
+        }
+        if let Some(c) = self.cntr(count) {
+            c.cntr.add_err(1);
+        }
+    }
+
+    /// Take in arrivals and complete the receives they match; serve peers' remote memory
+    /// requests; fail our requests to peers that went away.
     fn progress(&self) {
         for d in self.rdm.progress() {
             self.deliver(d);
         }
+        self.fail_gone_rma();
     }
 
     fn deliver(&self, d: crate::rdm::Done) {
@@ -1324,20 +1400,26 @@ impl EpObj {
             crate::rdm::Done::Received(p, a) => (p, a),
             crate::rdm::Done::Failed(p) => {
                 // A receive directed to a peer that went away.
-                if let Some(cq) = self.cq(&self.rx_cq) {
-                    let flags = (FI_RECV as u64) | if p.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
-                    let entry =
-                        crate::cq::Entry { op_context: p.context, flags, buf: p.buf, tag: p.tag, ..Default::default() };
-                    cq.cq.push_err(crate::cq::ErrEntry {
-                        entry,
-                        olen: 0,
-                        err: FI_ECONNRESET as i32,
-                        prov_errno: crate::cq::prov::PEER_GONE,
-                    });
-                }
+                let flags = (FI_RECV as u64) | if p.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
+                let entry =
+                    crate::cq::Entry { op_context: p.context, flags, buf: p.buf, tag: p.tag, ..Default::default() };
+                let e = crate::cq::ErrEntry {
+                    entry,
+                    olen: 0,
+                    err: FI_ECONNRESET as i32,
+                    prov_errno: crate::cq::prov::PEER_GONE,
+                };
+                self.failed(true, e, Count::Recv);
                 return;
             }
+            crate::rdm::Done::Rma(req) => return self.serve(req),
+            crate::rdm::Done::Reply(r) => return self.answered(r),
         };
+        self.complete_recv(p, &a);
+    }
+
+    /// Copy arrival `a` into the buffer of receive `p`, and complete it.
+    fn complete_recv(&self, p: crate::rdm::Posted, a: &crate::rdm::Arrival) {
         let n = a.data.len().min(p.len);
         if n > 0 {
             // SAFETY: the application posted `p.len` writable bytes at `p.buf`, valid until
@@ -1356,16 +1438,12 @@ impl EpObj {
             data: a.cq_data.unwrap_or(0),
             tag: a.tag,
         };
-        let Some(cq) = self.cq(&self.rx_cq) else { return };
         if a.data.len() > p.len {
-            cq.cq.push_err(crate::cq::ErrEntry {
-                entry,
-                olen: a.data.len() - p.len,
-                err: FI_ETRUNC as i32,
-                prov_errno: crate::cq::prov::TRUNCATED,
-            });
+            let olen = a.data.len() - p.len;
+            let e = crate::cq::ErrEntry { entry, olen, err: FI_ETRUNC as i32, prov_errno: crate::cq::prov::TRUNCATED };
+            self.failed(true, e, Count::Recv);
         } else {
-            cq.cq.push(entry);
+            self.succeeded(true, entry, p.completion, Count::Recv);
         }
     }
 
@@ -1376,6 +1454,8 @@ impl EpObj {
         0
     }
 
+    /// Send; `completion`: report success in the transmit queue (an inject never does; a
+    /// failure always does, or, for an inject, is returned).
     fn send(
         &self,
         buf: *const c_void,
@@ -1384,6 +1464,7 @@ impl EpObj {
         tag: Option<u64>,
         data: Option<u64>,
         ctx: Option<*mut c_void>,
+        completion: bool,
     ) -> isize {
         if len > 0 && buf.is_null() {
             return err(FI_EINVAL) as isize;
@@ -1396,29 +1477,26 @@ impl EpObj {
             unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
         };
         let flags = (FI_SEND as u64) | if tag.is_some() { FI_TAGGED as u64 } else { FI_MSG as u64 };
+        let entry = crate::cq::Entry { op_context: ctx.map_or(0, |c| c as usize), flags, len, ..Default::default() };
         match self.rdm.send(to, bytes, tag.is_some(), tag.unwrap_or(0), data) {
-            Ok(()) => {}
+            Ok(()) => self.succeeded(false, entry, completion && ctx.is_some(), Count::Send),
             Err(crate::rdm::Error::TooLong(_)) => return err(FI_EMSGSIZE) as isize,
             Err(crate::rdm::Error::PeerGone) => {
                 // The peer went away: the send completes in error (an inject, which has no
                 // completion, fails here).
-                let (Some(ctx), Some(cq)) = (ctx, self.cq(&self.tx_cq)) else {
+                if ctx.is_none() {
                     return err(FI_ECONNRESET) as isize;
-                };
-                let entry = crate::cq::Entry { op_context: ctx as usize, flags, len, ..Default::default() };
-                cq.cq.push_err(crate::cq::ErrEntry {
+                }
+                let e = crate::cq::ErrEntry {
                     entry,
                     olen: 0,
                     err: FI_ECONNRESET as i32,
                     prov_errno: crate::cq::prov::PEER_GONE,
-                });
+                };
+                self.failed(false, e, Count::Send);
                 return 0;
             }
             Err(_) => return err(FI_EIO) as isize,
-        }
-        // (an inject has no context and no completion)
-        if let (Some(ctx), Some(cq)) = (ctx, self.cq(&self.tx_cq)) {
-            cq.cq.push(crate::cq::Entry { op_context: ctx as usize, flags, len, ..Default::default() });
         }
         // Sending is a chance to take in arrivals too.
         self.progress();
@@ -1444,6 +1522,10 @@ unsafe extern "C" fn ep_open(
     }
     // SAFETY: checked non-null above.
     let caps = unsafe { (*info).caps | (*info).rx_attr.as_ref().map_or(0, |r| r.caps) };
+    // SAFETY: as above.
+    let (tx_op_flags, rx_op_flags) = unsafe {
+        ((*info).tx_attr.as_ref().map_or(0, |a| a.op_flags), (*info).rx_attr.as_ref().map_or(0, |a| a.op_flags))
+    };
     let directed = caps & FI_DIRECTED_RECV as u64 != 0;
     // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours.
     let queue = unsafe { &(*domain.cast::<Domain>()).queue };
@@ -1467,6 +1549,14 @@ unsafe extern "C" fn ep_open(
         av: std::sync::atomic::AtomicUsize::new(0),
         tx_cq: std::sync::atomic::AtomicUsize::new(0),
         rx_cq: std::sync::atomic::AtomicUsize::new(0),
+        tx_selective: std::sync::atomic::AtomicBool::new(false),
+        rx_selective: std::sync::atomic::AtomicBool::new(false),
+        tx_op_flags,
+        rx_op_flags,
+        cntrs: Default::default(),
+        domain: domain as usize,
+        rma: Default::default(),
+        next_rma: std::sync::atomic::AtomicU64::new(1),
     });
     // SAFETY: checked non-null; lives until `ep_close`.
     unsafe { *out = &mut Box::leak(ep).fid };
@@ -1483,6 +1573,11 @@ unsafe extern "C" fn ep_close(f: *mut fid) -> c_int {
     for q in [&ep.tx_cq, &ep.rx_cq] {
         if let Some(cq) = ep.cq(q) {
             cq.eps.lock().unwrap_or_else(|p| p.into_inner()).retain(|e| *e != me);
+        }
+    }
+    for (_, c) in Count::FLAGS {
+        if let Some(c) = ep.cntr(c) {
+            c.eps.lock().unwrap_or_else(|p| p.into_inner()).retain(|e| *e != me);
         }
     }
     drop(ep);
@@ -1510,14 +1605,34 @@ unsafe extern "C" fn ep_bind(f: *mut fid, bfid: *mut fid, flags: u64) -> c_int {
             if !eps.contains(&(f as usize)) {
                 eps.push(f as usize);
             }
+            let selective = flags & FI_SELECTIVE_COMPLETION as u64 != 0;
             if flags & FI_TRANSMIT as u64 != 0 {
+                ep.tx_selective.store(selective, Ordering::Relaxed);
                 ep.tx_cq.store(bfid as usize, Ordering::Release);
             }
             if flags & FI_RECV as u64 != 0 {
+                ep.rx_selective.store(selective, Ordering::Relaxed);
                 ep.rx_cq.store(bfid as usize, Ordering::Release);
             }
         }
-        FI_CLASS_EQ | FI_CLASS_CNTR => return err(FI_ENOSYS),
+        FI_CLASS_CNTR => {
+            let known: u64 = Count::FLAGS.iter().map(|(f, _)| *f as u64).sum();
+            if flags & !known != 0 || flags == 0 {
+                return err(FI_EINVAL);
+            }
+            // SAFETY: a counter of ours.
+            let c = unsafe { &*bfid.cast::<CntrObj>() };
+            let mut eps = c.eps.lock().unwrap_or_else(|p| p.into_inner());
+            if !eps.contains(&(f as usize)) {
+                eps.push(f as usize);
+            }
+            for (flag, which) in Count::FLAGS {
+                if flags & flag as u64 != 0 {
+                    ep.cntrs[which as usize].store(bfid as usize, Ordering::Release);
+                }
+            }
+        }
+        FI_CLASS_EQ => return err(FI_ENOSYS),
         _ => return err(FI_EINVAL),
     }
     0
@@ -1589,6 +1704,7 @@ fn posted(
     context: *mut c_void,
     tag: Option<(u64, u64)>,
     from: Option<crate::av::Addr>,
+    completion: bool,
 ) -> crate::rdm::Posted {
     crate::rdm::Posted {
         buf: buf as usize,
@@ -1598,6 +1714,7 @@ fn posted(
         tag: tag.map_or(0, |t| t.0),
         ignore: tag.map_or(0, |t| t.1),
         from,
+        completion,
     }
 }
 
@@ -1620,12 +1737,12 @@ unsafe extern "C" fn msg_recv(
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
     match source(ep, src) {
-        Ok(from) => ep.post(posted(buf, len, ctx, None, from)),
+        Ok(from) => ep.post(posted(buf, len, ctx, None, from, ep.wants_completion(true, None))),
         Err(e) => e,
     }
 }
 
-unsafe extern "C" fn msg_recvmsg(ep: *mut fid_ep, msg: *const fi_msg, _flags: u64) -> isize {
+unsafe extern "C" fn msg_recvmsg(ep: *mut fid_ep, msg: *const fi_msg, flags: u64) -> isize {
     // SAFETY: null or the caller's message.
     let Some(m) = (unsafe { msg.as_ref() }) else { return err(FI_EINVAL) as isize };
     // SAFETY: the message's iovecs.
@@ -1633,8 +1750,12 @@ unsafe extern "C" fn msg_recvmsg(ep: *mut fid_ep, msg: *const fi_msg, _flags: u6
         Ok(b) => b,
         Err(e) => return e,
     };
-    // SAFETY: forwarded.
-    unsafe { msg_recv(ep, buf, len, std::ptr::null_mut(), m.addr, m.context) }
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    match source(ep, m.addr) {
+        Ok(from) => ep.post(posted(buf, len, m.context, None, from, ep.wants_completion(true, Some(flags)))),
+        Err(e) => e,
+    }
 }
 
 unsafe extern "C" fn msg_send(
@@ -1647,7 +1768,7 @@ unsafe extern "C" fn msg_send(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, None, None, Some(ctx))
+    ep.send(buf, len, dest, None, None, Some(ctx), ep.wants_completion(false, None))
 }
 
 unsafe extern "C" fn msg_sendmsg(ep: *mut fid_ep, msg: *const fi_msg, flags: u64) -> isize {
@@ -1662,13 +1783,13 @@ unsafe extern "C" fn msg_sendmsg(ep: *mut fid_ep, msg: *const fi_msg, flags: u64
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
     let data = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data);
     let ctx = (flags & FI_INJECT as u64 == 0).then_some(m.context);
-    ep.send(buf, len, m.addr, None, data, ctx)
+    ep.send(buf, len, m.addr, None, data, ctx, ep.wants_completion(false, Some(flags)))
 }
 
 unsafe extern "C" fn msg_inject(ep: *mut fid_ep, buf: *const c_void, len: usize, dest: fi_addr_t) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, None, None, None)
+    ep.send(buf, len, dest, None, None, None, false)
 }
 
 unsafe extern "C" fn msg_senddata(
@@ -1682,7 +1803,7 @@ unsafe extern "C" fn msg_senddata(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, None, Some(data), Some(ctx))
+    ep.send(buf, len, dest, None, Some(data), Some(ctx), ep.wants_completion(false, None))
 }
 
 unsafe extern "C" fn msg_injectdata(
@@ -1694,7 +1815,7 @@ unsafe extern "C" fn msg_injectdata(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, None, Some(data), None)
+    ep.send(buf, len, dest, None, Some(data), None, false)
 }
 
 unsafe extern "C" fn tagged_recv(
@@ -1710,7 +1831,7 @@ unsafe extern "C" fn tagged_recv(
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
     match source(ep, src) {
-        Ok(from) => ep.post(posted(buf, len, ctx, Some((tag, ignore)), from)),
+        Ok(from) => ep.post(posted(buf, len, ctx, Some((tag, ignore)), from, ep.wants_completion(true, None))),
         Err(e) => e,
     }
 }
@@ -1726,7 +1847,7 @@ unsafe extern "C" fn tagged_send(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, Some(tag), None, Some(ctx))
+    ep.send(buf, len, dest, Some(tag), None, Some(ctx), ep.wants_completion(false, None))
 }
 
 unsafe extern "C" fn tagged_inject(
@@ -1738,7 +1859,7 @@ unsafe extern "C" fn tagged_inject(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, Some(tag), None, None)
+    ep.send(buf, len, dest, Some(tag), None, None, false)
 }
 
 unsafe extern "C" fn tagged_senddata(
@@ -1753,7 +1874,7 @@ unsafe extern "C" fn tagged_senddata(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, Some(tag), Some(data), Some(ctx))
+    ep.send(buf, len, dest, Some(tag), Some(data), Some(ctx), ep.wants_completion(false, None))
 }
 
 unsafe extern "C" fn tagged_injectdata(
@@ -1766,7 +1887,7 @@ unsafe extern "C" fn tagged_injectdata(
 ) -> isize {
     // SAFETY: as `ep_of` requires.
     let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
-    ep.send(buf, len, dest, Some(tag), Some(data), None)
+    ep.send(buf, len, dest, Some(tag), Some(data), None, false)
 }
 
 /// The one buffer of a message's iovecs (more than one is not offered: `iov_limit` is 1).
@@ -1779,7 +1900,11 @@ unsafe fn one_iov(iov: *const iovec, count: usize) -> Result<(*mut c_void, usize
     }
 }
 
-unsafe extern "C" fn tagged_recvmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, _flags: u64) -> isize {
+/// A tagged receive with flags; also a peek (`FI_PEEK`: is a matching message there? its
+/// answer is a completion with the message's length and tag, or an error completion
+/// `FI_ENOMSG`), which may claim the message (`FI_CLAIM`: a later receive with `FI_CLAIM`
+/// and the same context takes it) or discard it (`FI_DISCARD`).
+unsafe extern "C" fn tagged_recvmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, flags: u64) -> isize {
     // SAFETY: null or the caller's message.
     let Some(m) = (unsafe { msg.as_ref() }) else { return err(FI_EINVAL) as isize };
     // SAFETY: the message's iovecs.
@@ -1787,8 +1912,56 @@ unsafe extern "C" fn tagged_recvmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, 
         Ok(b) => b,
         Err(e) => return e,
     };
-    // SAFETY: forwarded.
-    unsafe { tagged_recv(ep, buf, len, std::ptr::null_mut(), m.addr, m.tag, m.ignore, m.context) }
+    // SAFETY: as `ep_of` requires.
+    let Some(ep) = (unsafe { ep_of(ep) }) else { return err(FI_EINVAL) as isize };
+    let from = match source(ep, m.addr) {
+        Ok(f) => f,
+        Err(e) => return e,
+    };
+    let p = posted(buf, len, m.context, Some((m.tag, m.ignore)), from, ep.wants_completion(true, Some(flags)));
+    let (peek, claim, discard) = (flags & FI_PEEK as u64 != 0, flags & FI_CLAIM != 0, flags & FI_DISCARD != 0);
+    let flags_of = |cq_data: bool| (FI_RECV | FI_TAGGED) as u64 | if cq_data { FI_REMOTE_CQ_DATA as u64 } else { 0 };
+    if peek {
+        ep.progress();
+        let entry =
+            crate::cq::Entry { op_context: p.context, flags: flags_of(false), tag: m.tag, ..Default::default() };
+        match ep.rdm.peek(&p, claim || discard) {
+            Some(found) => {
+                if discard {
+                    drop(ep.rdm.claimed(p.context));
+                }
+                let entry = crate::cq::Entry {
+                    flags: flags_of(found.cq_data.is_some()),
+                    len: found.len,
+                    data: found.cq_data.unwrap_or(0),
+                    tag: found.tag,
+                    ..entry
+                };
+                if let Some(cq) = ep.cq(&ep.rx_cq) {
+                    cq.cq.push(entry);
+                }
+            }
+            None => {
+                if let Some(cq) = ep.cq(&ep.rx_cq) {
+                    cq.cq.push_err(crate::cq::ErrEntry { entry, olen: 0, err: FI_ENOMSG as i32, prov_errno: 0 });
+                }
+            }
+        }
+        return 0;
+    }
+    if claim {
+        // Only a message a peek claimed under this context.
+        let Some(a) = ep.rdm.claimed(p.context) else { return err(FI_EINVAL) as isize };
+        if discard {
+            let entry =
+                crate::cq::Entry { op_context: p.context, flags: flags_of(false), tag: a.tag, ..Default::default() };
+            ep.succeeded(true, entry, true, Count::Recv);
+        } else {
+            ep.complete_recv(p, &a);
+        }
+        return 0;
+    }
+    ep.post(p)
 }
 
 unsafe extern "C" fn tagged_sendmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, flags: u64) -> isize {
@@ -1804,5 +1977,5 @@ unsafe extern "C" fn tagged_sendmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, 
     let data = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data);
     // (FI_INJECT: no completion; a send completes when it returns, whatever was asked)
     let ctx = (flags & FI_INJECT as u64 == 0).then_some(m.context);
-    ep.send(buf, len, m.addr, Some(m.tag), data, ctx)
+    ep.send(buf, len, m.addr, Some(m.tag), data, ctx, ep.wants_completion(false, Some(flags)))
 }
