@@ -3,12 +3,12 @@
 //! that set it up) and calls `fi_prov_ini`.
 //!
 //! Built so far: `fi_getinfo` (`fi_info -p clan`) lists reliable-datagram endpoints
-//! (`FI_EP_RDM`, with `FI_MSG` and `FI_TAGGED`) filtered by the caller's hints; fabrics,
-//! domains, address vectors ([`av`]), completion queues ([`cq`]), event queues ([`eq`]) and
-//! reliable-datagram endpoints ([`rdm`], over clan's distributed queue) work, and
-//! `fi_pingpong -e rdm` runs. Not yet: connected endpoints, RMA, counters, memory
-//! registration, wait descriptors (see `docs/ARCHITECTURE.md`); those calls return
-//! `-FI_ENOSYS`.
+//! (`FI_EP_RDM`, with `FI_MSG`, `FI_TAGGED` and `FI_RMA`) filtered by the caller's hints;
+//! fabrics, domains, address vectors ([`av`]), completion queues ([`cq`], with `FI_WAIT_FD`),
+//! counters ([`cntr`]), event queues ([`eq`]), memory registrations ([`mr`]) and
+//! reliable-datagram endpoints ([`rdm`], over clan's distributed queue) work;
+//! `fi_pingpong -e rdm`, Open MPI and MPICH run. Not yet: connected endpoints, atomics
+//! (see `docs/ARCHITECTURE.md`); those calls return `-FI_ENOSYS`.
 //!
 //! The unsafe code is confined to [`ffi`], the thin `extern "C"` boundary: every pointer
 //! libfabric or the application passes is checked there, and a bad argument gets the right

@@ -2,12 +2,17 @@
  *
  *   peers server          prints "addr <name>", sleeps on its completion queue's wait
  *                         descriptor (fi_trywait + poll) until the client's first message
- *                         comes, prints the CPU time it used while it slept, answers, posts a
- *                         receive directed to the client, prints "ready"; then, told on
- *                         stdin that the client was killed, expects that receive to complete
- *                         in error (and a send to the client too) and prints how long it took.
+ *                         comes, prints the CPU time it used while it slept, answers with
+ *                         the key of a registered buffer, serves the client's remote writes
+ *                         and reads of it until the client's "done" (and checks what was
+ *                         written), posts a receive directed to the client, prints "ready";
+ *                         then, told on stdin that the client was killed, expects that
+ *                         receive to complete in error (and a send to the client, and a read
+ *                         of the client's registered memory, too) and prints how long it took.
  *   peers client ADDR     waits a while (so that the server sleeps), sends its own name,
- *                         takes the answer, prints "answered", then waits to be killed.
+ *                         takes the answer, writes 256 KiB into the server's buffer and reads
+ *                         it back (checked), sends "done" with a key of its own, prints
+ *                         "answered", then waits to be killed.
  *
  * Every wait is bounded; any failure exits non-zero with a message. */
 #include <rdma/fabric.h>
@@ -16,6 +21,8 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_tagged.h>
+#include <rdma/fi_rma.h>
+#include <stdint.h>
 #include <rdma/fi_errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -28,6 +35,15 @@
 #define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAILED %s:%d: ", __FILE__, __LINE__); \
 	fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
 #define ADDR_LEN 64
+#define RMA_LEN (256 * 1024)
+
+/* What the server answers, and the client's "done": a registered buffer's key and address. */
+struct reg_msg {
+	char text[8];
+	uint64_t key, addr;
+};
+
+static unsigned char pattern(size_t i) { return (unsigned char)(i * 7 + (i >> 10)); }
 
 static struct fid_fabric *fabric;
 static struct fid_domain *domain;
@@ -54,7 +70,7 @@ static void open_all(void)
 	struct fi_info *hints = fi_allocinfo(), *info = NULL;
 	hints->fabric_attr->prov_name = strdup("clan");
 	hints->ep_attr->type = FI_EP_RDM;
-	hints->caps = FI_MSG | FI_TAGGED | FI_DIRECTED_RECV;
+	hints->caps = FI_MSG | FI_TAGGED | FI_DIRECTED_RECV | FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
 	int r = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &info);
 	CHECK(r == 0, "fi_getinfo: %s", fi_strerror(-r));
 	CHECK(!strcmp(info->fabric_attr->prov_name, "clan"), "provider %s", info->fabric_attr->prov_name);
@@ -113,8 +129,20 @@ static int server(void)
 
 	fi_addr_t client;
 	CHECK(fi_av_insert(av, hello, 1, &client, 0, NULL) == 1, "the client's address: %s", hello);
-	CHECK(fi_send(ep, "answer", 7, NULL, client, (void *)2) == 0, "send");
-	CHECK(next(&e, 30000) == 1 && e.op_context == (void *)2, "the send completes");
+	unsigned char *target = calloc(1, RMA_LEN);
+	struct fid_mr *mr;
+	CHECK(fi_mr_reg(domain, target, RMA_LEN, FI_REMOTE_WRITE | FI_REMOTE_READ, 0, 0, 0, &mr, NULL) == 0, "mr_reg");
+	struct reg_msg ans = { "answer", fi_mr_key(mr), (uint64_t)(uintptr_t)target }, done;
+	CHECK(fi_recv(ep, &done, sizeof done, NULL, client, (void *)6) == 0, "recv done");
+	CHECK(fi_send(ep, &ans, sizeof ans, NULL, client, (void *)2) == 0, "send");
+	/* (the client's writes and reads are served while this waits) */
+	int got = 0;
+	while (got != 3) {
+		CHECK(next(&e, 30000) == 1, "a completion");
+		got |= e.op_context == (void *)2 ? 1 : e.op_context == (void *)6 ? 2 : 0;
+	}
+	for (size_t i = 0; i < RMA_LEN; i++)
+		CHECK(target[i] == pattern(i), "byte %zu the client wrote: %d", i, target[i]);
 
 	/* A receive only the client can complete. */
 	char buf[64];
@@ -144,12 +172,23 @@ static int server(void)
 	} else {
 		CHECK(r == -FI_ECONNRESET, "the send fails: %zd", r);
 	}
+	/* So does a read of its registered memory. */
+	char small[16];
+	r = fi_read(ep, small, sizeof small, NULL, client, done.addr, done.key, (void *)7);
+	if (r == 0) {
+		CHECK(next(&e, 10000) == -FI_EAVAIL, "the read completes in error");
+		CHECK(fi_cq_readerr(cq, &err, 0) == 1 && err.op_context == (void *)7 && err.err == FI_ECONNRESET,
+		      "the read's error: ctx %p err %d", err.op_context, err.err);
+	} else {
+		CHECK(r == -FI_ECONNRESET, "the read fails: %zd", r);
+	}
 	/* A receive directed to it, posted now, fails at once. */
 	CHECK(fi_trecv(ep, buf, sizeof buf, NULL, client, 5, 0, (void *)5) == 0, "directed receive");
 	CHECK(next(&e, 10000) == -FI_EAVAIL && fi_cq_readerr(cq, &err, 0) == 1 && err.op_context == (void *)5,
 	      "a later directed receive fails");
 
 	CHECK(fi_close(&ep->fid) == 0 && fi_close(&cq->fid) == 0 && fi_close(&av->fid) == 0, "close");
+	CHECK(fi_close(&mr->fid) == 0, "close");
 	CHECK(fi_close(&domain->fid) == 0 && fi_close(&fabric->fid) == 0, "close");
 	printf("ok\n");
 	return 0;
@@ -165,8 +204,8 @@ static int client(const char *server_addr)
 	char name[ADDR_LEN] = { 0 };
 	size_t len = sizeof name;
 	CHECK(fi_getname(&ep->fid, name, &len) == 0, "getname");
-	char answer[16] = { 0 };
-	CHECK(fi_recv(ep, answer, sizeof answer, NULL, FI_ADDR_UNSPEC, (void *)1) == 0, "recv");
+	struct reg_msg answer = { { 0 } };
+	CHECK(fi_recv(ep, &answer, sizeof answer, NULL, FI_ADDR_UNSPEC, (void *)1) == 0, "recv");
 	usleep(400 * 1000); /* the server sleeps meanwhile */
 	CHECK(fi_send(ep, name, ADDR_LEN, NULL, srv, (void *)2) == 0, "send");
 	struct fi_cq_tagged_entry e;
@@ -176,7 +215,28 @@ static int client(const char *server_addr)
 		CHECK(n == 1, "a completion: %zd", n);
 		got++;
 	}
-	CHECK(!strcmp(answer, "answer"), "the answer: %s", answer);
+	CHECK(!strcmp(answer.text, "answer"), "the answer: %s", answer.text);
+
+	/* Remote memory access to the server's buffer: write it all, read it back. */
+	unsigned char *mine = malloc(RMA_LEN), *back = calloc(1, RMA_LEN);
+	for (size_t i = 0; i < RMA_LEN; i++)
+		mine[i] = pattern(i);
+	CHECK(fi_write(ep, mine, RMA_LEN, NULL, srv, answer.addr, answer.key, (void *)3) == 0, "fi_write");
+	CHECK(next(&e, 30000) == 1 && e.op_context == (void *)3, "the write completes");
+	CHECK(fi_read(ep, back, RMA_LEN, NULL, srv, answer.addr, answer.key, (void *)4) == 0, "fi_read");
+	CHECK(next(&e, 30000) == 1 && e.op_context == (void *)4, "the read completes");
+	CHECK(!memcmp(mine, back, RMA_LEN), "read back what was written");
+	/* A read through a key the server never gave fails, and nothing else does. */
+	CHECK(fi_read(ep, back, 16, NULL, srv, answer.addr, answer.key + 1, (void *)5) == 0, "fi_read");
+	CHECK(next(&e, 30000) == -FI_EAVAIL, "a forged key");
+	struct fi_cq_err_entry err = { 0 };
+	CHECK(fi_cq_readerr(cq, &err, 0) == 1 && err.err == FI_EKEYREJECTED, "rejected: %d", err.err);
+
+	struct fid_mr *mr;
+	CHECK(fi_mr_reg(domain, back, RMA_LEN, FI_REMOTE_READ, 0, 0, 0, &mr, NULL) == 0, "mr_reg");
+	struct reg_msg done = { "done", fi_mr_key(mr), (uint64_t)(uintptr_t)back };
+	CHECK(fi_send(ep, &done, sizeof done, NULL, srv, (void *)6) == 0, "send done");
+	CHECK(next(&e, 30000) == 1 && e.op_context == (void *)6, "done sent");
 	printf("answered\n");
 	fflush(stdout);
 	sleep(60); /* killed before this ends */
