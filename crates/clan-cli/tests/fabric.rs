@@ -49,8 +49,10 @@ fn fi_info_lists_the_clan_provider() {
     // Ours, not a utility provider layered over it.
     let ours: Vec<&str> = all.split("provider: ").filter(|b| b.starts_with("clan\n")).collect();
     assert!(ours.iter().any(|b| b.contains("type: FI_EP_RDM")), "an RDM endpoint:\n{all}");
-    // Connected endpoints are not offered yet (and nothing is layered over clan).
-    assert!(!all.contains("ofi_rxm") && !ours.iter().any(|b| b.contains("type: FI_EP_MSG")), "{all}");
+    // Connected endpoints too, and nothing is layered over clan (libfabric's `ofi_rxm` would
+    // make reliable datagrams of our connected endpoints, listed before ours).
+    assert!(ours.iter().any(|b| b.contains("type: FI_EP_MSG")), "a connected endpoint:\n{all}");
+    assert!(!all.contains("ofi_rxm"), "{all}");
     assert!(ours.iter().all(|b| b.contains("fabric: clan") && b.contains("domain: clan")), "{all}");
 
     // Hints narrow it: tagged messages on RDM only; atomics not at all.
@@ -93,18 +95,20 @@ fn objects_through_libfabric() {
 }
 
 /// libfabric's own `fi_pingpong` over the clan provider, reliable datagrams, every size it
-/// tries, data checked (`-c`), plain and tagged messages: two processes on loopback.
+/// tries, data checked (`-c`), plain and tagged messages over reliable datagrams, and plain
+/// messages over connected endpoints (`-e msg`: passive endpoint, connection request,
+/// accept, connected events through event queues): two processes on loopback.
 #[test]
-fn fi_pingpong_rdm_every_size_checked() {
+fn fi_pingpong_rdm_and_msg_every_size_checked() {
     if !have_fi_info() {
         eprintln!("skipped: libfabric is not installed");
         return;
     }
     let path = provider_path();
-    for mode in ["msg", "tagged"] {
+    for (ep, mode) in [("rdm", "msg"), ("rdm", "tagged"), ("msg", "msg")] {
         // A free control port (the default one may be taken by another run).
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-        let args = ["-p", "clan", "-e", "rdm", "-m", mode, "-I", "20", "-S", "all", "-c"];
+        let args = ["-p", "clan", "-e", ep, "-m", mode, "-I", "20", "-S", "all", "-c"];
         let spawn = |extra: &[&str]| {
             Command::new("timeout")
                 .arg("120")
@@ -133,7 +137,7 @@ fn fi_pingpong_rdm_every_size_checked() {
         let (cout, sout) = (String::from_utf8_lossy(&c.stdout), String::from_utf8_lossy(&s.stdout));
         assert!(
             c.status.success() && s.status.success(),
-            "{mode}: client {}:\n{cout}{}\nserver {}:\n{sout}{}",
+            "{ep} {mode}: client {}:\n{cout}{}\nserver {}:\n{sout}{}",
             c.status,
             String::from_utf8_lossy(&c.stderr),
             s.status,
@@ -141,7 +145,10 @@ fn fi_pingpong_rdm_every_size_checked() {
         );
         // Every size from 64 B to 1 MiB went both ways, 20 times each.
         for size in ["64 ", "4k ", "1m "] {
-            assert!(cout.lines().any(|l| l.starts_with(size) && l.contains("=20")), "{mode}: size {size}:\n{cout}");
+            assert!(
+                cout.lines().any(|l| l.starts_with(size) && l.contains("=20")),
+                "{ep} {mode}: size {size}:\n{cout}"
+            );
         }
     }
 }

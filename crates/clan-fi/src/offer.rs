@@ -38,18 +38,20 @@ pub struct Offer {
     pub inject_size: u64,
 }
 
-/// Everything the provider offers, best first. (`FI_EP_MSG` is not offered until its
-/// endpoints exist: offering it made libfabric layer `ofi_rxm` over it, whose endpoints then
-/// failed.)
-pub fn all() -> [Offer; 1] {
+/// Everything the provider offers, best first: reliable datagrams (with tagged messages),
+/// then connected endpoints.
+pub fn all() -> [Offer; 2] {
     use caps::*;
     let common = MSG | SEND | RECV | RMA | READ | WRITE | REMOTE_READ | REMOTE_WRITE | LOCAL_COMM | REMOTE_COMM;
-    [Offer {
-        ep_type: EpType::Rdm,
-        caps: common | TAGGED | DIRECTED_RECV | SOURCE,
-        max_msg_size: crate::rdm::MAX_MSG as u64,
-        inject_size: 64,
-    }]
+    [
+        Offer {
+            ep_type: EpType::Rdm,
+            caps: common | TAGGED | DIRECTED_RECV | SOURCE,
+            max_msg_size: crate::rdm::MAX_MSG as u64,
+            inject_size: 64,
+        },
+        Offer { ep_type: EpType::Msg, caps: common, max_msg_size: crate::rdm::MAX_MSG as u64, inject_size: 64 },
+    ]
 }
 
 /// What a caller asked for (`fi_info` hints), as far as matching goes.
@@ -91,8 +93,10 @@ mod tests {
 
     #[test]
     fn hints_narrow_the_offers() {
-        assert_eq!(matching(&Hints::default()).len(), 1);
-        assert!(matching(&Hints { ep_type: Some(EpType::Msg), ..Hints::default() }).is_empty());
+        assert_eq!(matching(&Hints::default()).len(), 2);
+        let msg = matching(&Hints { ep_type: Some(EpType::Msg), ..Hints::default() });
+        assert_eq!(msg.len(), 1);
+        assert_eq!(msg[0].caps & caps::TAGGED, 0, "no tagged messages on connected endpoints");
         let rdm = matching(&Hints { ep_type: Some(EpType::Rdm), ..Hints::default() });
         assert_eq!(rdm.len(), 1);
         assert_eq!(rdm[0].ep_type, EpType::Rdm);

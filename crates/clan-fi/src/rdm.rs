@@ -63,6 +63,23 @@ const F_READ: u64 = 16;
 /// The answer to a remote write or read: tag word = request id, data word = status,
 /// payload = the bytes read.
 const F_REPLY: u64 = 32;
+/// Connection management of connected endpoints: tag word = [`CmKind`], payload = the
+/// caller's private data.
+const F_CM: u64 = 64;
+
+/// What a connection-management frame says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum CmKind {
+    /// Connect to me (to a passive endpoint).
+    Request = 1,
+    /// Accepted: the sender is the endpoint that took the connection.
+    Accept = 2,
+    /// Refused.
+    Reject = 3,
+    /// The sender disconnects.
+    Shutdown = 4,
+}
 
 /// Longest message.
 pub const MAX_MSG: usize = 1 << 20;
@@ -114,6 +131,12 @@ pub enum Done {
     Failed(Posted),
     Rma(RmaRequest),
     Reply(RmaReply),
+    /// A connection-management frame from `from`, with its private data.
+    Cm {
+        from: Option<Addr>,
+        kind: CmKind,
+        data: Vec<u8>,
+    },
 }
 
 /// What a remote memory request asks.
@@ -314,6 +337,11 @@ impl Rdm {
         }
         let words = [key.to_le_bytes(), addr.to_le_bytes(), (len as u64).to_le_bytes()];
         self.send_frame(to, F_READ, id, 0, &[&words[0], &words[1], &words[2]])
+    }
+
+    /// A connection-management frame to `to`.
+    pub fn cm(&self, to: Addr, kind: CmKind, data: &[u8]) -> Result<(), Error> {
+        self.send_frame(to, F_CM, kind as u64, 0, &[data])
     }
 
     /// Answer request `id` of `to`.
@@ -551,6 +579,17 @@ fn parse(mut data: Vec<u8>, from: &mut Option<Addr>) -> Option<Incoming> {
             RmaKind::Write { data, cq_data: (flags & F_DATA != 0).then_some(w2) }
         };
         return Some(Incoming::Done(Done::Rma(RmaRequest { from: *from, id: w1, key, addr, kind })));
+    }
+    if flags & F_CM != 0 {
+        let kind = match w1 {
+            1 => CmKind::Request,
+            2 => CmKind::Accept,
+            3 => CmKind::Reject,
+            4 => CmKind::Shutdown,
+            _ => return None,
+        };
+        data.drain(..HEADER);
+        return Some(Incoming::Done(Done::Cm { from: *from, kind, data }));
     }
     if flags & F_REPLY != 0 {
         data.drain(..HEADER);

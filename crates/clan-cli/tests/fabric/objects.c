@@ -260,6 +260,87 @@ int main(void)
 	CHECK(fi_close(&ep->fid) == 0, "close the endpoint");
 	CHECK(fi_close(&wc->fid) == 0 && fi_close(&rc->fid) == 0 && fi_close(&ro->fid) == 0, "close");
 
+	/* Connected endpoints: a passive endpoint, a refused request, an accepted one with
+	 * private data both ways, a message, the peer's name, a shutdown. */
+	struct fi_info *mh = fi_allocinfo(), *mi = NULL;
+	mh->fabric_attr->prov_name = strdup("clan");
+	mh->ep_attr->type = FI_EP_MSG;
+	mh->caps = FI_MSG;
+	CHECK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, mh, &mi) == 0 && mi->ep_attr->type == FI_EP_MSG, "MSG info");
+	struct fid_eq *ceq;
+	CHECK(fi_eq_open(fabric, &eq_attr, &ceq, NULL) == 0, "eq");
+	struct fid_pep *pep;
+	CHECK(fi_passive_ep(fabric, mi, &pep, NULL) == 0, "passive endpoint");
+	CHECK(fi_listen(pep) == -FI_ENOEQ, "listening needs an event queue");
+	CHECK(fi_pep_bind(pep, &ceq->fid, 0) == 0 && fi_listen(pep) == 0, "listen");
+	char pname[ADDR_LEN];
+	len = sizeof pname;
+	CHECK(fi_getname(&pep->fid, pname, &len) == 0 && len == ADDR_LEN, "its name");
+	struct fid_ep *cep, *sep;
+	CHECK(fi_endpoint(domain, mi, &cep, NULL) == 0, "client endpoint");
+	CHECK(fi_connect(cep, pname, NULL, 0) == -FI_ENOEQ, "connecting needs an event queue");
+	CHECK(fi_ep_bind(cep, &ceq->fid, 0) == 0 && fi_ep_bind(cep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0, "bind");
+	CHECK(fi_enable(cep) == 0, "enable");
+	CHECK(fi_send(cep, "early", 6, NULL, 0, (void *)40) == -FI_ENOTCONN, "no send before connecting");
+	char big[300] = { 0 };
+	CHECK(fi_connect(cep, pname, big, sizeof big) == -FI_EINVAL, "too much private data");
+	struct {
+		struct fi_eq_cm_entry e;
+		char data[16];
+	} ev;
+	uint32_t cev;
+	struct fi_eq_err_entry eqerr = { 0 };
+	for (int round = 0; round < 2; round++) {
+		CHECK(fi_connect(cep, pname, "hi", 3) == 0, "connect");
+		CHECK(fi_connect(cep, pname, "hi", 3) == -FI_EISCONN, "connecting already");
+		ssize_t m = fi_eq_sread(ceq, &cev, &ev, sizeof ev, 5000, 0);
+		CHECK(m == (ssize_t)sizeof(struct fi_eq_cm_entry) + 3 && cev == FI_CONNREQ && !strcmp(ev.data, "hi") &&
+		      ev.e.info && ev.e.info->handle && ev.e.fid == &pep->fid, "a connection request: %zd %u", m, cev);
+		if (round == 0) {
+			/* Refused: the client hears it as an error event. */
+			CHECK(fi_reject(pep, ev.e.info->handle, NULL, 0) == 0, "reject");
+			CHECK(fi_reject(pep, ev.e.info->handle, NULL, 0) == -FI_EINVAL, "a request is answered once");
+			fi_freeinfo(ev.e.info);
+			CHECK(fi_eq_sread(ceq, &cev, &ev, sizeof ev, 5000, 0) == -FI_EAVAIL, "an error event");
+			CHECK(fi_eq_readerr(ceq, &eqerr, 0) > 0 && eqerr.err == FI_ECONNREFUSED && eqerr.fid == &cep->fid,
+			      "refused: %d", eqerr.err);
+		}
+	}
+	CHECK(fi_endpoint(domain, ev.e.info, &sep, NULL) == 0, "the endpoint that takes the connection");
+	fi_freeinfo(ev.e.info);
+	CHECK(fi_ep_bind(sep, &ceq->fid, 0) == 0 && fi_ep_bind(sep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0, "bind");
+	CHECK(fi_enable(sep) == 0, "enable");
+	CHECK(fi_accept(sep, "ok", 3) == 0, "accept");
+	CHECK(fi_accept(sep, "ok", 3) == -FI_EISCONN, "accepted already");
+	int connected = 0;
+	for (int k = 0; k < 2; k++) {
+		ssize_t m = fi_eq_sread(ceq, &cev, &ev, sizeof ev, 5000, 0);
+		CHECK(m >= (ssize_t)sizeof(struct fi_eq_cm_entry) && cev == FI_CONNECTED, "connected: %zd %u", m, cev);
+		if (ev.e.fid == &sep->fid)
+			connected |= 1;
+		if (ev.e.fid == &cep->fid && m == (ssize_t)sizeof(struct fi_eq_cm_entry) + 3 && !strcmp(ev.data, "ok"))
+			connected |= 2;
+	}
+	CHECK(connected == 3, "both ends connected, the client with the server's private data");
+	char mbuf[16] = { 0 }, peer[ADDR_LEN], sname[ADDR_LEN];
+	CHECK(fi_recv(sep, mbuf, sizeof mbuf, NULL, FI_ADDR_UNSPEC, (void *)41) == 0, "recv");
+	CHECK(fi_send(cep, "over", 5, NULL, 0, (void *)42) == 0, "send");
+	void *c1, *c2;
+	CHECK(outcome(cq, &c1) == 0 && outcome(cq, &c2) == 0 && c1 != c2 && !strcmp(mbuf, "over"), "delivered");
+	len = sizeof peer;
+	size_t slen = sizeof sname;
+	CHECK(fi_getpeer(cep, peer, &len) == 0 && fi_getname(&sep->fid, sname, &slen) == 0 && !memcmp(peer, sname, ADDR_LEN),
+	      "the client's peer is the accepting endpoint");
+	CHECK(fi_shutdown(cep, 0) == 0, "shutdown");
+	CHECK(fi_eq_sread(ceq, &cev, &ev, sizeof ev, 5000, 0) == (ssize_t)sizeof(struct fi_eq_cm_entry) &&
+	      cev == FI_SHUTDOWN && ev.e.fid == &sep->fid, "the peer hears the shutdown");
+	CHECK(fi_send(cep, "late", 5, NULL, 0, (void *)43) == -FI_ENOTCONN, "no send after shutdown");
+	CHECK(fi_close(&ceq->fid) == -FI_EBUSY, "an event queue in use stays");
+	CHECK(fi_close(&cep->fid) == 0 && fi_close(&sep->fid) == 0 && fi_close(&pep->fid) == 0, "close");
+	CHECK(fi_close(&ceq->fid) == 0, "close");
+	fi_freeinfo(mi);
+	fi_freeinfo(mh);
+
 	CHECK(fi_close(&cq->fid) == 0 && fi_close(&av->fid) == 0, "close");
 	CHECK(fi_close(&domain->fid) == 0 && fi_close(&fabric->fid) == 0, "close");
 	fi_freeinfo(info);

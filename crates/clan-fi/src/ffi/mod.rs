@@ -11,6 +11,7 @@ pub mod sys {
     include!(concat!(env!("OUT_DIR"), "/fabric.rs"));
 }
 
+mod cm;
 mod cntr;
 mod rma;
 mod stubs;
@@ -47,6 +48,10 @@ const _: () = {
 /// `FI_ADDR_NOTAVAIL` and `FI_ADDR_UNSPEC` (cast macros bindgen does not carry over).
 const FI_ADDR_NOTAVAIL: fi_addr_t = u64::MAX;
 const FI_ADDR_UNSPEC: fi_addr_t = u64::MAX;
+
+/// libfabric's internal `fi_getinfo` flag for "core providers only" (`include/ofi.h`), set
+/// when a utility provider looks for a provider to layer over.
+const OFI_CORE_PROV_ONLY: u64 = 1 << 59;
 
 /// A `-FI_E*` return value.
 fn err(code: u32) -> c_int {
@@ -130,7 +135,7 @@ unsafe extern "C" fn getinfo(
     version: u32,
     _node: *const c_char,
     _service: *const c_char,
-    _flags: u64,
+    flags: u64,
     hints: *const fi_info,
     info: *mut *mut fi_info,
 ) -> c_int {
@@ -139,6 +144,12 @@ unsafe extern "C" fn getinfo(
     }
     // SAFETY: `info` is a valid out-pointer (checked non-null).
     unsafe { *info = std::ptr::null_mut() };
+    // libfabric asks this way when it would layer a utility provider over us (`ofi_rxm`
+    // over our connected endpoints, to make reliable datagrams): we have those natively, and
+    // a layered entry listed first would be taken instead of ours.
+    if flags & OFI_CORE_PROV_ONLY != 0 {
+        return err(FI_ENODATA);
+    }
     if version > API_VERSION && version >> 16 != API_VERSION >> 16 {
         return err(FI_ENODATA);
     }
@@ -169,6 +180,22 @@ unsafe extern "C" fn getinfo(
         }
         // SAFETY: `i` was just allocated with all of its attribute structures.
         unsafe { fill(&mut *i, o, threading) };
+        // A destination the caller names (a connected endpoint's peer) is kept in the
+        // answer, for `fi_connect`.
+        // SAFETY: `i` was just allocated (its dest_addr is ours to set, with the C
+        // allocator); the hints are null or valid, their dest_addr `dest_addrlen` bytes.
+        unsafe {
+            if let Some(h) = hints.as_ref() {
+                if !h.dest_addr.is_null() && h.dest_addrlen == crate::av::ADDR_LEN {
+                    let d = libc::malloc(crate::av::ADDR_LEN);
+                    if !d.is_null() {
+                        std::ptr::copy_nonoverlapping(h.dest_addr.cast::<u8>(), d.cast::<u8>(), crate::av::ADDR_LEN);
+                        (*i).dest_addr = d;
+                        (*i).dest_addrlen = crate::av::ADDR_LEN;
+                    }
+                }
+            }
+        }
         // The default flags of operations given without flags are the caller's (with
         // FI_SELECTIVE_COMPLETION, FI_COMPLETION among them says those report success).
         // SAFETY: `i` was just allocated with all of its attribute structures; the hints'
@@ -267,7 +294,7 @@ static FABRIC_FI_OPS: fi_ops = fi_ops {
 static FABRIC_OPS: fi_ops_fabric = fi_ops_fabric {
     size: size_of::<fi_ops_fabric>(),
     domain: Some(domain_open),
-    passive_ep: Some(no_passive_ep),
+    passive_ep: Some(cm::passive_ep),
     eq_open: Some(eq_open),
     wait_open: Some(no_wait_open),
     trywait: Some(trywait),
@@ -327,9 +354,6 @@ unsafe extern "C" fn no_domain2(
     _: u64,
     _: *mut c_void,
 ) -> c_int {
-    err(FI_ENOSYS)
-}
-unsafe extern "C" fn no_passive_ep(_: *mut fid_fabric, _: *mut fi_info, _: *mut *mut fid_pep, _: *mut c_void) -> c_int {
     err(FI_ENOSYS)
 }
 unsafe extern "C" fn no_wait_open(_: *mut fid_fabric, _: *mut fi_wait_attr, _: *mut *mut fid_wait) -> c_int {
@@ -1083,6 +1107,63 @@ unsafe extern "C" fn cq_strerror(
 struct EqObj {
     fid: fid_eq,
     eq: crate::eq::Eq,
+    /// Connected and passive endpoints bound to it: reading it makes their control
+    /// progress.
+    watched: std::sync::Mutex<Vec<Watched>>,
+}
+
+/// What an event queue makes progress for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    /// An `EpObj` (its address).
+    Ep(usize),
+    /// A `cm::PepObj` (its address).
+    Pep(usize),
+}
+
+/// The event queue at `addr` (0: none).
+fn eq_at<'a>(addr: usize) -> Option<&'a EqObj> {
+    // SAFETY: 0, or the address of an `EqObj` bound to an object of ours, which stays open
+    // while anything is bound to it (its close refuses, FI_EBUSY).
+    unsafe { (addr as *const EqObj).as_ref() }
+}
+
+impl EqObj {
+    fn watch(&self, w: Watched) {
+        let mut v = self.watched.lock().unwrap_or_else(|p| p.into_inner());
+        if !v.contains(&w) {
+            v.push(w);
+        }
+    }
+
+    /// Forget the object at `addr`.
+    fn unwatch(&self, addr: usize) {
+        self.watched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|w| !matches!(w, Watched::Ep(a) | Watched::Pep(a) if *a == addr));
+    }
+
+    /// Control progress of what is bound here.
+    fn progress(&self) {
+        let v = self.watched.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for w in v {
+            match w {
+                Watched::Ep(a) => {
+                    // SAFETY: an endpoint removes itself from this list before it is freed.
+                    if let Some(e) = unsafe { (a as *const EpObj).as_ref() } {
+                        e.progress();
+                    }
+                }
+                Watched::Pep(a) => {
+                    // SAFETY: as above, for passive endpoints.
+                    if let Some(p) = unsafe { (a as *const cm::PepObj).as_ref() } {
+                        p.progress();
+                    }
+                }
+            }
+        }
+    }
 }
 
 static EQ_FI_OPS: fi_ops = fi_ops {
@@ -1130,6 +1211,7 @@ unsafe extern "C" fn eq_open(
             ops: (&raw const EQ_OPS).cast_mut(),
         },
         eq: crate::eq::Eq::new(if a.size == 0 { 1024 } else { a.size }),
+        watched: std::sync::Mutex::new(Vec::new()),
     });
     // SAFETY: checked non-null; lives until `eq_close`.
     unsafe { *out = &mut Box::leak(eq).fid };
@@ -1139,6 +1221,10 @@ unsafe extern "C" fn eq_open(
 unsafe extern "C" fn eq_close(f: *mut fid) -> c_int {
     if f.is_null() {
         return err(FI_EINVAL);
+    }
+    // SAFETY: the `fid` at the start of an `EqObj`.
+    if unsafe { !(*f.cast::<EqObj>()).watched.lock().unwrap_or_else(|p| p.into_inner()).is_empty() } {
+        return err(FI_EBUSY);
     }
     // SAFETY: the `fid` at the start of an `EqObj` leaked by `eq_open`, closed once.
     drop(unsafe { Box::from_raw(f.cast::<EqObj>()) });
@@ -1171,6 +1257,7 @@ unsafe extern "C" fn eq_read(eq: *mut fid_eq, event: *mut u32, buf: *mut c_void,
     // SAFETY: as `eq_of` requires.
     let Some(q) = (unsafe { eq_of(eq) }) else { return err(FI_EINVAL) as isize };
     let room = if buf.is_null() { 0 } else { len };
+    q.progress();
     match q.eq.read(room, flags & (FI_PEEK as u64) != 0) {
         // SAFETY: the caller's slots.
         Ok(ev) => unsafe { eq_out(ev, event, buf) },
@@ -1189,11 +1276,19 @@ unsafe extern "C" fn eq_sread(
     // SAFETY: as `eq_of` requires.
     let Some(q) = (unsafe { eq_of(eq) }) else { return err(FI_EINVAL) as isize };
     let room = if buf.is_null() { 0 } else { len };
-    let t = (timeout >= 0).then(|| std::time::Duration::from_millis(timeout as u64));
-    match q.eq.sread(room, flags & (FI_PEEK as u64) != 0, t) {
-        // SAFETY: the caller's slots.
-        Ok(ev) => unsafe { eq_out(ev, event, buf) },
-        Err(e) => eq_read_err(e),
+    let end = (timeout >= 0).then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
+    loop {
+        q.progress();
+        // (in slices: what comes to the bound endpoints is seen by progress, not by the
+        // queue's own wake-up)
+        let slice = std::time::Duration::from_millis(2);
+        let left = end.map_or(slice, |e| e.saturating_duration_since(std::time::Instant::now()).min(slice));
+        match q.eq.sread(room, flags & (FI_PEEK as u64) != 0, Some(left)) {
+            // SAFETY: the caller's slots.
+            Ok(ev) => return unsafe { eq_out(ev, event, buf) },
+            Err(crate::eq::ReadError::Again) if end.is_none_or(|e| std::time::Instant::now() < e) => {}
+            Err(e) => return eq_read_err(e),
+        }
     }
 }
 
@@ -1270,6 +1365,12 @@ struct EpObj {
     /// Remote memory requests of ours not yet answered, by id.
     rma: std::sync::Mutex<std::collections::HashMap<u64, rma::Pending>>,
     next_rma: std::sync::atomic::AtomicU64,
+    /// A connected endpoint (`FI_EP_MSG`): its event queue, its peer, its state
+    /// (`cm::CM_*`).
+    msg: bool,
+    eq: std::sync::atomic::AtomicUsize,
+    peer: std::sync::Mutex<Option<crate::av::Addr>>,
+    cm_state: std::sync::atomic::AtomicU8,
 }
 
 /// What a counter bound to an endpoint counts (the bind flags, in this order).
@@ -1304,7 +1405,14 @@ static EP_FI_OPS: fi_ops = fi_ops {
     ops_set: None,
 };
 static EP_OPS: fi_ops_ep = fi_ops_ep { cancel: Some(ep_cancel), ..stubs::EP_ENOSYS };
-static CM_OPS: fi_ops_cm = fi_ops_cm { getname: Some(ep_getname), ..stubs::CM_ENOSYS };
+static CM_OPS: fi_ops_cm = fi_ops_cm {
+    getname: Some(ep_getname),
+    getpeer: Some(cm::getpeer),
+    connect: Some(cm::connect),
+    accept: Some(cm::accept),
+    shutdown: Some(cm::shutdown),
+    ..stubs::CM_ENOSYS
+};
 static MSG_OPS: fi_ops_msg = fi_ops_msg {
     recv: Some(msg_recv),
     recvmsg: Some(msg_recvmsg),
@@ -1346,6 +1454,13 @@ impl EpObj {
     }
 
     fn dest(&self, a: fi_addr_t) -> Option<crate::av::Addr> {
+        if self.msg {
+            // (a connected endpoint sends to its peer, whatever address is named)
+            if self.cm_state.load(std::sync::atomic::Ordering::Acquire) != cm::CM_CONNECTED {
+                return None;
+            }
+            return *self.peer.lock().unwrap_or_else(|p| p.into_inner());
+        }
         // SAFETY: the bound address vector stays open while the endpoint uses it (the
         // application's contract).
         let av = unsafe { (self.av.load(std::sync::atomic::Ordering::Acquire) as *const Av).as_ref() }?;
@@ -1393,6 +1508,9 @@ impl EpObj {
             self.deliver(d);
         }
         self.fail_gone_rma();
+        if self.msg {
+            self.watch_peer();
+        }
     }
 
     fn deliver(&self, d: crate::rdm::Done) {
@@ -1414,6 +1532,7 @@ impl EpObj {
             }
             crate::rdm::Done::Rma(req) => return self.serve(req),
             crate::rdm::Done::Reply(r) => return self.answered(r),
+            crate::rdm::Done::Cm { from, kind, data } => return self.on_cm(from, kind, &data),
         };
         self.complete_recv(p, &a);
     }
@@ -1469,7 +1588,7 @@ impl EpObj {
         if len > 0 && buf.is_null() {
             return err(FI_EINVAL) as isize;
         }
-        let Some(to) = self.dest(dest) else { return err(FI_EINVAL) as isize };
+        let Some(to) = self.dest(dest) else { return err(if self.msg { FI_ENOTCONN } else { FI_EINVAL }) as isize };
         let bytes = if len == 0 {
             &[][..]
         } else {
@@ -1514,11 +1633,17 @@ unsafe extern "C" fn ep_open(
         return err(FI_EINVAL);
     }
     // SAFETY: checked non-null; an fi_info's attribute pointers are null or valid.
-    if let Some(ep) = unsafe { (*info).ep_attr.as_ref() } {
-        if ep.type_ != fi_ep_type_FI_EP_RDM {
-            // Connected endpoints come later.
-            return err(FI_ENOSYS);
-        }
+    let msg = match unsafe { (*info).ep_attr.as_ref() }.map_or(fi_ep_type_FI_EP_RDM, |a| a.type_) {
+        fi_ep_type_FI_EP_RDM | fi_ep_type_FI_EP_UNSPEC => false,
+        fi_ep_type_FI_EP_MSG => true,
+        _ => return err(FI_EINVAL),
+    };
+    // The endpoint that takes a connection request (`fi_info::handle` of `FI_CONNREQ`).
+    // SAFETY: checked non-null.
+    let peer = if msg { unsafe { cm::take_handle(info) } } else { None };
+    // SAFETY: as above.
+    if msg && peer.is_none() && unsafe { !(*info).handle.is_null() } {
+        return err(FI_EINVAL);
     }
     // SAFETY: checked non-null above.
     let caps = unsafe { (*info).caps | (*info).rx_attr.as_ref().map_or(0, |r| r.caps) };
@@ -1557,6 +1682,10 @@ unsafe extern "C" fn ep_open(
         domain: domain as usize,
         rma: Default::default(),
         next_rma: std::sync::atomic::AtomicU64::new(1),
+        msg,
+        eq: std::sync::atomic::AtomicUsize::new(0),
+        peer: std::sync::Mutex::new(peer),
+        cm_state: std::sync::atomic::AtomicU8::new(cm::CM_IDLE),
     });
     // SAFETY: checked non-null; lives until `ep_close`.
     unsafe { *out = &mut Box::leak(ep).fid };
@@ -1579,6 +1708,9 @@ unsafe extern "C" fn ep_close(f: *mut fid) -> c_int {
         if let Some(c) = ep.cntr(c) {
             c.eps.lock().unwrap_or_else(|p| p.into_inner()).retain(|e| *e != me);
         }
+    }
+    if let Some(eq) = eq_at(ep.eq.load(std::sync::atomic::Ordering::Acquire)) {
+        eq.unwatch(me);
     }
     drop(ep);
     0
@@ -1632,6 +1764,12 @@ unsafe extern "C" fn ep_bind(f: *mut fid, bfid: *mut fid, flags: u64) -> c_int {
                 }
             }
         }
+        FI_CLASS_EQ if ep.msg => {
+            ep.eq.store(bfid as usize, Ordering::Release);
+            if let Some(eq) = eq_at(bfid as usize) {
+                eq.watch(Watched::Ep(f as usize));
+            }
+        }
         FI_CLASS_EQ => return err(FI_ENOSYS),
         _ => return err(FI_EINVAL),
     }
@@ -1647,7 +1785,7 @@ unsafe extern "C" fn ep_control(f: *mut fid, command: c_int, _arg: *mut c_void) 
     match command as u32 {
         FI_ENABLE => {
             use std::sync::atomic::Ordering;
-            if ep.av.load(Ordering::Acquire) == 0
+            if (if ep.msg { ep.eq.load(Ordering::Acquire) } else { ep.av.load(Ordering::Acquire) }) == 0
                 || ep.tx_cq.load(Ordering::Acquire) == 0
                 || ep.rx_cq.load(Ordering::Acquire) == 0
             {
@@ -1686,15 +1824,22 @@ unsafe extern "C" fn ep_getname(f: fid_t, addr: *mut c_void, addrlen: *mut usize
     if f.is_null() || addrlen.is_null() {
         return err(FI_EINVAL);
     }
-    // SAFETY: the `fid` at the start of an `EpObj`; the caller's length slot.
-    let (ep, room) = unsafe { (&*f.cast::<EpObj>(), *addrlen) };
+    // SAFETY: an object of ours (its class says which): the `fid` at the start of an
+    // `EpObj` or a `PepObj`; the caller's length slot.
+    let (me, room) = unsafe {
+        match (*f).fclass as u32 {
+            FI_CLASS_EP => ((*f.cast::<EpObj>()).rdm.addr(), *addrlen),
+            FI_CLASS_PEP => ((*f.cast::<cm::PepObj>()).addr(), *addrlen),
+            _ => return err(FI_EINVAL),
+        }
+    };
     // SAFETY: as above.
     unsafe { *addrlen = crate::av::ADDR_LEN };
     if room < crate::av::ADDR_LEN || addr.is_null() {
         return err(FI_ETOOSMALL);
     }
     // SAFETY: the caller's buffer of `room` ≥ ADDR_LEN bytes.
-    unsafe { std::ptr::copy_nonoverlapping(ep.rdm.addr().bytes().as_ptr(), addr.cast::<u8>(), crate::av::ADDR_LEN) };
+    unsafe { std::ptr::copy_nonoverlapping(me.bytes().as_ptr(), addr.cast::<u8>(), crate::av::ADDR_LEN) };
     0
 }
 
@@ -1720,7 +1865,7 @@ fn posted(
 
 /// The source a receive is directed to (FI_ADDR_UNSPEC: any).
 fn source(ep: &EpObj, src: fi_addr_t) -> Result<Option<crate::av::Addr>, isize> {
-    if src == FI_ADDR_UNSPEC || !ep.directed {
+    if src == FI_ADDR_UNSPEC || !ep.directed || ep.msg {
         return Ok(None);
     }
     ep.dest(src).map(Some).ok_or(err(FI_EINVAL) as isize)

@@ -207,7 +207,7 @@ impl EpObj {
         if len > crate::rdm::MAX_MSG {
             return err(FI_EMSGSIZE) as isize;
         }
-        let Some(to) = self.dest(dest) else { return err(FI_EINVAL) as isize };
+        let Some(to) = self.dest(dest) else { return err(if self.msg { FI_ENOTCONN } else { FI_EINVAL }) as isize };
         let id = self.next_rma.fetch_add(1, Ordering::Relaxed);
         let p = Pending {
             context: ctx.map_or(0, |c| c as usize),
