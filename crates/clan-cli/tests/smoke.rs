@@ -339,6 +339,8 @@ fn paper_report() {
         "stream.json",
         "run.json",
         "run.svg",
+        "fabric.json",
+        "fabric.svg",
     ] {
         let p = dir.join(f);
         assert!(p.metadata().is_ok_and(|m| m.len() > 100), "{} written", p.display());
@@ -370,6 +372,7 @@ fn paper_report() {
     assert!(md.contains("against the raw shm ping-pong"), "the server against the raw ping-pong:\n{md}");
     assert!(md.contains("slot-based message queue"), "the queue's slot variant:\n{md}");
     assert!(md.contains("Unmodified applications under clan run"), "the clan run section:\n{md}");
+    assert!(md.contains("libfabric programs and MPI over the clan provider"), "the provider's section:\n{md}");
     // Each figure's JSON is the bench's own: the numbers are there.
     let server: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("server.json")).unwrap()).unwrap();
     for v in server["data"]["busy"].as_array().expect("busy points") {
