@@ -153,6 +153,70 @@ fn fi_pingpong_rdm_and_msg_every_size_checked() {
     }
 }
 
+/// The provider between two hosts (network namespaces joined by a veth pair): each
+/// process's NIC takes its address from `CLAN_FI_IP` and links over TCP with a cluster key
+/// (`CLAN_FI_KEY`); `fi_pingpong` runs reliable datagrams and connected endpoints between
+/// them, every size with data checks. Needs root; CI runs it.
+#[test]
+fn fi_pingpong_between_two_hosts() {
+    if !have_fi_info() {
+        eprintln!("skipped: libfabric is not installed");
+        return;
+    }
+    let net = match clan_testkit::netns::TestNet::new(2) {
+        Ok(n) => n,
+        Err(why) => {
+            assert!(std::env::var_os("CI").is_none(), "CI must run this between test hosts, but: {why}");
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let path = provider_path();
+    let key = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2";
+    let server_ip = net.host(0).ip.to_string();
+    for (ep, port) in [("rdm", "47600"), ("msg", "47601")] {
+        let args = ["-p", "clan", "-e", ep, "-I", "10", "-S", "all", "-c"];
+        let spawn = |host: usize, extra: &[&str]| {
+            net.command(host, "timeout")
+                .args(["120", "fi_pingpong"])
+                .args(args)
+                .args(extra)
+                .env("FI_PROVIDER_PATH", &path)
+                .env_remove("FI_PROVIDER")
+                .env("CLAN_FI_IP", net.host(host).ip.to_string())
+                .env("CLAN_FI_KEY", key)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        // (the server's control port on its own host; the client's is any)
+        let server = spawn(0, &["-B", port]);
+        let mut c = spawn(1, &["-P", port, &server_ip]).wait_with_output().unwrap();
+        for _ in 0..100 {
+            if c.status.success() || !String::from_utf8_lossy(&c.stderr).contains("Connection refused") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            c = spawn(1, &["-P", port, &server_ip]).wait_with_output().unwrap();
+        }
+        let s = server.wait_with_output().unwrap();
+        let cout = String::from_utf8_lossy(&c.stdout);
+        assert!(
+            c.status.success() && s.status.success(),
+            "{ep}: client {}:\n{cout}{}\nserver {}:\n{}{}",
+            c.status,
+            String::from_utf8_lossy(&c.stderr),
+            s.status,
+            String::from_utf8_lossy(&s.stdout),
+            String::from_utf8_lossy(&s.stderr)
+        );
+        for size in ["64 ", "4k ", "1m "] {
+            assert!(cout.lines().any(|l| l.starts_with(size) && l.contains("=10")), "{ep}: size {size}:\n{cout}");
+        }
+    }
+}
+
 /// Open MPI (Debian's `openmpi-bin`) with its `cm` layer over libfabric (`mtl ofi`), held to
 /// the clan provider: an MPI program of our own (`tests/fabric/mpi.c`: a ping-pong checking
 /// every byte from 1 B to 1 MiB, an all-reduce, many messages received with wildcards) on 2

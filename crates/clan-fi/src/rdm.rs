@@ -28,12 +28,44 @@ use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueError, QueueLi
 
 use crate::av::Addr;
 
-/// The process's NIC (one for every endpoint).
+/// The process's NIC (one for every endpoint), configured from the environment
+/// ([`nic_config`]).
 pub(crate) fn nic() -> Result<&'static Nic, Error> {
     static NIC: OnceLock<Result<Nic, String>> = OnceLock::new();
-    NIC.get_or_init(|| Nic::open(clan::NicConfig::default()).map_err(|e| e.to_string()))
+    NIC.get_or_init(|| nic_config(|k| std::env::var(k).ok()).and_then(|c| Nic::open(c).map_err(|e| e.to_string())))
         .as_ref()
         .map_err(|e| Error::Nic(e.clone()))
+}
+
+/// The NIC's configuration from the environment (`var` looks a variable up):
+/// - `CLAN_FI_IP`: this host's address on the network to other hosts. When it is set, the
+///   NIC takes and makes links over TCP there, and endpoints' addresses carry it, so that
+///   processes of other hosts reach them. Unset: this host only (127.0.0.1).
+/// - `CLAN_FI_PORT`: the NIC's port (default: any free one; the address says which).
+/// - `CLAN_FI_KEY`: the cluster's key, 64 hex digits: links authenticate both ends with it
+///   and refuse peers without it (every host must have the same).
+pub fn nic_config(var: impl Fn(&str) -> Option<String>) -> Result<clan::NicConfig, String> {
+    let mut c = clan::NicConfig::default();
+    if let Some(ip) = var("CLAN_FI_IP") {
+        c.ip = ip.trim().parse().map_err(|_| format!("CLAN_FI_IP={ip:?} is not an IP address"))?;
+        c.tcp = true;
+    }
+    if let Some(port) = var("CLAN_FI_PORT") {
+        c.port = port.trim().parse().map_err(|_| format!("CLAN_FI_PORT={port:?} is not a port number"))?;
+    }
+    if let Some(key) = var("CLAN_FI_KEY") {
+        let hex = key.trim();
+        let bad = || format!("CLAN_FI_KEY must be 64 hex digits (32 bytes), got {} characters", hex.len());
+        if hex.len() != 64 || !hex.is_ascii() {
+            return Err(bad());
+        }
+        let mut k = [0u8; 32];
+        for (i, b) in k.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        c.cluster_key = Some(k);
+    }
+    Ok(c)
 }
 
 /// Why an operation failed.
@@ -838,5 +870,28 @@ mod tests {
             }
         }
         assert_eq!(got, [Some(true), Some(true)]);
+    }
+
+    #[test]
+    fn the_nic_is_configured_from_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let c = nic_config(env(&[])).unwrap();
+        assert!(c.ip.is_loopback(), "this host only by default");
+        let c = nic_config(env(&[("CLAN_FI_IP", "10.77.1.2"), ("CLAN_FI_PORT", "7100")])).unwrap();
+        assert!(c.tcp && c.ip.to_string() == "10.77.1.2" && c.port == 7100);
+        let key = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+        let k = nic_config(move |n: &str| (n == "CLAN_FI_KEY").then(|| key.to_string())).unwrap().cluster_key.unwrap();
+        assert_eq!((k[0], k[1], k[31]), (0x00, 0x11, 0xff));
+        for bad in [
+            &[("CLAN_FI_IP", "host.example")][..],
+            &[("CLAN_FI_PORT", "70000")][..],
+            &[("CLAN_FI_KEY", "abc")][..],
+            &[("CLAN_FI_KEY", "zz112233445566778899aabbccddeeff00112233445566778899aabbccddeeff")][..],
+        ] {
+            let bad: &'static [(&'static str, &'static str)] = bad;
+            assert!(nic_config(env(bad)).is_err(), "{bad:?}");
+        }
     }
 }
