@@ -16,8 +16,10 @@ pub(super) struct CntrObj {
     pub(super) cntr: crate::cntr::Cntr,
     /// The endpoints bound to it (their addresses).
     pub(super) eps: std::sync::Mutex<Vec<usize>>,
-    /// The domain's event queue: waits sleep on it.
+    /// The queue waits sleep on (the domain's, or with automatic progress its own).
     queue: clan::EventQueue,
+    /// Whether a waiter arms the bound endpoints' receivers (manual progress).
+    arms: bool,
 }
 
 static CNTR_FI_OPS: fi_ops = fi_ops {
@@ -76,7 +78,9 @@ pub(super) unsafe extern "C" fn cntr_open(
         }
     }
     // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours.
-    let queue = unsafe { (*domain.cast::<super::Domain>()).queue.clone() };
+    let Some((queue, arms)) = (unsafe { (*domain.cast::<super::Domain>()).wait_queue() }) else {
+        return err(FI_ENODEV);
+    };
     let c = Box::new(CntrObj {
         fid: fid_cntr {
             fid: fid { fclass: FI_CLASS_CNTR as usize, context, ops: (&raw const CNTR_FI_OPS).cast_mut() },
@@ -85,6 +89,7 @@ pub(super) unsafe extern "C" fn cntr_open(
         cntr: crate::cntr::Cntr::new(Some(queue.clone())),
         eps: std::sync::Mutex::new(Vec::new()),
         queue,
+        arms,
     });
     // SAFETY: checked non-null; lives until `cntr_close`.
     unsafe { *out = &mut Box::leak(c).fid };
@@ -175,7 +180,7 @@ unsafe extern "C" fn cntr_wait(c: *mut fid_cntr, threshold: u64, timeout: c_int)
         let left = end.map(|e| e.saturating_duration_since(now));
         c.cntr.sleeping(|| {
             while c.queue.try_take().is_some() {}
-            if prepare_eps(&c.eps()) && c.cntr.read() < threshold && c.cntr.read_err() == errors {
+            if (!c.arms || prepare_eps(&c.eps())) && c.cntr.read() < threshold && c.cntr.read_err() == errors {
                 // (bounded: a wake-up taken by another thread sleeping on the same queue
                 // costs at most this)
                 let nap = Duration::from_millis(100);

@@ -11,6 +11,7 @@ pub mod sys {
     include!(concat!(env!("OUT_DIR"), "/fabric.rs"));
 }
 
+mod auto;
 mod cm;
 mod cntr;
 mod rma;
@@ -158,11 +159,12 @@ unsafe extern "C" fn getinfo(
     let offers = offer::matching(&h);
     // SAFETY: null or valid hints, whose attribute pointers are null or valid.
     let dom_hints = unsafe { hints.as_ref().and_then(|h| h.domain_attr.as_ref()) };
-    // Data progress is manual (the application's calls make it); a caller that needs it
-    // automatic is not served.
-    if offers.is_empty() || dom_hints.is_some_and(|d| d.data_progress == fi_progress_FI_PROGRESS_AUTO) {
+    if offers.is_empty() {
         return err(FI_ENODATA);
     }
+    // Data progress is manual (the application's calls make it) unless the caller asks for
+    // it automatic (a thread per domain makes it).
+    let auto = dom_hints.is_some_and(|d| d.data_progress == fi_progress_FI_PROGRESS_AUTO);
     // Every threading level is met (the provider is thread-safe throughout): the one asked
     // for is the one reported (MPICH, for one, takes only what it asked for).
     let threading = dom_hints
@@ -180,6 +182,10 @@ unsafe extern "C" fn getinfo(
         }
         // SAFETY: `i` was just allocated with all of its attribute structures.
         unsafe { fill(&mut *i, o, threading) };
+        if auto {
+            // SAFETY: `i` was just allocated with all of its attribute structures.
+            unsafe { (*(*i).domain_attr).data_progress = fi_progress_FI_PROGRESS_AUTO };
+        }
         // A destination the caller names (a connected endpoint's peer) is kept in the
         // answer, for `fi_connect`.
         // SAFETY: `i` was just allocated (its dest_addr is ours to set, with the C
@@ -399,8 +405,23 @@ unsafe extern "C" fn trywait(fabric: *mut fid_fabric, fids: *mut *mut fid, count
 struct Domain {
     fid: fid_domain,
     /// Where the domain's endpoints report arrivals: its descriptor is the completion
-    /// queues' wait object (`FI_WAIT_FD`).
+    /// queues' wait object (`FI_WAIT_FD`), unless progress is automatic.
     queue: clan::EventQueue,
+    /// Automatic data progress: the thread that makes it (it sleeps on `queue`; completion
+    /// queues and counters then wait on queues of their own).
+    auto: Option<auto::Auto>,
+}
+
+impl Domain {
+    /// The queue a completion queue or counter of this domain sleeps on (and whose
+    /// descriptor is its wait object), and whether its waits arm the endpoints' receivers
+    /// themselves (manual progress) or only wait for what the progress thread pushes.
+    fn wait_queue(&self) -> Option<(clan::EventQueue, bool)> {
+        match &self.auto {
+            None => Some((self.queue.clone(), true)),
+            Some(_) => crate::rdm::nic().ok()?.event_queue(clan::EventQueueConfig::default()).ok().map(|q| (q, false)),
+        }
+    }
 }
 
 static DOMAIN_FI_OPS: fi_ops = fi_ops {
@@ -455,6 +476,17 @@ unsafe extern "C" fn domain_open(
         Ok(Ok(q)) => q,
         _ => return err(FI_ENODEV),
     };
+    // SAFETY: as above.
+    let wants_auto =
+        unsafe { (*info).domain_attr.as_ref() }.is_some_and(|d| d.data_progress == fi_progress_FI_PROGRESS_AUTO);
+    let auto = if wants_auto {
+        match auto::Auto::start(queue.clone()) {
+            Ok(a) => Some(a),
+            Err(_) => return err(FI_ENOMEM),
+        }
+    } else {
+        None
+    };
     let d = Box::new(Domain {
         fid: fid_domain {
             fid: fid { fclass: FI_CLASS_DOMAIN as usize, context, ops: (&raw const DOMAIN_FI_OPS).cast_mut() },
@@ -462,6 +494,7 @@ unsafe extern "C" fn domain_open(
             mr: (&raw const MR_OPS).cast_mut(),
         },
         queue,
+        auto,
     });
     // SAFETY: checked non-null; the domain lives until `domain_close`.
     unsafe { *out = &mut Box::leak(d).fid };
@@ -472,7 +505,12 @@ unsafe extern "C" fn domain_close(f: *mut fid) -> c_int {
     if f.is_null() {
         return err(FI_EINVAL);
     }
-    // SAFETY: the `fid` at the start of a `Domain` leaked by `domain_open`, closed once.
+    // SAFETY: the `fid` at the start of a `Domain`.
+    if unsafe { (*f.cast::<Domain>()).auto.as_ref() }.is_some_and(|a| !a.is_empty()) {
+        return err(FI_EBUSY);
+    }
+    // SAFETY: the `fid` at the start of a `Domain` leaked by `domain_open`, closed once (its
+    // progress thread, if any, is stopped and joined).
     drop(unsafe { Box::from_raw(f.cast::<Domain>()) });
     0
 }
@@ -733,9 +771,12 @@ struct CqObj {
     format: fi_cq_format,
     /// The endpoints bound to it (their addresses): reading the queue makes their progress.
     eps: std::sync::Mutex<Vec<usize>>,
-    /// The domain's event queue: blocking reads sleep on it.
+    /// The queue blocking reads sleep on: the domain's (manual progress), or its own
+    /// (automatic progress: the domain's thread sleeps on the domain's).
     queue: clan::EventQueue,
     wait_fd: bool,
+    /// Whether a waiter arms the bound endpoints' receivers (manual progress).
+    arms: bool,
 }
 
 impl CqObj {
@@ -753,7 +794,7 @@ impl CqObj {
     /// now on posts to the queue); `false`: something is there to progress or read.
     fn prepare_wait(&self) -> bool {
         while self.queue.try_take().is_some() {}
-        prepare_eps(&self.eps()) && !self.cq.has_any() && !self.cq.is_signaled()
+        (!self.arms || prepare_eps(&self.eps())) && !self.cq.has_any() && !self.cq.is_signaled()
     }
 
     /// Wait until a completion (or an error completion) is there, `end` passes, or the
@@ -874,7 +915,7 @@ unsafe extern "C" fn cq_open(
         return err(FI_ENOSYS);
     }
     // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours.
-    let queue = unsafe { (*domain.cast::<Domain>()).queue.clone() };
+    let Some((queue, arms)) = (unsafe { (*domain.cast::<Domain>()).wait_queue() }) else { return err(FI_ENODEV) };
     let size = if a.size == 0 { 1024 } else { a.size };
     let cq = Box::new(CqObj {
         fid: fid_cq {
@@ -886,6 +927,7 @@ unsafe extern "C" fn cq_open(
         eps: std::sync::Mutex::new(Vec::new()),
         queue,
         wait_fd,
+        arms,
     });
     // SAFETY: checked non-null; lives until `cq_close`.
     unsafe { *out = &mut Box::leak(cq).fid };
@@ -1687,8 +1729,14 @@ unsafe extern "C" fn ep_open(
         peer: std::sync::Mutex::new(peer),
         cm_state: std::sync::atomic::AtomicU8::new(cm::CM_IDLE),
     });
+    let ep = Box::leak(ep);
+    // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours, which
+    // outlives its endpoints (its close refuses while the progress thread has any).
+    if let Some(a) = unsafe { (*domain.cast::<Domain>()).auto.as_ref() } {
+        a.add(ep as *const EpObj as usize);
+    }
     // SAFETY: checked non-null; lives until `ep_close`.
-    unsafe { *out = &mut Box::leak(ep).fid };
+    unsafe { *out = &mut ep.fid };
     0
 }
 
@@ -1711,6 +1759,11 @@ unsafe extern "C" fn ep_close(f: *mut fid) -> c_int {
     }
     if let Some(eq) = eq_at(ep.eq.load(std::sync::atomic::Ordering::Acquire)) {
         eq.unwatch(me);
+    }
+    // SAFETY: the endpoint's domain, open while it is (see `ep_open`).
+    if let Some(a) = unsafe { (ep.domain as *const Domain).as_ref() }.and_then(|d| d.auto.as_ref()) {
+        // (waits for the progress thread to be done with it)
+        a.remove(me);
     }
     drop(ep);
     0
