@@ -34,7 +34,7 @@ enum Cmd {
     /// children of a fork live, the parent's listeners leave new connections to the kernel.
     ///
     /// Environment: CLAN_LOG=debug says on standard error what was decided for each
-    /// connection and why; CLAN_SPIN_US sets the spin before sleeping (default 20).
+    /// connection and why; CLAN_SPIN_US sets the spin before sleeping (default 15; 0: never spin).
     ///
     /// Example: `clan run -- redis-server --port 6379` and, in another shell,
     /// `clan run -- redis-benchmark -p 6379 -t get`.

@@ -3,7 +3,7 @@
 //!
 //! An accelerated descriptor is never handed to the kernel's wait (its kernel socket carries
 //! no data, and always looks writable): its readiness is read from its clan stream. A wait
-//! that finds nothing ready spins briefly (`CLAN_SPIN_US`, default 20 µs) on the streams, then
+//! that finds nothing ready spins briefly (`CLAN_SPIN_US`, default 15 µs: [`clan::default_spin`]) on the streams, then
 //! arms their readiness tripwires, looks once more, and sleeps in the kernel on the other
 //! descriptors together with the connections' event queues (whose descriptors the tripwires
 //! make readable).
@@ -22,14 +22,12 @@ use crate::{real, table};
 const TAG: u64 = 0xC1A9_5EED_0000_0000;
 const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
 
+/// How long a wait polls the streams before it sleeps: [`clan::default_spin`]
+/// (`CLAN_SPIN_US`; 0: never spin).
 pub(crate) fn spin() -> Duration {
-    static US: AtomicU64 = AtomicU64::new(u64::MAX);
-    let mut us = US.load(Ordering::Relaxed);
-    if us == u64::MAX {
-        us = std::env::var("CLAN_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
-        US.store(us, Ordering::Relaxed);
-    }
-    Duration::from_micros(us)
+    // Decided once per process (every wait asks).
+    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(clan::default_spin)
 }
 
 fn deadline(timeout_ms: c_int) -> Option<Instant> {

@@ -49,6 +49,8 @@ pub struct QueueConfig {
     /// Bytes of a slot, header included (a multiple of 8, more than the header).
     pub slot_size: u64,
     /// How long a blocked send or receive polls before it sleeps.
+    /// Default: [`clan::default_spin`] (`CLAN_SPIN_US`, else 15 µs); zero: sleep at once,
+    /// nothing polls.
     pub spin: Duration,
     /// Messages longer than this go by DMA in [`MsgSender::send_from`].
     pub dma_threshold: u64,
@@ -61,7 +63,7 @@ impl Default for QueueConfig {
         QueueConfig {
             slots: 64,
             slot_size: 2048,
-            spin: Duration::from_micros(15),
+            spin: clan::default_spin(),
             dma_threshold: crate::vmmc::DEFAULT_INLINE_MAX,
             connect_timeout: Duration::from_secs(10),
         }

@@ -96,6 +96,8 @@ pub struct RpcConfig {
     /// Largest message this party receives (its buffer).
     pub max_msg: u64,
     /// How long waits poll memory before they sleep; the server's queue polling time.
+    /// Default: [`clan::default_spin`] (`CLAN_SPIN_US`, else 15 µs); zero: sleep at once,
+    /// nothing polls.
     pub spin: Duration,
     /// Bound on connecting.
     pub connect_timeout: Duration,
@@ -103,7 +105,7 @@ pub struct RpcConfig {
 
 impl Default for RpcConfig {
     fn default() -> Self {
-        RpcConfig { max_msg: 64 << 10, spin: Duration::from_micros(15), connect_timeout: Duration::from_secs(10) }
+        RpcConfig { max_msg: 64 << 10, spin: clan::default_spin(), connect_timeout: Duration::from_secs(10) }
     }
 }
 

@@ -37,6 +37,8 @@ pub struct StreamConfig {
     /// Bytes of the area posted receives are redirected into (0: no redirection).
     pub post_area: u64,
     /// How long a blocked read or write polls memory before it sleeps.
+    /// Default: [`clan::default_spin`] (`CLAN_SPIN_US`, else 15 µs); zero: sleep at once,
+    /// nothing polls.
     pub spin: Duration,
     /// Bound on connecting.
     pub connect_timeout: Duration,
@@ -47,7 +49,7 @@ impl Default for StreamConfig {
         StreamConfig {
             ring: 1 << 20,
             post_area: 64 << 10,
-            spin: Duration::from_micros(15),
+            spin: clan::default_spin(),
             connect_timeout: Duration::from_secs(10),
         }
     }

@@ -121,6 +121,8 @@ pub struct VmmcConfig {
     /// Largest message sent inline by programmed I/O; longer ones go by DMA.
     pub inline_max: u64,
     /// How long waits (for a notification, a DMA) spin before they sleep.
+    /// Default: [`clan::default_spin`] (`CLAN_SPIN_US`, else 15 µs); zero: sleep at once,
+    /// nothing polls.
     pub spin: Duration,
     /// Requests the DMA queue holds.
     pub dma_queue: usize,
@@ -130,7 +132,7 @@ pub struct VmmcConfig {
 
 impl Default for VmmcConfig {
     fn default() -> Self {
-        VmmcConfig { inline_max: DEFAULT_INLINE_MAX, spin: Duration::from_micros(15), dma_queue: 256, mailbox: 1024 }
+        VmmcConfig { inline_max: DEFAULT_INLINE_MAX, spin: clan::default_spin(), dma_queue: 256, mailbox: 1024 }
     }
 }
 

@@ -88,7 +88,8 @@ pub(crate) fn wait_sliced(
             }
             None => slice_max,
         };
-        match tw.wait(Some(slice)) {
+        // Spun above already (or configured not to): sleep at once.
+        match tw.wait_spin(Duration::ZERO, Some(slice)) {
             Ok(()) | Err(clan::TripwireError::Timeout) => {}
             Err(_) => return Err(WaitError::Stale),
         }

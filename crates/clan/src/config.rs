@@ -8,6 +8,79 @@ use crate::addr::{EndpointAddr, NicAddr};
 pub use clan_wire::LinkConfig;
 pub use clan_wire::control::AdmissionLimits;
 
+/// The environment variable that sets how long waits spin before they sleep, in
+/// microseconds ([`default_spin`]); `0` turns spinning off everywhere.
+pub const SPIN_ENV: &str = "CLAN_SPIN_US";
+
+/// How long a wait spins when nobody says otherwise (`CLAN_SPIN_US` unset, and this thread
+/// may run on more than one CPU): the paper's 15 µs.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(15);
+
+/// Longest spin `CLAN_SPIN_US` may ask for (one second).
+pub const MAX_SPIN: Duration = Duration::from_secs(1);
+
+/// Why a value of `CLAN_SPIN_US` was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CLAN_SPIN_US={value:?}: expected whole microseconds from 0 to 1000000")]
+pub struct SpinParseError {
+    /// The value given.
+    pub value: String,
+}
+
+/// Parse a `CLAN_SPIN_US` value: whole microseconds, `0` for no spinning at all, at most
+/// [`MAX_SPIN`]. Surrounding blanks are ignored.
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(clan::parse_spin("0"), Ok(Duration::ZERO));
+/// assert_eq!(clan::parse_spin(" 40 "), Ok(Duration::from_micros(40)));
+/// assert!(clan::parse_spin("fast").is_err());
+/// ```
+pub fn parse_spin(value: &str) -> Result<Duration, SpinParseError> {
+    value
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_micros)
+        .filter(|d| *d <= MAX_SPIN)
+        .ok_or_else(|| SpinParseError { value: value.to_owned() })
+}
+
+/// The spin every default configuration of clan starts from: the one setting that decides
+/// whether waits poll memory before they sleep.
+///
+/// - `CLAN_SPIN_US` when set (read once per process; `0`: every wait arms its tripwire and
+///   sleeps at once, nothing polls). A value that does not parse is reported once (a
+///   `tracing` warning) and ignored.
+/// - Otherwise [`DEFAULT_SPIN`], unless the calling thread may run on one CPU only: then
+///   whoever it waits for needs that CPU, and spinning would only delay it, so zero.
+///
+/// [`EventQueueConfig`], [`DmaConfig`] and the protocols' configurations (streams, queues,
+/// RPC, VMMC, the socket interposition and the libfabric provider) all take their default
+/// from here; a value set explicitly in a configuration wins over it.
+pub fn default_spin() -> Duration {
+    static ENV: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| {
+        let v = std::env::var(SPIN_ENV).ok()?;
+        match parse_spin(&v) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!(error = %e, "ignored; waits spin by default");
+                None
+            }
+        }
+    });
+    env.unwrap_or_else(|| if may_run_on_one_cpu_only() { Duration::ZERO } else { DEFAULT_SPIN })
+}
+
+/// Whether the calling thread's affinity allows a single CPU (or the machine has one).
+fn may_run_on_one_cpu_only() -> bool {
+    match rustix::thread::sched_getaffinity(None) {
+        Ok(set) => set.count() <= 1,
+        Err(_) => std::thread::available_parallelism().map_or(true, |n| n.get() <= 1),
+    }
+}
+
 /// Who processes incoming link traffic (writes, reads, messages from other hosts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
@@ -83,7 +156,7 @@ pub struct NicConfig {
 #[derive(Debug, Clone)]
 pub struct DmaConfig {
     /// How long the engine polls for new requests after the last one before it sleeps
-    /// (a request posted meanwhile starts without a wake-up).
+    /// (a request posted meanwhile starts without a wake-up). Default: [`default_spin`].
     pub spin: Duration,
     /// Bytes moved for one queue before the engine turns to the next non-empty queue
     /// (round-robin: the unit of fairness between endpoints).
@@ -94,7 +167,7 @@ pub struct DmaConfig {
 
 impl Default for DmaConfig {
     fn default() -> Self {
-        DmaConfig { spin: Duration::from_micros(20), quantum: 65536, cpu: None }
+        DmaConfig { spin: default_spin(), quantum: 65536, cpu: None }
     }
 }
 
@@ -159,7 +232,8 @@ pub struct EventQueueConfig {
     pub tripwires: u32,
     /// Tripsets of all endpoints using the queue.
     pub tripsets: u32,
-    /// How long `wait` spins before it sleeps (the paper's server: 15 µs).
+    /// How long `wait` spins before it sleeps (default: [`default_spin`], the paper's
+    /// server's 15 µs unless `CLAN_SPIN_US` says otherwise; zero: sleep at once).
     pub spin: Duration,
 }
 
@@ -171,7 +245,7 @@ impl Default for EventQueueConfig {
             producers_per_user: 64,
             tripwires: 65536,
             tripsets: 1024,
-            spin: Duration::from_micros(15),
+            spin: default_spin(),
         }
     }
 }

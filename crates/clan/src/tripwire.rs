@@ -460,8 +460,16 @@ impl Tripwire {
     }
 
     /// Block until it fires (if it already fired since the last `arm`, `wait` or
-    /// `take_fired`, return at once). Spins for the queue's spin time first.
+    /// `take_fired`, return at once). Spins for the queue's spin time first
+    /// ([`crate::EventQueueConfig::spin`]).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), TripwireError> {
+        self.wait_spin(self.owner.eq.config.spin, timeout)
+    }
+
+    /// [`Tripwire::wait`], spinning for `spin` (instead of the queue's spin time) before it
+    /// sleeps; zero sleeps at once. A caller that has already polled its own condition
+    /// passes zero, so that a wait configured not to spin does not spin here either.
+    pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<(), TripwireError> {
         self.check()?;
         let e = self.cell();
         let seen = self.last_seen.load(Ordering::Relaxed);
@@ -496,8 +504,8 @@ impl Tripwire {
         };
         // Sleep in slices to look at the exporter, if there is one to look at.
         let slice = alive.map(|_| ALIVE_SLICE);
-        let r = progress::wait(self.owner.eq.config.spin, Deadline::after(timeout), slice, poll, sleep)
-            .unwrap_or(Err(TripwireError::Timeout));
+        let r =
+            progress::wait(spin, Deadline::after(timeout), slice, poll, sleep).unwrap_or(Err(TripwireError::Timeout));
         if r.is_ok() {
             self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
         }

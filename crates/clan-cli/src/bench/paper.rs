@@ -670,34 +670,52 @@ fn fig_stream(p: Profile) -> Result<Figure> {
             mbit(f(&v, "mbit_s")),
             v["target_met"].as_str().unwrap_or("?")
         ),
-        rows: vec![
-            (
-                "RTT, 64 B, both spinning (p50)".into(),
-                ns(fp(&v, "/spin/clan_rtt_p50_ns")),
-                format!(
-                    "{} (unix), {} (tcp), non-blocking, polled",
-                    ns(fp(&v, "/spin/unix_rtt_p50_ns")),
-                    ns(fp(&v, "/spin/tcp_rtt_p50_ns"))
+        rows: {
+            let mut rows = vec![
+                (
+                    "RTT, 64 B, both spinning (p50)".into(),
+                    ns(fp(&v, "/spin/clan_rtt_p50_ns")),
+                    format!(
+                        "{} (unix), {} (tcp), non-blocking, polled",
+                        ns(fp(&v, "/spin/unix_rtt_p50_ns")),
+                        ns(fp(&v, "/spin/tcp_rtt_p50_ns"))
+                    ),
+                    r2(f(&v, "ratio_spin")),
                 ),
-                r2(f(&v, "ratio_spin")),
-            ),
-            (
-                "RTT, 64 B, both blocking (p50)".into(),
-                ns(fp(&v, "/block/clan_rtt_p50_ns")),
-                format!(
-                    "{} (unix), {} (tcp), blocking",
-                    ns(fp(&v, "/block/unix_rtt_p50_ns")),
-                    ns(fp(&v, "/block/tcp_rtt_p50_ns"))
+                (
+                    "RTT, 64 B, both blocking (p50)".into(),
+                    ns(fp(&v, "/block/clan_rtt_p50_ns")),
+                    format!(
+                        "{} (unix), {} (tcp), blocking",
+                        ns(fp(&v, "/block/unix_rtt_p50_ns")),
+                        ns(fp(&v, "/block/tcp_rtt_p50_ns"))
+                    ),
+                    r2(f(&v, "ratio_block")),
                 ),
-                r2(f(&v, "ratio_block")),
-            ),
-            (
-                "bandwidth, 64 KiB writes".into(),
-                mbit(f(&v, "mbit_s")),
-                format!("{} (unix), {} (tcp)", mbit(f(&v, "unix_mbit_s")), mbit(f(&v, "tcp_mbit_s"))),
-                r2(f(&v, "bw_ratio_vs_unix")),
-            ),
-        ],
+                (
+                    "bandwidth, 64 KiB writes".into(),
+                    mbit(f(&v, "mbit_s")),
+                    format!("{} (unix), {} (tcp)", mbit(f(&v, "unix_mbit_s")), mbit(f(&v, "tcp_mbit_s"))),
+                    r2(f(&v, "bw_ratio_vs_unix")),
+                ),
+            ];
+            if v.pointer("/one_core/clan_block_p50_ns").is_some() {
+                rows.insert(
+                    2,
+                    (
+                        "RTT, 64 B, both on one CPU, blocking (p50)".into(),
+                        ns(fp(&v, "/one_core/clan_block_p50_ns")),
+                        format!(
+                            "{} (unix, blocking); clan with its defaults {}",
+                            ns(fp(&v, "/one_core/unix_p50_ns")),
+                            ns(fp(&v, "/one_core/clan_default_p50_ns"))
+                        ),
+                        r2(fp(&v, "/one_core/ratio_block")),
+                    ),
+                );
+            }
+            rows
+        },
         data: v,
         skipped: None,
     })

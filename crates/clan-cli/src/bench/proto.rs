@@ -40,6 +40,8 @@ const LIMIT: Duration = Duration::from_secs(60);
 const BUSY_POLL: Duration = Duration::from_millis(10);
 /// RTT p50, clan over the Unix socket: the target, both ways (at most as slow).
 const TARGET_RTT_VS_UNIX: f64 = 1.0;
+/// Oversubscribed (both on one CPU): RTT p50 at most this times a Unix socket's.
+const TARGET_ONE_CORE_VS_UNIX: f64 = 2.0;
 
 fn mbit(bytes: u64, d: Duration) -> f64 {
     bytes as f64 * 8.0 / d.as_secs_f64().max(1e-9) / 1e6
@@ -1120,9 +1122,26 @@ impl StreamRtt {
     }
 }
 
+/// Round trips with both processes on one CPU.
+#[derive(Serialize, Debug)]
+pub struct OneCore {
+    pub how: &'static str,
+    pub clan_block_p50_ns: u64,
+    pub clan_default_p50_ns: u64,
+    pub unix_p50_ns: u64,
+    /// clan blocking / unix.
+    pub ratio_block: f64,
+    /// clan with its defaults / unix.
+    pub ratio_default: f64,
+    pub target: String,
+    pub target_met: bool,
+}
+
 #[derive(Serialize, Debug)]
 pub struct StreamReport {
     pub bench: &'static str,
+    /// Both processes on one CPU (when this process could pin itself).
+    pub one_core: Option<OneCore>,
     pub transport: &'static str,
     pub size: usize,
     pub baseline: &'static str,
@@ -1272,19 +1291,20 @@ fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64, wait: W
     Ok(s)
 }
 
-fn stream_args(kind: Kind, size: usize, ring: u64, wait: Wait) -> Vec<String> {
+fn stream_args(kind: Kind, size: usize, ring: u64, wait: Wait, cpu: usize) -> Vec<String> {
     vec![
         format!("kind={}", kind.name()),
         format!("size={size}"),
         format!("ring={ring}"),
         format!("wait={}", wait.name()),
-        "cpu=1".into(),
+        format!("cpu={cpu}"),
     ]
 }
 
-fn stream_rtt(kind: Kind, size: usize, iters: u64, ring: u64, wait: Wait) -> Result<Samples> {
+/// Round trips with the echoing peer on `peer_cpu` (the caller is on CPU 0).
+fn stream_rtt(kind: Kind, size: usize, iters: u64, ring: u64, wait: Wait, peer_cpu: usize) -> Result<Samples> {
     let nic = wait.nic()?;
-    let mut peer = PeerProc::spawn("pst-echo", &stream_args(kind, size, ring, wait))?;
+    let mut peer = PeerProc::spawn("pst-echo", &stream_args(kind, size, ring, wait, peer_cpu))?;
     let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
     let msg = pattern(size);
     let mut back = vec![0u8; size];
@@ -1315,7 +1335,7 @@ fn stream_bw(kind: Kind, size: usize, bytes: u64, ring: u64) -> Result<f64> {
     let n = (bytes / size as u64).max(1);
     let wait = Wait::Default;
     let nic = wait.nic()?;
-    let mut args = stream_args(kind, size, ring, wait);
+    let mut args = stream_args(kind, size, ring, wait, 1);
     args.push(format!("n={n}"));
     let mut peer = PeerProc::spawn("pst-sink", &args)?;
     let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
@@ -1349,13 +1369,24 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
     let kinds = [Kind::Clan, Kind::Unix, Kind::Tcp];
     // Round trips: [spin, block] × [clan, unix, tcp].
     let mut rtt: [[Samples; 3]; 2] = Default::default();
+    // Both processes on CPU 0: [clan blocking, clan's defaults, unix blocking].
+    let mut one: [Samples; 3] = Default::default();
     let (mut bc, mut bu, mut bt) = (0.0, 0.0, 0.0);
     let rounds = 3;
     let per_round = a.iters.div_ceil(rounds);
     for _ in 0..rounds {
         for (w, wait) in [Wait::Spin, Wait::Block].into_iter().enumerate() {
             for (k, kind) in kinds.into_iter().enumerate() {
-                rtt[w][k].merge(&stream_rtt(kind, a.size, per_round, a.ring, wait)?);
+                rtt[w][k].merge(&stream_rtt(kind, a.size, per_round, a.ring, wait, 1)?);
+            }
+        }
+        if pinned.is_some() {
+            let one_core = (per_round / 4).max(100);
+            for (i, (kind, wait)) in [(Kind::Clan, Wait::Block), (Kind::Clan, Wait::Default), (Kind::Unix, Wait::Block)]
+                .into_iter()
+                .enumerate()
+            {
+                one[i].merge(&stream_rtt(kind, a.size, one_core, a.ring, wait, 0)?);
             }
         }
         bc += stream_bw(Kind::Clan, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
@@ -1377,8 +1408,23 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
         ub,
         tb,
     );
+    let [ob, od, ou] = &one;
+    let one_core = pinned.is_some().then(|| OneCore {
+        how: "both processes on CPU 0 (oversubscribed): clan blocking (spin 0 in its configs and its NICs' queues), \
+              clan with its defaults (which do not spin when the thread may run on one CPU only), a Unix socket \
+              blocking in read",
+        clan_block_p50_ns: ob.p(0.5),
+        clan_default_p50_ns: od.p(0.5),
+        unix_p50_ns: ou.p(0.5),
+        ratio_block: ratio(ob.p(0.5) as f64, ou.p(0.5) as f64),
+        ratio_default: ratio(od.p(0.5) as f64, ou.p(0.5) as f64),
+        target: format!("RTT p50 ≤ {TARGET_ONE_CORE_VS_UNIX}× the Unix socket's on one core"),
+        target_met: ratio(ob.p(0.5) as f64, ou.p(0.5) as f64) <= TARGET_ONE_CORE_VS_UNIX
+            && ratio(od.p(0.5) as f64, ou.p(0.5) as f64) <= TARGET_ONE_CORE_VS_UNIX,
+    });
     let r = StreamReport {
         bench: "stream",
+        one_core,
         transport: "shm",
         size: a.size,
         baseline: "unix",
@@ -1428,6 +1474,21 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
         println!("spin : {}", r.spin.how);
         println!("block: {}", r.block.how);
         println!("target {}: met {}", r.target, r.target_met);
+        if let Some(o) = &r.one_core {
+            println!(
+                "RTT ({} bytes) p50, one core: clan blocking {}  clan defaults {}  unix {}   (clan/unix {:.3} and {:.3}; \
+             target {}: {})",
+                r.size,
+                ns(o.clan_block_p50_ns),
+                ns(o.clan_default_p50_ns),
+                ns(o.unix_p50_ns),
+                o.ratio_block,
+                o.ratio_default,
+                o.target,
+                if o.target_met { "met" } else { "not met" }
+            );
+            println!("one core: {}", o.how);
+        }
         println!(
             "bandwidth ({} KiB writes): clan {:.0} Mbit/s  unix {:.0}  tcp {:.0}   (clan/unix {:.2}; {})",
             r.bw_size >> 10,

@@ -872,13 +872,12 @@ static CQ_OPS: fi_ops_cq = fi_ops_cq {
     strerror: Some(cq_strerror),
 };
 
-/// How long a blocking read polls before it sleeps: `CLAN_SPIN_US` (µs, default 20; 0:
-/// sleep at once).
+/// How long a blocking read polls before it sleeps: [`clan::default_spin`] (`CLAN_SPIN_US`;
+/// 0: sleep at once).
 fn spin() -> std::time::Duration {
-    static US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    std::time::Duration::from_micros(
-        *US.get_or_init(|| std::env::var("CLAN_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20)),
-    )
+    // Decided once per process (every wait asks).
+    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(clan::default_spin)
 }
 
 unsafe fn cq_of<'a>(cq: *mut fid_cq) -> Option<&'a CqObj> {
