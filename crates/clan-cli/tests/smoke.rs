@@ -162,6 +162,19 @@ fn queue_stream_and_slots() {
     let ring = points[0]["slot_bytes"].as_u64().unwrap() * points[0]["slots"].as_u64().unwrap();
     assert!(ring <= v["buffer_bytes"].as_u64().unwrap(), "slot ring {ring} within the buffer: {v}");
     // (Messages longer than a slot, multi-part: `paper_report` runs 32 KiB transfers.)
+
+    // Small messages also go batched, and against UCX's tagged messages when ucx_perftest
+    // is installed (`.ci/run` installs it).
+    let v = run(&["bench", "queue", "--size", "64", "--rounds", "1", "--json"]);
+    let p = &v["points"][0];
+    positive(p, &["batch_msg_per_s", "batch_vs_ring"]);
+    let ucx = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join("ucx_perftest").is_file()));
+    if ucx {
+        positive(p, &["ucx_msg_per_s", "batch_vs_ucx"]);
+    } else {
+        eprintln!("ucx_perftest is not installed: the UCX baseline was not run");
+    }
 }
 
 #[test]

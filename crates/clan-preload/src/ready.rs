@@ -25,9 +25,7 @@ const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
 /// How long a wait polls the streams before it sleeps: [`clan::default_spin`]
 /// (`CLAN_SPIN_US`; 0: never spin).
 pub(crate) fn spin() -> Duration {
-    // Decided once per process (every wait asks).
-    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(clan::default_spin)
+    clan::default_spin()
 }
 
 fn deadline(timeout_ms: c_int) -> Option<Instant> {

@@ -36,6 +36,21 @@ use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
 
 /// Bytes of a slot header.
 pub const HEADER: u64 = 32;
+/// Parts up to this long go in one transfer with their header (copied behind it first);
+/// longer ones go as header, then body.
+const SMALL_PART: u64 = 512;
+/// Most messages [`MsgSender::send_batch`] publishes at once.
+const MAX_RUN: u64 = 64;
+
+/// A slot header after its sequence word: part length, flags, metadata, total length.
+fn header_fields(part_len: u64, flags: u32, meta: u64, total: u64) -> [u8; (HEADER - 8) as usize] {
+    let mut h = [0u8; (HEADER - 8) as usize];
+    h[..4].copy_from_slice(&(part_len as u32).to_le_bytes());
+    h[4..8].copy_from_slice(&flags.to_le_bytes());
+    h[8..16].copy_from_slice(&meta.to_le_bytes());
+    h[16..24].copy_from_slice(&total.to_le_bytes());
+    h
+}
 const MORE: u32 = 1;
 const FIRST: u32 = 2;
 /// How long [`MsgSender::send_idling`] waits for room between calls of its `idle`.
@@ -209,6 +224,10 @@ pub struct MsgSender {
     /// The last DMA chain posted ([`MsgSender::send_from`]): it publishes its message with
     /// its last request, so no message sent by PIO may publish its own before it has.
     dma: Option<DmaTicket>,
+    /// A small slot's header fields and body, put together to go in one transfer.
+    staging: Vec<u8>,
+    /// The receiver's read position as last loaded (re-loaded only when the ring looks full).
+    read_seen: u64,
 }
 
 impl MsgSender {
@@ -240,6 +259,8 @@ impl MsgSender {
             spin: cfg.spin,
             dma_threshold: cfg.dma_threshold,
             dma: None,
+            staging: Vec::with_capacity((HEADER + SMALL_PART) as usize),
+            read_seen: 0,
         })
     }
 
@@ -260,6 +281,17 @@ impl MsgSender {
         Ok(self.slots - 1 - (self.write - self.read_pos()?))
     }
 
+    /// Whether a slot is free, looking at the receiver's position only when the one last
+    /// seen says the ring is full (that word's line then stays with the receiver, which
+    /// updates it, instead of moving on every send).
+    fn has_room(&mut self) -> Result<bool, QueueError> {
+        if self.slots - 1 > self.write - self.read_seen {
+            return Ok(true);
+        }
+        self.read_seen = self.read_pos()?;
+        Ok(self.slots - 1 > self.write - self.read_seen)
+    }
+
     fn wait_free(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
         wait_check(&self.space, self.spin, deadline, SLICE, || Ok(self.free()? > 0), || !self.conn.is_alive(), wait_err)
     }
@@ -267,11 +299,7 @@ impl MsgSender {
     /// Write the header of the next slot at `at`: its fields, then its sequence word (an
     /// atomic store after them, so a reader that sees the new sequence sees the fields).
     fn write_header(&self, at: u64, part_len: u64, flags: u32, meta: u64, total: u64) -> Result<(), QueueError> {
-        let mut h = [0u8; (HEADER - 8) as usize];
-        h[..4].copy_from_slice(&(part_len as u32).to_le_bytes());
-        h[4..8].copy_from_slice(&flags.to_le_bytes());
-        h[8..16].copy_from_slice(&meta.to_le_bytes());
-        h[16..24].copy_from_slice(&total.to_le_bytes());
+        let h = header_fields(part_len, flags, meta, total);
         self.peer.get()?.write_then_store_u64(at + 8, &h, at, self.write + 1)?;
         Ok(())
     }
@@ -331,7 +359,7 @@ impl MsgSender {
         let mut first = true;
         self.settle_dma(timeout.map(|t| Instant::now() + t))?;
         loop {
-            if self.free()? == 0 {
+            if !self.has_room()? {
                 match idle.as_deref_mut() {
                     None => self.wait_free(timeout.map(|t| Instant::now() + t))?,
                     Some(idle) => loop {
@@ -347,22 +375,90 @@ impl MsgSender {
             let n = (total - done).min(payload);
             let flags = if first { FIRST } else { 0 } | if done + n < total { MORE } else { 0 };
             let at = self.slot_off(self.write);
-            // Header, then body, then the counter: a receiver watching the header wakes while
-            // the body is still on its way.
-            self.write_header(at, n, flags, meta, total)?;
-            self.write += 1;
-            self.peer.get()?.write_then_store_u64(
-                at + HEADER,
-                &data[done as usize..(done + n) as usize],
-                RX_WRITE,
-                self.write,
-            )?;
+            let part = &data[done as usize..(done + n) as usize];
+            if n <= SMALL_PART {
+                // The slot in one transfer with one fence: its header fields and body, its
+                // sequence word once they are in place, then the counter.
+                let fields = header_fields(n, flags, meta, total);
+                self.staging.clear();
+                self.staging.extend_from_slice(&fields);
+                self.staging.extend_from_slice(part);
+                self.write += 1;
+                self.peer.get()?.write_led_then_store_u64(at, self.write, &self.staging, RX_WRITE, self.write)?;
+            } else {
+                // Header, then body, then the counter: a receiver watching the header wakes
+                // while the body is still on its way.
+                self.write_header(at, n, flags, meta, total)?;
+                self.write += 1;
+                self.peer.get()?.write_then_store_u64(at + HEADER, part, RX_WRITE, self.write)?;
+            }
             done += n;
             first = false;
             if done >= total {
                 return Ok(());
             }
         }
+    }
+
+    /// Send several messages, in order, as [`MsgSender::send`] would one by one, but with
+    /// one publication for each run of them that fits the free slots: each run of small
+    /// messages (one slot each, at most 512 bytes) is written in one transfer, and the
+    /// receiver's counter moves once for the whole run (one fence instead of one per
+    /// message: the message rate of small messages goes up several times). Longer messages
+    /// in the batch go as `send` sends them. Waits for room as `send` does.
+    ///
+    /// ```no_run
+    /// # fn demo(tx: &mut clan_proto::queue::MsgSender) -> Result<(), clan_proto::queue::QueueError> {
+    /// let msgs: Vec<(u64, &[u8])> = (0..32u64).map(|i| (i, &b"tick"[..])).collect();
+    /// tx.send_batch(&msgs)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn send_batch(&mut self, msgs: &[(u64, &[u8])]) -> Result<(), QueueError> {
+        let limit = self.slot_payload().min(SMALL_PART);
+        let small = |m: &(u64, &[u8])| m.1.len() as u64 <= limit;
+        let mut i = 0;
+        while i < msgs.len() {
+            if !small(&msgs[i]) {
+                self.send_inner(msgs[i].0, msgs[i].1, None, None)?;
+                i += 1;
+                continue;
+            }
+            self.settle_dma(None)?;
+            if !self.has_room()? {
+                self.wait_free(None)?;
+                self.read_seen = self.read_pos()?;
+            }
+            // The run: small messages, as many as there are free slots, up to the ring's end.
+            let free = self.slots - 1 - (self.write - self.read_seen);
+            let to_end = self.slots - self.write % self.slots;
+            let max = free.min(to_end).min(MAX_RUN) as usize;
+            let run = msgs[i..].iter().take(max).take_while(|m| small(m)).count();
+            let mut staging = std::mem::take(&mut self.staging);
+            staging.clear();
+            for (meta, data) in &msgs[i..i + run] {
+                let n = data.len() as u64;
+                staging.extend_from_slice(&header_fields(n, FIRST, *meta, n));
+                staging.extend_from_slice(data);
+            }
+            let mut parts: Vec<(u64, &[u8])> = Vec::with_capacity(run);
+            let mut at = 0usize;
+            for (k, (_, data)) in msgs[i..i + run].iter().enumerate() {
+                let n = (HEADER - 8) as usize + data.len();
+                parts.push((self.write + k as u64 + 1, &staging[at..at + n]));
+                at += n;
+            }
+            let first = self.slot_off(self.write);
+            let end = self.write + run as u64;
+            let sent = self.peer.get().map_err(QueueError::from).and_then(|p| {
+                p.write_led_run_then_store_u64(first, self.slot, &parts, RX_WRITE, end).map_err(QueueError::from)
+            });
+            drop(parts);
+            self.staging = staging;
+            sent?;
+            self.write = end;
+            i += run;
+        }
+        Ok(())
     }
 
     /// Send `len` bytes of local aperture `src` at `off` (at most one slot's payload): by
@@ -430,6 +526,8 @@ pub struct MsgReceiver {
     read: u64,
     /// The `read` last mirrored into the sender.
     published: u64,
+    /// The sender's counter as last loaded (every slot below it is published).
+    written_seen: u64,
     data: Tripwire,
     spin: Duration,
     /// The message being taken in part by part (by [`MsgReceiver::try_recv`], or a `recv`
@@ -449,6 +547,7 @@ impl MsgReceiver {
             slot: cfg.slot_size,
             read: 0,
             published: 0,
+            written_seen: 0,
             data,
             spin: cfg.spin,
             partial: None,
@@ -466,6 +565,16 @@ impl MsgReceiver {
     /// Slots ready to be taken.
     pub fn pending(&self) -> Result<u64, QueueError> {
         Ok(self.written()? - self.read)
+    }
+
+    /// Whether a slot is ready, looking at the sender's counter only once every slot seen
+    /// published by its last look has been taken.
+    fn has_published(&mut self) -> Result<bool, QueueError> {
+        if self.written_seen > self.read {
+            return Ok(true);
+        }
+        self.written_seen = self.written()?;
+        Ok(self.written_seen > self.read)
     }
 
     fn slot_off(&self, i: u64) -> u64 {
@@ -539,7 +648,7 @@ impl MsgReceiver {
     }
 
     fn take_parts(&mut self) -> Result<Option<Message>, QueueError> {
-        while self.pending()? > 0 {
+        while self.has_published()? {
             let (part, flags, m, total) =
                 self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
             let (meta, total, mut data) = match self.partial.take() {
@@ -584,7 +693,7 @@ impl MsgReceiver {
         timeout: Option<Duration>,
         f: impl FnOnce(u64, InPlace<'_>) -> R,
     ) -> Result<R, QueueError> {
-        if self.pending()? == 0 {
+        if !self.has_published()? {
             self.wait_published(timeout.map(|t| Instant::now() + t))?;
         }
         let (part, flags, meta, _) =

@@ -47,6 +47,59 @@ fn queue_roundtrip(a: &Nic, b: &Nic) {
     let _tx = t.join().unwrap();
 }
 
+/// The messages of `queue_batches`: mostly small, some one slot long, some multi-part.
+fn batch_message(i: u64) -> Vec<u8> {
+    let len = [0usize, 8, 64, 224, 1, 5000, 200, 64][i as usize % 8];
+    (0..len).map(|k| (k as u64 * 7 + i * 13) as u8).collect()
+}
+
+fn queue_batches(a: &Nic, b: &Nic) {
+    const N: u64 = 3000;
+    let cfg = QueueConfig { slots: 16, slot_size: 256, ..QueueConfig::default() };
+    let l = QueueListener::bind(b, cfg.clone()).unwrap();
+    let addr = l.local_addr();
+    let (a2, c2) = (a.clone(), cfg.clone());
+    let t = std::thread::spawn(move || {
+        let mut tx = MsgSender::connect(&a2, addr, &c2).unwrap();
+        let all: Vec<Vec<u8>> = (0..N).map(batch_message).collect();
+        // Batches of 1 to 40 messages: runs longer than the free slots, runs that reach the
+        // ring's end, multi-part messages in the middle of a batch.
+        let mut i = 0usize;
+        let mut k = 0usize;
+        while i < all.len() {
+            let n = (k * 7 % 40 + 1).min(all.len() - i);
+            let batch: Vec<(u64, &[u8])> = (i..i + n).map(|j| (j as u64, &all[j][..])).collect();
+            tx.send_batch(&batch).unwrap();
+            i += n;
+            k += 1;
+        }
+        tx
+    });
+    let mut rx = l.accept(WAIT).unwrap();
+    for i in 0..N {
+        if i % 5 == 0 {
+            // A header landed: it is the next message's, whole.
+            let h = rx.wait_header(WAIT).unwrap();
+            assert_eq!(h, Header { meta: i, len: batch_message(i).len() as u64 }, "header {i}");
+        }
+        assert_eq!(rx.recv(WAIT).unwrap(), Message { meta: i, data: batch_message(i) }, "message {i}");
+    }
+    let _tx = t.join().unwrap();
+}
+
+#[test]
+fn queue_batches_within_a_host() {
+    let _wd = Watchdog::new("queue batches shm", Duration::from_secs(60));
+    let nic = Nic::open_default().unwrap();
+    queue_batches(&nic, &nic);
+}
+
+#[test]
+fn queue_batches_across_a_link() {
+    let _wd = Watchdog::new("queue batches link", Duration::from_secs(120));
+    queue_batches(&linked(), &linked());
+}
+
 #[test]
 fn queue_messages_within_a_host() {
     let _wd = Watchdog::new("queue shm", Duration::from_secs(60));

@@ -12,8 +12,7 @@ pub use clan_wire::control::AdmissionLimits;
 /// microseconds ([`default_spin`]); `0` turns spinning off everywhere.
 pub const SPIN_ENV: &str = "CLAN_SPIN_US";
 
-/// How long a wait spins when nobody says otherwise (`CLAN_SPIN_US` unset, and this thread
-/// may run on more than one CPU): the paper's 15 µs.
+/// How long a wait spins when `CLAN_SPIN_US` is not set: the paper's 15 µs.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(15);
 
 /// Longest spin `CLAN_SPIN_US` may ask for (one second).
@@ -49,36 +48,23 @@ pub fn parse_spin(value: &str) -> Result<Duration, SpinParseError> {
 /// The spin every default configuration of clan starts from: the one setting that decides
 /// whether waits poll memory before they sleep.
 ///
-/// - `CLAN_SPIN_US` when set (read once per process; `0`: every wait arms its tripwire and
-///   sleeps at once, nothing polls). A value that does not parse is reported once (a
-///   `tracing` warning) and ignored.
-/// - Otherwise [`DEFAULT_SPIN`], unless the calling thread may run on one CPU only: then
-///   whoever it waits for needs that CPU, and spinning would only delay it, so zero.
+/// `CLAN_SPIN_US` when set (read once per process; `0`: every wait arms its tripwire and
+/// sleeps at once, nothing polls), otherwise [`DEFAULT_SPIN`]. A value that does not parse is
+/// reported once (a `tracing` warning) and ignored. Processes that share one CPU should not
+/// spin (`CLAN_SPIN_US=0`): the peer they wait for needs that CPU.
 ///
 /// [`EventQueueConfig`], [`DmaConfig`] and the protocols' configurations (streams, queues,
 /// RPC, VMMC, the socket interposition and the libfabric provider) all take their default
 /// from here; a value set explicitly in a configuration wins over it.
 pub fn default_spin() -> Duration {
-    static ENV: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    let env = *ENV.get_or_init(|| {
-        let v = std::env::var(SPIN_ENV).ok()?;
-        match parse_spin(&v) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                tracing::warn!(error = %e, "ignored; waits spin by default");
-                None
-            }
-        }
-    });
-    env.unwrap_or_else(|| if may_run_on_one_cpu_only() { Duration::ZERO } else { DEFAULT_SPIN })
-}
-
-/// Whether the calling thread's affinity allows a single CPU (or the machine has one).
-fn may_run_on_one_cpu_only() -> bool {
-    match rustix::thread::sched_getaffinity(None) {
-        Ok(set) => set.count() <= 1,
-        Err(_) => std::thread::available_parallelism().map_or(true, |n| n.get() <= 1),
-    }
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let Ok(v) = std::env::var(SPIN_ENV) else { return DEFAULT_SPIN };
+        parse_spin(&v).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "ignored; waits spin {DEFAULT_SPIN:?}");
+            DEFAULT_SPIN
+        })
+    })
 }
 
 /// Who processes incoming link traffic (writes, reads, messages from other hosts).

@@ -120,6 +120,7 @@ pub const OOB_PAYLOAD: usize = clan_wire::control::OOB_PAYLOAD;
 const _: () = {
     const fn send_sync<T: Send + Sync + ?Sized>() {}
     send_sync::<AddrParseError>();
+    send_sync::<SpinParseError>();
     send_sync::<EndpointAddr>();
     send_sync::<NicAddr>();
     send_sync::<Aperture>();

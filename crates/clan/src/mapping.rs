@@ -264,6 +264,66 @@ impl Mapping {
         Ok(())
     }
 
+    /// Write a message led by a word, then the flag that announces it: `src` at `off + 8`,
+    /// the word `lead` at `off` (stored atomically once the message's first piece is in
+    /// place: a reader that sees it sees what precedes it in the message, for example the
+    /// rest of a header), then `v` at the aligned word `word_off`. Within a host one snooped
+    /// transfer with one fence; across hosts three frames, in order. The message queue's
+    /// slot (its sequence word, then its header and body) is written this way.
+    pub fn write_led_then_store_u64(
+        &self,
+        off: u64,
+        lead: u64,
+        src: &[u8],
+        word_off: u64,
+        v: u64,
+    ) -> Result<(), AccessError> {
+        check_align(off, 8)?;
+        let len = (src.len() as u64).checked_add(8).ok_or(AccessError::OutOfBounds {
+            offset: off,
+            len: u64::MAX,
+            size: self.len(),
+        })?;
+        let abs = self.check(off, len, Rights::WRITE)?;
+        check_align(word_off, 8)?;
+        let wabs = self.check(word_off, 8, Rights::WRITE)?;
+        self.inner.via.write_led_then_store_u64(abs, lead, src, wabs, v)?;
+        self.outgoing(Access::Write, off, len);
+        self.outgoing(Access::Write, word_off, 8);
+        Ok(())
+    }
+
+    /// [`Mapping::write_led_then_store_u64`] for a run of messages `stride` bytes apart
+    /// from `off` (a multiple of 8, each body at most `stride - 8` bytes): every message's
+    /// body then its lead word, in order, then `v` at `word_off`. Within a host one snooped
+    /// transfer and one fence for the whole run: the message queue's batched send.
+    pub fn write_led_run_then_store_u64(
+        &self,
+        off: u64,
+        stride: u64,
+        msgs: &[(u64, &[u8])],
+        word_off: u64,
+        v: u64,
+    ) -> Result<(), AccessError> {
+        let Some(last) = msgs.last() else { return Ok(()) };
+        check_align(off, 8)?;
+        let bad = AccessError::OutOfBounds { offset: off, len: u64::MAX, size: self.len() };
+        if stride % 8 != 0 || msgs.iter().any(|(_, b)| b.len() as u64 + 8 > stride) {
+            return Err(bad);
+        }
+        let len = (msgs.len() as u64 - 1)
+            .checked_mul(stride)
+            .and_then(|x| x.checked_add(8 + last.1.len() as u64))
+            .ok_or(bad)?;
+        let abs = self.check(off, len, Rights::WRITE)?;
+        check_align(word_off, 8)?;
+        let wabs = self.check(word_off, 8, Rights::WRITE)?;
+        self.inner.via.write_led_run_then_store_u64(abs, stride, msgs, wabs, v)?;
+        self.outgoing(Access::Write, off, len);
+        self.outgoing(Access::Write, word_off, 8);
+        Ok(())
+    }
+
     /// Write `len` bytes of local aperture `src` at `src_off` to `off` (programmed I/O by
     /// the calling thread, straight from the aperture's memory: one copy within a host, no
     /// copy into a link's bursts).

@@ -132,6 +132,113 @@ impl Window {
         })
     }
 
+    /// Write a message led by a word: `src` at `abs + 8`, then `lead` (Release) at `abs`,
+    /// then `v` (Release) at `word_abs`, snooped as one transfer of `[abs, abs+8+len)` with
+    /// one fence. The lead word is stored at the end of the transfer's first piece (the whole
+    /// message when no tripwire splits it), so a reader that sees it sees the bytes of that
+    /// piece: a tripwire whose watched part ends at a header fires with the header and its
+    /// lead in place, before the rest of the body.
+    pub fn write_led_then_store_u64(
+        &self,
+        abs: u64,
+        lead: u64,
+        src: &[u8],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<u32, AccessError> {
+        let lead_word = self.data.view::<AtomicU64>(self.rel(abs)).map_err(seg_err)?;
+        let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
+        let body = abs + 8;
+        let sink = self.port.sink(self.claim);
+        self.with_watch(|w| {
+            with_scratch(|s| {
+                snoop::transfer_then_store(
+                    w,
+                    &sink,
+                    abs,
+                    8 + src.len() as u64,
+                    word_abs,
+                    8,
+                    s,
+                    |o, l| {
+                        let (from, end) = (o.max(body), o + l);
+                        if end > from {
+                            let at = (from - body) as usize;
+                            self.data.write(self.rel(from), &src[at..at + (end - from) as usize]).map_err(seg_err)?;
+                        }
+                        if o == abs {
+                            // SYNC POINT: pairs with the reader's Acquire load of the lead
+                            // word: the piece's bytes above are visible with it.
+                            lead_word.store(lead, Ordering::Release);
+                        }
+                        Ok(())
+                    },
+                    // SYNC POINT: pairs with the reader's Acquire load of the flag word.
+                    || word.store(v, Ordering::Release),
+                )
+            })
+        })
+    }
+
+    /// [`Window::write_led_then_store_u64`] for a run of messages `stride` bytes apart: each
+    /// message's body, then its lead word, message after message, then `v` at `word_abs`; one
+    /// snooped transfer over the run, one fence for all of them. Each body is at most
+    /// `stride - 8` bytes (checked by the caller).
+    pub fn write_led_run_then_store_u64(
+        &self,
+        abs: u64,
+        stride: u64,
+        msgs: &[(u64, &[u8])],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<u32, AccessError> {
+        let Some(last) = msgs.last() else { return Ok(0) };
+        let len = (msgs.len() as u64 - 1) * stride + 8 + last.1.len() as u64;
+        let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
+        let sink = self.port.sink(self.claim);
+        self.with_watch(|w| {
+            with_scratch(|s| {
+                snoop::transfer_then_store(
+                    w,
+                    &sink,
+                    abs,
+                    len,
+                    word_abs,
+                    8,
+                    s,
+                    |o, l| {
+                        let end = o + l;
+                        for (k, (lead, body)) in msgs.iter().enumerate().skip(((o - abs) / stride) as usize) {
+                            let start = abs + k as u64 * stride;
+                            if start >= end {
+                                break;
+                            }
+                            let (b0, b1) = (start + 8, start + 8 + body.len() as u64);
+                            let (from, to) = (o.max(b0), end.min(b1));
+                            if to > from {
+                                let at = (from - b0) as usize;
+                                self.data
+                                    .write(self.rel(from), &body[at..at + (to - from) as usize])
+                                    .map_err(seg_err)?;
+                            }
+                            if start >= o {
+                                // SYNC POINT: pairs with the reader's Acquire load of this
+                                // message's lead word: its bytes in this piece are visible.
+                                self.data
+                                    .view::<AtomicU64>(self.rel(start))
+                                    .map_err(seg_err)?
+                                    .store(*lead, Ordering::Release);
+                            }
+                        }
+                        Ok(())
+                    },
+                    // SYNC POINT: pairs with the reader's Acquire load of the flag word.
+                    || word.store(v, Ordering::Release),
+                )
+            })
+        })
+    }
+
     /// Copy `len` bytes of segment `src` at `src_off` to aperture offset `abs`, snooped
     /// like [`Window::write`] (the DMA engine's copy: one pass, no intermediate buffer).
     pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<u32, AccessError> {

@@ -875,9 +875,7 @@ static CQ_OPS: fi_ops_cq = fi_ops_cq {
 /// How long a blocking read polls before it sleeps: [`clan::default_spin`] (`CLAN_SPIN_US`;
 /// 0: sleep at once).
 fn spin() -> std::time::Duration {
-    // Decided once per process (every wait asks).
-    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(clan::default_spin)
+    clan::default_spin()
 }
 
 unsafe fn cq_of<'a>(cq: *mut fid_cq) -> Option<&'a CqObj> {

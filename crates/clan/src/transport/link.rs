@@ -146,6 +146,37 @@ impl Transport for LinkTarget {
         self.write(word_abs, &v.to_le_bytes())
     }
 
+    fn write_led_then_store_u64(
+        &self,
+        abs: u64,
+        lead: u64,
+        src: &[u8],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<(), AccessError> {
+        // Three bursts, in order: the exporter applies each after the one before.
+        self.write(abs + 8, src)?;
+        self.write(abs, &lead.to_le_bytes())?;
+        self.write(word_abs, &v.to_le_bytes())
+    }
+
+    fn write_led_run_then_store_u64(
+        &self,
+        abs: u64,
+        stride: u64,
+        msgs: &[(u64, &[u8])],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<(), AccessError> {
+        // In order: each message's body, then its lead word, then the flag.
+        for (k, (lead, body)) in msgs.iter().enumerate() {
+            let at = abs + k as u64 * stride;
+            self.write(at + 8, body)?;
+            self.write(at, &lead.to_le_bytes())?;
+        }
+        self.write(word_abs, &v.to_le_bytes())
+    }
+
     fn raw(&self, off: u64, _abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError> {
         self.shadow()?.raw(off as usize, len as usize).map_err(|_| AccessError::OutOfBounds {
             offset: off,

@@ -62,6 +62,30 @@ impl Transport for Window {
         Window::write_then_store_u64(self, abs, src, word_abs, v).map(drop)
     }
 
+    #[inline]
+    fn write_led_then_store_u64(
+        &self,
+        abs: u64,
+        lead: u64,
+        src: &[u8],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<(), AccessError> {
+        Window::write_led_then_store_u64(self, abs, lead, src, word_abs, v).map(drop)
+    }
+
+    #[inline]
+    fn write_led_run_then_store_u64(
+        &self,
+        abs: u64,
+        stride: u64,
+        msgs: &[(u64, &[u8])],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<(), AccessError> {
+        Window::write_led_run_then_store_u64(self, abs, stride, msgs, word_abs, v).map(drop)
+    }
+
     fn raw(&self, _off: u64, abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError> {
         Window::raw(self, abs, len)
     }

@@ -50,6 +50,26 @@ pub(crate) trait Transport {
     fn load_u32(&self, abs: u64) -> Result<u32, AccessError>;
     /// `src` at `abs`, then the word `v` at `word_abs`, in that order.
     fn write_then_store_u64(&self, abs: u64, src: &[u8], word_abs: u64, v: u64) -> Result<(), AccessError>;
+    /// `src` at `abs + 8`, the word `lead` at `abs`, then the word `v` at `word_abs`, in that
+    /// order (see `Mapping::write_led_then_store_u64`).
+    fn write_led_then_store_u64(
+        &self,
+        abs: u64,
+        lead: u64,
+        src: &[u8],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<(), AccessError>;
+    /// Messages `stride` bytes apart from `abs`, each its body then its lead word, then the
+    /// word `v` at `word_abs` (see `Mapping::write_led_run_then_store_u64`).
+    fn write_led_run_then_store_u64(
+        &self,
+        abs: u64,
+        stride: u64,
+        msgs: &[(u64, &[u8])],
+        word_abs: u64,
+        v: u64,
+    ) -> Result<(), AccessError>;
     /// A raw window of `len` bytes at mapping offset `off` (aperture offset `abs`).
     fn raw(&self, off: u64, abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError>;
     /// Publish raw stores to `[off, off+len)`; how many tripwires fired here.
@@ -116,6 +136,8 @@ forward! {
     load_u64(&self, abs: u64) -> Result<u64, AccessError>;
     load_u32(&self, abs: u64) -> Result<u32, AccessError>;
     write_then_store_u64(&self, abs: u64, src: &[u8], word_abs: u64, v: u64) -> Result<(), AccessError>;
+    write_led_then_store_u64(&self, abs: u64, lead: u64, src: &[u8], word_abs: u64, v: u64) -> Result<(), AccessError>;
+    write_led_run_then_store_u64(&self, abs: u64, stride: u64, msgs: &[(u64, &[u8])], word_abs: u64, v: u64) -> Result<(), AccessError>;
     raw(&self, off: u64, abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError>;
     commit(&self, off: u64, abs: u64, len: u64) -> Result<u32, AccessError>;
     barrier(&self) -> Result<(), AccessError>;
