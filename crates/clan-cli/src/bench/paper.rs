@@ -605,47 +605,75 @@ fn fig_queue(p: Profile) -> Result<Figure> {
             v["half_peak_size"],
             f(&v, "buffer_bytes") as u64 >> 10
         ),
-        rows: vec![
-            (
-                "32 KiB transfers".into(),
-                mbit(f(&k32, "mbit_s")),
-                format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
-                r2(f(&k32, "ratio")),
-            ),
-            (
-                "32 KiB transfers, against a hand-written ring".into(),
-                mbit(f(&k32, "mbit_s")),
-                format!("{} (ring of the same size, no tripwires)", mbit(f(&k32, "ring_mbit_s"))),
-                r2(f(&k32, "ring_ratio")),
-            ),
-            (
-                "32 KiB transfers, slot-based message queue (multi-part messages)".into(),
-                mbit(f(&k32, "slot_mbit_s")),
-                format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
-                r2(f(&k32, "slot_ratio")),
-            ),
-            (
-                format!("{} B messages per second, slot-based message queue", f(&small, "size")),
-                format!("{:.0}", f(&small, "slot_msg_per_s")),
-                format!("{:.0} (the byte stream)", f(&small, "msg_per_s")),
-                r2(f(&small, "slot_msg_per_s") / f(&small, "msg_per_s")),
-            ),
-            ("peak".into(), mbit(f(&v, "peak_mbit_s")), "—".into(), "—".into()),
-            ("half of the peak reached at".into(), format!("{} B", v["half_peak_size"]), "—".into(), "—".into()),
-            ("peak, slot-based message queue".into(), mbit(f(&v, "slot_peak_mbit_s")), "—".into(), "—".into()),
-            (
-                "half of the peak reached at, slot-based message queue".into(),
-                format!("{} B", v["slot_half_peak_size"]),
-                "—".into(),
-                "—".into(),
-            ),
-            (
-                "buffer per endpoint".into(),
-                format!("{} KiB", f(&v, "buffer_bytes") as u64 >> 10),
-                "—".into(),
-                "—".into(),
-            ),
-        ],
+        rows: {
+            let mut rows = vec![
+                (
+                    "32 KiB transfers".into(),
+                    mbit(f(&k32, "mbit_s")),
+                    format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
+                    r2(f(&k32, "ratio")),
+                ),
+                (
+                    "32 KiB transfers, against a hand-written ring".into(),
+                    mbit(f(&k32, "mbit_s")),
+                    format!("{} (ring of the same size, no tripwires)", mbit(f(&k32, "ring_mbit_s"))),
+                    r2(f(&k32, "ring_ratio")),
+                ),
+                (
+                    "32 KiB transfers, slot-based message queue (multi-part messages)".into(),
+                    mbit(f(&k32, "slot_mbit_s")),
+                    format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
+                    r2(f(&k32, "slot_ratio")),
+                ),
+                (
+                    format!("{} B messages per second, slot-based message queue", f(&small, "size")),
+                    format!("{:.0}", f(&small, "slot_msg_per_s")),
+                    format!("{:.0} (the byte stream)", f(&small, "msg_per_s")),
+                    r2(f(&small, "slot_msg_per_s") / f(&small, "msg_per_s")),
+                ),
+                ("peak".into(), mbit(f(&v, "peak_mbit_s")), "—".into(), "—".into()),
+                ("half of the peak reached at".into(), format!("{} B", v["half_peak_size"]), "—".into(), "—".into()),
+                ("peak, slot-based message queue".into(), mbit(f(&v, "slot_peak_mbit_s")), "—".into(), "—".into()),
+                (
+                    "half of the peak reached at, slot-based message queue".into(),
+                    format!("{} B", v["slot_half_peak_size"]),
+                    "—".into(),
+                    "—".into(),
+                ),
+                (
+                    "buffer per endpoint".into(),
+                    format!("{} KiB", f(&v, "buffer_bytes") as u64 >> 10),
+                    "—".into(),
+                    "—".into(),
+                ),
+            ];
+            if small.get("batch_msg_per_s").is_some_and(|x| !x.is_null()) {
+                let size = f(&small, "size");
+                let ucx = small.get("ucx_msg_per_s").and_then(Value::as_f64);
+                rows.insert(
+                    4,
+                    (
+                        format!("{size} B messages per second, sent in batches (MsgSender::send_batch)"),
+                        format!("{:.0}", f(&small, "batch_msg_per_s")),
+                        match ucx {
+                            Some(u) => format!("{u:.0} (UCX tag_bw, shared memory)"),
+                            None => "(UCX not installed)".into(),
+                        },
+                        ucx.map_or("—".into(), |_| r2(f(&small, "batch_vs_ucx"))),
+                    ),
+                );
+                rows.insert(
+                    5,
+                    (
+                        format!("{size} B messages, batched, against the hand-written ring"),
+                        mbit(f(&small, "batch_msg_per_s") * size * 8.0 / 1e6),
+                        format!("{} (ring)", mbit(f(&small, "ring_mbit_s"))),
+                        r2(f(&small, "batch_vs_ring")),
+                    ),
+                );
+            }
+            rows
+        },
         data: v,
         skipped: None,
     })
