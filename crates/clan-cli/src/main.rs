@@ -69,6 +69,9 @@ enum BenchCmd {
     Rpc(bench::proto::RpcArgs),
     /// Stream sockets against Unix sockets and kernel TCP.
     Stream(bench::proto::StreamArgs),
+    /// tokio: N concurrent request/response clients over clan's async streams against
+    /// tokio over Unix sockets and loopback TCP, same run, same pinning.
+    Tokio(bench::asyncio::TokioArgs),
     /// The event-driven server: RTT and requests/s against N endpoints.
     Server(bench::server::ServerArgs),
     /// Connection set-up: connect + first echoed byte, and connections/s, against kernel TCP
@@ -97,6 +100,7 @@ fn main() {
         Cmd::Bench(BenchCmd::Queue(a)) => bench::proto::queue(&a),
         Cmd::Bench(BenchCmd::Rpc(a)) => bench::proto::rpc(&a),
         Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
+        Cmd::Bench(BenchCmd::Tokio(a)) => bench::asyncio::run(&a),
         Cmd::Bench(BenchCmd::Server(a)) => bench::server::run(&a),
         Cmd::Bench(BenchCmd::Connect(a)) => bench::connect::run(&a),
         Cmd::Bench(BenchCmd::Run(a)) => bench::run::run(&a),

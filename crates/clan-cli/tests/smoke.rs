@@ -227,6 +227,22 @@ fn stream_spin_and_block() {
     verdict(&v);
 }
 
+#[test]
+fn tokio_clients_against_unix_and_tcp() {
+    let v = run(&["bench", "tokio", "--clients", "2,9", "--millis", "100", "--size", "100", "--json"]);
+    named(&v, &["placement"]);
+    positive(&v, &["size", "target_vs_unix"]);
+    let points = v["points"].as_array().expect("points");
+    assert_eq!(points.iter().map(|p| p["clients"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 9]);
+    for p in points {
+        for kind in ["clan", "clan_no_spin", "unix", "tcp"] {
+            positive(&p[kind], &["requests_per_s", "/rtt/p50_ns", "/rtt/p99_ns", "/rtt/count"]);
+        }
+        positive(p, &["ratio_vs_unix", "ratio_no_spin_vs_unix", "ratio_vs_tcp"]);
+        assert!(p["target_met"].is_boolean(), "{p}");
+    }
+}
+
 fn server_both_ways(v: &Value) {
     assert_eq!(v["baseline"], "epoll-tcp");
     positive(v, &["rtt_p50_ns", "rtt_p99_ns", "req_per_s", "ratio_spin", "ratio_block", "rtt_ratio_spin"]);

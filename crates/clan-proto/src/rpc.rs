@@ -15,7 +15,7 @@
 //!
 //! The server is event-driven: one thread, one event queue (a file descriptor for epoll),
 //! every connection's flag tripwire posting to it; [`RpcServer::run_once`] drains the queue,
-//! polls it for a while ([`RpcConfig::poll`], the paper's 15 µs) and then sleeps.
+//! polls it for a while ([`RpcConfig::spin`], the paper's 15 µs) and then sleeps.
 //!
 //! Layout of each party's buffer (a side aperture): the flag at `RX_WRITE` — the sequence
 //! number of the last message in its high 32 bits, its length in the low 32 — `tx_ready` at

@@ -1,6 +1,7 @@
 //! `clan bench …`: every benchmark runs the real thing across real processes and measures
 //! its baseline in the same run, with the same message sizes and the same placement.
 
+pub mod asyncio;
 pub mod bandwidth;
 pub mod connect;
 pub mod fabric;
@@ -118,6 +119,7 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
         r if r.starts_with("pst-") => proto::stream_peer(r, args),
         "conn-server" => connect::peer(role, args),
         "grants-peer" => grants::peer(role, args),
+        "tok-echo" => asyncio::peer(role, args),
         r if r.starts_with("lat-") => latency::peer(r, args),
         r if r.starts_with("bw-") => bandwidth::peer(r, args),
         other => Err(format!("unknown peer role {other}").into()),

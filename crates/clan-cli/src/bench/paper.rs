@@ -128,6 +128,7 @@ pub fn run(a: &PaperArgs) -> Result<()> {
         ("one-way bandwidth, one message at a time and streaming", fig_oneway_vmmc),
         ("distributed queue streaming", fig_queue),
         ("stream sockets", fig_stream),
+        ("tokio: concurrent clients", fig_tokio),
         ("RPC", fig_rpc),
         ("unmodified applications under clan run", fig_run),
         ("libfabric programs and MPI over the clan provider", fig_fabric),
@@ -749,6 +750,56 @@ fn fig_stream(p: Profile) -> Result<Figure> {
     })
 }
 
+fn fig_tokio(p: Profile) -> Result<Figure> {
+    let (clients, millis) = match p {
+        Profile::Smoke => ("2,9", "100"),
+        Profile::Quick => ("4,64", "500"),
+        Profile::Default => ("1,4,16,64", "2000"),
+        Profile::Full => ("1,4,16,64,256", "3000"),
+    };
+    let v = bench(&s(&["tokio", "--clients", clients, "--millis", millis]))?;
+    let points = v["points"].as_array().cloned().unwrap_or_default();
+    let met = points.iter().all(|p| p["target_met"].as_bool() == Some(true));
+    Ok(Figure {
+        id: "tokio",
+        title: "tokio: concurrent request/response clients",
+        paper: "(not in the papers: async Rust servers are what our users write)",
+        ours: format!(
+            "{} at {} clients: {}× tokio over Unix sockets; ≥ 1× at every count: {}",
+            points.last().map_or(String::new(), |p| format!("{:.0} req/s", fp(p, "/clan/requests_per_s"))),
+            points.last().map_or(0, |p| p["clients"].as_u64().unwrap_or(0)),
+            points.last().map_or(String::new(), |p| r2(f(p, "ratio_vs_unix"))),
+            if met { "met" } else { "not met" }
+        ),
+        rows: points
+            .iter()
+            .flat_map(|p| {
+                let n = p["clients"].as_u64().unwrap_or(0);
+                [
+                    (
+                        format!("req/s, {n} clients, reactors spinning then sleeping"),
+                        format!("{:.0}", fp(p, "/clan/requests_per_s")),
+                        format!(
+                            "{:.0} (tokio over Unix), {:.0} (over TCP)",
+                            fp(p, "/unix/requests_per_s"),
+                            fp(p, "/tcp/requests_per_s")
+                        ),
+                        r2(f(p, "ratio_vs_unix")),
+                    ),
+                    (
+                        format!("req/s, {n} clients, reactors never spinning"),
+                        format!("{:.0}", fp(p, "/clan_no_spin/requests_per_s")),
+                        format!("{:.0} (tokio over Unix)", fp(p, "/unix/requests_per_s")),
+                        r2(f(p, "ratio_no_spin_vs_unix")),
+                    ),
+                ]
+            })
+            .collect(),
+        data: v,
+        skipped: None,
+    })
+}
+
 fn fig_rpc(p: Profile) -> Result<Figure> {
     let iters = match p {
         Profile::Smoke => "500",
@@ -1083,6 +1134,19 @@ fn plot(dir: &Path, fig: &Figure) -> Result<()> {
                 ("dma_overhead_p50_ns", "async, DMA forced"),
             ] {
                 curves.push((name.into(), pts.iter().map(|p| (f(p, "size"), f(p, k))).collect()));
+            }
+        }
+        "tokio" => {
+            let pts = fig.data["points"].as_array().cloned().unwrap_or_default();
+            xl = "concurrent clients";
+            yl = "requests/s";
+            for (name, ptr) in [
+                ("clan, spinning then sleeping", "/clan/requests_per_s"),
+                ("clan, never spinning", "/clan_no_spin/requests_per_s"),
+                ("tokio over Unix sockets", "/unix/requests_per_s"),
+                ("tokio over loopback TCP", "/tcp/requests_per_s"),
+            ] {
+                curves.push((name.into(), pts.iter().map(|p| (f(p, "clients"), fp(p, ptr))).collect()));
             }
         }
         "server" => {
