@@ -225,6 +225,24 @@ fn stream_spin_and_block() {
     }
     positive(&v, &["ratio_spin", "ratio_block", "mbit_s", "unix_mbit_s", "tcp_mbit_s", "bw_ratio_vs_unix"]);
     verdict(&v);
+    // A stream over a TCP link, with the engine receiving and with manual progress.
+    for l in ["link", "link_manual"] {
+        positive(
+            &v[l],
+            &[
+                "spin_rtt_p50_ns",
+                "block_rtt_p50_ns",
+                "tcp_spin_rtt_p50_ns",
+                "tcp_block_rtt_p50_ns",
+                "ratio_spin_vs_tcp",
+                "ratio_block_vs_tcp",
+                "mbit_s",
+                "tcp_mbit_s",
+                "bw_ratio_vs_tcp",
+            ],
+        );
+        named(&v[l], &["how", "target", "rtt_target_met"]);
+    }
 }
 
 #[test]

@@ -459,6 +459,15 @@ impl Tripwire {
         now != seen
     }
 
+    /// Process the incoming link traffic of this tripwire's NIC in the calling thread (what
+    /// [`crate::Nic::progress`] does); returns whether there was any. For spin loops waiting
+    /// for bytes that come over a link: the spinning thread applies them itself, rather than
+    /// waiting for the engine's thread to be scheduled. Costs one load when the NIC has no
+    /// link.
+    pub fn drive_links(&self) -> bool {
+        self.owner.eq.nic.upgrade().is_some_and(|n| n.progress())
+    }
+
     /// Block until it fires (if it already fired since the last `arm`, `wait` or
     /// `take_fired`, return at once). Spins for the queue's spin time first
     /// ([`crate::EventQueueConfig::spin`]).

@@ -728,6 +728,35 @@ fn fig_stream(p: Profile) -> Result<Figure> {
                     r2(f(&v, "bw_ratio_vs_unix")),
                 ),
             ];
+            for (k, how) in [("link", "engine receiving"), ("link_manual", "manual progress")] {
+                if v.pointer(&format!("/{k}/spin_rtt_p50_ns")).is_none() {
+                    continue;
+                }
+                rows.push((
+                    format!("RTT, 64 B, over a TCP link ({how}), spinning / blocking (p50)"),
+                    format!(
+                        "{} / {}",
+                        ns(fp(&v, &format!("/{k}/spin_rtt_p50_ns"))),
+                        ns(fp(&v, &format!("/{k}/block_rtt_p50_ns")))
+                    ),
+                    format!(
+                        "{} / {} (kernel TCP over loopback)",
+                        ns(fp(&v, &format!("/{k}/tcp_spin_rtt_p50_ns"))),
+                        ns(fp(&v, &format!("/{k}/tcp_block_rtt_p50_ns")))
+                    ),
+                    format!(
+                        "{} / {}",
+                        r2(fp(&v, &format!("/{k}/ratio_spin_vs_tcp"))),
+                        r2(fp(&v, &format!("/{k}/ratio_block_vs_tcp")))
+                    ),
+                ));
+                rows.push((
+                    format!("bandwidth over a TCP link ({how}), 64 KiB writes"),
+                    mbit(fp(&v, &format!("/{k}/mbit_s"))),
+                    format!("{} (kernel TCP over loopback)", mbit(fp(&v, &format!("/{k}/tcp_mbit_s")))),
+                    r2(fp(&v, &format!("/{k}/bw_ratio_vs_tcp"))),
+                ));
+            }
             if v.pointer("/one_core/clan_block_p50_ns").is_some() {
                 rows.insert(
                     2,

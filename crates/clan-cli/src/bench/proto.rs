@@ -44,6 +44,10 @@ const TARGET_RTT_VS_UNIX: f64 = 1.0;
 const BATCH: u64 = 64;
 /// Transfers up to this size also run batched and against UCX.
 const RATE_SIZES: usize = 1024;
+/// A stream over a TCP link: RTT p50 at most this times kernel TCP's.
+const TARGET_LINK_RTT_VS_TCP: f64 = 1.1;
+/// A stream over a TCP link: bandwidth at least this times kernel TCP's.
+const TARGET_LINK_BW_VS_TCP: f64 = 0.9;
 /// Oversubscribed (both on one CPU): RTT p50 at most this times a Unix socket's.
 const TARGET_ONE_CORE_VS_UNIX: f64 = 2.0;
 
@@ -1248,9 +1252,67 @@ pub struct OneCore {
     pub target_met: bool,
 }
 
+/// A clan stream over a TCP link against kernel TCP, same placement.
+#[derive(Serialize, Debug)]
+pub struct OverLink {
+    pub how: &'static str,
+    pub spin_rtt_p50_ns: u64,
+    pub spin_rtt_p99_ns: u64,
+    pub block_rtt_p50_ns: u64,
+    pub block_rtt_p99_ns: u64,
+    pub tcp_spin_rtt_p50_ns: u64,
+    pub tcp_block_rtt_p50_ns: u64,
+    /// RTT p50, clan over the link / kernel TCP, both spinning.
+    pub ratio_spin_vs_tcp: f64,
+    /// RTT p50, clan over the link / kernel TCP, both blocking.
+    pub ratio_block_vs_tcp: f64,
+    pub mbit_s: f64,
+    pub tcp_mbit_s: f64,
+    /// Bandwidth, clan over the link / kernel TCP.
+    pub bw_ratio_vs_tcp: f64,
+    pub target: String,
+    /// "both ways", "spinning only", "blocking only" or "neither" for the RTT target.
+    pub rtt_target_met: &'static str,
+    pub bw_target_met: bool,
+}
+
+impl OverLink {
+    /// From the round trips `[link spinning, link blocking, tcp spinning, tcp blocking]` and
+    /// the bandwidths `[link, tcp]`.
+    fn new(how: &'static str, rtt: [&Samples; 4], bw: [f64; 2], bw_size: usize) -> OverLink {
+        let [ls, lb, ts, tb] = rtt;
+        let [bl, bt] = bw;
+        let (rs, rb) = (ratio(ls.p(0.5) as f64, ts.p(0.5) as f64), ratio(lb.p(0.5) as f64, tb.p(0.5) as f64));
+        OverLink {
+            how,
+            spin_rtt_p50_ns: ls.p(0.5),
+            spin_rtt_p99_ns: ls.p(0.99),
+            block_rtt_p50_ns: lb.p(0.5),
+            block_rtt_p99_ns: lb.p(0.99),
+            tcp_spin_rtt_p50_ns: ts.p(0.5),
+            tcp_block_rtt_p50_ns: tb.p(0.5),
+            ratio_spin_vs_tcp: rs,
+            ratio_block_vs_tcp: rb,
+            mbit_s: bl,
+            tcp_mbit_s: bt,
+            bw_ratio_vs_tcp: ratio(bl, bt),
+            target: format!(
+                "RTT p50 ≤ {TARGET_LINK_RTT_VS_TCP}× kernel TCP's, bandwidth ≥ {TARGET_LINK_BW_VS_TCP}× at {} KiB writes",
+                bw_size >> 10
+            ),
+            rtt_target_met: verdict(rs <= TARGET_LINK_RTT_VS_TCP, rb <= TARGET_LINK_RTT_VS_TCP),
+            bw_target_met: ratio(bl, bt) >= TARGET_LINK_BW_VS_TCP,
+        }
+    }
+}
+
 #[derive(Serialize, Debug)]
 pub struct StreamReport {
     pub bench: &'static str,
+    /// A clan stream over a TCP link on loopback against kernel TCP.
+    pub link: OverLink,
+    /// The same with manual progress.
+    pub link_manual: OverLink,
     /// Both processes on one CPU (when this process could pin itself).
     pub one_core: Option<OneCore>,
     pub transport: &'static str,
@@ -1282,6 +1344,12 @@ pub struct StreamReport {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Clan,
+    /// A clan stream between two NICs of this host forced onto a TCP link over loopback,
+    /// each NIC's engine thread receiving (`Progress::Auto`, the default).
+    Link,
+    /// The same with `Progress::Manual`: the application's threads receive from the link
+    /// as they wait (as a thread reading a TCP socket does).
+    LinkManual,
     Unix,
     Tcp,
 }
@@ -1290,6 +1358,8 @@ impl Kind {
     fn name(self) -> &'static str {
         match self {
             Kind::Clan => "clan",
+            Kind::Link => "link",
+            Kind::LinkManual => "link-manual",
             Kind::Unix => "unix",
             Kind::Tcp => "tcp",
         }
@@ -1324,13 +1394,18 @@ impl Wait {
             other => return Err(format!("unknown wait {other}").into()),
         })
     }
-    /// The clan NIC of a side waiting this way.
-    fn nic(self) -> Result<Nic> {
-        Ok(Nic::open(match self {
+    /// The clan NIC of a side waiting this way (`link`: one that reaches the other
+    /// processes of this host over TCP links, as it reaches other hosts).
+    fn nic(self, kind: &str) -> Result<Nic> {
+        let c = match self {
             Wait::Spin => super::nic_config(BUSY_POLL),
             Wait::Block => super::nic_config(Duration::ZERO),
             Wait::Default => NicConfig::default(),
-        })?)
+        };
+        let link = kind.starts_with("link");
+        let local_transport = if link { LocalTransport::Link } else { c.local_transport };
+        let progress = if kind == "link-manual" { clan::Progress::Manual } else { c.progress };
+        Ok(Nic::open(NicConfig { local_transport, progress, ..c })?)
     }
     fn stream_config(self, ring: u64) -> StreamConfig {
         let d = StreamConfig::default();
@@ -1388,7 +1463,9 @@ impl Write for AnyStream {
 fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64, wait: Wait) -> Result<AnyStream> {
     let to = peer.recv()?;
     let s = match kind {
-        Kind::Clan => AnyStream::Clan(Stream::connect_with(nic, to.parse()?, &wait.stream_config(ring))?),
+        Kind::Clan | Kind::Link | Kind::LinkManual => {
+            AnyStream::Clan(Stream::connect_with(nic, to.parse()?, &wait.stream_config(ring))?)
+        }
         Kind::Unix => AnyStream::Unix(std::os::unix::net::UnixStream::connect_addr(
             &std::os::unix::net::SocketAddr::from_abstract_name(to.as_bytes())?,
         )?),
@@ -1414,7 +1491,7 @@ fn stream_args(kind: Kind, size: usize, ring: u64, wait: Wait, cpu: usize) -> Ve
 
 /// Round trips with the echoing peer on `peer_cpu` (the caller is on CPU 0).
 fn stream_rtt(kind: Kind, size: usize, iters: u64, ring: u64, wait: Wait, peer_cpu: usize) -> Result<Samples> {
-    let nic = wait.nic()?;
+    let nic = wait.nic(kind.name())?;
     let mut peer = PeerProc::spawn("pst-echo", &stream_args(kind, size, ring, wait, peer_cpu))?;
     let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
     let msg = pattern(size);
@@ -1445,7 +1522,7 @@ fn stream_rtt(kind: Kind, size: usize, iters: u64, ring: u64, wait: Wait, peer_c
 fn stream_bw(kind: Kind, size: usize, bytes: u64, ring: u64) -> Result<f64> {
     let n = (bytes / size as u64).max(1);
     let wait = Wait::Default;
-    let nic = wait.nic()?;
+    let nic = wait.nic(kind.name())?;
     let mut args = stream_args(kind, size, ring, wait, 1);
     args.push(format!("n={n}"));
     let mut peer = PeerProc::spawn("pst-sink", &args)?;
@@ -1477,12 +1554,12 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
         return Err("sizes and --iters must be positive".into());
     }
     let pinned = sys::pin(0);
-    let kinds = [Kind::Clan, Kind::Unix, Kind::Tcp];
-    // Round trips: [spin, block] × [clan, unix, tcp].
-    let mut rtt: [[Samples; 3]; 2] = Default::default();
+    let kinds = [Kind::Clan, Kind::Unix, Kind::Tcp, Kind::Link, Kind::LinkManual];
+    // Round trips: [spin, block] × [clan, unix, tcp, link, link with manual progress].
+    let mut rtt: [[Samples; 5]; 2] = Default::default();
     // Both processes on CPU 0: [clan blocking, clan's defaults, unix blocking].
     let mut one: [Samples; 3] = Default::default();
-    let (mut bc, mut bu, mut bt) = (0.0, 0.0, 0.0);
+    let (mut bc, mut bu, mut bt, mut bl, mut bm) = (0.0, 0.0, 0.0, 0.0, 0.0);
     let rounds = 3;
     let per_round = a.iters.div_ceil(rounds);
     for _ in 0..rounds {
@@ -1503,8 +1580,26 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
         bc += stream_bw(Kind::Clan, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
         bu += stream_bw(Kind::Unix, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
         bt += stream_bw(Kind::Tcp, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        bl += stream_bw(Kind::Link, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
+        bm += stream_bw(Kind::LinkManual, a.bw_size, a.bytes / rounds, a.ring)? / rounds as f64;
     }
-    let [[cs, us, ts], [cb, ub, tb]] = &rtt;
+    let [[cs, us, ts, ls, ms], [cb, ub, tb, lb, mb]] = &rtt;
+    let link = OverLink::new(
+        "a clan stream between two NICs of this host forced onto TCP links (LocalTransport::Link) over \
+         loopback, each NIC's engine thread receiving (Progress::Auto, the default) on its process's CPU, \
+         against kernel TCP over loopback (TCP_NODELAY), waiting the same ways",
+        [ls, lb, ts, tb],
+        [bl, bt],
+        a.bw_size,
+    );
+    let link_manual = OverLink::new(
+        "the same with Progress::Manual: the application's thread receives from the link while it waits \
+         (spinning: it polls the socket; blocking: it sleeps in poll on it), as a thread reading a TCP socket does",
+        [ms, mb, ts, tb],
+        [bm, bt],
+        a.bw_size,
+    );
+
     let spin = StreamRtt::new(
         "both sides spin: clan streams and their NICs' queues poll 10 ms before they would sleep; Unix and TCP \
          sockets are non-blocking on both sides, polled in a loop",
@@ -1534,6 +1629,8 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
     });
     let r = StreamReport {
         bench: "stream",
+        link,
+        link_manual,
         one_core,
         transport: "shm",
         size: a.size,
@@ -1608,6 +1705,25 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
             r.bw_ratio_vs_unix,
             r.bw_how
         );
+        for (name, l) in [("over a TCP link", &r.link), ("over a TCP link, manual progress", &r.link_manual)] {
+            println!(
+                "{name}: RTT p50 spinning {} (tcp {}, {:.2}×), blocking {} (tcp {}, {:.2}×); bandwidth {:.0} \
+             Mbit/s (tcp {:.0}, {:.2}×); target {}: RTT met {}, bandwidth {}",
+                ns(l.spin_rtt_p50_ns),
+                ns(l.tcp_spin_rtt_p50_ns),
+                l.ratio_spin_vs_tcp,
+                ns(l.block_rtt_p50_ns),
+                ns(l.tcp_block_rtt_p50_ns),
+                l.ratio_block_vs_tcp,
+                l.mbit_s,
+                l.tcp_mbit_s,
+                l.bw_ratio_vs_tcp,
+                l.target,
+                l.rtt_target_met,
+                if l.bw_target_met { "met" } else { "not met" }
+            );
+            println!("  ({})", l.how);
+        }
     });
     Ok(())
 }
@@ -1615,8 +1731,8 @@ pub fn stream(a: &StreamArgs) -> Result<()> {
 /// Listen with `kind` in a stream peer and say where.
 fn stream_accept(kind: &str, ring: u64, wait: Wait) -> Result<AnyStream> {
     let s = match kind {
-        "clan" => {
-            let nic = wait.nic()?;
+        "clan" | "link" | "link-manual" => {
+            let nic = wait.nic(kind)?;
             let l = Listener::bind_with(&nic, None, wait.stream_config(ring))?;
             Link::say(l.local_addr());
             let (s, _) = l.accept()?;

@@ -82,6 +82,14 @@ impl LinkTarget {
     fn send(&self, abs: u64, payload: Payload<'_>, len: usize) -> Result<(), AccessError> {
         self.link.send_write(&self.nic, self.to(abs), payload, len).map_err(link_error)
     }
+
+    /// Write bursts in order, gathered into one send when small ([`Link::send_writes`]).
+    fn send_all(&self, parts: &[(u64, &[u8])]) -> Result<(), AccessError> {
+        // An empty burst is no burst (as `send` sends nothing for it).
+        let targets: Vec<(Target, &[u8])> =
+            parts.iter().filter(|(_, d)| !d.is_empty()).map(|(abs, d)| (self.to(*abs), *d)).collect();
+        self.link.send_writes(&self.nic, &targets).map_err(link_error)
+    }
 }
 
 impl Transport for LinkTarget {
@@ -141,9 +149,10 @@ impl Transport for LinkTarget {
     }
 
     fn write_then_store_u64(&self, abs: u64, src: &[u8], word_abs: u64, v: u64) -> Result<(), AccessError> {
-        // Two bursts, in order: the exporter applies the second after the first.
-        self.write(abs, src)?;
-        self.write(word_abs, &v.to_le_bytes())
+        // Two bursts, in order: the exporter applies the second after the first (one send
+        // when small).
+        let word = v.to_le_bytes();
+        self.send_all(&[(abs, src), (word_abs, &word)])
     }
 
     fn write_led_then_store_u64(
@@ -155,9 +164,8 @@ impl Transport for LinkTarget {
         v: u64,
     ) -> Result<(), AccessError> {
         // Three bursts, in order: the exporter applies each after the one before.
-        self.write(abs + 8, src)?;
-        self.write(abs, &lead.to_le_bytes())?;
-        self.write(word_abs, &v.to_le_bytes())
+        let (lead, word) = (lead.to_le_bytes(), v.to_le_bytes());
+        self.send_all(&[(abs + 8, src), (abs, &lead), (word_abs, &word)])
     }
 
     fn write_led_run_then_store_u64(
@@ -169,12 +177,16 @@ impl Transport for LinkTarget {
         v: u64,
     ) -> Result<(), AccessError> {
         // In order: each message's body, then its lead word, then the flag.
-        for (k, (lead, body)) in msgs.iter().enumerate() {
+        let leads: Vec<[u8; 8]> = msgs.iter().map(|(lead, _)| lead.to_le_bytes()).collect();
+        let word = v.to_le_bytes();
+        let mut parts: Vec<(u64, &[u8])> = Vec::with_capacity(msgs.len() * 2 + 1);
+        for (k, ((_, body), lead)) in msgs.iter().zip(&leads).enumerate() {
             let at = abs + k as u64 * stride;
-            self.write(at + 8, body)?;
-            self.write(at, &lead.to_le_bytes())?;
+            parts.push((at + 8, body));
+            parts.push((at, lead));
         }
-        self.write(word_abs, &v.to_le_bytes())
+        parts.push((word_abs, &word));
+        self.send_all(&parts)
     }
 
     fn raw(&self, off: u64, _abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError> {
