@@ -167,7 +167,7 @@ fn queue_stream_and_slots() {
     // is installed (`.ci/run` installs it).
     let v = run(&["bench", "queue", "--size", "64", "--rounds", "1", "--json"]);
     let p = &v["points"][0];
-    positive(p, &["batch_msg_per_s", "batch_vs_ring"]);
+    positive(p, &["batch_msg_per_s", "batch_vs_ring", "rpc_calls_per_s"]);
     let ucx = std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join("ucx_perftest").is_file()));
     if ucx {

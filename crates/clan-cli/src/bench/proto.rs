@@ -42,6 +42,8 @@ const BUSY_POLL: Duration = Duration::from_millis(10);
 const TARGET_RTT_VS_UNIX: f64 = 1.0;
 /// Messages per `send_batch` in the batched slot queue of `bench queue`.
 const BATCH: u64 = 64;
+/// RPC calls per round of the message-rate table of `bench queue`.
+const RATE_CALLS: u64 = 20_000;
 /// Transfers up to this size also run batched and against UCX.
 const RATE_SIZES: usize = 1024;
 /// A stream over a TCP link: RTT p50 at most this times kernel TCP's.
@@ -116,6 +118,9 @@ pub struct QueuePoint {
     pub batch_vs_ucx: Option<f64>,
     /// Batched slot queue over the hand-written ring (bytes per second).
     pub batch_vs_ring: Option<f64>,
+    /// RPC calls per second with requests and replies of this size, one call in flight,
+    /// both sides spinning (small sizes, same host).
+    pub rpc_calls_per_s: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -168,7 +173,7 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         // and one round could catch either regime.
         let bytes = queue_bytes(size, tcp) / 2;
         let (mut o, mut q, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut qb, mut ucx) = (Vec::new(), Vec::new());
+        let (mut qb, mut ucx, mut rpc) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds.max(1) {
             o.push(queue_round(hosts.as_ref(), size, bytes, buffer, QueueKind::Stream)?);
             q.push(queue_round(hosts.as_ref(), size, bytes, buffer, QueueKind::Slots)?);
@@ -178,6 +183,9 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
                     if let Some(r) = ucx_tag_bw(size) {
                         ucx.push(r);
                     }
+                    let (calls, warm) = (RATE_CALLS, RATE_CALLS / 10);
+                    let (_, d) = clan_rpc(size, calls, warm, true)?;
+                    rpc.push((calls - warm) as f64 / d.as_secs_f64().max(1e-9));
                 }
             }
             match &hosts {
@@ -197,6 +205,8 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
         let batch = median(&mut qb);
         ucx.sort_by(f64::total_cmp);
         let ucx = ucx.get(ucx.len() / 2).copied();
+        rpc.sort_by(f64::total_cmp);
+        let rpc = rpc.get(rpc.len() / 2).copied();
         let ring = median(&mut g).map(|d| mbit(bytes, d));
         let msgs = (bytes / size as u64) as f64;
         let geometry = slot_config(size, buffer);
@@ -218,6 +228,7 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
             ucx_msg_per_s: ucx,
             batch_vs_ucx: batch.zip(ucx).map(|(d, u)| ratio(msgs / d.as_secs_f64().max(1e-9), u)),
             batch_vs_ring: batch.zip(ring).map(|(d, r)| ratio(mbit(bytes, d), r)),
+            rpc_calls_per_s: rpc,
         });
         if !a.json {
             let p = points.last().expect("pushed");
@@ -325,23 +336,25 @@ pub fn queue(a: &QueueArgs) -> Result<()> {
             println!(
                 "message rate (msg/s): one send per message (send, stream write) and batches of {BATCH} \
                  (MsgSender::send_batch), against UCX tag_bw over shared memory (ucx_perftest, UCX_TLS=sm,self, \
-                 server CPU 1, client CPU 0) and the hand-written ring"
+                 server CPU 1, client CPU 0) and the hand-written ring; RPC: calls/s with one call in flight, \
+                 both sides spinning"
             );
             line(format!(
-                "{:>8}  {:>12} {:>12} {:>12} {:>12} {:>8} {:>8}",
-                "size", "stream", "slots", "slots batch", "UCX tag_bw", "vs UCX", "vs ring"
+                "{:>8}  {:>12} {:>12} {:>12} {:>12} {:>8} {:>8} {:>12}",
+                "size", "stream", "slots", "slots batch", "UCX tag_bw", "vs UCX", "vs ring", "RPC calls/s"
             ));
             for p in r.points.iter().filter(|p| p.batch_msg_per_s.is_some()) {
                 let opt = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
                 line(format!(
-                    "{:>8}  {:>12.0} {:>12.0} {:>12} {:>12} {:>8} {:>8}",
+                    "{:>8}  {:>12.0} {:>12.0} {:>12} {:>12} {:>8} {:>8} {:>12}",
                     p.size,
                     p.msg_per_s,
                     p.slot_msg_per_s,
                     opt(p.batch_msg_per_s, 0),
                     opt(p.ucx_msg_per_s, 0),
                     opt(p.batch_vs_ucx, 2),
-                    opt(p.batch_vs_ring, 2)
+                    opt(p.batch_vs_ring, 2),
+                    opt(p.rpc_calls_per_s, 0)
                 ));
             }
         }
