@@ -171,11 +171,14 @@ fn endpoint(nic: &Nic, queue: Option<&EventQueue>) -> Result<Endpoint, SetupErro
     Ok(nic.endpoint_with(EndpointConfig { queue: queue.cloned(), ..EndpointConfig::default() })?)
 }
 
-fn export_side(ep: &Endpoint, g: Geometry) -> Result<Arc<Aperture>, SetupError> {
+/// Our side, exported for the peer's NIC only: its memory comes from the pool of the
+/// apertures made for that peer (`clan::ExportConfig::for_peer`), so that thousands of
+/// connections between two processes share a few memfds and mappings.
+fn export_side(ep: &Endpoint, g: Geometry, peer: clan::NicAddr) -> Result<Arc<Aperture>, SetupError> {
     if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING {
         return Err(SetupError::BadConfig("ring between 2 bytes and 1 GiB, post area at most 1 GiB"));
     }
-    Ok(Arc::new(ep.export(pipe::side_len(g.cap, g.post_cap))?))
+    Ok(Arc::new(ep.export_with(pipe::side_len(g.cap, g.post_cap), clan::ExportConfig::for_peer(peer))?))
 }
 
 /// Connect from a fresh endpoint of `nic` to the listening endpoint `to`, within `timeout`
@@ -189,7 +192,7 @@ pub(crate) fn connect(
 ) -> Result<Sides, SetupError> {
     let deadline = Instant::now() + timeout;
     let ep = Arc::new(endpoint(nic, queue)?);
-    let mine = export_side(&ep, g)?;
+    let mine = export_side(&ep, g, to.nic)?;
     let conn = ep.connect_with_data(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
     let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len())?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
@@ -224,7 +227,7 @@ pub(crate) fn accept(
         }
     };
     let ep = Arc::new(endpoint(nic, queue)?);
-    let mine = export_side(&ep, g)?;
+    let mine = export_side(&ep, g, req.from().nic)?;
     let desc = req.descriptor().clone();
     let conn = req.accept_with_data(&ep, &mine.descriptor(), &g.encode())?;
     let pending = ep.import_begin(&desc);

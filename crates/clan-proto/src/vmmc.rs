@@ -456,7 +456,7 @@ impl Vmmc {
 
     /// Export a receive buffer of `len` bytes.
     pub fn export(&self, len: u64, opts: ExportOptions) -> Result<ExportedBuffer, VmmcError> {
-        let ap = self.inner.ep.export_with(len, ExportConfig { policy: opts.policy })?;
+        let ap = self.inner.ep.export_with(len, ExportConfig { policy: opts.policy, ..ExportConfig::default() })?;
         let key = (ap.id(), ap.generation());
         if matches!(opts.notify, Notify::Handler(_)) {
             self.start_thread()?;
@@ -477,7 +477,9 @@ impl Vmmc {
     pub fn send_buffer(&self, len: u64) -> Result<SendBuffer, VmmcError> {
         // Exported with a policy nobody satisfies: registered with the NIC, importable by no one.
         let nobody = ImportPolicy { pids: vec![0], ..ImportPolicy::default() };
-        Ok(SendBuffer { ap: self.inner.ep.export_with(len, ExportConfig { policy: nobody })? })
+        Ok(SendBuffer {
+            ap: self.inner.ep.export_with(len, ExportConfig { policy: nobody, ..ExportConfig::default() })?,
+        })
     }
 
     /// Import a receive buffer (of this process, another process, or another host).

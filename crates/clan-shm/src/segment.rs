@@ -95,12 +95,14 @@ impl std::fmt::Display for SegmentError {
 
 impl std::error::Error for SegmentError {}
 
-/// One mapping of shared memory. Unmapped on drop.
+/// One mapping of shared memory (or a part of one: [`Segment::sub`]). Unmapped on drop.
 #[derive(Debug)]
 pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
     access: Access,
+    /// For a part of a mapping: the mapping (kept alive, unmapped by its own drop).
+    parent: Option<std::sync::Arc<Segment>>,
 }
 
 // SAFETY: the segment is a raw region; all access goes through atomics or raw copies whose
@@ -126,7 +128,24 @@ impl Segment {
         // SAFETY: a fresh mapping at an address the kernel chooses cannot alias any Rust
         // object; the fd's file outlives the mapping by kernel reference counting.
         let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, offset)? };
-        Ok(Segment { ptr: NonNull::new(ptr.cast()).expect("mmap returned null"), len, access })
+        Ok(Segment { ptr: NonNull::new(ptr.cast()).expect("mmap returned null"), len, access, parent: None })
+    }
+
+    /// `len` bytes of `parent` at `offset` (page-aligned) as a segment of their own: every
+    /// access is checked against the part, and the mapping stays mapped while the part lives.
+    /// How several apertures carved from one memfd share one mapping.
+    pub fn sub(parent: &std::sync::Arc<Segment>, offset: usize, len: usize) -> Result<Segment, SegmentError> {
+        if len == 0 {
+            return Err(SegmentError::OutOfBounds { offset, len, size: parent.len });
+        }
+        parent.check(offset, len)?;
+        if offset % page_size() != 0 {
+            return Err(SegmentError::Misaligned { offset, align: page_size() });
+        }
+        // SAFETY: `offset + len <= parent.len` (checked), so the pointer stays inside the
+        // parent's live mapping, which the part keeps alive through its `Arc`.
+        let ptr = unsafe { NonNull::new_unchecked(parent.as_ptr().add(offset)) };
+        Ok(Segment { ptr, len, access: parent.access, parent: Some(parent.clone()) })
     }
 
     /// Anonymous shared memory (inherited across `fork`), zero-filled.
@@ -138,7 +157,12 @@ impl Segment {
         let ptr = unsafe {
             rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED)?
         };
-        Ok(Segment { ptr: NonNull::new(ptr.cast()).expect("mmap returned null"), len, access: Access::ReadWrite })
+        Ok(Segment {
+            ptr: NonNull::new(ptr.cast()).expect("mmap returned null"),
+            len,
+            access: Access::ReadWrite,
+            parent: None,
+        })
     }
 
     /// Size in bytes.
@@ -306,6 +330,10 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        if self.parent.is_some() {
+            // A part: the parent's drop unmaps (once every part is gone).
+            return;
+        }
         // SAFETY: we own this mapping; every reference handed out borrowed `self`, so none
         // outlives it.
         unsafe {

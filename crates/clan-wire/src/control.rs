@@ -114,8 +114,13 @@ pub struct ImportGrant {
     pub import_id: u64,
     /// Length of the whole aperture.
     pub aperture_len: u64,
-    /// Data capacity (page multiple): the size of the data memfd.
+    /// Data capacity (page multiple).
     pub cap: u64,
+    /// Where the aperture's data starts in the data memfd (a page multiple: 0 unless the
+    /// aperture is carved from a pool of memory shared with the importer's NIC).
+    pub data_offset: u64,
+    /// Where the aperture's index starts in the index memfd (likewise).
+    pub index_offset: u64,
     /// Tripwire entries of the aperture's index (the index memfd's geometry).
     pub slots: u32,
     /// The event queue's id on the serving NIC.
@@ -350,7 +355,7 @@ impl Reply {
         match self {
             Reply::HelloOk { nic } => put_addr(&mut w, *nic),
             Reply::ImportOk(g) => {
-                for v in [g.import_id, g.aperture_len, g.cap] {
+                for v in [g.import_id, g.aperture_len, g.cap, g.data_offset, g.index_offset] {
                     w.extend_from_slice(&v.to_le_bytes());
                 }
                 for v in [g.slots, g.eq_id, g.ring_cap] {
@@ -387,6 +392,8 @@ impl Reply {
                 import_id: r.u64()?,
                 aperture_len: r.u64()?,
                 cap: r.u64()?,
+                data_offset: r.u64()?,
+                index_offset: r.u64()?,
                 slots: r.u32()?,
                 eq_id: r.u32()?,
                 ring_cap: r.u32()?,

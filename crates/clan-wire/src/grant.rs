@@ -83,6 +83,8 @@ pub struct Policy<'a> {
     pub pids: &'a [u32],
     /// Allowed importing endpoints.
     pub endpoints: &'a [EndpointId],
+    /// Allowed importing NICs (any endpoint of them).
+    pub nics: &'a [SocketAddr],
 }
 
 /// Who asks, with what the transport established about it.
@@ -123,12 +125,18 @@ pub fn decide(policy: &Policy<'_>, importer: &Importer) -> Result<(), Refusal> {
             {
                 return Err(Refusal::DeniedEndpoint);
             }
+            if !policy.nics.is_empty() && !verified_nic.is_some_and(|n| policy.nics.contains(&n)) {
+                return Err(Refusal::DeniedEndpoint);
+            }
         }
         Importer::Remote { endpoint, link_peer } => {
             if !policy.uids.is_empty() || !policy.pids.is_empty() {
                 return Err(Refusal::DeniedCredentials);
             }
             if !policy.endpoints.is_empty() && (endpoint.nic != link_peer || !policy.endpoints.contains(&endpoint)) {
+                return Err(Refusal::DeniedEndpoint);
+            }
+            if !policy.nics.is_empty() && !policy.nics.contains(&link_peer) {
                 return Err(Refusal::DeniedEndpoint);
             }
         }
@@ -213,9 +221,10 @@ mod tests {
         let me: SocketAddr = "10.77.0.1:7000".parse().unwrap();
         let ep = EndpointId { nic: me, port: 3 };
         let other = EndpointId { nic: "10.77.0.2:7000".parse().unwrap(), port: 3 };
-        let open = Policy { uids: &[], pids: &[], endpoints: &[] };
-        let by_uid = Policy { uids: &[1000], pids: &[], endpoints: &[] };
-        let by_ep = Policy { uids: &[], pids: &[], endpoints: &[ep] };
+        let open = Policy { uids: &[], pids: &[], endpoints: &[], nics: &[] };
+        let by_uid = Policy { uids: &[1000], pids: &[], endpoints: &[], nics: &[] };
+        let by_ep = Policy { uids: &[], pids: &[], endpoints: &[ep], nics: &[] };
+        let by_nic = Policy { uids: &[], pids: &[], endpoints: &[], nics: &[me] };
         let local = |uid, verified| Importer::Process { uid, pid: 9, endpoint: ep, verified_nic: verified };
         assert_eq!(decide(&open, &local(0, None)), Ok(()));
         assert_eq!(decide(&by_uid, &local(1000, None)), Ok(()));
@@ -226,6 +235,11 @@ mod tests {
         assert_eq!(decide(&by_uid, &remote(ep, me)), Err(Refusal::DeniedCredentials));
         assert_eq!(decide(&by_ep, &remote(ep, me)), Ok(()));
         assert_eq!(decide(&by_ep, &remote(ep, other.nic)), Err(Refusal::DeniedEndpoint), "a forged endpoint");
+        assert_eq!(decide(&by_nic, &local(0, Some(me))), Ok(()));
+        assert_eq!(decide(&by_nic, &local(0, Some(other.nic))), Err(Refusal::DeniedEndpoint));
+        assert_eq!(decide(&by_nic, &local(0, None)), Err(Refusal::DeniedEndpoint), "an unverified NIC");
+        assert_eq!(decide(&by_nic, &remote(other, me)), Ok(()), "any endpoint of the NIC");
+        assert_eq!(decide(&by_nic, &remote(ep, other.nic)), Err(Refusal::DeniedEndpoint));
         for r in [Refusal::Revoked, Refusal::BadKey, Refusal::DeniedEndpoint, Refusal::TooMany, Refusal::Malformed] {
             assert_eq!(Refusal::from_code(Code::from(r)), Some(r));
             assert_eq!(Refusal::from_status(Status::from(r)).map(Status::from), Some(Status::from(r)));

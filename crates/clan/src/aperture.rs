@@ -37,6 +37,7 @@ use crate::config::ImportPolicy;
 use crate::descriptor::Descriptor;
 use crate::error::{AccessError, ExportError, TripwireError};
 use crate::nic::NicInner;
+use crate::pool::{Pool, Slice};
 use crate::tripwire::{Tripwire, TripwireConfig, WatchOwner};
 use crate::window::{Window, check_align, check_range};
 
@@ -51,13 +52,30 @@ pub(crate) fn index_len(cap: u64, slots: u32) -> u64 {
     segment::page_align(CamLayout::new(cap, slots).size) as u64
 }
 
+/// Where an aperture's memory lives.
+#[derive(Debug)]
+pub(crate) enum Backing {
+    /// Two memfds of its own: the data, and the index.
+    Own { memfd: Memfd, index_fd: Memfd },
+    /// Part of a chunk of a pool shared with one peer NIC (`pool.rs`).
+    Pooled(Slice),
+}
+
+/// Tripwire entries of a pooled aperture's index: at least 32, and as many more as fill the
+/// index's last page. Pooled apertures are connection buffers with a few tripwires each: a
+/// one-page aperture's index is then one page (58 entries) instead of sixteen (1024), and a
+/// chunk holds 256 of them instead of 16.
+fn pooled_slots(cap: u64) -> u32 {
+    const MIN: u32 = 32;
+    let l = CamLayout::new(cap, MIN);
+    let room = (segment::page_align(l.size) - l.entries_off) / std::mem::size_of::<clan_shm::trip::TripEntry>();
+    (room as u32).clamp(MIN, MAX_SLOTS)
+}
+
 /// The recyclable memory of an aperture.
 #[derive(Debug)]
 pub(crate) struct ApertureMem {
-    /// The data.
-    pub memfd: Memfd,
-    /// The index.
-    pub index_fd: Memfd,
+    pub backing: Backing,
     pub seg: Arc<Segment>,
     pub cam: Arc<CamMap>,
     /// Data capacity (a page multiple).
@@ -87,13 +105,74 @@ impl ApertureMem {
             context: "laying out the aperture index",
             source: std::io::Error::other(e),
         })?);
-        Ok(ApertureMem { memfd, index_fd, seg, cam, cap, slots, handed_out: AtomicBool::new(false) })
+        Ok(ApertureMem {
+            backing: Backing::Own { memfd, index_fd },
+            seg,
+            cam,
+            cap,
+            slots,
+            handed_out: AtomicBool::new(false),
+        })
+    }
+
+    /// Memory carved from `pool` (zero-filled), if the aperture is small enough to be pooled.
+    pub fn pooled(pool: &Arc<Pool>, cap: u64) -> Result<Option<ApertureMem>, ExportError> {
+        let slots = pooled_slots(cap);
+        let index_len = index_len(cap, slots);
+        if cap > crate::pool::MAX_POOLED || index_len > crate::pool::CHUNK_INDEX / 8 {
+            return Ok(None);
+        }
+        let slice = pool.carve(cap, index_len)?;
+        let part = |seg: &Arc<Segment>, off: u64, len: u64| {
+            Segment::sub(seg, off as usize, len as usize).map(Arc::new).map_err(|e| ExportError::Io {
+                context: "carving an aperture from its pool",
+                source: std::io::Error::other(e.to_string()),
+            })
+        };
+        let seg = part(&slice.chunk.data_seg, slice.data_off, cap)?;
+        let index_seg = part(&slice.chunk.index_seg, slice.index_off, index_len)?;
+        let cam = Arc::new(CamMap::new(index_seg, 0, cap, slots).map_err(|e| ExportError::Io {
+            context: "laying out the aperture index",
+            source: std::io::Error::other(e),
+        })?);
+        Ok(Some(ApertureMem {
+            backing: Backing::Pooled(slice),
+            seg,
+            cam,
+            cap,
+            slots,
+            handed_out: AtomicBool::new(false),
+        }))
+    }
+
+    /// The pool the memory was carved from, if any.
+    pub fn slice(&self) -> Option<&Slice> {
+        match &self.backing {
+            Backing::Pooled(s) => Some(s),
+            Backing::Own { .. } => None,
+        }
+    }
+
+    /// The data memfd, the index memfd, and where the aperture starts in each.
+    pub fn fds(&self) -> (&Memfd, &Memfd, u64, u64) {
+        match &self.backing {
+            Backing::Own { memfd, index_fd } => (memfd, index_fd, 0, 0),
+            Backing::Pooled(s) => (&s.chunk.data, &s.chunk.index, s.data_off, s.index_off),
+        }
     }
 
     /// Zero data and index (returns the pages to the system).
     pub fn reset(&self) -> std::io::Result<()> {
-        self.memfd.zero(0, self.memfd.len())?;
-        self.index_fd.zero(0, self.index_fd.len())
+        match &self.backing {
+            Backing::Own { memfd, index_fd } => {
+                memfd.zero(0, memfd.len())?;
+                index_fd.zero(0, index_fd.len())
+            }
+            Backing::Pooled(s) => {
+                s.chunk.data.zero(s.data_off, self.cap)?;
+                s.chunk.index.zero(s.index_off, s.index_len)
+            }
+        }
     }
 
     /// Initialise the index header for a new export.

@@ -245,6 +245,8 @@ pub struct ImportPolicy {
     pub pids: Vec<u32>,
     /// Allowed importing endpoints.
     pub endpoints: Vec<EndpointAddr>,
+    /// Allowed importing NICs (any endpoint of them; verified as for endpoints).
+    pub nics: Vec<NicAddr>,
 }
 
 impl ImportPolicy {
@@ -267,6 +269,11 @@ impl ImportPolicy {
         self.endpoints.push(ep);
         self
     }
+    /// Only endpoints of NIC `nic`.
+    pub fn nic(mut self, nic: NicAddr) -> Self {
+        self.nics.push(nic);
+        self
+    }
 }
 
 /// How an aperture is exported.
@@ -274,4 +281,19 @@ impl ImportPolicy {
 pub struct ExportConfig {
     /// Import restrictions.
     pub policy: ImportPolicy,
+    /// Export the aperture for one peer NIC: only that NIC may import it (added to
+    /// `policy`), and its memory is carved from a pool shared by every aperture exported for
+    /// that peer, so that thousands of them cost a few memfds and mappings instead of two
+    /// each. The peer's process then reaches every aperture of the pool once it imports one:
+    /// use it for apertures whose descriptors go to that peer anyway (a connection's buffers;
+    /// `clan-proto` does for every connection). A read-only or narrowed descriptor of such an
+    /// aperture is served through a link. Apertures larger than 512 KiB get memory of their own.
+    pub pooled_for: Option<NicAddr>,
+}
+
+impl ExportConfig {
+    /// An aperture for `peer` only, with pooled memory (the field `pooled_for`).
+    pub fn for_peer(peer: NicAddr) -> ExportConfig {
+        ExportConfig { pooled_for: Some(peer), ..ExportConfig::default() }
+    }
 }

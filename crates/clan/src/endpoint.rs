@@ -261,14 +261,17 @@ fn import_timeout(inner: &Arc<EndpointInner>, desc: &Descriptor, timeout: Durati
         // A grant of part of an aperture is never served by handing over memory (the
         // aperture's memfd would reach beyond it): it goes through a link, mediated by the
         // exporter's NIC, on this host as across hosts.
-        let narrowed = desc.is_narrowed();
-        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory && !narrowed {
+        // So is a read-only grant of an aperture carved from a pool (`pool.rs`): the exporter
+        // says so (`NeedsLink`).
+        let mut mediated = desc.is_narrowed();
+        if nic.config.local_transport == crate::config::LocalTransport::SharedMemory && !mediated {
             match crate::peer::import_remote(inner, desc, deadline, timeout) {
                 Err(ImportError::Unreachable(_)) => {} // not on this host: use a link
+                Err(ImportError::NeedsLink { .. }) => mediated = true,
                 r => return r,
             }
         }
-        if narrowed && !nic.config.tcp {
+        if mediated && !nic.config.tcp {
             return Err(ImportError::NeedsLink { peer: desc.nic() });
         }
         crate::remote::import_over_link(inner, desc, deadline, timeout)

@@ -140,7 +140,7 @@ pub enum ImportError {
     /// host is only served through a link between the two NICs (so that it never holds memory
     /// beyond its grant), and links are disabled on one of them ([`crate::NicConfig::tcp`]).
     #[error(
-        "the descriptor grants part of an aperture of {peer}, which is served through a link only, and links are disabled (NicConfig::tcp)"
+        "the descriptor grants part of an aperture of {peer} (or reading only, of an aperture pooled for this NIC), which is served through a link only, and links are disabled (NicConfig::tcp)"
     )]
     NeedsLink {
         /// The exporter.
@@ -204,9 +204,8 @@ impl ImportError {
             R::DeniedCredentials => ImportError::Denied(Denial::Policy),
             R::TooManyProducers => ImportError::TooManyProducers,
             R::TooMany => ImportError::TooMany { peer },
-            R::Malformed | R::NotOurs | R::Narrowed | R::Internal => {
-                ImportError::Protocol { peer, detail: r.to_string() }
-            }
+            R::Narrowed => ImportError::NeedsLink { peer },
+            R::Malformed | R::NotOurs | R::Internal => ImportError::Protocol { peer, detail: r.to_string() },
         }
     }
 }

@@ -68,6 +68,7 @@ mod link;
 mod mapping;
 mod nic;
 mod peer;
+mod pool;
 mod port;
 mod progress;
 mod remote;

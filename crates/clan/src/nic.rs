@@ -150,6 +150,8 @@ struct ApSlot {
     /// Connections that ever imported this generation and are still connected.
     holders: HashSet<u64>,
     parked: Option<Arc<ApertureMem>>,
+    /// Its memory is carved from a pool (reusable once its peer unimported it).
+    pooled: bool,
 }
 
 #[derive(Debug, Default)]
@@ -181,6 +183,10 @@ pub struct NicStats {
     pub endpoints: u64,
     /// Open links to NICs of other hosts.
     pub links: u64,
+    /// Pools of aperture memory (one per peer NIC that apertures were exported for).
+    pub pools: u64,
+    /// Chunks in those pools: each is two memfds and two mappings, shared by its apertures.
+    pub pool_chunks: u64,
 }
 
 pub(crate) struct NicInner {
@@ -202,6 +208,7 @@ pub(crate) struct NicInner {
     cmds: Mutex<Vec<Cmd>>,
     waker: OnceLock<Arc<mio::Waker>>,
     cache: Mutex<Cache>,
+    pub(crate) pools: crate::pool::Pools,
     engine: Mutex<Option<Engine>>,
     dma: Mutex<Option<crate::dma::DmaEngine>>,
     exports_fresh: AtomicU64,
@@ -466,7 +473,8 @@ impl NicInner {
         }
         let p = &ap.policy;
         let endpoints: Vec<clan_wire::control::EndpointId> = p.endpoints.iter().map(|e| (*e).into()).collect();
-        let policy = clan_wire::grant::Policy { uids: &p.uids, pids: &p.pids, endpoints: &endpoints };
+        let nics: Vec<std::net::SocketAddr> = p.nics.iter().map(NicAddr::socket_addr).collect();
+        let policy = clan_wire::grant::Policy { uids: &p.uids, pids: &p.pids, endpoints: &endpoints, nics: &nics };
         clan_wire::grant::decide(&policy, who)?;
         Ok(ap)
     }
@@ -639,7 +647,18 @@ impl NicInner {
             return Err(ExportError::TooLarge { len, max: MAX_APERTURE });
         }
         let cap = clan_shm::segment::page_align(len as usize) as u64;
-        let cached = {
+        let mut policy = cfg.policy;
+        let pooled = match cfg.pooled_for {
+            Some(peer) => {
+                policy.nics.push(peer);
+                ApertureMem::pooled(&self.pools.for_peer(peer), cap)?.map(Arc::new)
+            }
+            None => None,
+        };
+        let is_pooled = pooled.is_some();
+        let cached = if pooled.is_some() {
+            pooled
+        } else {
             let mut c = lock(&self.cache);
             let m = c.by_cap.get_mut(&cap).and_then(Vec::pop);
             if m.is_some() {
@@ -675,6 +694,7 @@ impl NicInner {
             s.exported = true;
             s.remote.clear();
             s.holders.clear();
+            s.pooled = is_pooled;
             (id, s.generation)
         };
         let tag = aperture_tag(id, generation);
@@ -702,7 +722,7 @@ impl NicInner {
             window,
             watch,
             key: aperture_key(&self.secret, id, generation),
-            policy: cfg.policy,
+            policy,
             revoked: Default::default(),
         });
         {
@@ -735,7 +755,13 @@ impl NicInner {
     }
 
     fn releasable(&self, s: &ApSlot) -> bool {
-        if self.config.reuse_imported_apertures { s.remote.values().all(|&n| n == 0) } else { s.holders.is_empty() }
+        // Pooled memory can only ever reach its pool's peer, which the pool's next aperture
+        // is for anyway: reusable once that peer unimported it (`pool.rs`).
+        if self.config.reuse_imported_apertures || s.pooled {
+            s.remote.values().all(|&n| n == 0)
+        } else {
+            s.holders.is_empty()
+        }
     }
 
     /// The last local reference to an aperture is gone: recycle its memory, or park it until
@@ -767,6 +793,10 @@ impl NicInner {
         let Ok(mem) = Arc::try_unwrap(mem) else {
             return;
         };
+        if mem.slice().is_some() {
+            // Back to its pool (`pool.rs`: the slice's drop).
+            return;
+        }
         if mem.handed_out.load(Ordering::Relaxed) && !self.config.reuse_imported_apertures {
             // Tainted: another process may still hold its descriptors.
             return;
@@ -816,6 +846,8 @@ impl NicInner {
         // from the same NIC and process still open (`still_connected`).
         if let (Some(peer), false) = (c.hello, still_connected) {
             self.peer_gone(peer);
+            // A later process on that address gets a pool of its own, never this memory.
+            self.pools.retire(peer);
         }
         let mut recycle = Vec::new();
         {
@@ -890,10 +922,20 @@ impl NicInner {
         }
         let mem = ap.mem();
         let read_only = !desc.rights().contains(Rights::WRITE);
+        if let Some(s) = mem.slice() {
+            // The chunk holds the pool's other apertures: handed over to the pool's process
+            // only, and for read-write grants only (a read-only one goes through a link, like
+            // a narrowed one: a read-only open of the chunk would still read the others
+            // read-only, and a later read-write grant would upgrade this one).
+            if read_only {
+                return Err(refused(Refusal::Narrowed));
+            }
+            s.pool.bind(c.cred.pid, c.cred.uid).map_err(refused)?;
+        }
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
-        let ap_fd =
-            if read_only { mem.memfd.reopen_read_only() } else { mem.memfd.try_clone_fd() }.map_err(internal)?;
-        let index_fd = mem.index_fd.reopen_read_only().map_err(internal)?;
+        let (data, index, data_offset, index_offset) = mem.fds();
+        let ap_fd = if read_only { data.reopen_read_only() } else { data.try_clone_fd() }.map_err(internal)?;
+        let index_fd = index.reopen_read_only().map_err(internal)?;
         mem.handed_out.store(true, Ordering::Relaxed);
         let eq = ap.watch.eq.clone();
         // The process's port in the aperture's queue (its ring; its claims are honoured on
@@ -923,6 +965,8 @@ impl NicInner {
                 import_id,
                 aperture_len: ap.len,
                 cap: mem.cap,
+                data_offset,
+                index_offset,
                 slots: mem.slots,
                 eq_id: eq.id,
                 port: port.id,
@@ -1000,6 +1044,7 @@ impl Nic {
             cmds: Mutex::new(Vec::new()),
             waker: OnceLock::new(),
             cache: Mutex::new(Cache::default()),
+            pools: crate::pool::Pools::default(),
             engine: Mutex::new(None),
             dma: Mutex::new(None),
             exports_fresh: AtomicU64::new(0),
@@ -1099,6 +1144,8 @@ impl Nic {
             imports_granted: i.imports_granted.load(Ordering::Relaxed),
             imports_refused: i.imports_refused.load(Ordering::Relaxed),
             cached_bytes: lock(&i.cache).bytes,
+            pools: i.pools.counts().0,
+            pool_chunks: i.pools.counts().1,
             links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
             endpoints: i
                 .endpoints

@@ -510,16 +510,22 @@ pub(crate) fn finish_import(
     let port = crate::port::attach(desc.nic(), g.eq_id, g.port, g.ring_cap, port_fd, eventfd)
         .map_err(|d| protocol(desc.nic(), d))?;
     let index_len = crate::aperture::index_len(g.cap, g.slots);
-    let memfd = Memfd::adopt(ap_fd, g.cap).map_err(|e| protocol(desc.nic(), format!("aperture memfd: {e}")))?;
+    // The aperture may be carved from a pool's chunk (`pool.rs`): its data and index start at
+    // the grant's offsets, within memfds at least that long (checked by `check_grant` and
+    // against the memfds' sealed sizes here). Only its own pages are mapped.
+    let data_end = g.data_offset.checked_add(g.cap).ok_or_else(|| protocol(desc.nic(), "data offset overflows"))?;
+    let index_end =
+        g.index_offset.checked_add(index_len).ok_or_else(|| protocol(desc.nic(), "index offset overflows"))?;
+    let memfd = Memfd::adopt(ap_fd, data_end).map_err(|e| protocol(desc.nic(), format!("aperture memfd: {e}")))?;
     let index_fd =
-        Memfd::adopt(index_fd, index_len).map_err(|e| protocol(desc.nic(), format!("aperture index memfd: {e}")))?;
+        Memfd::adopt(index_fd, index_end).map_err(|e| protocol(desc.nic(), format!("aperture index memfd: {e}")))?;
     let page = segment::page_size() as u64;
     let start = desc.offset() / page * page;
     let end = (desc.offset() + desc.len()).div_ceil(page) * page;
     let access = if g.read_only { SegAccess::ReadOnly } else { SegAccess::ReadWrite };
-    let data =
-        Segment::map(&memfd, start, (end - start) as usize, access).map_err(|e| fd_err(e, "mapping the aperture"))?;
-    let cam_seg = Segment::map(&index_fd, 0, index_len as usize, SegAccess::ReadOnly)
+    let data = Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access)
+        .map_err(|e| fd_err(e, "mapping the aperture"))?;
+    let cam_seg = Segment::map(&index_fd, g.index_offset, index_len as usize, SegAccess::ReadOnly)
         .map_err(|e| fd_err(e, "mapping the aperture index"))?;
     let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap, g.slots).map_err(|e| protocol(desc.nic(), e.to_string()))?;
     cam.view().header.check(g.cap).map_err(|e| protocol(desc.nic(), e))?;
@@ -549,6 +555,9 @@ fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {
     }
     if g.slots == 0 || g.slots > crate::aperture::MAX_SLOTS {
         return Err("bad index geometry".into());
+    }
+    if g.data_offset % page != 0 || g.index_offset % page != 0 {
+        return Err("the aperture's offsets in its memfds are not page-aligned".into());
     }
     if g.read_only == desc.rights().contains(Rights::WRITE) {
         return Err("granted access does not match the descriptor's rights".into());

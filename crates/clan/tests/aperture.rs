@@ -121,12 +121,24 @@ fn restricting_importers_by_endpoint() {
     let owner = nic.endpoint().unwrap();
     let friend = nic.endpoint().unwrap();
     let stranger = nic.endpoint().unwrap();
-    let ap = owner.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().endpoint(friend.addr()) }).unwrap();
+    let ap = owner
+        .export_with(
+            4096,
+            ExportConfig { policy: ImportPolicy::anyone().endpoint(friend.addr()), ..ExportConfig::default() },
+        )
+        .unwrap();
     assert!(friend.import(&ap.descriptor()).is_ok());
     assert!(matches!(stranger.import(&ap.descriptor()), Err(ImportError::Denied(Denial::Endpoint))));
-    let ap = owner.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(0xfffe) }).unwrap();
+    let ap = owner
+        .export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(0xfffe), ..ExportConfig::default() })
+        .unwrap();
     assert!(matches!(friend.import(&ap.descriptor()), Err(ImportError::Denied(Denial::Uid))));
-    let ap = owner.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().pid(std::process::id()) }).unwrap();
+    let ap = owner
+        .export_with(
+            4096,
+            ExportConfig { policy: ImportPolicy::anyone().pid(std::process::id()), ..ExportConfig::default() },
+        )
+        .unwrap();
     assert!(friend.import(&ap.descriptor()).is_ok());
 }
 

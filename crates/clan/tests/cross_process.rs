@@ -66,6 +66,18 @@ fn child() {
             say(format!("done {}", late.is_err()));
             let _ = hear();
         }
+        // Say our NIC, import every descriptor we are sent, report what that cost us.
+        "import_all" => {
+            say(nic.addr());
+            let ds: Vec<Descriptor> = hear().unwrap().split(' ').map(|d| d.parse().unwrap()).collect();
+            let (fds, maps) = (count_fds(), count_maps());
+            let ms: Vec<_> = ds.iter().map(|d| ep.import(d).unwrap()).collect();
+            for (i, m) in ms.iter().enumerate() {
+                m.store_u64(0, i as u64 + 1).unwrap();
+            }
+            say(format!("fds {} maps {}", count_fds() - fds, count_maps() - maps));
+            let _ = hear();
+        }
         "try_import" => {
             let d: Descriptor = hear().unwrap().parse().unwrap();
             match ep.import(&d) {
@@ -221,6 +233,60 @@ fn import_from_another_process_and_wake_on_its_write() {
     child.wait_ok();
 }
 
+fn count_fds() -> i64 {
+    std::fs::read_dir("/proc/self/fd").unwrap().count() as i64
+}
+
+fn count_maps() -> i64 {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().count() as i64
+}
+
+/// Apertures exported for one peer NIC share memfds and mappings (`ExportConfig::for_peer`):
+/// 300 of them cost the exporter a handful of descriptors, not two each, and the importer
+/// none (it maps each aperture's own pages of the chunk). Each still works on its own.
+#[test]
+fn apertures_for_one_peer_share_their_memfds() {
+    let _wd = Watchdog::new("pooled apertures", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let mut c = Peer::spawn(ENTRY, "import_all", &[]);
+    let peer: clan::NicAddr = c.expect("nic").parse().unwrap();
+    let (fds, maps) = (count_fds(), count_maps());
+    let aps: Vec<_> = (0..300).map(|_| ep.export_with(4096, ExportConfig::for_peer(peer)).unwrap()).collect();
+    let (fds, maps) = (count_fds() - fds, count_maps() - maps);
+    assert!(fds <= 8, "300 pooled apertures cost {fds} descriptors");
+    assert!(maps <= 8, "300 pooled apertures cost {maps} mappings");
+    let st = nic.stats();
+    assert_eq!((st.pools, st.pool_chunks), (1, 2), "1 KiB-index apertures: 256 per chunk");
+    let tws: Vec<_> = aps.iter().map(|a| a.tripwire(TripwireConfig::writes(0..8)).unwrap()).collect();
+    let list: Vec<String> = aps.iter().map(|a| a.descriptor().to_string()).collect();
+    c.send(&list.join(" "));
+    let cost = c.expect("cost");
+    let (f, m) = cost.strip_prefix("fds ").and_then(|r| r.split_once(" maps ")).unwrap();
+    let (f, m): (i64, i64) = (f.parse().unwrap(), m.parse().unwrap());
+    assert!(f <= 4, "the importer kept {f} descriptors for 300 imports");
+    assert!(m <= 2 * 300 + 8, "the importer made {m} mappings for 300 imports");
+    for (i, (a, t)) in aps.iter().zip(&tws).enumerate() {
+        t.wait(Some(Duration::from_secs(20))).unwrap();
+        assert_eq!(a.load_u64(0).unwrap(), i as u64 + 1, "aperture {i} got another's write");
+    }
+    // Released (the importer is gone) and reused within the pool: the next ones come from
+    // the same chunks, zeroed. When none is left, the pool holds no descriptor.
+    drop(tws);
+    c.send("bye");
+    c.wait_ok();
+    let mut aps = aps;
+    let first = aps.swap_remove(0);
+    drop(aps);
+    let again: Vec<_> = (0..299).map(|_| ep.export_with(4096, ExportConfig::for_peer(peer)).unwrap()).collect();
+    assert_eq!(nic.stats().pool_chunks, 2, "the pool's memory is reused");
+    assert!(again.iter().all(|a| a.load_u64(0) == Ok(0)), "reused memory is zeroed");
+    let before = count_fds();
+    drop((first, again));
+    assert_eq!(nic.stats().pool_chunks, 0);
+    assert!(count_fds() <= before - 4, "the chunks' memfds are closed");
+}
+
 fn try_import(desc: &Descriptor) -> String {
     let mut c = Peer::spawn(ENTRY, "try_import", &[]);
     c.send(&desc.to_string());
@@ -234,18 +300,31 @@ fn import_restrictions_by_pid_uid_and_endpoint() {
     let _wd = Watchdog::new("restrictions", Duration::from_secs(120));
     let nic = nic();
     let ep = nic.endpoint().unwrap();
-    let only_me =
-        ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().pid(std::process::id()) }).unwrap();
+    let only_me = ep
+        .export_with(
+            4096,
+            ExportConfig { policy: ImportPolicy::anyone().pid(std::process::id()), ..ExportConfig::default() },
+        )
+        .unwrap();
     assert_eq!(try_import(&only_me.descriptor()), "Denied(Pid)");
-    let other_uid = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(54321) }).unwrap();
+    let other_uid = ep
+        .export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(54321), ..ExportConfig::default() })
+        .unwrap();
     assert_eq!(try_import(&other_uid.descriptor()), "Denied(Uid)");
     let my_uid = rustix::process::getuid().as_raw();
-    let same_uid = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(my_uid) }).unwrap();
+    let same_uid = ep
+        .export_with(4096, ExportConfig { policy: ImportPolicy::anyone().uid(my_uid), ..ExportConfig::default() })
+        .unwrap();
     assert_eq!(try_import(&same_uid.descriptor()), "ok");
     // Endpoint: only the endpoint the first child announces.
     let mut friend = Peer::spawn(ENTRY, "endpoint_import", &[]);
     let friend_ep: EndpointAddr = friend.expect("endpoint").parse().unwrap();
-    let ap = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().endpoint(friend_ep) }).unwrap();
+    let ap = ep
+        .export_with(
+            4096,
+            ExportConfig { policy: ImportPolicy::anyone().endpoint(friend_ep), ..ExportConfig::default() },
+        )
+        .unwrap();
     friend.send(&ap.descriptor().to_string());
     assert_eq!(friend.expect("result"), "ok");
     friend.wait_ok();

@@ -14,7 +14,7 @@ mod util;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use clan::{Descriptor, EventQueueConfig, ImportError, Nic, NicConfig, Rights, TripwireConfig};
+use clan::{Descriptor, EventQueueConfig, ExportConfig, ImportError, Nic, NicConfig, Rights, TripwireConfig};
 use clan_shm::segment::{Access, Segment};
 use util::{Peer, Watchdog, hear, say, unprivileged};
 
@@ -111,6 +111,34 @@ fn child() {
             let nics: Vec<Nic> = (0..n).map(|_| nic_or_die()).collect();
             let maps: Vec<_> = nics.iter().map(|x| x.endpoint().unwrap().import(&desc)).collect();
             say(format!("imported {}", maps.iter().filter(|m| m.is_ok()).count()));
+            while hear().is_some() {}
+        }
+        // Apertures exported for our NIC (pooled): import ours, try one pooled for another
+        // NIC, a read-only grant of ours, then inspect and garbage as "inspect" does.
+        "pooled" => {
+            say(nic.addr());
+            let desc: Descriptor = hear().unwrap().parse().unwrap();
+            let other: Descriptor = hear().unwrap().parse().unwrap();
+            let m = ep.import(&desc).unwrap();
+            say(format!("remote {}", m.is_remote()));
+            say(format!("write {}", m.write(0, b"granted!").is_ok()));
+            say(format!("other {}", ep.import(&other).err().map_or("ok".to_string(), |e| format!("{e:?}"))));
+            let ro = desc.derive(0, desc.len(), Rights::READ).unwrap();
+            say(match ep.import(&ro) {
+                Ok(m) => format!("read-only remote {} write {}", m.is_remote(), m.write(0, b"x").is_ok()),
+                Err(e) => format!("read-only {e:?}"),
+            });
+            let raw = raw_import(&nic, &ep, &ro);
+            say(format!("raw-ro {}", raw.as_ref().map_or_else(|e| e.clone(), |r| format!("fds {}", r.fds.len()))));
+            let raw = raw_import(&nic, &ep, &desc);
+            say(format!("raw {}", raw.as_ref().map_or_else(|e| e.clone(), |r| format!("fds {}", r.fds.len()))));
+            for line in inspect_fds() {
+                say(line);
+            }
+            say("end");
+            let ms: u64 = hear().unwrap().parse().unwrap();
+            garbage(Duration::from_millis(ms));
+            say("garbaged");
             while hear().is_some() {}
         }
         "try_import" => {
@@ -393,6 +421,54 @@ fn a_narrowed_grant_reaches_nothing_beyond_it() {
     let (o, g) = (off as usize, glen as usize);
     assert!(back[..o] == pattern[..o], "bytes before the grant changed");
     assert!(back[o + g..] == pattern[o + g..], "bytes after the grant changed");
+}
+
+/// Apertures exported for one peer NIC share their memfds (`pool.rs`): the peer, importing
+/// one, receives its chunk, which holds only apertures made for that same peer. An attacker
+/// given one finds nothing of any other aperture (its own pool's excepted), cannot import an
+/// aperture pooled for another NIC, gets a read-only grant of a pooled aperture only through
+/// a link (never the chunk), and its garbage changes nothing outside its pool.
+#[test]
+fn a_pooled_aperture_reaches_only_its_own_peers_pool() {
+    let _wd = Watchdog::new("pooled grant", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let Some(mut c) = spawn_unprivileged("pooled") else { return };
+    let peer: clan::NicAddr = c.expect("nic addr").parse().unwrap();
+    // Ours and another NIC's pools, and an aperture of its own, hold the secret.
+    let stranger = clan::NicAddr::localhost(1);
+    let theirs: Vec<_> = (0..4).map(|_| ep.export_with(4096, ExportConfig::for_peer(stranger)).unwrap()).collect();
+    let own = ep.export(1 << 16).unwrap();
+    for ap in theirs.iter().chain([&own]) {
+        let pattern: Vec<u8> = SECRET.iter().copied().cycle().take(ap.len() as usize).collect();
+        ap.write(0, &pattern).unwrap();
+    }
+    let mine = ep.export_with(8192, ExportConfig::for_peer(peer)).unwrap();
+    assert_eq!(nic.stats().pools, 2);
+    c.send(&mine.descriptor().to_string());
+    c.send(&theirs[0].descriptor().to_string());
+    assert_eq!(c.expect("remote"), "remote false", "a whole grant of a pooled aperture is mapped");
+    assert_eq!(c.expect("write"), "write true");
+    assert_eq!(c.expect("other"), "other Denied(Endpoint)", "an aperture pooled for another NIC");
+    let ro = c.expect("read-only");
+    assert!(
+        ro == "read-only remote true write false" || ro.starts_with("read-only NeedsLink"),
+        "a read-only grant of a pooled aperture is mediated: {ro}"
+    );
+    assert_eq!(c.expect("raw-ro"), "raw-ro Narrowed", "no chunk for a read-only grant");
+    assert_eq!(c.expect("raw"), "raw fds 4");
+    let fds = read_inspection(&mut c);
+    assert!(fds.iter().any(|(n, _)| n == "clan-pool"), "the importer kept the chunk: {fds:?}");
+    for (name, f) in &fds {
+        assert!(f.contains("secret false"), "{name} reveals another aperture: {f}");
+    }
+    c.send("500");
+    assert_eq!(c.expect("garbaged"), "garbaged");
+    for ap in theirs.iter().chain([&own]) {
+        let mut back = vec![0u8; ap.len() as usize];
+        ap.read(0, &mut back).unwrap();
+        assert!(back.chunks(16).all(|w| w == SECRET), "another aperture changed");
+    }
 }
 
 /// An importer that forges claims for an aperture it was never granted, and writes garbage

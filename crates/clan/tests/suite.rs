@@ -136,7 +136,12 @@ fn server(nic: &Nic, scenario: &str) {
         "restrict" => {
             let req = ep.accept(Some(LIMIT)).unwrap();
             let friend = req.from();
-            let ap = ep.export_with(4096, ExportConfig { policy: ImportPolicy::anyone().endpoint(friend) }).unwrap();
+            let ap = ep
+                .export_with(
+                    4096,
+                    ExportConfig { policy: ImportPolicy::anyone().endpoint(friend), ..ExportConfig::default() },
+                )
+                .unwrap();
             let _conn = req.accept(&ep, &ap.descriptor()).unwrap();
             say("pass");
             let _ = hear();

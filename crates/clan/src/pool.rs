@@ -1,0 +1,281 @@
+//! Pools: the memory of apertures exported for one peer NIC, carved from shared memfds.
+//!
+//! An aperture of its own costs two memfds (its data and its tripwire index) and two mappings
+//! for as long as it lives: a server with ten thousand connections would hold twenty thousand
+//! descriptors for its sides alone, past the usual `RLIMIT_NOFILE`. Apertures exported *for*
+//! one peer NIC ([`crate::ExportConfig::for_peer`]; every connection side of `clan-proto`)
+//! are carved instead from *chunks*: one data memfd of [`CHUNK_DATA`] bytes and one index
+//! memfd of [`CHUNK_INDEX`] bytes, each mapped once by the exporter and shared by every
+//! aperture of the pool that fits in them (a few hundred small ones). The importer maps only
+//! its aperture's pages of the chunk and keeps no descriptor, as for any import.
+//!
+//! # Protection
+//!
+//! A process that imports one aperture of a chunk receives the chunk's memfds (the kernel
+//! grants per file, never per byte), and so can reach every aperture carved from that chunk.
+//! A pool is therefore one peer's, and:
+//!
+//! - only its NIC may import its apertures: their import policy names it
+//!   (`clan_wire::grant::Policy::nics`), on every path;
+//! - the pool is bound to the first process that imports from it (its kernel-verified pid
+//!   and uid) and refuses every other ([`Pool::bind`]); when that NIC goes away the pool is
+//!   retired: a later process on the same address gets a new pool, never this memory;
+//! - only whole, read-write descriptors of a pooled aperture are served by handing over the
+//!   chunk; a read-only or narrowed one is served mediated, through a link
+//!   (`Refusal::Narrowed`), so a read-only grant is never upgraded by the chunk's other
+//!   apertures;
+//! - memory of a pool is reused only within that pool (zeroed first), never for anyone else;
+//!   and since the only process that could keep a descriptor of it is the peer itself, it is
+//!   reused as soon as the peer has unimported it (an own aperture whose memory went to
+//!   another process is never reused by default).
+//!
+//! So pool only apertures whose descriptors go to that peer anyway (a connection's buffers):
+//! the peer may read and write all of them once it imports one.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use clan_shm::memfd::Memfd;
+use clan_shm::segment::{Access as SegAccess, Segment};
+use clan_wire::grant::Refusal;
+
+use crate::addr::NicAddr;
+use crate::error::ExportError;
+use crate::lock;
+
+/// Bytes of data per chunk.
+pub const CHUNK_DATA: u64 = 4 << 20;
+/// Bytes of index per chunk.
+pub const CHUNK_INDEX: u64 = 1 << 20;
+/// Largest data capacity carved from a pool (larger apertures get memfds of their own).
+pub const MAX_POOLED: u64 = CHUNK_DATA / 8;
+
+/// One data memfd and one index memfd, mapped once, shared by the apertures carved from them.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    pub data: Memfd,
+    pub index: Memfd,
+    pub data_seg: Arc<Segment>,
+    pub index_seg: Arc<Segment>,
+}
+
+impl Chunk {
+    fn create() -> Result<Chunk, ExportError> {
+        let fd = |e, what| crate::aperture::fd_or_io(e, what);
+        let data = Memfd::create("clan-pool", CHUNK_DATA).map_err(|e| fd(e, "creating a pool's data memfd"))?;
+        let index =
+            Memfd::create("clan-pool-index", CHUNK_INDEX).map_err(|e| fd(e, "creating a pool's index memfd"))?;
+        let map = |m: &Memfd, len: u64, what| {
+            Segment::map(m, 0, len as usize, SegAccess::ReadWrite)
+                .map(Arc::new)
+                .map_err(|source| ExportError::Io { context: what, source })
+        };
+        let data_seg = map(&data, CHUNK_DATA, "mapping a pool's data")?;
+        let index_seg = map(&index, CHUNK_INDEX, "mapping a pool's index")?;
+        Ok(Chunk { data, index, data_seg, index_seg })
+    }
+}
+
+/// An aperture's part of a chunk. Dropping it gives it back to its pool (zeroed).
+#[derive(Debug)]
+pub(crate) struct Slice {
+    pub pool: Arc<Pool>,
+    pub chunk: Arc<Chunk>,
+    /// Where the data starts in the chunk's data memfd (a page multiple).
+    pub data_off: u64,
+    /// Where the index starts in the chunk's index memfd (a page multiple).
+    pub index_off: u64,
+    /// The index's length (a page multiple).
+    pub index_len: u64,
+    /// The data's length (a page multiple).
+    pub cap: u64,
+}
+
+impl Drop for Slice {
+    fn drop(&mut self) {
+        self.pool.give_back(self);
+    }
+}
+
+/// Slices given back, by (data capacity, index length): (chunk, data offset, index offset).
+type FreeSlices = HashMap<(u64, u64), Vec<(Arc<Chunk>, u64, u64)>>;
+
+#[derive(Debug, Default)]
+struct PoolState {
+    /// Every chunk; the last is being filled.
+    chunks: Vec<Arc<Chunk>>,
+    /// Slices carved and not yet dropped: when none is left, the chunks go (a pool with no
+    /// aperture holds no descriptor).
+    live: usize,
+    /// Bytes of the last chunk's data and index handed out.
+    data_used: u64,
+    index_used: u64,
+    /// Slices given back (zeroed).
+    free: FreeSlices,
+    /// The process that imports from the pool (pid, uid), once one did.
+    bound: Option<(u32, u32)>,
+    retired: bool,
+}
+
+/// The memory of the apertures exported for one peer NIC.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    pub peer: NicAddr,
+    state: Mutex<PoolState>,
+}
+
+impl Pool {
+    fn new(peer: NicAddr) -> Pool {
+        Pool { peer, state: Mutex::new(PoolState::default()) }
+    }
+
+    /// Carve `cap` bytes of data (a page multiple, at most [`MAX_POOLED`]) and `index_len`
+    /// bytes of index (a page multiple): zero-filled.
+    pub fn carve(self: &Arc<Pool>, cap: u64, index_len: u64) -> Result<Slice, ExportError> {
+        debug_assert!(cap <= MAX_POOLED && index_len <= CHUNK_INDEX);
+        let mut s = lock(&self.state);
+        let slice =
+            |chunk, data_off, index_off| Slice { pool: self.clone(), chunk, data_off, index_off, index_len, cap };
+        if let Some((chunk, d, i)) = s.free.get_mut(&(cap, index_len)).and_then(Vec::pop) {
+            s.live += 1;
+            return Ok(slice(chunk, d, i));
+        }
+        let fits = |s: &PoolState| {
+            !s.chunks.is_empty() && s.data_used + cap <= CHUNK_DATA && s.index_used + index_len <= CHUNK_INDEX
+        };
+        if !fits(&s) {
+            s.chunks.push(Arc::new(Chunk::create()?));
+            s.data_used = 0;
+            s.index_used = 0;
+        }
+        let chunk = s.chunks.last().expect("a chunk was just made").clone();
+        let (d, i) = (s.data_used, s.index_used);
+        s.live += 1;
+        s.data_used += cap;
+        s.index_used += index_len;
+        Ok(slice(chunk, d, i))
+    }
+
+    /// Take back a slice whose aperture is gone (its memory reachable by the pool's peer
+    /// at most, `nic.rs::releasable`): zeroed, for the pool's next aperture of that size. A
+    /// retired pool keeps nothing, and a pool whose last slice this was lets its chunks go.
+    fn give_back(&self, s: &Slice) {
+        let zeroed =
+            s.chunk.data.zero(s.data_off, s.cap).is_ok() && s.chunk.index.zero(s.index_off, s.index_len).is_ok();
+        let mut st = lock(&self.state);
+        st.live -= 1;
+        if st.live == 0 {
+            st.chunks.clear();
+            st.free.clear();
+            st.data_used = 0;
+            st.index_used = 0;
+        } else if zeroed && !st.retired {
+            st.free.entry((s.cap, s.index_len)).or_default().push((s.chunk.clone(), s.data_off, s.index_off));
+        }
+    }
+
+    /// May process `pid` of user `uid` receive the pool's memory? The first to ask binds the
+    /// pool; any other process is refused, and so is everyone once the pool is retired.
+    pub fn bind(&self, pid: u32, uid: u32) -> Result<(), Refusal> {
+        let mut s = lock(&self.state);
+        if s.retired {
+            return Err(Refusal::DeniedEndpoint);
+        }
+        match s.bound {
+            None => {
+                s.bound = Some((pid, uid));
+                Ok(())
+            }
+            Some(b) if b == (pid, uid) => Ok(()),
+            Some(_) => Err(Refusal::DeniedPid),
+        }
+    }
+
+    fn retire(&self) {
+        let mut s = lock(&self.state);
+        s.retired = true;
+        s.free.clear();
+        s.chunks.clear();
+    }
+
+    fn chunks(&self) -> usize {
+        lock(&self.state).chunks.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        lock(&self.state).live == 0
+    }
+}
+
+/// A NIC's pools, by peer NIC.
+#[derive(Debug, Default)]
+pub(crate) struct Pools {
+    by_peer: Mutex<HashMap<NicAddr, Arc<Pool>>>,
+}
+
+impl Pools {
+    /// The pool for `peer` (a new one if it has none, or its last was retired).
+    pub fn for_peer(&self, peer: NicAddr) -> Arc<Pool> {
+        let mut m = lock(&self.by_peer);
+        if let Some(p) = m.get(&peer) {
+            return p.clone();
+        }
+        // Forget the pools of other peers that hold nothing (peers over links are never
+        // told gone), so that the table stays as small as the live peers.
+        m.retain(|_, p| !p.is_empty());
+        m.entry(peer).or_insert_with(|| Arc::new(Pool::new(peer))).clone()
+    }
+
+    /// `peer` went away (its NIC closed, its process died): its pool takes no new aperture
+    /// and is granted to nobody; its memory goes when the last aperture carved from it does.
+    pub fn retire(&self, peer: NicAddr) {
+        if let Some(p) = lock(&self.by_peer).remove(&peer) {
+            tracing::debug!(peer = %p.peer, chunks = p.chunks(), "pool retired");
+            p.retire();
+        }
+    }
+
+    /// Pools, and chunks (memfd pairs) in them.
+    pub fn counts(&self) -> (u64, u64) {
+        let m = lock(&self.by_peer);
+        (m.len() as u64, m.values().map(|p| p.chunks() as u64).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_is_one_process_and_dies_with_its_peer() {
+        let pools = Pools::default();
+        let peer = NicAddr::localhost(7);
+        let p = pools.for_peer(peer);
+        assert_eq!(p.bind(10, 1000), Ok(()));
+        assert_eq!(p.bind(10, 1000), Ok(()), "the bound process again");
+        assert_eq!(p.bind(11, 1000), Err(Refusal::DeniedPid), "another process of the same user");
+        let a = p.carve(4096, 4096).unwrap();
+        let b = p.carve(4096, 4096).unwrap();
+        assert!(Arc::ptr_eq(&a.chunk, &b.chunk) && a.data_off != b.data_off && a.index_off != b.index_off);
+        a.chunk.data_seg.write(a.data_off as usize, b"old").unwrap();
+        let (a_data, a_index) = (a.data_off, a.index_off);
+        drop(a);
+        let c = p.carve(4096, 4096).unwrap();
+        assert_eq!((c.data_off, c.index_off), (a_data, a_index), "reused within the pool");
+        let mut buf = [1u8; 3];
+        c.chunk.data_seg.read(c.data_off as usize, &mut buf).unwrap();
+        assert_eq!(buf, [0; 3], "zeroed before reuse");
+        pools.retire(peer);
+        assert_eq!(p.bind(10, 1000), Err(Refusal::DeniedEndpoint), "a retired pool is granted to nobody");
+        drop(c);
+        let q = pools.for_peer(peer);
+        assert!(!Arc::ptr_eq(&p, &q), "a later process on the address gets a new pool");
+        assert_eq!(q.bind(99, 1000), Ok(()));
+        let d = q.carve(4096, 4096).unwrap();
+        assert!(!Arc::ptr_eq(&d.chunk, &b.chunk), "never the retired pool's memory");
+        let chunk = Arc::downgrade(&d.chunk);
+        drop(d);
+        assert!(chunk.upgrade().is_none(), "a pool whose apertures are all gone holds no memfd");
+        assert_eq!(pools.counts().1, 0);
+    }
+}
