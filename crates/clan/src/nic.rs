@@ -209,6 +209,9 @@ pub(crate) struct NicInner {
     waker: OnceLock<Arc<mio::Waker>>,
     cache: Mutex<Cache>,
     pub(crate) pools: crate::pool::Pools,
+    /// Pool chunks of other processes mapped here, by (device, inode, writable): each
+    /// mapped once, shared by the imports of its apertures (`peer.rs::chunk_part`).
+    pub(crate) chunk_maps: Mutex<HashMap<(u64, u64, bool), Weak<clan_shm::segment::Segment>>>,
     engine: Mutex<Option<Engine>>,
     dma: Mutex<Option<crate::dma::DmaEngine>>,
     exports_fresh: AtomicU64,
@@ -1045,6 +1048,7 @@ impl Nic {
             waker: OnceLock::new(),
             cache: Mutex::new(Cache::default()),
             pools: crate::pool::Pools::default(),
+            chunk_maps: Mutex::new(HashMap::new()),
             engine: Mutex::new(None),
             dma: Mutex::new(None),
             exports_fresh: AtomicU64::new(0),

@@ -523,10 +523,21 @@ pub(crate) fn finish_import(
     let start = desc.offset() / page * page;
     let end = (desc.offset() + desc.len()).div_ceil(page) * page;
     let access = if g.read_only { SegAccess::ReadOnly } else { SegAccess::ReadWrite };
-    let data = Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access)
-        .map_err(|e| fd_err(e, "mapping the aperture"))?;
-    let cam_seg = Segment::map(&index_fd, g.index_offset, index_len as usize, SegAccess::ReadOnly)
-        .map_err(|e| fd_err(e, "mapping the aperture index"))?;
+    // A pool's chunk (a memfd larger than the aperture, granted read-write) is mapped once
+    // per process and shared by every aperture of it we import; an aperture of its own is
+    // mapped alone, its granted pages only.
+    let data = if !g.read_only && memfd.len() > g.cap {
+        chunk_part(nic, &memfd, SegAccess::ReadWrite, g.data_offset + start, end - start)
+    } else {
+        Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access)
+    }
+    .map_err(|e| fd_err(e, "mapping the aperture"))?;
+    let cam_seg = if index_fd.len() > index_len {
+        chunk_part(nic, &index_fd, SegAccess::ReadOnly, g.index_offset, index_len)
+    } else {
+        Segment::map(&index_fd, g.index_offset, index_len as usize, SegAccess::ReadOnly)
+    }
+    .map_err(|e| fd_err(e, "mapping the aperture index"))?;
     let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap, g.slots).map_err(|e| protocol(desc.nic(), e.to_string()))?;
     cam.view().header.check(g.cap).map_err(|e| protocol(desc.nic(), e))?;
     // The mappings keep the memory; the descriptors are no longer needed.
@@ -543,6 +554,46 @@ pub(crate) fn finish_import(
     };
     tracing::debug!(exporter = %desc.nic(), importer = %ep.addr, aperture = desc.aperture(), "imported from a NIC of this host");
     Ok(Mapping::new(ep, desc, crate::transport::Via::Mapped(window), Keep::Remote(guard)))
+}
+
+/// Largest pool chunk mapped whole (the exporter's chunks are far smaller).
+const MAX_CHUNK: u64 = 64 << 20;
+
+/// `len` bytes at `off` of a pool's chunk `fd`: a part of the process's one mapping of the
+/// chunk (made now if it has none: keyed by the file's identity, which cannot be reused
+/// while the mapping keeps the file).
+fn chunk_part(
+    nic: &crate::nic::NicInner,
+    fd: &Memfd,
+    access: SegAccess,
+    off: u64,
+    len: u64,
+) -> std::io::Result<Segment> {
+    let st = rustix::fs::fstat(fd)?;
+    if fd.len() > MAX_CHUNK {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a pool chunk larger than any exporter makes",
+        ));
+    }
+    #[allow(clippy::unnecessary_cast)]
+    let key = (st.st_dev as u64, st.st_ino as u64, access == SegAccess::ReadWrite);
+    let whole = {
+        let mut m = lock(&nic.chunk_maps);
+        match m.get(&key).and_then(std::sync::Weak::upgrade) {
+            Some(seg) => seg,
+            None => {
+                let seg = Arc::new(Segment::map(fd, 0, fd.len() as usize, access)?);
+                if m.len() >= 64 && m.len().is_power_of_two() {
+                    m.retain(|_, w| w.strong_count() > 0);
+                }
+                m.insert(key, Arc::downgrade(&seg));
+                seg
+            }
+        }
+    };
+    Segment::sub(&whole, off as usize, len as usize)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))
 }
 
 fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {
