@@ -5,7 +5,9 @@
 //! importer reads to snoop its own writes. An importer of the whole aperture receives the
 //! data memfd (a read-only open of it if its descriptor grants reading only) and a read-only
 //! open of the index — never any other memory, and nothing it could write but the data it
-//! was granted.
+//! was granted. An aperture exported for one peer NIC ([`crate::ExportConfig::for_peer`]) is
+//! carved instead from a chunk of that peer's pool (`pool.rs`): the chunk then holds apertures
+//! made for that same peer only.
 //!
 //! The owner accesses its aperture as local memory ([`Aperture::write`], [`Aperture::load_u64`],
 //! …): those are plain loads and stores, invisible to the NIC, exactly like the CPU's
