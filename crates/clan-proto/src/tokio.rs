@@ -189,9 +189,21 @@ impl Reactor {
         (n, n + 1)
     }
 
-    /// Listen for async streams.
+    /// Listen for async streams on a new endpoint (a free port: [`AsyncListener::local_addr`]
+    /// says which).
     pub fn bind(&self, cfg: StreamConfig) -> io::Result<AsyncListener> {
-        let l = Listener::bind_on(&self.nic, None, cfg, Some(self.shared.queue.clone()))?;
+        self.bind_on(None, cfg)
+    }
+
+    /// Listen for async streams on endpoint port `port` of the reactor's NIC, so that clients
+    /// can be told the address in advance. A port already in use is
+    /// [`io::ErrorKind::AddrInUse`].
+    pub fn bind_port(&self, port: u32, cfg: StreamConfig) -> io::Result<AsyncListener> {
+        self.bind_on(Some(port), cfg)
+    }
+
+    fn bind_on(&self, port: Option<u32>, cfg: StreamConfig) -> io::Result<AsyncListener> {
+        let l = Listener::bind_on(&self.nic, port, cfg, Some(self.shared.queue.clone()))?;
         let (c, _) = self.cookies();
         lock(&self.shared.wakers).by_port.insert(l.local_addr().port, (c, c));
         Ok(AsyncListener { l, reactor: self.clone(), cookie: c })

@@ -51,6 +51,7 @@ fn child() {
     match role.as_str() {
         "echo-server" => echo_server(),
         "doomed-client" => doomed_client(),
+        "port-client" => port_client(),
         other => panic!("unknown role {other}"),
     }
 }
@@ -269,4 +270,43 @@ fn a_reactor_made_outside_a_runtime_is_an_error_not_a_panic() {
     let nic = Nic::open(NicConfig::default()).unwrap();
     let e = Reactor::new(&nic).unwrap_err();
     assert!(e.to_string().contains("tokio runtime"), "{e}");
+}
+
+/// Connect to the port we are told (`CLAN_TEST_PEER`), send one message, read its echo.
+fn port_client() {
+    let to: EndpointAddr = std::env::var("CLAN_TEST_PEER").unwrap().parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async move {
+        let nic = Nic::open(NicConfig::default()).unwrap();
+        let r = reactor(&nic, 0);
+        let mut s = r.connect(to, stream_config()).await.unwrap();
+        s.write_all(b"to a chosen port").await.unwrap();
+        let mut back = [0u8; 16];
+        s.read_exact(&mut back).await.unwrap();
+        say(String::from_utf8_lossy(&back));
+    });
+}
+
+/// A listener bound to a port chosen in advance: it is that port, a second bind of it is
+/// `AddrInUse`, and a client in another process that was told only the address connects.
+#[test]
+fn a_listener_binds_the_port_it_is_given() {
+    let _wd = Watchdog::new("chosen port", Duration::from_secs(60));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async move {
+        let nic = Nic::open(NicConfig::default()).unwrap();
+        let r = reactor(&nic, 0);
+        let port = 4242;
+        let l = r.bind_port(port, stream_config()).unwrap();
+        assert_eq!(l.local_addr().port, port);
+        let again = r.bind_port(port, stream_config()).unwrap_err();
+        assert_eq!(again.kind(), std::io::ErrorKind::AddrInUse);
+        let to = EndpointAddr::new(nic.addr(), port);
+        let mut c = Peer::spawn("child", "port-client", &[("CLAN_TEST_PEER", to.to_string())]);
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = [0u8; 16];
+        s.read_exact(&mut buf).await.unwrap();
+        s.write_all(&buf).await.unwrap();
+        assert_eq!(tokio::task::spawn_blocking(move || c.expect("echo")).await.unwrap(), "to a chosen port");
+    });
 }
