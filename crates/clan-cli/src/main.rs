@@ -91,6 +91,12 @@ enum BenchCmd {
 }
 
 fn main() {
+    // The library's tracing events (connections, imports, grants, links, failures) on
+    // standard error, filtered by `CLAN_LOG` (`CLAN_LOG=debug`, `CLAN_LOG=clan=debug,warn`);
+    // silent without it.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("CLAN_LOG") {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Bench(BenchCmd::Latency(a)) => bench::latency::run(&a),
@@ -193,16 +199,77 @@ fn run(a: &RunArgs) -> bench::Result<()> {
     Err(format!("running {}: {e}", prog.to_string_lossy()).into())
 }
 
+/// The programs benchmarks and tests drive, with what needs them.
+const PROGRAMS: &[(&str, &str)] = &[
+    ("sockperf", "clan bench run"),
+    ("redis-server", "clan bench run"),
+    ("redis-benchmark", "clan bench run"),
+    ("nginx", "tests of clan run"),
+    ("wrk", "tests of clan run"),
+    ("curl", "tests of clan run"),
+    ("fi_info", "clan fabric, tests"),
+    ("fi_pingpong", "clan bench fabric"),
+    ("mpirun", "clan bench fabric (Open MPI)"),
+    ("mpicc", "clan bench fabric (Open MPI)"),
+    ("ucx_perftest", "clan bench queue (UCX baseline)"),
+];
+
+/// `clan info`: the version, the machine, a NIC opened here (its addresses, limits and
+/// defaults), and which optional parts and peer programs are installed.
 fn info() -> bench::Result<()> {
     let m = sys::machine();
+    println!("clan {}", env!("CARGO_PKG_VERSION"));
     println!("machine: {} × {}, Linux {}", m.cpus, m.model, m.kernel);
-    let nic = clan::Nic::open(clan::NicConfig::default())?;
-    println!("NIC address: {}", nic.addr());
-    println!("file descriptor limit: {}", clan::fd_limit());
+    let cfg = clan::NicConfig::default();
+    let nic = clan::Nic::open(cfg.clone())?;
+    println!();
+    println!("NIC (defaults; CLAN_SPIN_US={:?})", std::env::var("CLAN_SPIN_US").ok());
+    println!("  address:            {}", nic.addr());
+    println!(
+        "  reached by:         processes of this host (abstract Unix socket named after the address){}",
+        if cfg.tcp { ", other hosts (TCP link on that address)" } else { "" }
+    );
     let q = nic.default_queue().config();
     println!(
-        "default event queue: {} tripwires, {} producer rings × {} events, spin {:?}",
-        q.tripwires, q.producers, q.ring_capacity, q.spin
+        "  default event queue: {} tripwires, {} producers ({} per user) × {} events, spin {:?}",
+        q.tripwires, q.producers, q.producers_per_user, q.ring_capacity, q.spin
+    );
+    println!();
+    println!("limits");
+    println!("  file descriptors:   {} (raised to the hard limit when the NIC opened)", clan::fd_limit());
+    println!("  aperture size:      up to {} GiB", clan::MAX_APERTURE >> 30);
+    println!(
+        "  pooled apertures:   up to {} KiB share their peer's pool (no fd, no mapping each)",
+        clan::MAX_POOLED >> 10
+    );
+    println!("  event queue:        up to {} producers", clan::MAX_PRODUCERS);
+    let a = cfg.admission;
+    println!("  control connections: {} per process, {} per user, {} in all", a.per_pid, a.per_uid, a.total);
+    println!("  link imports:       {} at once", cfg.max_link_imports);
+    println!("  out-of-band data:   {} B per connect/accept", clan::MAX_PRIVATE_DATA);
+    println!();
+    println!("optional parts (next to this executable)");
+    let dir = std::env::current_exe()?.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+    for (file, what) in [
+        ("libclan_preload.so", "clan run (interposition library)"),
+        ("libclan_fi.so", "the libfabric provider (clan fabric env)"),
+    ] {
+        let p = dir.join(file);
+        println!("  {:<19} {}  {what}", file, if p.is_file() { "yes" } else { "missing" });
+    }
+    println!();
+    println!("peer programs (baselines and tests)");
+    for (exe, what) in PROGRAMS {
+        match sys::which(exe) {
+            Some(p) => println!("  {exe:<19} {}  ({what})", p.display()),
+            None => println!("  {exe:<19} not installed  ({what})"),
+        }
+    }
+    let mpich = std::path::Path::new("/opt/clan-mpich/bin/mpiexec");
+    println!(
+        "  {:<19} {}  (tests: MPICH from PyPI)",
+        "mpich (PyPI)",
+        if mpich.is_file() { mpich.display().to_string() } else { "not installed".into() }
     );
     Ok(())
 }

@@ -47,3 +47,19 @@ pub fn pin(cpu: usize) -> Option<usize> {
     set.set(cpu);
     rustix::thread::sched_setaffinity(None, &set).ok().map(|_| cpu)
 }
+
+/// A size on the command line: `4096`, `64KiB`, `1MiB`, `1.5 MB` (`KiB`/`MiB`/`GiB` and `K`
+/// are powers of 1024; `KB`/`MB`/`GB` powers of 1000).
+pub fn size(s: &str) -> Result<u64, String> {
+    parse_size::Config::new().parse_size(s).map_err(|e| format!("{e} (a size: 4096, 64KiB, 1MiB, 1.5MB)"))
+}
+
+/// [`size`] for arguments held as `usize`.
+pub fn size_usize(s: &str) -> Result<usize, String> {
+    size(s).and_then(|n| usize::try_from(n).map_err(|_| format!("{s}: too large")))
+}
+
+/// The full path of `exe` if it is on `PATH`.
+pub fn which(exe: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(exe)).find(|p| p.is_file())
+}

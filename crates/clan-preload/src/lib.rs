@@ -4,7 +4,7 @@
 //! carried over a clan stream (shared memory, tripwire wake-ups); every other socket — a peer
 //! not under clan, another host, UDP, Unix sockets — stays with the kernel, untouched.
 //!
-//! - **Deciding** ([`registry`]): before its kernel `connect`, a client claims the
+//! - **Deciding** (`registry.rs`): before its kernel `connect`, a client claims the
 //!   connection from the listening process's library (a host-local registry of clan-run
 //!   listeners, answered by a thread of the library, not by the application), passing its
 //!   socket as proof; the server's `accept` recognises the claimed connection by its peer
@@ -12,11 +12,11 @@
 //!   other's application (a slow acceptor, a server that speaks first).
 //! - **The descriptor** stays the kernel's TCP socket: `getpeername`, socket options, `dup`
 //!   and the listening socket's readiness keep working; its bytes move over the stream.
-//! - **Readiness** ([`ready`]): `poll`, `select` and `epoll` read accelerated descriptors'
+//! - **Readiness** (`ready.rs`): `poll`, `select` and `epoll` read accelerated descriptors'
 //!   readiness from their streams and sleep in the kernel on the other descriptors together
 //!   with the streams' event queues.
 //!
-//! - **Other processes** ([`fork`]): a connection a child after `fork` touches, that
+//! - **Other processes** (`fork.rs`): a connection a child after `fork` touches, that
 //!   survives an `exec` or `posix_spawn`, or that is passed with `SCM_RIGHTS`, goes over
 //!   to the kernel's socket under it, losing and doubling no byte; the peer follows.
 #![deny(unsafe_code)]

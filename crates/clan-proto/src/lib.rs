@@ -1,12 +1,54 @@
 //! # clan-proto — communication styles built on clan
 //!
 //! Layer: above `clan` (apertures, descriptors, mappings, tripwires, event queues, DMA),
-//! built from nothing else. No unsafe code.
+//! built from nothing else. No unsafe code. Every style works the same within a host (the
+//! bytes move by the processes' own stores into shared memory) and across hosts (over the
+//! NIC's links).
 //!
-//! - [`vmmc`]: the virtual memory-mapped communication model of Princeton's SHRIMP project —
-//!   export/import of receive buffers with importer restrictions, deliberate update
-//!   (`send_msg`, synchronous and asynchronous, short messages by programmed I/O and long
-//!   ones by DMA), remote fetch, and notifications.
+//! | module | what it gives | shaped like |
+//! |---|---|---|
+//! | [`stream`] | connected byte streams: [`stream::Listener`], [`stream::Stream`] (`Read`/`Write`, non-blocking mode, timeouts, shutdown, reads in place, transfer redirection) | `std::net::TcpListener`/`TcpStream` |
+//! | [`tokio`] (feature `tokio`) | the same streams for tokio: [`tokio::AsyncListener`], [`tokio::AsyncStream`] (`AsyncRead`/`AsyncWrite`), [`tokio::AsyncEventQueue`] | `tokio::net` |
+//! | [`queue`] | the distributed queue: messages (with a meta word) from a [`queue::MsgSender`] to a [`queue::MsgReceiver`], batches, waits on headers | a channel between processes |
+//! | [`rpc`] | request/response: [`rpc::RpcClient`] calls, [`rpc::RpcServer`] answers (one channel pair per connection), replies written in place | a minimal RPC |
+//! | [`server`] | [`server::EventLoop`]: one thread serving thousands of connections, clan event queues next to other descriptors (mio) | an epoll loop |
+//! | [`vmmc`] | SHRIMP's VMMC: export/import of receive buffers, deliberate update (`send_msg`), remote fetch, notifications | the VMMC papers' API |
+//!
+//! Which one to take: byte streams for code written against sockets; the queue for
+//! message passing (the lowest cost per message, batches); RPC for calls that wait for an
+//! answer; the event loop for a server with many clients on one thread; VMMC for code written
+//! for its buffers and notifications. `clan` itself, underneath, is shared memory with
+//! tripwires: the most control, the least help.
+//!
+//! A stream between two endpoints (here of one process; the address travels to another
+//! process or host as a string):
+//!
+//! ```
+//! use std::io::{Read, Write};
+//! use clan::{Nic, NicConfig};
+//! use clan_proto::stream::{Listener, Stream};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let nic = Nic::open(NicConfig::default())?;
+//! let listener = Listener::bind(&nic)?;
+//! let addr = listener.local_addr();
+//! let server = std::thread::spawn(move || -> std::io::Result<()> {
+//!     let (mut s, _peer) = listener.accept()?;
+//!     let mut buf = [0u8; 5];
+//!     s.read_exact(&mut buf)?;
+//!     s.write_all(&buf)
+//! });
+//! let mut c = Stream::connect(&nic, addr)?;
+//! c.write_all(b"hello")?;
+//! let mut back = [0u8; 5];
+//! c.read_exact(&mut back)?;
+//! assert_eq!(&back, b"hello");
+//! server.join().unwrap()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Runnable programs for each style are in `crates/clan-proto/examples/`.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -20,7 +20,7 @@
 //! [`Handshakes`] is one endpoint's state. It keeps nothing unbounded and nothing forever:
 //! partly received messages, queued requests and dials all have limits and expire
 //! ([`Limits`]). A request withdrawn by its client, expired, or from a peer that went away
-//! ([`Handshakes::peer_gone`]) never reaches the application: `accept` only ever sees
+//! ([`Handshakes::peers_gone`]) never reaches the application: `accept` only ever sees
 //! requests that can still be answered, and one client's failure is never reported to
 //! another's `accept` (as in Linux). Messages may be lost, duplicated or reordered: a
 //! duplicate of a queued request is ignored, a fragment without its head is dropped, and the

@@ -466,6 +466,7 @@ impl Endpoint {
             return Err(ConnectError::Closed);
         }
         let timeout = timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        let _span = tracing::debug_span!("connect", local = %self.addr(), peer = %to).entered();
         let deadline = Instant::now() + timeout;
         let token = random_token();
         let conns = &self.inner.conns;

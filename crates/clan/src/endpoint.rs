@@ -170,7 +170,9 @@ impl Endpoint {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(ExportError::EndpointClosed);
         }
+        let pooled = cfg.pooled_for;
         let ap = self.inner.nic.export(&self.inner, len, cfg)?;
+        tracing::debug!(endpoint = %self.inner.addr, aperture = ap.id(), len, pooled_for = ?pooled, "exported");
         let mut aps = lock(&self.inner.apertures);
         aps.retain(|w| w.strong_count() > 0);
         aps.push(Arc::downgrade(&ap.inner));
@@ -252,6 +254,9 @@ fn import_timeout(inner: &Arc<EndpointInner>, desc: &Descriptor, timeout: Durati
     if inner.closed.load(Ordering::Acquire) {
         return Err(ImportError::EndpointClosed);
     }
+    let _span =
+        tracing::debug_span!("import", importer = %inner.addr, exporter = %desc.nic(), aperture = desc.aperture())
+            .entered();
     let nic = &inner.nic;
     if desc.nic() == nic.addr {
         return import_local(inner, desc);

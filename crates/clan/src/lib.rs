@@ -103,6 +103,7 @@ pub use error::{
 pub use event_queue::{Event, EventQueue, EventQueueStats, MAX_PRODUCERS};
 pub use mapping::{Mapping, PendingRead};
 pub use nic::{Nic, NicStats, fd_limit};
+pub use pool::MAX_POOLED;
 pub use tripset::Tripset;
 pub use tripwire::{Access, Actions, Tripwire, TripwireConfig, TripwireId};
 

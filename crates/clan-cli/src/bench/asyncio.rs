@@ -31,8 +31,8 @@ pub struct TokioArgs {
     /// Concurrent clients, one run per count (comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = [4usize, 64])]
     pub clients: Vec<usize>,
-    /// Request (and response) size in bytes.
-    #[arg(long, default_value_t = 64)]
+    /// Request (and response) size (bytes; units accepted: 4KiB, 1MiB).
+    #[arg(long, default_value = "64", value_parser = sys::size_usize)]
     pub size: usize,
     /// Measured time of each run, in milliseconds (after a 200 ms warm-up).
     #[arg(long, default_value_t = 2000)]

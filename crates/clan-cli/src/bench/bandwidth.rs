@@ -36,8 +36,8 @@ pub struct BandwidthArgs {
     /// Who moves the data.
     #[arg(long, value_enum, default_value_t = Mode::Pio)]
     pub mode: Mode,
-    /// Message size in bytes.
-    #[arg(long, default_value_t = 32768)]
+    /// Message size (bytes; units accepted: 64KiB, 1MiB).
+    #[arg(long, default_value = "32KiB", value_parser = sys::size_usize)]
     pub size: usize,
     /// Messages (default: 1 GiB worth, at least 1000).
     #[arg(long)]

@@ -58,8 +58,8 @@ pub struct LatencyArgs {
     /// How receivers wait.
     #[arg(long, value_enum, default_value_t = SyncMode::Spin)]
     pub sync: SyncMode,
-    /// Message size in bytes (at least 8).
-    #[arg(long, default_value_t = 8)]
+    /// Message size (bytes; units accepted: 64KiB, 1MiB).(at least 8).
+    #[arg(long, default_value = "8", value_parser = sys::size_usize)]
     pub size: usize,
     /// Measured round trips (plus 10% warm-up).
     #[arg(long, default_value_t = 100_000)]

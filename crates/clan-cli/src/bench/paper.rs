@@ -24,7 +24,8 @@ pub struct PaperArgs {
     /// Report folder (made if missing).
     #[arg(long, default_value = "clan-report")]
     pub out: PathBuf,
-    /// About a minute: fewer sizes and repetitions.
+    /// Fewer sizes and repetitions: under a minute on 2 cores (the default takes about a
+    /// minute and a half).
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
     /// About ten minutes: more sizes, repetitions and endpoints.
@@ -121,35 +122,59 @@ pub fn run(a: &PaperArgs) -> Result<()> {
     };
     std::fs::create_dir_all(&a.out)?;
     let root = rustix::process::geteuid().is_root() && clan_testkit::netns::TestNet::new(2).is_ok();
-    let steps: Vec<(&str, Step)> = vec![
-        ("shared-memory round trip", fig_rtt),
-        ("PIO and DMA bandwidth by size", fig_bandwidth),
-        ("event-driven server against endpoints", fig_server),
-        ("one-way bandwidth, one message at a time and streaming", fig_oneway_vmmc),
-        ("distributed queue streaming", fig_queue),
-        ("stream sockets", fig_stream),
-        ("tokio: concurrent clients", fig_tokio),
-        ("RPC", fig_rpc),
-        ("unmodified applications under clan run", fig_run),
-        ("libfabric programs and MPI over the clan provider", fig_fabric),
+    // Each step with its rough share of the run (so the ETA is about time, not steps).
+    let steps: Vec<(&str, Step, u64)> = vec![
+        ("shared-memory round trip", fig_rtt, 2),
+        ("PIO and DMA bandwidth by size", fig_bandwidth, 3),
+        ("event-driven server against endpoints", fig_server, 5),
+        ("one-way bandwidth, one message at a time and streaming", fig_oneway_vmmc, 3),
+        ("distributed queue streaming", fig_queue, 4),
+        ("stream sockets", fig_stream, 4),
+        ("tokio: concurrent clients", fig_tokio, 2),
+        ("RPC", fig_rpc, 1),
+        ("unmodified applications under clan run", fig_run, 3),
+        ("libfabric programs and MPI over the clan provider", fig_fabric, 4),
     ];
+    let tcp_weight = 3;
     let total = steps.len() + 1;
     let started = Instant::now();
+    // Progress with an ETA on a terminal (hidden otherwise); the lines below go to standard
+    // error either way.
+    let bar = indicatif::ProgressBar::new(steps.iter().map(|s| s.2).sum::<u64>() + tcp_weight);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} [{bar:30}] {percent:>3}%  ETA {eta}  {msg}")
+            .map_err(|e| e.to_string())?
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let say = |line: String| bar.suspend(|| eprintln!("{line}"));
     let mut figs = Vec::new();
-    for (i, (name, step)) in steps.into_iter().enumerate() {
-        eprintln!("[{}/{}] {name} …", i + 1, total);
+    for (i, (name, step, weight)) in steps.into_iter().enumerate() {
+        say(format!("[{}/{}] {name} …", i + 1, total));
+        bar.set_message(name);
         let t = Instant::now();
         let fig = match step(profile) {
             Ok(f) => f,
-            Err(e) => return Err(format!("{name}: {e}").into()),
+            Err(e) => {
+                bar.abandon();
+                return Err(format!("{name}: {e}").into());
+            }
         };
-        eprintln!("      {} ({:.0} s)", fig.ours, t.elapsed().as_secs_f64());
+        say(format!("      {} ({:.0} s)", fig.ours, t.elapsed().as_secs_f64()));
+        bar.inc(weight);
         figs.extend(split_vmmc(fig));
     }
-    eprintln!("[{total}/{total}] across hosts (TCP links between network namespaces) …");
+    say(format!("[{total}/{total}] across hosts (TCP links between network namespaces) …"));
+    bar.set_message("across hosts");
     let t = Instant::now();
     figs.push(if root {
-        fig_tcp(profile)?
+        match fig_tcp(profile) {
+            Ok(f) => f,
+            Err(e) => {
+                bar.abandon();
+                return Err(e);
+            }
+        }
     } else {
         Figure {
             id: "links",
@@ -161,7 +186,12 @@ pub fn run(a: &PaperArgs) -> Result<()> {
             skipped: Some("needs root to create the test hosts (network namespaces); run as root".into()),
         }
     });
-    eprintln!("      {} ({:.0} s)", figs.last().map_or(String::new(), |f| f.ours.clone()), t.elapsed().as_secs_f64());
+    say(format!(
+        "      {} ({:.0} s)",
+        figs.last().map_or(String::new(), |f| f.ours.clone()),
+        t.elapsed().as_secs_f64()
+    ));
+    bar.finish_and_clear();
     figs.push(not_reproduced());
     write_report(&a.out, &figs, profile, started.elapsed().as_secs_f64())?;
     println!(

@@ -74,8 +74,8 @@ pub struct QueueArgs {
     /// Where the peers are.
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     pub transport: Transport,
-    /// Transfer size in bytes (default: a sweep from 64 bytes to 32 KiB).
-    #[arg(long)]
+    /// Transfer size (bytes; units accepted: 4KiB; default: a sweep from 64 bytes to 32 KiB).
+    #[arg(long, value_parser = sys::size_usize)]
     pub size: Option<usize>,
     /// Alternating rounds per size (the median is reported).
     #[arg(long, default_value_t = 3)]
@@ -83,7 +83,7 @@ pub struct QueueArgs {
     /// Bytes of receive buffer per endpoint (the queue's ring). Default: 16 KiB on shm (the
     /// CLAN page's point: a small buffer suffices at memory latencies), 1 MiB over tcp (a
     /// link's round trip needs a window).
-    #[arg(long)]
+    #[arg(long, value_parser = sys::size)]
     pub buffer: Option<u64>,
     /// Print one JSON object.
     #[arg(long)]
@@ -459,7 +459,7 @@ fn queue_round(
 /// second; None when `ucx_perftest` is not installed or did not run.
 fn ucx_tag_bw(size: usize) -> Option<f64> {
     use std::process::{Command, Stdio};
-    let exe = which("ucx_perftest")?;
+    let exe = sys::which("ucx_perftest")?;
     let iters = (((256u64 << 20) / size as u64).clamp(100_000, 2_000_000)).to_string();
     for _ in 0..3 {
         let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).ok()?.local_addr().ok()?.port().to_string();
@@ -493,11 +493,6 @@ fn ucx_tag_bw(size: usize) -> Option<f64> {
         }
     }
     None
-}
-
-/// The full path of `exe` if it is on `PATH`.
-fn which(exe: &str) -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(exe)).find(|p| p.is_file())
 }
 
 /// The same transfers by `memcpy`: into a ring of `buffer` bytes and out again.
@@ -849,8 +844,8 @@ fn slot_peer(role: &str, args: &[String], size: usize, bytes: u64, buffer: u64, 
 /// Arguments of `clan bench rpc`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RpcArgs {
-    /// Request (and reply) size in bytes.
-    #[arg(long, default_value_t = 64)]
+    /// Request (and reply) size (bytes; units accepted: 4KiB).
+    #[arg(long, default_value = "64", value_parser = sys::size_usize)]
     pub size: usize,
     /// Calls measured.
     #[arg(long, default_value_t = 50_000)]
@@ -1194,7 +1189,7 @@ pub fn rpc_peer(role: &str, args: &[String]) -> Result<()> {
 #[derive(clap::Args, Debug, Clone)]
 pub struct StreamArgs {
     /// Message size of the round-trip test.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value = "64", value_parser = sys::size_usize)]
     pub size: usize,
     /// Write size of the bandwidth test.
     #[arg(long, default_value_t = 64 << 10)]
@@ -1203,7 +1198,7 @@ pub struct StreamArgs {
     #[arg(long, default_value_t = 20_000)]
     pub iters: u64,
     /// Bytes streamed per bandwidth run.
-    #[arg(long, default_value_t = 1 << 30)]
+    #[arg(long, default_value = "1GiB", value_parser = sys::size)]
     pub bytes: u64,
     /// Ring of each clan stream side (its receive buffer).
     #[arg(long, default_value_t = 1 << 20)]

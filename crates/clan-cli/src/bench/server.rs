@@ -72,8 +72,8 @@ pub struct ServerArgs {
     /// Requests in flight at once (on distinct connections).
     #[arg(long, default_value_t = 1)]
     pub inflight: usize,
-    /// Request (and reply) size in bytes.
-    #[arg(long, default_value_t = 64)]
+    /// Request (and reply) size (bytes; units accepted: 4KiB).
+    #[arg(long, default_value = "64", value_parser = sys::size_usize)]
     pub size: usize,
     /// Requests measured (per measurement: spin and block for clan and TCP, clan's policy,
     /// the raw ping-pong), split over the rounds.

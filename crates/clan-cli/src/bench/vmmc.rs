@@ -43,7 +43,7 @@ pub struct VmmcArgs {
     #[arg(long, default_value_t = 20_000)]
     pub iters: u64,
     /// Bytes moved per bandwidth point.
-    #[arg(long, default_value_t = 256 << 20)]
+    #[arg(long, default_value = "256MiB", value_parser = sys::size)]
     pub bytes: u64,
     /// Print one JSON object.
     #[arg(long)]
