@@ -231,8 +231,9 @@ pub struct MsgSender {
 }
 
 impl MsgSender {
-    /// Connect to the receiver listening at `to`.
-    pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &QueueConfig) -> Result<MsgSender, QueueError> {
+    /// Connect to the receiver listening at `to` (anything that names endpoints:
+    /// [`clan::ToEndpointAddrs`]).
+    pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &QueueConfig) -> Result<MsgSender, QueueError> {
         cfg.check()?;
         // Our side holds the counter mirrored by the receiver, and one staging word per slot
         // (the source of the counter updates that DMA chains write).

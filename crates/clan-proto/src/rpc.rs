@@ -281,8 +281,9 @@ pub struct ChannelSender {
 }
 
 impl ChannelSender {
-    /// Connect to a receiver listening at `to`.
-    pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
+    /// Connect to a receiver listening at `to` (anything that names endpoints:
+    /// [`clan::ToEndpointAddrs`]).
+    pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
         let s = side::connect(nic, None, to, Geometry::bytes(2, 0), cfg.connect_timeout)?;
         let tx_ready = wait_tripwire(&s.mine, CTL_READ..CTL_READ + 8)?;
         Ok(ChannelSender { p: Party::new(s, cfg.spin, None)?, tx_ready })
@@ -355,8 +356,9 @@ pub struct RpcClient {
 }
 
 impl RpcClient {
-    /// Connect to the server at `to`; `cfg.max_msg` is the largest reply we accept.
-    pub fn connect(nic: &Nic, to: EndpointAddr, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
+    /// Connect to the server at `to` (anything that names endpoints:
+    /// [`clan::ToEndpointAddrs`]); `cfg.max_msg` is the largest reply we accept.
+    pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
         let s = side::connect(nic, None, to, Geometry::bytes(cfg.max_msg.max(2), 0), cfg.connect_timeout)?;
         Ok(RpcClient { p: Party::new(s, cfg.spin, None)?, pending: false })
     }

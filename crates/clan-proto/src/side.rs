@@ -45,6 +45,10 @@ pub enum SetupError {
     /// A size outside what is allowed.
     #[error("invalid size: {0}")]
     BadConfig(&'static str),
+    /// The address names no endpoint: a host name that cannot be looked up, or text that is
+    /// not an address.
+    #[error("resolving the address: {0}")]
+    Address(#[from] std::io::Error),
 }
 
 /// Both ends of a connection, once set up.
@@ -186,6 +190,17 @@ fn export_side(ep: &Endpoint, g: Geometry, peer: clan::NicAddr) -> Result<Arc<Ap
 pub(crate) fn connect(
     nic: &Nic,
     queue: Option<&EventQueue>,
+    to: impl clan::ToEndpointAddrs,
+    g: Geometry,
+    timeout: Duration,
+) -> Result<Sides, SetupError> {
+    // Each address in turn (a host name may have several), as `std::net` does.
+    clan::each_endpoint_addr(to, |a| connect_one(nic, queue, a, g, timeout))
+}
+
+fn connect_one(
+    nic: &Nic,
+    queue: Option<&EventQueue>,
     to: EndpointAddr,
     g: Geometry,
     timeout: Duration,
@@ -253,6 +268,7 @@ impl From<SetupError> for std::io::Error {
             SetupError::Access(x) => x.into(),
             SetupError::BadPeer(_) => std::io::Error::new(K::InvalidData, e),
             SetupError::BadConfig(_) => std::io::Error::new(K::InvalidInput, e),
+            SetupError::Address(x) => x,
         }
     }
 }

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clan::{ConnectError, Connection, Endpoint, EndpointAddr, EventQueue, Nic};
+use clan::{ConnectError, Connection, Endpoint, EndpointAddr, EventQueue, Nic, ToEndpointAddrs};
 
 use crate::inplace::InPlace;
 use crate::lock;
@@ -270,25 +270,32 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// Connect to the listener at `addr` with default settings.
-    pub fn connect(nic: &Nic, addr: EndpointAddr) -> io::Result<Stream> {
+    /// Connect to the listener at `addr` with default settings. `addr` is anything that
+    /// names endpoints ([`clan::ToEndpointAddrs`]): an [`EndpointAddr`], or text such as
+    /// `"node7:7000/3"` whose host name is looked up; each address is tried in turn.
+    pub fn connect(nic: &Nic, addr: impl ToEndpointAddrs) -> io::Result<Stream> {
         Stream::connect_with(nic, addr, &StreamConfig::default())
     }
 
     /// Connect with `cfg`.
-    pub fn connect_with(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig) -> io::Result<Stream> {
+    pub fn connect_with(nic: &Nic, addr: impl ToEndpointAddrs, cfg: &StreamConfig) -> io::Result<Stream> {
         Stream::connect_on(nic, addr, cfg, None)
     }
 
     /// Connect with `cfg`, the stream's endpoint reporting to `queue` (see
     /// [`Listener::accept_to`]).
-    pub fn connect_to(nic: &Nic, addr: EndpointAddr, cfg: &StreamConfig, queue: &EventQueue) -> io::Result<Stream> {
+    pub fn connect_to(
+        nic: &Nic,
+        addr: impl ToEndpointAddrs,
+        cfg: &StreamConfig,
+        queue: &EventQueue,
+    ) -> io::Result<Stream> {
         Stream::connect_on(nic, addr, cfg, Some(queue))
     }
 
     pub(crate) fn connect_on(
         nic: &Nic,
-        addr: EndpointAddr,
+        addr: impl ToEndpointAddrs,
         cfg: &StreamConfig,
         queue: Option<&EventQueue>,
     ) -> io::Result<Stream> {

@@ -209,11 +209,16 @@ impl Reactor {
         Ok(AsyncListener { l, reactor: self.clone(), cookie: c })
     }
 
-    /// Connect an async stream to `addr` (the handshake runs on a blocking thread).
-    pub async fn connect(&self, addr: EndpointAddr, cfg: StreamConfig) -> io::Result<AsyncStream> {
+    /// Connect an async stream to `addr`: anything that names endpoints
+    /// ([`clan::ToEndpointAddrs`]: an [`EndpointAddr`], `"node7:7000/3"`, …), each address
+    /// tried in turn. The host name lookup and the handshake run on a blocking thread.
+    pub async fn connect<A>(&self, addr: A, cfg: StreamConfig) -> io::Result<AsyncStream>
+    where
+        A: clan::ToEndpointAddrs + Send + 'static,
+    {
         let nic = self.nic.clone();
         let q = self.shared.queue.clone();
-        let s = tokio::task::spawn_blocking(move || Stream::connect_on(&nic, addr, &cfg, Some(&q)))
+        let s = tokio::task::spawn_blocking(move || Stream::connect_on(&nic, &addr, &cfg, Some(&q)))
             .await
             .map_err(io::Error::other)??;
         AsyncStream::new(s, self)

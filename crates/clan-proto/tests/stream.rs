@@ -267,6 +267,30 @@ fn child() {
     }
 }
 
+/// A stream connects to another process by host name, as `std::net` does (`localhost`
+/// from `/etc/hosts`: no query leaves the host); a name that is not an address is a typed
+/// error, not a panic or a hang.
+#[test]
+fn connect_by_host_name() {
+    let _wd = Watchdog::new("stream by host name", Duration::from_secs(120));
+    let mut peer = util::Peer::spawn("child", "server", &[]);
+    let addr: clan::EndpointAddr = peer.expect("address").parse().unwrap();
+    assert!(addr.nic.ip().is_loopback());
+    let nic = Nic::open_default().unwrap();
+    let by_name = format!("localhost:{}/{}", addr.nic.port(), addr.port);
+    let mut c = Stream::connect(&nic, by_name.as_str()).unwrap();
+    assert_eq!(c.peer_addr().nic, addr.nic);
+    c.write_all(b"ping").unwrap();
+    let mut b = [0u8; 4];
+    c.read_exact(&mut b).unwrap();
+    assert_eq!(&b, b"pong");
+    for bad in ["localhost", "localhost:1", "localhost:1/x", "localhost:99999/1"] {
+        let e = Stream::connect(&nic, bad).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{bad}: {e}");
+    }
+    peer.kill();
+}
+
 #[test]
 fn refused_and_timed_out_connects() {
     let nic = Nic::open_default().unwrap();

@@ -108,6 +108,125 @@ impl FromStr for EndpointAddr {
     }
 }
 
+/// What can name one or more endpoints, the way [`std::net::ToSocketAddrs`] names sockets:
+/// an [`EndpointAddr`]; a string `"host:port/endpoint"` whose host is an IP address or a
+/// name looked up with the system's resolver (`"node7:7000/3"`, `"localhost:7000/3"`,
+/// `"[::1]:7000/3"`); a tuple `(host, port, endpoint)` with the host as a string or an
+/// [`IpAddr`]; `(NicAddr, endpoint)`; a slice of addresses. Functions that connect
+/// (`clan_proto::stream::Stream::connect` and the others) try each address in turn and return
+/// the first that works, or the last error.
+///
+/// ```
+/// use clan::{EndpointAddr, ToEndpointAddrs};
+///
+/// let addrs: Vec<EndpointAddr> = "localhost:7000/3".to_endpoint_addrs()?.collect();
+/// assert!(addrs.iter().all(|a| a.nic.port() == 7000 && a.port == 3 && a.nic.ip().is_loopback()));
+/// let one = ("127.0.0.1", 7000, 3).to_endpoint_addrs()?.next();
+/// assert_eq!(one, Some("127.0.0.1:7000/3".parse()?));
+/// assert!("localhost:7000".to_endpoint_addrs().is_err()); // no endpoint
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub trait ToEndpointAddrs {
+    /// The addresses, in the order to try them.
+    type Iter: Iterator<Item = EndpointAddr>;
+    /// Resolve to addresses: an error when a host name cannot be looked up or the text is
+    /// not an address (`ErrorKind::InvalidInput`).
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter>;
+}
+
+impl ToEndpointAddrs for EndpointAddr {
+    type Iter = std::option::IntoIter<EndpointAddr>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        Ok(Some(*self).into_iter())
+    }
+}
+
+impl ToEndpointAddrs for (NicAddr, u32) {
+    type Iter = std::option::IntoIter<EndpointAddr>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        Ok(Some(EndpointAddr::new(self.0, self.1)).into_iter())
+    }
+}
+
+impl ToEndpointAddrs for (IpAddr, u16, u32) {
+    type Iter = std::option::IntoIter<EndpointAddr>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        Ok(Some(EndpointAddr::new(NicAddr::new(self.0, self.1), self.2)).into_iter())
+    }
+}
+
+impl ToEndpointAddrs for (&str, u16, u32) {
+    type Iter = std::vec::IntoIter<EndpointAddr>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        let (host, port, ep) = *self;
+        let found: Vec<EndpointAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))?
+            .map(|s| EndpointAddr::new(NicAddr::from(s), ep))
+            .collect();
+        Ok(found.into_iter())
+    }
+}
+
+impl ToEndpointAddrs for str {
+    type Iter = std::vec::IntoIter<EndpointAddr>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        if let Ok(a) = self.parse::<EndpointAddr>() {
+            return Ok(vec![a].into_iter());
+        }
+        let invalid = || {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("invalid endpoint address {self:?}: expected host:port/endpoint, e.g. node7:7000/3"),
+            )
+        };
+        let (host_port, ep) = self.rsplit_once('/').ok_or_else(invalid)?;
+        let ep: u32 = ep.parse().map_err(|_| invalid())?;
+        let (host, port) = host_port.rsplit_once(':').ok_or_else(invalid)?;
+        let port: u16 = port.parse().map_err(|_| invalid())?;
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+        (host, port, ep).to_endpoint_addrs()
+    }
+}
+
+impl ToEndpointAddrs for String {
+    type Iter = std::vec::IntoIter<EndpointAddr>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        self.as_str().to_endpoint_addrs()
+    }
+}
+
+impl<'a> ToEndpointAddrs for &'a [EndpointAddr] {
+    type Iter = std::iter::Copied<std::slice::Iter<'a, EndpointAddr>>;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        Ok(self.iter().copied())
+    }
+}
+
+impl<T: ToEndpointAddrs + ?Sized> ToEndpointAddrs for &T {
+    type Iter = T::Iter;
+    fn to_endpoint_addrs(&self) -> std::io::Result<Self::Iter> {
+        (**self).to_endpoint_addrs()
+    }
+}
+
+/// Try `f` on each address `addrs` names, in turn: the first success, or the last error
+/// (`InvalidInput` when `addrs` names none).
+pub fn each_endpoint_addr<A, T, E>(addrs: A, mut f: impl FnMut(EndpointAddr) -> Result<T, E>) -> Result<T, E>
+where
+    A: ToEndpointAddrs,
+    E: From<std::io::Error>,
+{
+    let mut last = None;
+    for a in addrs.to_endpoint_addrs()? {
+        match f(a) {
+            Ok(t) => return Ok(t),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "the address resolved to no endpoint address").into()
+    }))
+}
+
 impl From<EndpointAddr> for clan_wire::control::EndpointId {
     fn from(e: EndpointAddr) -> Self {
         clan_wire::control::EndpointId { nic: e.nic.socket_addr(), port: e.port }
@@ -134,5 +253,32 @@ mod tests {
         }
         assert!("nonsense".parse::<NicAddr>().is_err());
         assert!("127.0.0.1:1/x".parse::<EndpointAddr>().is_err());
+    }
+
+    #[test]
+    fn names_resolve_to_endpoint_addrs() {
+        let e: EndpointAddr = "127.0.0.1:7000/3".parse().unwrap();
+        assert_eq!(e.to_endpoint_addrs().unwrap().collect::<Vec<_>>(), [e]);
+        assert_eq!("127.0.0.1:7000/3".to_endpoint_addrs().unwrap().collect::<Vec<_>>(), [e]);
+        assert_eq!(String::from("[::1]:9/1").to_endpoint_addrs().unwrap().count(), 1);
+        let local: Vec<_> = "localhost:7000/3".to_endpoint_addrs().unwrap().collect();
+        assert!(!local.is_empty() && local.iter().all(|a| a.nic.ip().is_loopback() && a.port == 3));
+        assert_eq!(("127.0.0.1", 7000, 3).to_endpoint_addrs().unwrap().next(), Some(e));
+        assert_eq!((e.nic, 3).to_endpoint_addrs().unwrap().next(), Some(e));
+        for bad in ["localhost:7000", "localhost/3", "localhost:x/3", "localhost:7000/y", ""] {
+            let err = bad.to_endpoint_addrs().unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{bad}");
+        }
+        let two = [e, EndpointAddr::new(e.nic, 4)];
+        let mut tried = Vec::new();
+        let r: Result<(), std::io::Error> = each_endpoint_addr(&two[..], |a| {
+            tried.push(a.port);
+            Err(std::io::Error::other("no"))
+        });
+        assert!(r.is_err());
+        assert_eq!(tried, [3, 4]);
+        let empty: &[EndpointAddr] = &[];
+        let r: Result<(), std::io::Error> = each_endpoint_addr(empty, |_| Ok(()));
+        assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
     }
 }

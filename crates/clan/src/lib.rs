@@ -85,7 +85,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub use addr::{AddrParseError, EndpointAddr, NicAddr};
+pub use addr::{AddrParseError, EndpointAddr, NicAddr, ToEndpointAddrs, each_endpoint_addr};
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;
 pub use config::{

@@ -734,7 +734,7 @@ pub fn queue_peer(role: &str, args: &[String]) -> Result<()> {
                 AnyStream::Tcp(s)
             } else {
                 let nic = peer_nic(args)?;
-                let s = Stream::connect_with(&nic, to.parse()?, &cfg)?;
+                let s = Stream::connect_with(&nic, to.parse::<clan::EndpointAddr>()?, &cfg)?;
                 s.set_read_timeout(Some(LIMIT))?;
                 AnyStream::Clan(s)
             };
@@ -1472,7 +1472,7 @@ fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64, wait: W
     let to = peer.recv()?;
     let s = match kind {
         Kind::Clan | Kind::Link | Kind::LinkManual => {
-            AnyStream::Clan(Stream::connect_with(nic, to.parse()?, &wait.stream_config(ring))?)
+            AnyStream::Clan(Stream::connect_with(nic, to.parse::<clan::EndpointAddr>()?, &wait.stream_config(ring))?)
         }
         Kind::Unix => AnyStream::Unix(std::os::unix::net::UnixStream::connect_addr(
             &std::os::unix::net::SocketAddr::from_abstract_name(to.as_bytes())?,
