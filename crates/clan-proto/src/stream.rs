@@ -42,6 +42,11 @@ pub struct StreamConfig {
     pub spin: Duration,
     /// Bound on connecting.
     pub connect_timeout: Duration,
+    /// Give each stream (and the listener) an event queue of its own: a small one (64
+    /// events, 64 tripwires), one more file descriptor each. A stream or listener with its
+    /// own queue can be registered with mio (`mio::event::Source`). Off by default: streams
+    /// report to their NIC's default queue.
+    pub own_queue: bool,
 }
 
 impl Default for StreamConfig {
@@ -51,6 +56,7 @@ impl Default for StreamConfig {
             post_area: 64 << 10,
             spin: clan::default_spin(),
             connect_timeout: Duration::from_secs(10),
+            own_queue: false,
         }
     }
 }
@@ -82,8 +88,14 @@ pub struct Listener {
     nic: Nic,
     ep: Endpoint,
     cfg: StreamConfig,
+    /// The queue the listening endpoint reports to, when not the NIC's default one.
     queue: Option<EventQueue>,
+    /// Whether accepted streams report to `queue` too (else: each to its own, with
+    /// `cfg.own_queue`, or to the NIC's default queue).
+    share_queue: bool,
     nonblocking: AtomicBool,
+    /// A request found by a readiness check (mio), for the next accept.
+    stash: Mutex<Option<clan::ConnectRequest>>,
 }
 
 impl std::fmt::Debug for Listener {
@@ -124,6 +136,12 @@ impl Listener {
         cfg: StreamConfig,
         queue: Option<EventQueue>,
     ) -> io::Result<Listener> {
+        let share_queue = queue.is_some();
+        let queue = match queue {
+            Some(q) => Some(q),
+            None if cfg.own_queue => Some(own_queue(nic)?),
+            None => None,
+        };
         let ep = nic
             .endpoint_with(clan::EndpointConfig { port, queue: queue.clone(), ..clan::EndpointConfig::default() })
             .map_err(|e| match e {
@@ -131,7 +149,15 @@ impl Listener {
                 other => io::Error::other(other),
             })?;
         ep.listen();
-        Ok(Listener { nic: nic.clone(), ep, cfg, queue, nonblocking: AtomicBool::new(false) })
+        Ok(Listener {
+            nic: nic.clone(),
+            ep,
+            cfg,
+            queue,
+            share_queue,
+            nonblocking: AtomicBool::new(false),
+            stash: Mutex::new(None),
+        })
     }
 
     /// The address peers connect to.
@@ -150,10 +176,17 @@ impl Listener {
     /// (the listener closed, out of memory or descriptors).
     pub fn accept(&self) -> io::Result<(Stream, EndpointAddr)> {
         loop {
-            let req = if self.nonblocking.load(Ordering::Acquire) {
-                self.ep
-                    .try_accept()
-                    .ok_or_else(|| io::Error::new(io::ErrorKind::WouldBlock, "no connection pending"))?
+            let stashed = lock(&self.stash).take();
+            let req = if let Some(r) = stashed {
+                r
+            } else if self.nonblocking.load(Ordering::Acquire) {
+                match self.ep.try_accept() {
+                    Some(r) => r,
+                    None => {
+                        self.mio_rearm();
+                        return Err(io::Error::new(io::ErrorKind::WouldBlock, "no connection pending"));
+                    }
+                }
             } else {
                 self.ep.accept(None).map_err(|e| setup_error(e.into()))?
             };
@@ -197,7 +230,7 @@ impl Listener {
 
     /// Set up the stream of `req`: None if the request is the client's fault (dropped).
     fn finish(&self, req: clan::ConnectRequest) -> io::Result<Option<(Stream, EndpointAddr)>> {
-        self.finish_on(req, self.queue.as_ref())
+        if self.share_queue { self.finish_on(req, self.queue.as_ref()) } else { self.finish_on(req, None) }
     }
 
     fn finish_on(
@@ -207,8 +240,13 @@ impl Listener {
     ) -> io::Result<Option<(Stream, EndpointAddr)>> {
         let from = req.from();
         let g = side::Geometry::bytes(self.cfg.ring, self.cfg.post_area);
+        let own = match queue {
+            None if self.cfg.own_queue => Some(own_queue(&self.nic)?),
+            _ => None,
+        };
+        let queue = queue.or(own.as_ref());
         match side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout) {
-            Ok(s) => Ok(Some((Stream::from_sides(s, &self.cfg).map_err(pipe_error)?, from))),
+            Ok(s) => Ok(Some((Stream::from_sides(s, &self.cfg, queue.cloned()).map_err(pipe_error)?, from))),
             Err(SetupError::BadPeer(why)) => {
                 tracing::debug!(peer = %from, "refused a connection: {why}");
                 Ok(None)
@@ -221,6 +259,22 @@ impl Listener {
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         self.nonblocking.store(on, Ordering::Release);
         Ok(())
+    }
+
+    /// After `accept` found nothing (mio): take what woke the queue, arm it, and look once
+    /// more; a request that came meanwhile is kept for the next accept and makes the
+    /// queue's descriptor readable, so the registration reports it (no wake-up is lost: a
+    /// request arriving after the arm posts to the armed queue).
+    fn mio_rearm(&self) {
+        let Some(q) = self.queue.as_ref().filter(|_| !self.share_queue) else { return };
+        while q.try_take().is_some() {}
+        let empty = q.arm();
+        if let Some(r) = self.ep.try_accept() {
+            *lock(&self.stash) = Some(r);
+            q.post_user(0);
+        } else if !empty {
+            q.post_user(0);
+        }
     }
 
     /// Accepted streams, forever (an error is this side's own: see [`Listener::accept`]).
@@ -247,6 +301,22 @@ struct Inner {
     /// Nanoseconds; 0: none.
     read_timeout: AtomicU64,
     write_timeout: AtomicU64,
+    /// The queue the stream's endpoint reports to, when not the NIC's default one.
+    queue: Option<EventQueue>,
+    /// Registered with mio: what the registration waits for.
+    mio: Mutex<Option<MioReg>>,
+}
+
+/// A stream's registration with mio: its readiness tripwires (once-only, posting to the
+/// stream's own queue), the interests they serve, and which directions wait for an edge (a
+/// read or write returned `WouldBlock` since their readiness was last reported).
+#[derive(Debug)]
+struct MioReg {
+    data: clan::Tripwire,
+    space: clan::Tripwire,
+    interests: mio::Interest,
+    want_read: bool,
+    want_write: bool,
 }
 
 impl Inner {
@@ -299,12 +369,17 @@ impl Stream {
         cfg: &StreamConfig,
         queue: Option<&EventQueue>,
     ) -> io::Result<Stream> {
+        let own = match queue {
+            None if cfg.own_queue => Some(own_queue(nic)?),
+            _ => None,
+        };
+        let queue = queue.or(own.as_ref());
         let s = side::connect(nic, queue, addr, side::Geometry::bytes(cfg.ring, cfg.post_area), cfg.connect_timeout)
             .map_err(setup_error)?;
-        Stream::from_sides(s, cfg).map_err(pipe_error)
+        Stream::from_sides(s, cfg, queue.cloned()).map_err(pipe_error)
     }
 
-    fn from_sides(s: side::Sides, cfg: &StreamConfig) -> Result<Stream, PipeError> {
+    fn from_sides(s: side::Sides, cfg: &StreamConfig, queue: Option<EventQueue>) -> Result<Stream, PipeError> {
         let tx = PipeTx::new(s.mine.clone(), s.peer.clone(), s.peer_cap, s.peer_post_cap, cfg.spin)?;
         let rx = PipeRx::new(s.mine.clone(), s.peer.clone(), cfg.ring, cfg.post_area, cfg.spin)?;
         Ok(Stream {
@@ -321,6 +396,8 @@ impl Stream {
                 handed: AtomicBool::new(false),
                 read_timeout: AtomicU64::new(0),
                 write_timeout: AtomicU64::new(0),
+                queue,
+                mio: Mutex::new(None),
             }),
         })
     }
@@ -556,6 +633,8 @@ impl Stream {
                 return Err(pipe_error(PipeError::Dead));
             }
             if self.inner.nonblocking.load(Ordering::Acquire) {
+                drop(rx);
+                self.mio_rearm(true, false);
                 return Err(io::ErrorKind::WouldBlock.into());
             }
             let deadline = self.lazy_deadline(&self.inner.read_timeout, &mut deadline_slot);
@@ -584,6 +663,8 @@ impl Stream {
                 return Ok(n);
             }
             if self.inner.nonblocking.load(Ordering::Acquire) {
+                drop(tx);
+                self.mio_rearm(false, true);
                 return Err(io::ErrorKind::WouldBlock.into());
             }
             let deadline = self.lazy_deadline(&self.inner.write_timeout, &mut deadline_slot);
@@ -609,6 +690,8 @@ impl Stream {
                 return Err(pipe_error(PipeError::Dead));
             }
             if self.inner.nonblocking.load(Ordering::Acquire) {
+                drop(rx);
+                self.mio_rearm(true, false);
                 return Err(io::ErrorKind::WouldBlock.into());
             }
             let deadline = self.lazy_deadline(&self.inner.read_timeout, &mut deadline_slot);
@@ -745,5 +828,127 @@ impl io::Write for &Stream {
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// A small event queue for one stream or listener (`StreamConfig::own_queue`).
+fn own_queue(nic: &Nic) -> io::Result<EventQueue> {
+    nic.event_queue(clan::EventQueueConfig { ring_capacity: 64, tripwires: 64, ..clan::EventQueueConfig::default() })
+        .map_err(io::Error::other)
+}
+
+fn no_own_queue() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "register with mio a stream or listener made with StreamConfig::own_queue (its own event queue)",
+    )
+}
+
+impl Stream {
+    /// After a read (`read`) or a write (`write`) found nothing to do (non-blocking): if
+    /// registered with mio, that direction now waits for an edge. Take what woke the
+    /// stream's queue, arm the tripwires of the waiting directions and the queue, and look
+    /// once more: readiness found now makes the queue's descriptor readable at once (and is
+    /// reported once: the direction stops waiting); readiness that comes later fires an
+    /// armed tripwire, which posts to the armed queue. Either way the registration reports
+    /// it, and a direction nobody waits on reports nothing (a writable stream does not wake
+    /// its poller again and again).
+    fn mio_rearm(&self, read: bool, write: bool) {
+        let mut reg = lock(&self.inner.mio);
+        let (Some(reg), Some(q)) = (reg.as_mut(), self.inner.queue.as_ref()) else { return };
+        reg.want_read |= read && reg.interests.is_readable();
+        reg.want_write |= write && reg.interests.is_writable();
+        while q.try_take().is_some() {}
+        let armed = (!reg.want_read || reg.data.arm().is_ok()) && (!reg.want_write || reg.space.arm().is_ok());
+        let empty = q.arm();
+        let r = self.readiness();
+        let (now_r, now_w) = (reg.want_read && r.readable, reg.want_write && r.writable);
+        reg.want_read &= !now_r;
+        reg.want_write &= !now_w;
+        if !armed || !empty || now_r || now_w {
+            q.post_user(0);
+        }
+    }
+
+    fn mio_register(
+        &mut self,
+        registry: &mio::Registry,
+        token: mio::Token,
+        interests: mio::Interest,
+        new: bool,
+    ) -> io::Result<()> {
+        let mut q = self.inner.queue.clone().ok_or_else(no_own_queue)?;
+        self.set_nonblocking(true)?;
+        {
+            let mut reg = lock(&self.inner.mio);
+            match reg.as_mut() {
+                Some(r) => r.interests = interests,
+                None => {
+                    let (data, space) = self.readiness_tripwires(0, 1)?;
+                    *reg = Some(MioReg { data, space, interests, want_read: false, want_write: false });
+                }
+            }
+        }
+        // The queue's descriptor is readable when anything of the stream's is ready.
+        if new {
+            mio::event::Source::register(&mut q, registry, token, mio::Interest::READABLE)?;
+        } else {
+            mio::event::Source::reregister(&mut q, registry, token, mio::Interest::READABLE)?;
+        }
+        // The first edge: what is ready now is reported (as epoll does for a new socket).
+        self.mio_rearm(true, true);
+        Ok(())
+    }
+}
+
+/// mio integration, for a stream made with [`StreamConfig::own_queue`] (else `register`
+/// fails with `Unsupported`). Registering puts the stream in non-blocking mode; as with
+/// mio's own sockets, the registration is edge-triggered: after an event, read (or write)
+/// until `WouldBlock`, and an event comes when that direction is ready again (`READABLE`:
+/// data, end of stream or an error, the peer gone; `WRITABLE`: room to write). A stream's
+/// descriptor is its event queue's, so its events come as *readable* events whatever the
+/// interest: on an event, try each direction you wait on until `WouldBlock` (events may also
+/// be spurious, as mio allows).
+impl mio::event::Source for Stream {
+    fn register(&mut self, registry: &mio::Registry, token: mio::Token, interests: mio::Interest) -> io::Result<()> {
+        self.mio_register(registry, token, interests, true)
+    }
+
+    fn reregister(&mut self, registry: &mio::Registry, token: mio::Token, interests: mio::Interest) -> io::Result<()> {
+        self.mio_register(registry, token, interests, false)
+    }
+
+    fn deregister(&mut self, registry: &mio::Registry) -> io::Result<()> {
+        let mut q = self.inner.queue.clone().ok_or_else(no_own_queue)?;
+        if let Some(r) = lock(&self.inner.mio).take() {
+            let _ = r.data.disarm();
+            let _ = r.space.disarm();
+        }
+        mio::event::Source::deregister(&mut q, registry)
+    }
+}
+
+/// mio integration, for a listener made with [`StreamConfig::own_queue`] (else `register`
+/// fails with `Unsupported`): `READABLE` when a connection can be accepted. Registering
+/// puts the listener in non-blocking mode; accept until `WouldBlock`.
+impl mio::event::Source for Listener {
+    fn register(&mut self, registry: &mio::Registry, token: mio::Token, interests: mio::Interest) -> io::Result<()> {
+        let mut q = self.queue.clone().filter(|_| !self.share_queue).ok_or_else(no_own_queue)?;
+        self.set_nonblocking(true)?;
+        mio::event::Source::register(&mut q, registry, token, interests)?;
+        self.mio_rearm();
+        Ok(())
+    }
+
+    fn reregister(&mut self, registry: &mio::Registry, token: mio::Token, interests: mio::Interest) -> io::Result<()> {
+        let mut q = self.queue.clone().filter(|_| !self.share_queue).ok_or_else(no_own_queue)?;
+        mio::event::Source::reregister(&mut q, registry, token, interests)?;
+        self.mio_rearm();
+        Ok(())
+    }
+
+    fn deregister(&mut self, registry: &mio::Registry) -> io::Result<()> {
+        let mut q = self.queue.clone().filter(|_| !self.share_queue).ok_or_else(no_own_queue)?;
+        mio::event::Source::deregister(&mut q, registry)
     }
 }
