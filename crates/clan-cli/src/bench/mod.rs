@@ -8,6 +8,7 @@ pub mod fabric;
 pub mod grants;
 pub mod latency;
 pub mod paper;
+pub mod plot;
 pub mod proto;
 pub mod report;
 pub mod run;

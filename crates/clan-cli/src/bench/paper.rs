@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use plotters::prelude::*;
 use serde_json::{Value, json};
 
 use super::Result;
@@ -1073,7 +1072,7 @@ fn write_report(dir: &Path, figs: &[Figure], profile: Profile, secs: f64) -> Res
             }))?,
         )?;
         if fig.skipped.is_none() {
-            plot(dir, fig)?;
+            plot(dir, fig, &m)?;
         }
     }
     let mut md = String::new();
@@ -1153,143 +1152,141 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-/// One SVG per figure: a line chart when it has a curve, bars of its rows otherwise.
-fn plot(dir: &Path, fig: &Figure) -> Result<()> {
+/// The first `placement` the figure's benchmarks reported (how their processes sat on the
+/// CPUs), for the plot's footer.
+fn placement(v: &Value) -> Option<String> {
+    match v {
+        Value::Object(m) => {
+            m.get("placement").and_then(Value::as_str).map(str::to_owned).or_else(|| m.values().find_map(placement))
+        }
+        Value::Array(a) => a.iter().find_map(placement),
+        _ => None,
+    }
+}
+
+/// The baseline's name in a row's baseline cell: "160 ns (shm-raw)" → "shm-raw".
+fn baseline_name(cell: &str) -> String {
+    match (cell.rfind('('), cell.rfind(')')) {
+        (Some(a), Some(b)) if b > a + 1 => cell[a + 1..b].to_owned(),
+        _ => "baseline".into(),
+    }
+}
+
+/// One SVG per figure: curves when it has them, ratio bars of its rows otherwise.
+fn plot(dir: &Path, fig: &Figure, m: &sys::Machine) -> Result<()> {
+    use super::plot::{Axis, Lines, Ratios, Unit};
     let path = dir.join(format!("{}.svg", fig.id));
+    let footer = format!(
+        "Machine: {} × {}, Linux {}. Placement: {}",
+        m.cpus,
+        m.model,
+        m.kernel,
+        placement(&fig.data).unwrap_or_else(|| "as each benchmark states in the JSON".into())
+    );
+    let size = |label| Axis { label, unit: Unit::Bytes };
+    let bandwidth = Axis { label: "bandwidth", unit: Unit::Mbits };
     let mut curves: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    let (mut xl, mut yl) = ("size (bytes)", "Mbit/s");
+    let (mut x, mut y) = (size("message size"), bandwidth);
     match fig.id {
         "bandwidth" => {
-            for k in ["pio", "dma", "memcpy"] {
+            for (k, name) in [
+                ("pio", "PIO (stores into the mapping)"),
+                ("dma", "DMA (the NIC's engine)"),
+                ("memcpy", "memcpy (baseline)"),
+            ] {
                 let pts: Vec<(f64, f64)> = serde_json::from_value(fig.data["series"][k].clone()).unwrap_or_default();
-                curves.push((k.to_uppercase(), pts));
+                curves.push((name.into(), pts));
             }
         }
         "queue" => {
+            x = size("transfer size");
             let pts = fig.data["points"].as_array().cloned().unwrap_or_default();
-            curves.push(("queue".into(), pts.iter().map(|p| (f(p, "size"), f(p, "mbit_s"))).collect()));
+            curves.push(("clan byte queue".into(), pts.iter().map(|p| (f(p, "size"), f(p, "mbit_s"))).collect()));
             curves.push((
-                "memcpy in and out".into(),
+                "clan slot message queue".into(),
+                pts.iter().map(|p| (f(p, "size"), f(p, "slot_mbit_s"))).collect(),
+            ));
+            curves.push((
+                "memcpy in and out (baseline)".into(),
                 pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect(),
             ));
-            curves
-                .push(("hand-written ring".into(), pts.iter().map(|p| (f(p, "size"), f(p, "ring_mbit_s"))).collect()));
-            curves
-                .push(("slot message queue".into(), pts.iter().map(|p| (f(p, "size"), f(p, "slot_mbit_s"))).collect()));
+            curves.push((
+                "hand-written ring (baseline)".into(),
+                pts.iter().map(|p| (f(p, "size"), f(p, "ring_mbit_s"))).collect(),
+            ));
         }
         "oneway" => {
             let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
-            curves.push(("one at a time".into(), pts.iter().map(|p| (f(p, "size"), f(p, "sync_mbit_s"))).collect()));
-            curves.push(("streaming".into(), pts.iter().map(|p| (f(p, "size"), f(p, "async_mbit_s"))).collect()));
-            curves.push(("memcpy".into(), pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect()));
+            curves.push((
+                "clan send_msg, one at a time".into(),
+                pts.iter().map(|p| (f(p, "size"), f(p, "sync_mbit_s"))).collect(),
+            ));
+            curves.push((
+                "clan send_msg, streaming".into(),
+                pts.iter().map(|p| (f(p, "size"), f(p, "async_mbit_s"))).collect(),
+            ));
+            curves.push((
+                "memcpy (baseline)".into(),
+                pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect(),
+            ));
         }
         "send-overhead" => {
             let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
-            yl = "sender's cost per send (ns)";
+            y = Axis { label: "sender's time per send, p50", unit: Unit::Nanos };
             for (k, name) in [
                 ("sync_overhead_p50_ns", "synchronous"),
                 ("async_overhead_p50_ns", "asynchronous"),
-                ("pio_overhead_p50_ns", "async, PIO forced"),
-                ("dma_overhead_p50_ns", "async, DMA forced"),
+                ("pio_overhead_p50_ns", "asynchronous, PIO forced"),
+                ("dma_overhead_p50_ns", "asynchronous, DMA forced"),
             ] {
                 curves.push((name.into(), pts.iter().map(|p| (f(p, "size"), f(p, k))).collect()));
             }
         }
         "tokio" => {
             let pts = fig.data["points"].as_array().cloned().unwrap_or_default();
-            xl = "concurrent clients";
-            yl = "requests/s";
+            x = Axis { label: "concurrent clients", unit: Unit::Count };
+            y = Axis { label: "requests per second", unit: Unit::PerSec };
             for (name, ptr) in [
                 ("clan, spinning then sleeping", "/clan/requests_per_s"),
                 ("clan, never spinning", "/clan_no_spin/requests_per_s"),
-                ("tokio over Unix sockets", "/unix/requests_per_s"),
-                ("tokio over loopback TCP", "/tcp/requests_per_s"),
+                ("tokio over Unix sockets (baseline)", "/unix/requests_per_s"),
+                ("tokio over loopback TCP (baseline)", "/tcp/requests_per_s"),
             ] {
                 curves.push((name.into(), pts.iter().map(|p| (f(p, "clients"), fp(p, ptr))).collect()));
             }
         }
         "server" => {
             let pts = fig.data["busy"].as_array().cloned().unwrap_or_default();
-            xl = "endpoints";
-            yl = "RTT p50 (ns)";
+            x = Axis { label: "endpoints (connections)", unit: Unit::Count };
+            y = Axis { label: "round trip, p50", unit: Unit::Nanos };
             for (name, ptr) in [
                 ("clan, spinning", "/spin/clan/rtt_p50_ns"),
-                ("epoll-tcp, busy-polling", "/spin/baseline/rtt_p50_ns"),
+                ("epoll TCP, busy-polling (baseline)", "/spin/baseline/rtt_p50_ns"),
                 ("clan, blocking", "/block/clan/rtt_p50_ns"),
-                ("epoll-tcp, blocking", "/block/baseline/rtt_p50_ns"),
-                ("raw shm ping-pong", "/raw_shm_rtt_p50_ns"),
+                ("epoll TCP, blocking (baseline)", "/block/baseline/rtt_p50_ns"),
+                ("raw shared-memory ping-pong (baseline)", "/raw_shm_rtt_p50_ns"),
             ] {
                 curves.push((name.into(), pts.iter().map(|p| (f(p, "endpoints"), fp(p, ptr))).collect()));
             }
         }
         _ => {}
     }
-    curves.iter_mut().for_each(|(_, v)| v.retain(|(x, y)| x.is_finite() && y.is_finite() && *x > 0.0 && *y > 0.0));
-    curves.retain(|(_, v)| !v.is_empty());
-    let root = SVGBackend::new(&path, (800, 460)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
-    if curves.is_empty() {
-        // Bars: our value and the baseline per row (values parsed back from the rows is
-        // fragile; the rows' ratios are what a bar chart of this figure shows).
-        let bars: Vec<(String, f64)> = fig
-            .rows
-            .iter()
-            .filter_map(|(w, _, _, r)| r.trim_end_matches('×').parse::<f64>().ok().map(|v| (w.clone(), v)))
-            .collect();
-        let ymax = bars.iter().map(|b| b.1).fold(1.0, f64::max) * 1.15;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(format!("{} — clan / baseline", fig.id), ("sans-serif", 18))
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0usize..bars.len().max(1), 0.0..ymax)
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(bars.len().max(1))
-            .x_label_formatter(&|i| bars.get(*i).map_or(String::new(), |b| b.0.chars().take(28).collect()))
-            .y_desc("ratio (clan / baseline)")
-            .draw()
-            .map_err(|e| e.to_string())?;
-        chart
-            .draw_series(
-                bars.iter().enumerate().map(|(i, b)| Rectangle::new([(i, 0.0), (i + 1, b.1)], BLUE.mix(0.6).filled())),
-            )
-            .map_err(|e| e.to_string())?;
-        root.present().map_err(|e| e.to_string())?;
+    let has_points =
+        curves.iter().any(|(_, v)| v.iter().any(|(a, b)| a.is_finite() && b.is_finite() && *a > 0.0 && *b > 0.0));
+    if has_points {
+        return super::plot::lines(&path, &Lines { title: fig.title, footer: &footer, x, y, curves });
+    }
+    let bars: Vec<(String, String, f64)> = fig
+        .rows
+        .iter()
+        .filter_map(|(what, _, base, r)| {
+            r.trim_end_matches('×').trim().parse::<f64>().ok().map(|v| (what.clone(), baseline_name(base), v))
+        })
+        .collect();
+    if bars.is_empty() {
         return Ok(());
     }
-    let xs = curves.iter().flat_map(|c| c.1.iter().map(|p| p.0));
-    let ys = curves.iter().flat_map(|c| c.1.iter().map(|p| p.1));
-    let (x0, x1) = xs.fold((f64::MAX, 0.0f64), |(a, b), x| (a.min(x), b.max(x)));
-    let (y0, y1) = ys.fold((f64::MAX, 0.0f64), |(a, b), y| (a.min(y), b.max(y)));
-    let mut chart = ChartBuilder::on(&root)
-        .caption(fig.id, ("sans-serif", 18))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(70)
-        .build_cartesian_2d((x0 * 0.8..x1 * 1.25).log_scale(), (y0 * 0.7..y1 * 1.4).log_scale())
-        .map_err(|e| e.to_string())?;
-    chart.configure_mesh().x_desc(xl).y_desc(yl).draw().map_err(|e| e.to_string())?;
-    let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
-    for (i, (name, pts)) in curves.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
-            .map_err(|e| e.to_string())?
-            .label(name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled()))).map_err(|e| e.to_string())?;
-    }
-    chart
-        .configure_series_labels()
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.8))
-        .draw()
-        .map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())?;
-    Ok(())
+    super::plot::ratios(&path, &Ratios { title: fig.title, footer: &footer, bars })
 }
 
 #[cfg(test)]
