@@ -217,59 +217,82 @@ const PROGRAMS: &[(&str, &str)] = &[
 /// `clan info`: the version, the machine, a NIC opened here (its addresses, limits and
 /// defaults), and which optional parts and peer programs are installed.
 fn info() -> bench::Result<()> {
+    use std::fmt::Write as _;
+    use std::io::Write as _;
+    // Written whole at the end: `clan info | head` is not an error.
+    let mut out = String::new();
+    macro_rules! wl {
+        ($o:expr) => {{
+            let _ = writeln!($o);
+        }};
+        ($o:expr, $($t:tt)*) => {{
+            let _ = writeln!($o, $($t)*);
+        }};
+    }
     let m = sys::machine();
-    println!("clan {}", env!("CARGO_PKG_VERSION"));
-    println!("machine: {} × {}, Linux {}", m.cpus, m.model, m.kernel);
+    wl!(out, "clan {}", env!("CARGO_PKG_VERSION"));
+    wl!(out, "machine: {} × {}, {:.1} GiB, Linux {}", m.cpus, m.model, m.memory_gib, m.kernel);
     let cfg = clan::NicConfig::default();
     let nic = clan::Nic::open(cfg.clone())?;
-    println!();
-    println!("NIC (defaults; CLAN_SPIN_US={:?})", std::env::var("CLAN_SPIN_US").ok());
-    println!("  address:            {}", nic.addr());
-    println!(
+    wl!(out);
+    wl!(out, "NIC (defaults; CLAN_SPIN_US={:?})", std::env::var("CLAN_SPIN_US").ok());
+    wl!(out, "  address:            {}", nic.addr());
+    wl!(
+        out,
         "  reached by:         processes of this host (abstract Unix socket named after the address){}",
         if cfg.tcp { ", other hosts (TCP link on that address)" } else { "" }
     );
     let q = nic.default_queue().config();
-    println!(
+    wl!(
+        out,
         "  default event queue: {} tripwires, {} producers ({} per user) × {} events, spin {:?}",
-        q.tripwires, q.producers, q.producers_per_user, q.ring_capacity, q.spin
+        q.tripwires,
+        q.producers,
+        q.producers_per_user,
+        q.ring_capacity,
+        q.spin
     );
-    println!();
-    println!("limits");
-    println!("  file descriptors:   {} (raised to the hard limit when the NIC opened)", clan::fd_limit());
-    println!("  aperture size:      up to {} GiB", clan::MAX_APERTURE >> 30);
-    println!(
+    wl!(out);
+    wl!(out, "limits");
+    wl!(out, "  file descriptors:   {} (raised to the hard limit when the NIC opened)", clan::fd_limit());
+    wl!(out, "  aperture size:      up to {} GiB", clan::MAX_APERTURE >> 30);
+    wl!(
+        out,
         "  pooled apertures:   up to {} KiB share their peer's pool (no fd, no mapping each)",
         clan::MAX_POOLED >> 10
     );
-    println!("  event queue:        up to {} producers", clan::MAX_PRODUCERS);
+    wl!(out, "  event queue:        up to {} producers", clan::MAX_PRODUCERS);
     let a = cfg.admission;
-    println!("  control connections: {} per process, {} per user, {} in all", a.per_pid, a.per_uid, a.total);
-    println!("  link imports:       {} at once", cfg.max_link_imports);
-    println!("  out-of-band data:   {} B per connect/accept", clan::MAX_PRIVATE_DATA);
-    println!();
-    println!("optional parts (next to this executable)");
+    wl!(out, "  control connections: {} per process, {} per user, {} in all", a.per_pid, a.per_uid, a.total);
+    wl!(out, "  link imports:       {} at once", cfg.max_link_imports);
+    wl!(out, "  out-of-band data:   {} B per connect/accept", clan::MAX_PRIVATE_DATA);
+    wl!(out);
+    wl!(out, "optional parts (next to this executable)");
     let dir = std::env::current_exe()?.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
     for (file, what) in [
         ("libclan_preload.so", "clan run (interposition library)"),
         ("libclan_fi.so", "the libfabric provider (clan fabric env)"),
     ] {
         let p = dir.join(file);
-        println!("  {:<19} {}  {what}", file, if p.is_file() { "yes" } else { "missing" });
+        wl!(out, "  {:<19} {}  {what}", file, if p.is_file() { "yes" } else { "missing" });
     }
-    println!();
-    println!("peer programs (baselines and tests)");
+    wl!(out);
+    wl!(out, "peer programs (baselines and tests)");
     for (exe, what) in PROGRAMS {
         match sys::which(exe) {
-            Some(p) => println!("  {exe:<19} {}  ({what})", p.display()),
-            None => println!("  {exe:<19} not installed  ({what})"),
+            Some(p) => wl!(out, "  {exe:<19} {}  ({what})", p.display()),
+            None => wl!(out, "  {exe:<19} not installed  ({what})"),
         }
     }
     let mpich = std::path::Path::new("/opt/clan-mpich/bin/mpiexec");
-    println!(
+    wl!(
+        out,
         "  {:<19} {}  (tests: MPICH from PyPI)",
         "mpich (PyPI)",
         if mpich.is_file() { mpich.display().to_string() } else { "not installed".into() }
     );
-    Ok(())
+    match std::io::stdout().write_all(out.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }

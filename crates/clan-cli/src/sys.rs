@@ -8,35 +8,39 @@ pub struct Machine {
     pub cpus: usize,
     pub model: String,
     pub kernel: String,
+    /// Memory in GiB.
+    pub memory_gib: f64,
 }
 
+fn system() -> sysinfo::System {
+    use sysinfo::{CpuRefreshKind, MemoryRefreshKind, RefreshKind};
+    sysinfo::System::new_with_specifics(
+        RefreshKind::nothing().with_cpu(CpuRefreshKind::nothing()).with_memory(MemoryRefreshKind::nothing().with_ram()),
+    )
+}
+
+/// The machine's facts (from `sysinfo`).
 pub fn machine() -> Machine {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split(':').nth(1)))
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|| "unknown".into());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
-    Machine { cpus: online_cpus(), model, kernel }
+    let sys = system();
+    let model = sys
+        .cpus()
+        .first()
+        .map(|c| c.brand().trim().to_owned())
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| "unknown CPU".into());
+    Machine {
+        cpus: sys.cpus().len().max(1),
+        model,
+        kernel: sysinfo::System::kernel_version().unwrap_or_else(|| "unknown".into()),
+        memory_gib: sys.total_memory() as f64 / (1u64 << 30) as f64,
+    }
 }
 
-/// CPUs online on the machine (not the affinity mask of this process, which a pinned
-/// parent passes on to its children).
+/// CPUs of the machine (not the affinity mask of this process, which a pinned parent passes
+/// on to its children).
 pub fn online_cpus() -> usize {
-    std::fs::read_to_string("/sys/devices/system/cpu/online")
-        .ok()
-        .and_then(|s| {
-            s.trim()
-                .split(',')
-                .map(|r| match r.split_once('-') {
-                    Some((a, b)) => b.parse::<usize>().ok().zip(a.parse::<usize>().ok()).map(|(b, a)| b - a + 1),
-                    None => r.parse::<usize>().ok().map(|_| 1),
-                })
-                .sum::<Option<usize>>()
-        })
-        .unwrap_or(1)
-        .max(1)
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| system().cpus().len().max(1))
 }
 
 /// Pin the calling thread to `cpu` (modulo the CPUs available). Returns the CPU used, or

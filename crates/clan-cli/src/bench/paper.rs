@@ -7,7 +7,6 @@
 //! prints. Figures that need root (test hosts in network namespaces) run when root and are
 //! listed as skipped otherwise.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -200,7 +199,7 @@ pub fn run(a: &PaperArgs) -> Result<()> {
         a.out.join("index.md").display()
     );
     println!();
-    print!("{}", table_md(&figs));
+    print!("{}", table_md(&figs)?);
     Ok(())
 }
 
@@ -1044,21 +1043,34 @@ fn not_reproduced() -> Figure {
 
 // ---- the report ---------------------------------------------------------------------------
 
-fn table_md(figs: &[Figure]) -> String {
-    let mut t = String::new();
-    let _ = writeln!(t, "| figure | measure | clan | baseline (same run) | ratio | papers |");
-    let _ = writeln!(t, "|---|---|---|---|---|---|");
-    for fig in figs {
-        if let Some(why) = &fig.skipped {
-            let _ = writeln!(t, "| {} | — | skipped: {why} | — | — | {} |", fig.title, fig.paper);
-            continue;
-        }
-        for (i, (what, ours, base, ratio)) in fig.rows.iter().enumerate() {
-            let (title, paper) = if i == 0 { (fig.title, fig.paper) } else { ("", "") };
-            let _ = writeln!(t, "| {title} | {what} | {ours} | {base} | {ratio} | {paper} |");
-        }
-    }
-    t
+/// The report's templates (`templates/`): the Markdown table (also printed at the end of
+/// the run), `index.md` and `index.html` (escaped by minijinja for HTML).
+fn templates() -> minijinja::Environment<'static> {
+    let mut env = minijinja::Environment::new();
+    env.add_template("table.md", include_str!("templates/table.md")).expect("table.md parses");
+    env.add_template("index.md", include_str!("templates/index.md")).expect("index.md parses");
+    env.add_template("index.html", include_str!("templates/index.html")).expect("index.html parses");
+    // A Markdown table cell: no pipe or line break may end it early.
+    env.add_filter("cell", |v: String| v.replace('|', "\\|").replace('\n', " "));
+    env
+}
+
+/// What the templates see of the figures.
+fn figures_ctx(figs: &[Figure]) -> Vec<Value> {
+    figs.iter()
+        .map(|fig| {
+            json!({
+                "id": fig.id, "title": fig.title, "paper": fig.paper, "ours": fig.ours, "skipped": fig.skipped,
+                "rows": fig.rows.iter().map(|(what, ours, base, ratio)| json!({
+                    "what": what, "ours": ours, "base": base, "ratio": ratio,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+fn table_md(figs: &[Figure]) -> Result<String> {
+    Ok(templates().get_template("table.md")?.render(minijinja::context! { figures => figures_ctx(figs) })?)
 }
 
 fn write_report(dir: &Path, figs: &[Figure], profile: Profile, secs: f64) -> Result<()> {
@@ -1075,81 +1087,16 @@ fn write_report(dir: &Path, figs: &[Figure], profile: Profile, secs: f64) -> Res
             plot(dir, fig, &m)?;
         }
     }
-    let mut md = String::new();
-    let _ = writeln!(md, "# clan: the papers' figures, measured\n");
-    let _ = writeln!(
-        md,
-        "Machine: {} × {}, Linux {}. Profile: {:?}, {:.0} s. Every figure ran with its baselines in the same run; \
-         the JSON of each figure is next to this file, with an SVG plot.\n",
-        m.cpus, m.model, m.kernel, profile, secs
-    );
-    md.push_str(&table_md(figs));
-    md.push('\n');
-    for fig in figs {
-        let _ = writeln!(md, "## {}\n\nPapers: {}\n\nclan: {}\n", fig.title, fig.paper, fig.ours);
-        if let Some(why) = &fig.skipped {
-            let _ = writeln!(md, "Skipped: {why}\n");
-        } else {
-            let _ = writeln!(md, "![{}]({}.svg)  [data]({}.json)\n", fig.id, fig.id, fig.id);
-        }
-    }
-    std::fs::write(dir.join("index.md"), &md)?;
-    let mut html = String::from(
-        "<!doctype html><meta charset=\"utf-8\"><title>clan: the papers' figures</title><style>body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px}</style>\n",
-    );
-    let _ = writeln!(
-        html,
-        "<h1>clan: the papers' figures, measured</h1><p>Machine: {} × {}, Linux {}. Profile {:?}, {:.0} s.</p>",
-        m.cpus,
-        esc(&m.model),
-        esc(&m.kernel),
-        profile,
-        secs
-    );
-    html.push_str("<table><tr><th>figure</th><th>measure</th><th>clan</th><th>baseline (same run)</th><th>ratio</th><th>papers</th></tr>\n");
-    for fig in figs {
-        if let Some(why) = &fig.skipped {
-            let _ = writeln!(
-                html,
-                "<tr><td>{}</td><td>—</td><td>skipped: {}</td><td>—</td><td>—</td><td>{}</td></tr>",
-                esc(fig.title),
-                esc(why),
-                esc(fig.paper)
-            );
-            continue;
-        }
-        for (i, (what, ours, base, ratio)) in fig.rows.iter().enumerate() {
-            let (t, p) = if i == 0 { (fig.title, fig.paper) } else { ("", "") };
-            let _ = writeln!(
-                html,
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                esc(t),
-                esc(what),
-                esc(ours),
-                esc(base),
-                esc(ratio),
-                esc(p)
-            );
-        }
-    }
-    html.push_str("</table>\n");
-    for fig in figs.iter().filter(|f| f.skipped.is_none()) {
-        let _ = writeln!(
-            html,
-            "<h2>{}</h2><p>Papers: {}</p><p>clan: {}</p><img src=\"{}.svg\"> <a href=\"{}.json\">data</a>",
-            esc(fig.title),
-            esc(fig.paper),
-            esc(&fig.ours),
-            fig.id,
-            fig.id
-        );
-    }
-    std::fs::write(dir.join("index.html"), html)?;
+    let env = templates();
+    let ctx = minijinja::context! {
+        machine => &m,
+        profile => format!("{profile:?}"),
+        secs => secs.round() as u64,
+        figures => figures_ctx(figs),
+    };
+    std::fs::write(dir.join("index.md"), env.get_template("index.md")?.render(&ctx)?)?;
+    std::fs::write(dir.join("index.html"), env.get_template("index.html")?.render(&ctx)?)?;
     Ok(())
-}
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 /// The first `placement` the figure's benchmarks reported (how their processes sat on the
