@@ -80,12 +80,33 @@ fn s(v: &[&str]) -> Vec<String> {
     v.iter().map(|x| (*x).to_owned()).collect()
 }
 
+/// Fields the report asked a benchmark's JSON for and did not find: a field renamed in a
+/// benchmark's result type and not here. The run fails at the end, naming them, instead of
+/// showing NaN (an absent optional section, `null` or no object at all, is not counted).
+static MISSING: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn note_missing(parent: &Value, key: &str) {
+    if parent.as_object().is_some_and(|o| !o.contains_key(key)) {
+        let mut m = MISSING.lock().unwrap_or_else(|e| e.into_inner());
+        if !m.iter().any(|k| k == key) {
+            m.push(key.to_owned());
+        }
+    }
+}
+
 fn f(v: &Value, k: &str) -> f64 {
+    note_missing(v, k);
     v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN)
 }
 
 /// The number at a JSON pointer (`/spin/clan/rtt_p50_ns`).
 fn fp(v: &Value, pointer: &str) -> f64 {
+    if let Some((parent, key)) = pointer.rsplit_once('/') {
+        let parent = if parent.is_empty() { Some(v) } else { v.pointer(parent) };
+        if let Some(p) = parent {
+            note_missing(p, key);
+        }
+    }
     v.pointer(pointer).and_then(Value::as_f64).unwrap_or(f64::NAN)
 }
 
@@ -191,6 +212,14 @@ pub fn run(a: &PaperArgs) -> Result<()> {
     ));
     bar.finish_and_clear();
     figs.push(not_reproduced());
+    let missing = std::mem::take(&mut *MISSING.lock().unwrap_or_else(|e| e.into_inner()));
+    if !missing.is_empty() {
+        return Err(format!(
+            "the report asked the benchmarks' JSON for fields it does not have (renamed?): {}",
+            missing.join(", ")
+        )
+        .into());
+    }
     write_report(&a.out, &figs, profile, started.elapsed().as_secs_f64())?;
     println!(
         "clan bench paper: {} figures in {:.0} s → {}",
