@@ -64,11 +64,11 @@ enum BenchCmd {
     /// export and import.
     Vmmc(bench::vmmc::VmmcArgs),
     /// Streaming bandwidth of the distributed queue by transfer size; half-peak size.
-    Queue(bench::proto::QueueArgs),
+    Queue(bench::queue::QueueArgs),
     /// RPC round-trip time and calls per second.
-    Rpc(bench::proto::RpcArgs),
+    Rpc(bench::rpc::RpcArgs),
     /// Stream sockets against Unix sockets and kernel TCP.
-    Stream(bench::proto::StreamArgs),
+    Stream(bench::stream::StreamArgs),
     /// tokio: N concurrent request/response clients over clan's async streams against
     /// tokio over Unix sockets and loopback TCP, same run, same pinning.
     Tokio(bench::asyncio::TokioArgs),
@@ -103,9 +103,9 @@ fn main() {
         Cmd::Bench(BenchCmd::Bandwidth(a)) => bench::bandwidth::run(&a),
         Cmd::Bench(BenchCmd::Tripwires(a)) => bench::tripwires::run(&a),
         Cmd::Bench(BenchCmd::Vmmc(a)) => bench::vmmc::run(&a),
-        Cmd::Bench(BenchCmd::Queue(a)) => bench::proto::queue(&a),
-        Cmd::Bench(BenchCmd::Rpc(a)) => bench::proto::rpc(&a),
-        Cmd::Bench(BenchCmd::Stream(a)) => bench::proto::stream(&a),
+        Cmd::Bench(BenchCmd::Queue(a)) => bench::queue::run(&a),
+        Cmd::Bench(BenchCmd::Rpc(a)) => bench::rpc::run(&a),
+        Cmd::Bench(BenchCmd::Stream(a)) => bench::stream::run(&a),
         Cmd::Bench(BenchCmd::Tokio(a)) => bench::asyncio::run(&a),
         Cmd::Bench(BenchCmd::Server(a)) => bench::server::run(&a),
         Cmd::Bench(BenchCmd::Connect(a)) => bench::connect::run(&a),

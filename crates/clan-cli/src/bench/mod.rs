@@ -10,9 +10,12 @@ pub mod latency;
 pub mod paper;
 pub mod plot;
 pub mod proto;
+pub mod queue;
 pub mod report;
+pub mod rpc;
 pub mod run;
 pub mod server;
+pub mod stream;
 pub mod tcp;
 pub mod tripwires;
 pub mod vmmc;
@@ -115,9 +118,9 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
         r if r.starts_with("bw-link") || r.starts_with("bw-tcp") => tcp::bandwidth_peer(r, args),
         "vmmc-peer" => vmmc::peer(role, args),
         r if r.starts_with("srv-") => server::peer(r, args),
-        r if r.starts_with("pq-") => proto::queue_peer(r, args),
-        r if r.starts_with("prpc-") => proto::rpc_peer(r, args),
-        r if r.starts_with("pst-") => proto::stream_peer(r, args),
+        r if r.starts_with("pq-") => queue::peer(r, args),
+        r if r.starts_with("prpc-") => rpc::peer(r, args),
+        r if r.starts_with("pst-") => stream::peer(r, args),
         "conn-server" => connect::peer(role, args),
         "grants-peer" => grants::peer(role, args),
         "tok-echo" => asyncio::peer(role, args),
