@@ -123,7 +123,9 @@ pub fn run(a: &QueueArgs) -> Result<()> {
         None => vec![64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
     };
     let mut points = Vec::new();
+    let bar = super::report::progress(sizes.len() as u64 * u64::from(a.rounds.max(1)), a.json);
     for &size in &sizes {
+        bar.set_message(format!("{size} B transfers"));
         // Alternating rounds, the median of each side: two processes streaming at each other
         // swing between rounds on this machine (where the host runs the two virtual CPUs),
         // and one round could catch either regime.
@@ -151,6 +153,7 @@ pub fn run(a: &QueueArgs) -> Result<()> {
                     g.push(ring_round(size, bytes, buffer)?);
                 }
             }
+            bar.inc(1);
         }
         let median = |v: &mut Vec<Duration>| {
             v.sort();
@@ -188,16 +191,19 @@ pub fn run(a: &QueueArgs) -> Result<()> {
         });
         if !a.json {
             let p = points.last().expect("pushed");
-            eprintln!(
-                "{:>6} bytes: stream {:>10.0} Mbit/s, slots {:>10.0} Mbit/s (baseline {:>10.0}{})",
-                size,
-                p.mbit_s,
-                p.slot_mbit_s,
-                p.baseline_mbit_s,
-                p.ring_mbit_s.map_or(String::new(), |r| format!(", ring {r:.0}"))
-            );
+            bar.suspend(|| {
+                eprintln!(
+                    "{:>6} bytes: stream {:>10.0} Mbit/s, slots {:>10.0} Mbit/s (baseline {:>10.0}{})",
+                    size,
+                    p.mbit_s,
+                    p.slot_mbit_s,
+                    p.baseline_mbit_s,
+                    p.ring_mbit_s.map_or(String::new(), |r| format!(", ring {r:.0}"))
+                )
+            });
         }
     }
+    bar.finish_and_clear();
     let peak_of = |f: fn(&QueuePoint) -> f64| {
         let peak = points.iter().map(f).fold(0.0, f64::max);
         (peak, points.iter().find(|p| f(p) >= peak / 2.0).map(|p| p.size))

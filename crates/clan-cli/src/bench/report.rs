@@ -131,6 +131,22 @@ pub fn timed_batches(iters: u64, batch: u64, mut send: impl FnMut(u64) -> super:
     Ok(s)
 }
 
+/// A progress bar with an ETA for a long benchmark: `len` steps, on standard error when it is
+/// a terminal (hidden otherwise, and with `--json`, whose output is for programs).
+pub fn progress(len: u64, json: bool) -> indicatif::ProgressBar {
+    if json {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} [{bar:30}] {pos}/{len}  ETA {eta}  {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
 #[cfg(test)]
 mod tests {
     use super::Samples;

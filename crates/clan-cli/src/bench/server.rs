@@ -288,29 +288,48 @@ pub fn run(a: &ServerArgs) -> Result<()> {
     // clan first, each way in rounds (with the raw ping-pong), then the TCP server each way
     // in rounds: one set of connections alive at a time (10 000 endpoints are 10 000
     // connections of each kind).
+    let rounds = a.rounds.max(1);
+    let bar = super::report::progress(2 + rounds * (3 + u64::from(a.inflight == 1) + 2), a.json);
+    bar.set_message(format!("clan: {} connections", a.endpoints));
     let mut clan = ClanSide::start(a)?;
+    bar.inc(1);
     let footprint_clan = Footprint::of_both(clan.peer.pid());
     let (mut clan_spin, mut clan_block, mut clan_policy) = (Run::default(), Run::default(), Run::default());
     let mut raw: Option<Samples> = None;
     for _ in 0..a.rounds.max(1) {
+        bar.set_message("clan, both sides spinning");
         clan_spin.merge(&clan.measure(a, Sync::Spin)?);
+        bar.inc(1);
         if a.inflight == 1 {
             // The clan server sleeps meanwhile (parked).
+            bar.set_message("raw shared-memory ping-pong");
             raw.get_or_insert_with(Samples::new).merge(&super::latency::raw_shm(a.size, n + warm, warm, 1)?);
+            bar.inc(1);
         }
+        bar.set_message("clan, both sides blocking");
         clan_block.merge(&clan.measure(a, Sync::Block)?);
+        bar.inc(1);
+        bar.set_message("clan, as the paper runs it");
         clan_policy.merge(&clan.measure(a, Sync::Policy)?);
+        bar.inc(1);
     }
     let setup = clan.setup;
     clan.stop()?;
+    bar.set_message(format!("epoll TCP: {} connections", a.endpoints));
     let mut tcp = TcpSide::start(a)?;
+    bar.inc(1);
     let footprint_tcp = Footprint::of_both(tcp.peer.pid());
     let (mut tcp_spin, mut tcp_block) = (Run::default(), Run::default());
     for _ in 0..a.rounds.max(1) {
+        bar.set_message("epoll TCP, busy-polling");
         tcp_spin.merge(&tcp.measure(a, Sync::Spin)?);
+        bar.inc(1);
+        bar.set_message("epoll TCP, blocking");
         tcp_block.merge(&tcp.measure(a, Sync::Block)?);
+        bar.inc(1);
     }
     tcp.stop()?;
+    bar.finish_and_clear();
     let compare = |how, c: &Run, t: &Run| {
         let r = ratio(c.req_per_s(), t.req_per_s());
         Compared {
