@@ -4,6 +4,31 @@ use clan::{AccessError, Aperture};
 
 /// A run of received bytes where they landed, in the receiver's own memory. Reads are
 /// bounds-checked; [`InPlace::as_raw`] gives the raw window for zero-copy parsing.
+///
+/// Lent by [`crate::stream::Stream::read_in_place`], [`crate::queue::MsgReceiver::recv_in_place`],
+/// the RPC handlers and replies ([`crate::rpc`]):
+///
+/// ```
+/// use std::io::Write;
+/// # use std::time::Duration;
+/// # use clan_proto::stream::{Listener, Stream};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = Listener::bind(&nic)?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+/// # let (server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// # let mut client = connecting.join().unwrap()?;
+/// client.write_all(&[0, 0, 0, 0, 0, 0, 0, 7, b'!'])?;
+/// let parsed = server.read_in_place(9, |m| -> Result<_, clan::AccessError> {
+///     let mut tail = [0u8; 1];
+///     m.read(8, &mut tail)?; // bounds-checked, relative to the run
+///     let (ap, off) = m.location(); // where it lives: for word loads
+///     let raw = m.as_raw()?;
+///     Ok((m.len(), tail[0], ap.len() > off, raw.len()))
+/// })?;
+/// assert_eq!(parsed, Some(Ok((9, b'!', true, 9))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct InPlace<'a> {
     ap: &'a Aperture,

@@ -33,7 +33,7 @@
 //! let listener = Listener::bind(&nic)?;
 //! let addr = listener.local_addr();
 //! let server = std::thread::spawn(move || -> std::io::Result<()> {
-//!     let (mut s, _peer) = listener.accept()?;
+//!     let (mut s, _peer) = listener.accept_timeout(std::time::Duration::from_secs(5))?;
 //!     let mut buf = [0u8; 5];
 //!     s.read_exact(&mut buf)?;
 //!     s.write_all(&buf)

@@ -307,7 +307,29 @@ impl PipeTx {
     }
 }
 
-/// What a completed posted receive did.
+/// What a completed posted receive did ([`crate::stream::Stream::recv_posted`]).
+///
+/// ```
+/// use std::io::Write;
+/// use clan_proto::Redirection;
+/// # use std::time::Duration;
+/// # use clan_proto::stream::{Listener, Stream};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = Listener::bind(&nic)?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+/// # let (server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// # let mut client = connecting.join().unwrap()?;
+/// client.write_all(b"early")?; // before the post: lands in the ring
+/// # let deadline = std::time::Instant::now() + Duration::from_secs(5);
+/// # while server.available()? < 5 { assert!(std::time::Instant::now() < deadline); std::thread::yield_now(); }
+/// server.post_recv(10)?;
+/// client.write_all(b"later")?; // after it: placed straight into the posted buffer
+/// let (rep, data) = server.recv_posted(|rep, data| (rep, data.to_vec()))?;
+/// assert_eq!(rep, Redirection { len: 10, direct: 5, copied: 5 });
+/// assert_eq!(data, b"earlylater");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Redirection {
     /// Bytes received.

@@ -57,6 +57,18 @@ const FIRST: u32 = 2;
 const IDLE_EVERY: Duration = Duration::from_millis(1);
 
 /// Geometry and behaviour of a message queue.
+///
+/// ```
+/// use clan_proto::queue::{QueueConfig, QueueError, QueueListener, HEADER};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let cfg = QueueConfig { slots: 16, slot_size: 512, ..QueueConfig::default() };
+/// assert_eq!(cfg.slot_size - HEADER, 480, "payload bytes per slot");
+/// let _listener = QueueListener::bind(&nic, cfg)?;
+/// let bad = QueueConfig { slot_size: 100, ..QueueConfig::default() }; // not a multiple of 8
+/// assert!(matches!(QueueListener::bind(&nic, bad), Err(QueueError::BadConfig(_))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct QueueConfig {
     /// Slots in the receiver's ring (one stays free).
@@ -98,6 +110,24 @@ impl QueueConfig {
 }
 
 /// What went wrong.
+///
+/// ```
+/// use clan_proto::queue::QueueError;
+/// # use std::time::Duration;
+/// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+/// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// assert!(matches!(rx.recv(Some(Duration::from_millis(5))), Err(QueueError::Timeout)));
+/// tx.send(1, b"last")?;
+/// drop(tx); // the sender goes away: what it sent is still received
+/// assert_eq!(rx.recv(Some(Duration::from_secs(5)))?.data, b"last");
+/// assert!(matches!(rx.recv(Some(Duration::from_secs(5))), Err(QueueError::Disconnected)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum QueueError {
@@ -147,7 +177,22 @@ fn wait_err(e: WaitError) -> QueueError {
     }
 }
 
-/// A message header.
+/// A message header ([`MsgReceiver::wait_header`]).
+///
+/// ```
+/// use clan_proto::queue::Header;
+/// # use std::time::Duration;
+/// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+/// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// tx.send(3, b"abc")?;
+/// assert_eq!(rx.wait_header(Some(Duration::from_secs(5)))?, Header { meta: 3, len: 3 });
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
     /// The message's metadata word.
@@ -156,7 +201,22 @@ pub struct Header {
     pub len: u64,
 }
 
-/// A received message.
+/// A received message ([`MsgReceiver::recv`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+/// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// tx.send(7, b"payload")?;
+/// let m: clan_proto::queue::Message = rx.recv(Some(Duration::from_secs(5)))?;
+/// assert_eq!((m.meta, &m.data[..]), (7, &b"payload"[..]));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     /// Its metadata word.
@@ -165,7 +225,31 @@ pub struct Message {
     pub data: Vec<u8>,
 }
 
-/// Accepts senders.
+/// Accepts senders: each connection is a queue from one [`MsgSender`] to one
+/// [`MsgReceiver`].
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+/// let (addr, n2) = (listener.local_addr(), nic.clone());
+/// let sender = std::thread::spawn(move || -> Result<u64, clan_proto::queue::QueueError> {
+///     let mut tx = MsgSender::connect(&n2, addr, &QueueConfig::default())?;
+///     for i in 0..10u64 {
+///         tx.send(i, &i.to_le_bytes())?; // a metadata word and the bytes
+///     }
+///     Ok(tx.sent())
+/// });
+/// let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+/// for i in 0..10u64 {
+///     let m = rx.recv(Some(Duration::from_secs(5)))?;
+///     assert_eq!((m.meta, m.data), (i, i.to_le_bytes().to_vec()));
+/// }
+/// assert_eq!(sender.join().unwrap()?, 10);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct QueueListener {
     nic: Nic,
@@ -208,7 +292,24 @@ impl QueueListener {
     }
 }
 
-/// The sending end.
+/// The sending end (connected with [`MsgSender::connect`]; more at [`QueueListener`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+/// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// assert_eq!(tx.slot_payload(), 2048 - clan_proto::queue::HEADER);
+/// tx.send(1, b"one slot")?;
+/// assert!(tx.is_connected());
+/// assert_eq!(tx.sent(), 1);
+/// assert_eq!(rx.recv(Some(Duration::from_secs(5)))?.data, b"one slot");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct MsgSender {
     ep: Arc<Endpoint>,
@@ -330,11 +431,48 @@ impl MsgSender {
 
     /// Send a message (any length: longer than a slot, it goes as a multi-part message),
     /// waiting for room as needed.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// let big = vec![9u8; 100_000]; // about 50 slots of the default 2 KiB, more than the ring holds
+    /// let sending = std::thread::spawn(move || tx.send(1, &big).map(|()| tx));
+    /// let m = rx.recv(Some(Duration::from_secs(5)))?;
+    /// assert_eq!((m.meta, m.data.len()), (1, 100_000));
+    /// let tx = sending.join().unwrap()?;
+    /// assert!(tx.sent() > 1, "went as a multi-part message");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn send(&mut self, meta: u64, data: &[u8]) -> Result<(), QueueError> {
         self.send_timeout(meta, data, None)
     }
 
     /// [`MsgSender::send`] with a time limit for each slot to free up.
+    ///
+    /// ```
+    /// use clan_proto::queue::{MsgSender, QueueConfig, QueueError, QueueListener};
+    /// # use std::time::Duration;
+    /// # let nic = clan::Nic::open_default()?;
+    /// let cfg = QueueConfig { slots: 4, ..QueueConfig::default() }; // 3 messages in flight
+    /// # let listener = QueueListener::bind(&nic, cfg.clone())?;
+    /// # let (addr, n2, c2) = (listener.local_addr(), nic.clone(), cfg.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &c2));
+    /// # let _rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// for i in 0..3 {
+    ///     tx.send_timeout(i, b"fits", Some(Duration::from_secs(5)))?;
+    /// }
+    /// // Nobody receives: the fourth finds no room in time.
+    /// let r = tx.send_timeout(3, b"no room", Some(Duration::from_millis(5)));
+    /// assert!(matches!(r, Err(QueueError::Timeout)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn send_timeout(&mut self, meta: u64, data: &[u8], timeout: Option<Duration>) -> Result<(), QueueError> {
         self.send_inner(meta, data, timeout, None)
     }
@@ -408,11 +546,22 @@ impl MsgSender {
     /// message: the message rate of small messages goes up several times). Longer messages
     /// in the batch go as `send` sends them. Waits for room as `send` does.
     ///
-    /// ```no_run
-    /// # fn demo(tx: &mut clan_proto::queue::MsgSender) -> Result<(), clan_proto::queue::QueueError> {
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
     /// let msgs: Vec<(u64, &[u8])> = (0..32u64).map(|i| (i, &b"tick"[..])).collect();
-    /// tx.send_batch(&msgs)?;
-    /// # Ok(()) }
+    /// let sending = std::thread::spawn(move || tx.send_batch(&msgs)); // more than the ring holds
+    /// for i in 0..32 {
+    ///     assert_eq!(rx.recv(Some(Duration::from_secs(5)))?.meta, i);
+    /// }
+    /// sending.join().unwrap()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn send_batch(&mut self, msgs: &[(u64, &[u8])]) -> Result<(), QueueError> {
         let limit = self.slot_payload().min(SMALL_PART);
@@ -468,6 +617,27 @@ impl MsgSender {
     /// appears whole and in order; the returned ticket says when `src` may be reused. A
     /// message sent by PIO after it ([`MsgSender::send`], or `send_from` at or below the
     /// threshold) first waits for the chain to run, so that it cannot publish this one early.
+    ///
+    /// ```
+    /// use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # use std::time::Duration;
+    /// # let nic = clan::Nic::open_default()?;
+    /// let cfg = QueueConfig { slot_size: 64 << 10, slots: 4, dma_threshold: 4096, ..QueueConfig::default() };
+    /// # let listener = QueueListener::bind(&nic, cfg.clone())?;
+    /// # let (addr, n2, c2) = (listener.local_addr(), nic.clone(), cfg.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &c2));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// let ep = nic.endpoint()?;
+    /// let src = ep.export(32 << 10)?; // local memory the DMA engine reads
+    /// src.fill(0, 32 << 10, 1)?;
+    /// assert!(tx.send_from(1, &src, 0, 100)?.is_none(), "small: by programmed I/O");
+    /// let ticket = tx.send_from(2, &src, 0, 32 << 10)?.expect("large: by DMA");
+    /// ticket.wait(Some(Duration::from_secs(5)))?; // now `src` may be reused
+    /// assert_eq!(rx.recv(Some(Duration::from_secs(5)))?.data.len(), 100);
+    /// assert_eq!(rx.recv(Some(Duration::from_secs(5)))?.data.len(), 32 << 10);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn send_from(
         &mut self,
         meta: u64,
@@ -515,7 +685,27 @@ impl MsgSender {
     }
 }
 
-/// The receiving end.
+/// The receiving end (from [`QueueListener::accept`]; more there).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+/// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// assert_eq!(rx.try_recv()?, None, "never waits");
+/// tx.send(8, b"hi")?;
+/// let m = rx.recv(Some(Duration::from_secs(5)))?;
+/// assert_eq!((m.meta, &m.data[..], rx.received()), (8, &b"hi"[..], 1));
+/// drop(tx);
+/// # let deadline = std::time::Instant::now() + Duration::from_secs(5);
+/// # while rx.is_connected() { assert!(std::time::Instant::now() < deadline); std::thread::yield_now(); }
+/// assert!(!rx.is_connected(), "the sender went away");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct MsgReceiver {
     _ep: Arc<Endpoint>,
@@ -564,6 +754,24 @@ impl MsgReceiver {
     }
 
     /// Slots ready to be taken.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// assert_eq!(rx.pending()?, 0);
+    /// tx.send(1, b"a")?;
+    /// tx.send(2, b"b")?;
+    /// assert_eq!(rx.pending()?, 2, "no waiting: one load of the receiver's own memory");
+    /// assert_eq!(rx.try_recv()?.map(|m| m.meta), Some(1));
+    /// assert_eq!(rx.received(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn pending(&self) -> Result<u64, QueueError> {
         Ok(self.written()? - self.read)
     }
@@ -689,6 +897,24 @@ impl MsgReceiver {
 
     /// Take the next message if it fits one slot and lend it in place (no copy); a
     /// multi-part message is an error here (use [`MsgReceiver::recv`]).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// tx.send(5, b"zero copy")?;
+    /// let (meta, first) = rx.recv_in_place(Some(Duration::from_secs(5)), |meta, data| {
+    ///     let mut b = [0u8; 4];
+    ///     data.read(0, &mut b).map(|()| (meta, b)) // read where it landed
+    /// })??;
+    /// assert_eq!((meta, &first), (5, b"zero"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn recv_in_place<R>(
         &mut self,
         timeout: Option<Duration>,
@@ -710,6 +936,23 @@ impl MsgReceiver {
     /// Wait until the next message's header has landed — possibly while its body is still
     /// arriving — and return it (the message is not consumed). A tripwire on the header of
     /// the next slot fires when the sender writes it; the header is visible by then.
+    ///
+    /// ```
+    /// use clan_proto::queue::Header;
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// tx.send(42, &[0u8; 1500])?;
+    /// let h = rx.wait_header(Some(Duration::from_secs(5)))?;
+    /// assert_eq!(h, Header { meta: 42, len: 1500 });
+    /// assert_eq!(rx.recv(Some(Duration::from_secs(5)))?.data.len(), 1500, "not consumed by the look");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_header(&self, timeout: Option<Duration>) -> Result<Header, QueueError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let at = self.slot_off(self.read);
@@ -745,6 +988,28 @@ impl MsgReceiver {
     /// receiver's endpoint ([`QueueListener::accept_to`]) when the sender publishes a
     /// message. Arm it, look at [`MsgReceiver::pending`] again, then wait on the queue: no
     /// wake-up is lost. A busy receiver never touches it (only a waiter arms it).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use clan::Event;
+    /// use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let q = nic.event_queue(clan::EventQueueConfig::default())?; // one queue, many receivers
+    /// let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// let mut rx = listener.accept_to(&q, Some(Duration::from_secs(5)))?;
+    /// let mut tx = connecting.join().unwrap()?;
+    /// let ready = rx.readiness_tripwire(9)?;
+    /// ready.arm()?;
+    /// assert_eq!(rx.pending()?, 0); // looked again after arming: now wait on the queue
+    /// tx.send(1, b"wake")?;
+    /// let deadline = Instant::now() + Duration::from_secs(5);
+    /// while !matches!(q.wait(Some(deadline - Instant::now()))?, Event::Tripwire { cookie: 9, .. }) {}
+    /// assert_eq!(rx.try_recv()?.map(|m| m.data), Some(b"wake".to_vec()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn readiness_tripwire(&self, cookie: u64) -> Result<Tripwire, QueueError> {
         self.mine
             .tripwire(

@@ -36,6 +36,24 @@ use crate::side::{self, Geometry, SetupError, Sides};
 use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
 
 /// What went wrong.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::rpc::{ChannelSender, RpcConfig, RpcError, RpcListener};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let listener = RpcListener::bind(&nic, RpcConfig { max_msg: 64, ..RpcConfig::default() })?;
+/// let (addr, n2) = (listener.local_addr(), nic.clone());
+/// let connecting = std::thread::spawn(move || ChannelSender::connect(&n2, addr, &RpcConfig::default()));
+/// let mut rx = listener.accept_channel(Some(Duration::from_secs(5)))?;
+/// let mut tx = connecting.join().unwrap()?;
+/// match tx.send(&[0u8; 100], Some(Duration::from_secs(5))) {
+///     Err(RpcError::TooLong { len, max }) => assert_eq!((len, max), (100, 64)),
+///     other => panic!("expected TooLong, got {other:?}"),
+/// }
+/// assert!(matches!(rx.recv(Some(Duration::from_millis(5))), Err(RpcError::Timeout)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RpcError {
@@ -91,6 +109,18 @@ fn wait_err(e: WaitError) -> RpcError {
 }
 
 /// Settings.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::rpc::{RpcConfig, RpcServer};
+///
+/// // Requests of up to 1 MiB; waits sleep at once instead of polling.
+/// let cfg = RpcConfig { max_msg: 1 << 20, spin: Duration::ZERO, ..RpcConfig::default() };
+/// let nic = clan::Nic::open_default()?;
+/// let server = RpcServer::bind(&nic, cfg, 64)?;
+/// assert_eq!(server.event_queue().config().spin, Duration::ZERO);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct RpcConfig {
     /// Largest message this party receives (its buffer).
@@ -118,6 +148,38 @@ const MSG: u64 = 256;
 
 /// Writes a message into the peer's buffer: a small one is gathered and goes out with its
 /// flag; anything else goes straight into the peer's memory as it is written (no staging).
+///
+/// ```
+/// # use std::time::{Duration, Instant};
+/// # use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+/// # let nic = clan::Nic::open_default()?;
+/// # let mut server = RpcServer::bind(&nic, RpcConfig::default(), 4)?;
+/// # let addr = server.local_addr();
+/// # let serving = std::thread::spawn(move || -> Result<u64, clan_proto::rpc::RpcError> {
+/// #     let (mut answered, deadline) = (0, Instant::now() + Duration::from_secs(5));
+/// #     while answered < 1 && Instant::now() < deadline {
+/// #         answered += server.run_once(Some(Duration::from_millis(10)), &mut |_, req, reply| {
+/// #             let _ = reply.write(&req.to_vec().to_ascii_uppercase());
+/// #         })?;
+/// #     }
+/// #     Ok(answered)
+/// # });
+/// # let mut client = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
+/// let reply = client.call_with(
+///     Some(Duration::from_secs(5)),
+///     |w| {
+///         w.write_at(4, b"body")?; // a header at 0..4, filled in once the body is there
+///         w.write_at(0, &4u32.to_le_bytes())?;
+///         assert_eq!(w.len(), 8);
+///         Ok(())
+///     },
+///     |reply| reply.to_vec(),
+/// )?;
+/// assert_eq!(&reply[4..], b"BODY");
+/// # drop(client);
+/// # assert_eq!(serving.join().unwrap()?, 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct Writer<'a> {
     peer: &'a Mapping,
@@ -243,7 +305,29 @@ impl Party {
     }
 }
 
-/// Accepts connections for a message channel or RPC.
+/// Accepts connections for a message channel (and, with [`RpcServer`], RPC).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::rpc::{ChannelSender, RpcConfig, RpcListener};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let listener = RpcListener::bind(&nic, RpcConfig::default())?;
+/// let (addr, n2) = (listener.local_addr(), nic.clone());
+/// let sender = std::thread::spawn(move || -> Result<ChannelSender, clan_proto::rpc::RpcError> {
+///     let mut tx = ChannelSender::connect(&n2, addr, &RpcConfig::default())?;
+///     for word in ["one", "two", "three"] {
+///         tx.send(word.as_bytes(), Some(Duration::from_secs(5)))?; // waits for the previous one's turn
+///     }
+///     Ok(tx) // kept until the receiver is done (it acknowledges the last message too)
+/// });
+/// let mut rx = listener.accept_channel(Some(Duration::from_secs(5)))?;
+/// for word in ["one", "two", "three"] {
+///     assert_eq!(rx.recv(Some(Duration::from_secs(5)))?, word.as_bytes());
+/// }
+/// sender.join().unwrap()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct RpcListener {
     nic: Nic,
@@ -273,7 +357,25 @@ impl RpcListener {
     }
 }
 
-/// The sending end of a message channel.
+/// The sending end of a message channel (more at [`RpcListener`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::rpc::{ChannelSender, RpcConfig, RpcListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = RpcListener::bind(&nic, RpcConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || ChannelSender::connect(&n2, addr, &RpcConfig::default()));
+/// # let mut rx = listener.accept_channel(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// tx.send(b"first", Some(Duration::from_secs(5)))?;
+/// // One message at a time: the next send waits until the receiver has processed this one.
+/// let r = tx.send(b"second", Some(Duration::from_millis(5)));
+/// assert!(matches!(r, Err(clan_proto::rpc::RpcError::Timeout)));
+/// assert_eq!(rx.recv(Some(Duration::from_secs(5)))?, b"first");
+/// tx.send(b"second", Some(Duration::from_secs(5)))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct ChannelSender {
     p: Party,
@@ -291,6 +393,27 @@ impl ChannelSender {
 
     /// Send a message: wait until the receiver has processed the previous one (`tx_ready`),
     /// write this one with `fill`, then set the receiver's `rx_ready`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan_proto::rpc::{ChannelSender, RpcConfig, RpcListener};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let listener = RpcListener::bind(&nic, RpcConfig::default())?;
+    /// let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// let connecting = std::thread::spawn(move || ChannelSender::connect(&n2, addr, &RpcConfig::default()));
+    /// let mut rx = listener.accept_channel(Some(Duration::from_secs(5)))?;
+    /// let mut tx = connecting.join().unwrap()?;
+    /// // Serialise straight into the receiver's buffer, in pieces.
+    /// tx.send_with(Some(Duration::from_secs(5)), |w| {
+    ///     w.write(b"key=")?;
+    ///     w.write(b"value")
+    /// })?;
+    /// // ... and process it where it landed.
+    /// let n = rx.recv_with(Some(Duration::from_secs(5)), |m| m.len())?;
+    /// assert_eq!(n, 9);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn send_with(
         &mut self,
         timeout: Option<Duration>,
@@ -326,7 +449,27 @@ impl ChannelSender {
     }
 }
 
-/// The receiving end of a message channel.
+/// The receiving end of a message channel (more at [`RpcListener`] and
+/// [`ChannelSender::send_with`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::rpc::{ChannelSender, RpcConfig, RpcListener};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = RpcListener::bind(&nic, RpcConfig::default())?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || ChannelSender::connect(&n2, addr, &RpcConfig::default()));
+/// # let mut rx = listener.accept_channel(Some(Duration::from_secs(5)))?;
+/// # let mut tx = connecting.join().unwrap()?;
+/// tx.send(&42u64.to_le_bytes(), Some(Duration::from_secs(5)))?;
+/// // Processed where it landed; the sender may send again once this returns.
+/// let v = rx.recv_with(Some(Duration::from_secs(5)), |m| {
+///     let mut b = [0u8; 8];
+///     m.read(0, &mut b).map(|()| u64::from_le_bytes(b))
+/// })??;
+/// assert_eq!(v, 42);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct ChannelReceiver {
     p: Party,
@@ -338,7 +481,12 @@ impl ChannelReceiver {
         self.p.wait_flag(self.p.seq + 1, timeout.map(|t| Instant::now() + t))?;
         self.p.seq += 1;
         let r = f(self.p.message()?);
-        self.p.sides.peer.get()?.store_u64(CTL_READ, self.p.seq)?;
+        // The message was taken whatever comes next: a sender that has gone meanwhile needs
+        // no acknowledgement (the next receive reports it gone), so failing to write one
+        // must not lose the message.
+        if let Ok(peer) = self.p.sides.peer.get() {
+            let _ = peer.store_u64(CTL_READ, self.p.seq);
+        }
         Ok(r)
     }
 
@@ -349,6 +497,32 @@ impl ChannelReceiver {
 }
 
 /// An RPC client: one connection, one call at a time.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let mut server = RpcServer::bind(&nic, RpcConfig::default(), 16)?;
+/// let addr = server.local_addr();
+/// let serving = std::thread::spawn(move || -> Result<u64, clan_proto::rpc::RpcError> {
+///     let (mut answered, deadline) = (0, Instant::now() + Duration::from_secs(5));
+///     while answered < 2 && Instant::now() < deadline {
+///         answered += server.run_once(Some(Duration::from_millis(10)), &mut |_conn, req, reply| {
+///             let _ = reply.write(&req.to_vec().to_ascii_uppercase()); // in place, both ways
+///         })?;
+///     }
+///     Ok(answered)
+/// });
+/// let mut client = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
+/// let mut reply = Vec::new();
+/// for word in ["hello", "rpc"] {
+///     client.call(word.as_bytes(), &mut reply, Some(Duration::from_secs(5)))?;
+///     assert_eq!(reply, word.to_ascii_uppercase().as_bytes());
+/// }
+/// assert_eq!(serving.join().unwrap()?, 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct RpcClient {
     p: Party,
@@ -364,7 +538,7 @@ impl RpcClient {
     }
 
     /// Call: write the request straight into the server's buffer with `fill`, wait for the
-    /// reply, lend it in place to `take`.
+    /// reply, lend it in place to `take`. Example at [`Writer`].
     pub fn call_with<R>(
         &mut self,
         timeout: Option<Duration>,
@@ -377,6 +551,32 @@ impl RpcClient {
 
     /// The first half of a call: send the request (without waiting). Many clients can each
     /// have a call in flight; collect the replies with [`RpcClient::try_reply`].
+    ///
+    /// ```
+    /// # use std::time::{Duration, Instant};
+    /// # use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let mut server = RpcServer::bind(&nic, RpcConfig::default(), 4)?;
+    /// # let addr = server.local_addr();
+    /// # let serving = std::thread::spawn(move || -> Result<u64, clan_proto::rpc::RpcError> {
+    /// #     let (mut answered, deadline) = (0, Instant::now() + Duration::from_secs(5));
+    /// #     while answered < 1 && Instant::now() < deadline {
+    /// #         answered += server.run_once(Some(Duration::from_millis(10)), &mut |_, req, reply| {
+    /// #             let _ = reply.write(&req.to_vec().to_ascii_uppercase());
+    /// #         })?;
+    /// #     }
+    /// #     Ok(answered)
+    /// # });
+    /// # let mut client = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
+    /// client.send_with(|w| w.write(b"async"))?; // returns at once
+    /// // ... other work; then collect the reply (or poll it with `try_reply`):
+    /// let reply = client.wait_reply(Some(Duration::from_secs(5)), |r| r.to_vec())?;
+    /// assert_eq!(reply, b"ASYNC");
+    /// assert!(client.try_reply(|r| r.len()).is_err(), "no call in flight any more");
+    /// # drop(client);
+    /// # assert_eq!(serving.join().unwrap()?, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn send_with(&mut self, fill: impl FnOnce(&mut Writer<'_>) -> Result<(), RpcError>) -> Result<(), RpcError> {
         if self.pending {
             return Err(RpcError::Protocol("a call is already in flight on this client"));
@@ -391,6 +591,37 @@ impl RpcClient {
     }
 
     /// The reply to the call in flight, if it has come (one memory load when it has not).
+    ///
+    /// ```
+    /// # use std::time::{Duration, Instant};
+    /// # use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let mut server = RpcServer::bind(&nic, RpcConfig::default(), 4)?;
+    /// # let addr = server.local_addr();
+    /// # let serving = std::thread::spawn(move || -> Result<u64, clan_proto::rpc::RpcError> {
+    /// #     let (mut answered, deadline) = (0, Instant::now() + Duration::from_secs(5));
+    /// #     while answered < 1 && Instant::now() < deadline {
+    /// #         answered += server.run_once(Some(Duration::from_millis(10)), &mut |_, req, reply| {
+    /// #             let _ = reply.write(&req.to_vec().to_ascii_uppercase());
+    /// #         })?;
+    /// #     }
+    /// #     Ok(answered)
+    /// # });
+    /// # let mut client = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
+    /// client.send_with(|w| w.write(b"poll me"))?;
+    /// let deadline = Instant::now() + Duration::from_secs(5);
+    /// let reply = loop {
+    ///     if let Some(r) = client.try_reply(|r| r.to_vec())? {
+    ///         break r;
+    ///     }
+    ///     assert!(Instant::now() < deadline, "no reply");
+    ///     std::thread::yield_now(); // a real caller does other work here
+    /// };
+    /// assert_eq!(reply, b"POLL ME");
+    /// # drop(client);
+    /// # assert_eq!(serving.join().unwrap()?, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn try_reply<R>(&mut self, take: impl FnOnce(InPlace<'_>) -> R) -> Result<Option<R>, RpcError> {
         if !self.pending {
             return Err(RpcError::Protocol("no call in flight"));
@@ -406,7 +637,8 @@ impl RpcClient {
         Ok(Some(take(self.p.message()?)))
     }
 
-    /// Wait for the reply to the call in flight (spin, then block).
+    /// Wait for the reply to the call in flight (spin, then block). Example at
+    /// [`RpcClient::send_with`].
     pub fn wait_reply<R>(
         &mut self,
         timeout: Option<Duration>,
@@ -448,11 +680,66 @@ struct ServerConn {
     served: u64,
 }
 
-/// Identifies a connection of an [`RpcServer`].
+/// Identifies a connection of an [`RpcServer`] (given to its handler).
+///
+/// ```
+/// use std::collections::HashSet;
+/// use std::time::{Duration, Instant};
+/// use clan_proto::rpc::{ConnId, RpcClient, RpcConfig, RpcServer};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let mut server = RpcServer::bind(&nic, RpcConfig::default(), 16)?;
+/// let addr = server.local_addr();
+/// type Seen = (HashSet<ConnId>, Option<u64>);
+/// let serving = std::thread::spawn(move || -> Result<Seen, clan_proto::rpc::RpcError> {
+///     let (mut seen, deadline) = (HashSet::new(), Instant::now() + Duration::from_secs(5));
+///     while seen.len() < 2 && Instant::now() < deadline {
+///         server.run_once(Some(Duration::from_millis(10)), &mut |conn, _req, _reply| {
+///             seen.insert(conn);
+///         })?;
+///     }
+///     let first = *seen.iter().next().expect("a call");
+///     Ok((seen, server.served(first)))
+/// });
+/// let mut a = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
+/// let mut b = RpcClient::connect(&nic, addr, &RpcConfig::default())?;
+/// a.call(b"x", &mut Vec::new(), Some(Duration::from_secs(5)))?;
+/// b.call(b"y", &mut Vec::new(), Some(Duration::from_secs(5)))?;
+/// let (seen, served) = serving.join().unwrap()?;
+/// assert_eq!((seen.len(), served), (2, Some(1)), "two connections, one call each");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConnId(pub u64);
 
-/// An event-driven RPC server: one thread, one event queue.
+/// An event-driven RPC server: one thread, one event queue. More at [`RpcClient`]; with a
+/// loop of your own, at [`crate::server::EventLoop`].
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let mut server = RpcServer::bind(&nic, RpcConfig::default(), 16)?;
+/// let (addr, n2) = (server.local_addr(), nic.clone());
+/// let client = std::thread::spawn(move || -> Result<Vec<u8>, clan_proto::rpc::RpcError> {
+///     let (mut c, mut reply) = (RpcClient::connect(&n2, addr, &RpcConfig::default())?, Vec::new());
+///     c.call(&[20, 22], &mut reply, Some(Duration::from_secs(5)))?;
+///     Ok(reply)
+/// });
+/// let deadline = Instant::now() + Duration::from_secs(5);
+/// let mut answered = 0;
+/// while answered == 0 && Instant::now() < deadline {
+///     answered += server.run_once(Some(Duration::from_millis(10)), &mut |_conn, req, reply| {
+///         let mut ab = [0u8; 2];
+///         if req.read(0, &mut ab).is_ok() {
+///             let _ = reply.write(&[ab[0] + ab[1]]); // straight into the client's memory
+///         }
+///     })?;
+/// }
+/// assert_eq!((client.join().unwrap()?, answered), (vec![42], 1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct RpcServer {
     nic: Nic,
@@ -513,6 +800,25 @@ impl RpcServer {
     }
 
     /// Accept every pending connection request now; returns how many.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let mut server = RpcServer::bind(&nic, RpcConfig::default(), 16)?;
+    /// let (addr, n2) = (server.local_addr(), nic.clone());
+    /// let client = std::thread::spawn(move || RpcClient::connect(&n2, addr, &RpcConfig::default()));
+    /// let deadline = Instant::now() + Duration::from_secs(5);
+    /// while server.connections() == 0 {
+    ///     assert!(Instant::now() < deadline, "no client came");
+    ///     server.accept_pending()?; // never waits
+    ///     std::thread::sleep(Duration::from_millis(1));
+    /// }
+    /// let _client = client.join().unwrap()?;
+    /// assert_eq!(server.connections(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn accept_pending(&mut self) -> Result<usize, RpcError> {
         let mut n = 0;
         while let Some(req) = self.listener.try_accept() {

@@ -5,6 +5,8 @@
 //! `epoll_wait` — a busy server never sleeps, an idle one costs nothing.
 //!
 //! ```no_run
+//! // Not run as a test: the loop at the end serves forever (the runnable version, which
+//! // stops after one call, is at `EventLoop`).
 //! use clan::{Nic, NicConfig};
 //! use clan_proto::rpc::{RpcConfig, RpcServer};
 //! use clan_proto::server::EventLoop;
@@ -39,6 +41,37 @@ type FdHandler = Box<dyn FnMut(&mio::event::Event)>;
 ///
 /// Neither `Send` nor `Sync`: its callbacks may capture anything (an `Rc`, a `RefCell`) and
 /// run on the thread that drives it. Make one per thread.
+///
+/// An RPC server driven by the loop, with a client on another thread:
+///
+/// ```
+/// use std::{cell::Cell, rc::Rc, time::{Duration, Instant}};
+/// use clan_proto::{rpc::{RpcClient, RpcConfig, RpcServer}, server::EventLoop};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let mut rpc = RpcServer::bind(&nic, RpcConfig::default(), 16)?;
+/// let (addr, n2) = (rpc.local_addr(), nic.clone());
+/// let served = Rc::new(Cell::new(0)); // callbacks may hold an `Rc`: the loop stays here
+/// let s2 = served.clone();
+/// let mut el = EventLoop::new(Duration::from_micros(15))?;
+/// el.add_queue(&rpc.event_queue().clone(), move |ev| {
+///     let answered = rpc.handle_event(ev, &mut |_conn, req, reply| {
+///         let _ = reply.write(&req.to_vec()); // echo
+///     });
+///     s2.set(s2.get() + answered.unwrap_or(0));
+/// })?;
+/// let client = std::thread::spawn(move || -> Result<Vec<u8>, clan_proto::rpc::RpcError> {
+///     let (mut c, mut reply) = (RpcClient::connect(&n2, addr, &RpcConfig::default())?, Vec::new());
+///     c.call(b"echo", &mut reply, Some(Duration::from_secs(5)))?;
+///     Ok(reply)
+/// });
+/// let deadline = Instant::now() + Duration::from_secs(5);
+/// while served.get() == 0 && Instant::now() < deadline {
+///     el.run_once(Some(Duration::from_millis(10)))?;
+/// }
+/// assert_eq!(client.join().unwrap()?, b"echo");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct EventLoop {
     poll: Poll,
     events: Events,
@@ -79,6 +112,21 @@ impl EventLoop {
     }
 
     /// Watch another descriptor (a TCP listener, a timer, a pipe…).
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// use std::{cell::Cell, rc::Rc, time::Duration};
+    ///
+    /// let mut el = clan_proto::server::EventLoop::new(Duration::ZERO)?;
+    /// let (mut a, mut b) = mio::net::UnixStream::pair()?;
+    /// let readable = Rc::new(Cell::new(false));
+    /// let r2 = readable.clone();
+    /// el.add_source(&mut a, mio::Interest::READABLE, move |ev| r2.set(ev.is_readable()))?;
+    /// b.write_all(b"x")?;
+    /// el.run_once(Some(Duration::from_secs(5)))?;
+    /// assert!(readable.get());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn add_source<S: mio::event::Source + ?Sized>(
         &mut self,
         src: &mut S,

@@ -20,7 +20,27 @@ const MAGIC: u64 = 0xC1A4_51DE_0000_0002;
 /// Most bytes a ring or post area may have.
 pub const MAX_RING: u64 = 1 << 30;
 
-/// Why setting up a connection failed.
+/// Why setting up a connection failed (inside [`crate::queue::QueueError::Setup`],
+/// [`crate::rpc::RpcError::Setup`], and as an `io::Error` for streams).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::SetupError;
+/// use clan_proto::queue::{MsgSender, QueueConfig, QueueError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let not_listening = nic.endpoint()?;
+/// let cfg = QueueConfig { connect_timeout: Duration::from_secs(1), ..QueueConfig::default() };
+/// match MsgSender::connect(&nic, not_listening.addr(), &cfg) {
+///     Err(QueueError::Setup(SetupError::Connect(clan::ConnectError::Refused(to)))) => {
+///         assert_eq!(to, not_listening.addr());
+///     }
+///     other => panic!("expected a refusal, got {other:?}"),
+/// }
+/// let bad = MsgSender::connect(&nic, "no address", &cfg);
+/// assert!(matches!(bad, Err(QueueError::Setup(SetupError::Address(_)))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SetupError {

@@ -28,6 +28,28 @@ use crate::pipe::{PipeError, PipeRx, PipeTx, Redirection};
 use crate::side::{self, SetupError};
 
 /// How streams are made.
+///
+/// ```
+/// use std::io::{Read, Write};
+/// use std::time::Duration;
+/// use clan_proto::stream::{Listener, Stream, StreamConfig};
+///
+/// // Small rings for many connections; no posted receives; sleep at once when blocked.
+/// let cfg = StreamConfig { ring: 16 << 10, post_area: 0, spin: Duration::ZERO, ..StreamConfig::default() };
+/// let nic = clan::Nic::open_default()?;
+/// let listener = Listener::bind_with(&nic, None, cfg.clone())?;
+/// let (addr, n2, c2) = (listener.local_addr(), nic.clone(), cfg.clone());
+/// let connecting = std::thread::spawn(move || Stream::connect_with(&n2, addr, &c2));
+/// let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// let mut client = connecting.join().unwrap()?;
+/// let data = vec![7u8; 100_000]; // larger than the ring: the writer waits for the reader
+/// let writer = std::thread::spawn(move || client.write_all(&data));
+/// let mut got = vec![0u8; 100_000];
+/// server.read_exact(&mut got)?;
+/// writer.join().unwrap()?;
+/// assert!(got.iter().all(|&b| b == 7));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct StreamConfig {
     /// Bytes of the ring each side receives into (the stream's buffering, per direction).
@@ -84,6 +106,28 @@ pub(crate) fn pipe_error(e: PipeError) -> io::Error {
 }
 
 /// A listening endpoint.
+///
+/// ```
+/// use std::io::{Read, Write};
+/// use std::time::Duration;
+/// use clan_proto::stream::{Listener, Stream};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let listener = Listener::bind(&nic)?;
+/// let addr = listener.local_addr(); // "ip:port/endpoint": give it to clients
+/// let (n2, text) = (nic.clone(), addr.to_string());
+/// let client = std::thread::spawn(move || -> std::io::Result<()> {
+///     let mut s = Stream::connect(&n2, text.as_str())?; // any `ToEndpointAddrs`
+///     s.write_all(b"ping")
+/// });
+/// let (mut stream, from) = listener.accept_timeout(Duration::from_secs(5))?;
+/// assert_eq!(from, stream.peer_addr());
+/// let mut got = [0u8; 4];
+/// stream.read_exact(&mut got)?;
+/// assert_eq!(&got, b"ping");
+/// client.join().unwrap()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Listener {
     nic: Nic,
     ep: Endpoint,
@@ -197,6 +241,16 @@ impl Listener {
     }
 
     /// Accept with a time limit (`TimedOut` when none came in time).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let listener = clan_proto::stream::Listener::bind(&nic)?;
+    /// let e = listener.accept_timeout(Duration::from_millis(5)).unwrap_err();
+    /// assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn accept_timeout(&self, timeout: Duration) -> io::Result<(Stream, EndpointAddr)> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -214,6 +268,22 @@ impl Listener {
     /// Accept the next connection (blocking, at most `timeout`), its stream's endpoint
     /// reporting to `queue` (its readiness tripwires post there: one queue per stream lets
     /// one waiter sleep on exactly the streams it waits for).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan_proto::stream::{Listener, Stream, StreamConfig};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (mine, theirs) = (nic.event_queue(Default::default())?, nic.event_queue(Default::default())?);
+    /// let listener = Listener::bind(&nic)?;
+    /// let (addr, n2, q2) = (listener.local_addr(), nic.clone(), theirs.clone());
+    /// let connecting = std::thread::spawn(move || Stream::connect_to(&n2, addr, &StreamConfig::default(), &q2));
+    /// let (server, _) = listener.accept_to(&mine, Duration::from_secs(5))?;
+    /// let client = connecting.join().unwrap()?;
+    /// assert_eq!(server.endpoint().event_queue().id(), mine.id());
+    /// assert_eq!(client.endpoint().event_queue().id(), theirs.id());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn accept_to(&self, queue: &EventQueue, timeout: Duration) -> io::Result<(Stream, EndpointAddr)> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -256,6 +326,15 @@ impl Listener {
     }
 
     /// Make [`Listener::accept`] return `WouldBlock` instead of waiting.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let listener = clan_proto::stream::Listener::bind(&nic)?;
+    /// listener.set_nonblocking(true)?;
+    /// let e = listener.accept().unwrap_err();
+    /// assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         self.nonblocking.store(on, Ordering::Release);
         Ok(())
@@ -278,6 +357,26 @@ impl Listener {
     }
 
     /// Accepted streams, forever (an error is this side's own: see [`Listener::accept`]).
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// use clan_proto::stream::{Listener, Stream};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let listener = Listener::bind(&nic)?;
+    /// let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// let clients = std::thread::spawn(move || -> std::io::Result<()> {
+    ///     for i in 0..3u8 {
+    ///         Stream::connect(&n2, addr)?.write_all(&[i])?;
+    ///     }
+    ///     Ok(())
+    /// });
+    /// // Stops after three: `incoming` itself never ends.
+    /// let served = listener.incoming().take(3).collect::<std::io::Result<Vec<Stream>>>()?;
+    /// clients.join().unwrap()?;
+    /// assert_eq!(served.len(), 3);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn incoming(&self) -> impl Iterator<Item = io::Result<Stream>> + '_ {
         std::iter::from_fn(move || Some(self.accept().map(|(s, _)| s)))
     }
@@ -334,6 +433,34 @@ impl Drop for Inner {
 }
 
 /// A connected byte stream. See the module documentation.
+///
+/// ```
+/// use std::io::{Read, Write};
+/// use std::net::Shutdown;
+/// use std::time::Duration;
+/// use clan_proto::stream::{Listener, Stream};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let listener = Listener::bind(&nic)?;
+/// let addr = listener.local_addr();
+/// let echo = std::thread::spawn(move || -> std::io::Result<()> {
+///     let (mut s, _) = listener.accept_timeout(Duration::from_secs(5))?;
+///     s.set_read_timeout(Some(Duration::from_secs(5)))?;
+///     let mut all = Vec::new();
+///     s.read_to_end(&mut all)?; // until the client shuts down writing
+///     s.write_all(&all)
+/// });
+/// let mut c = Stream::connect(&nic, addr)?;
+/// c.set_read_timeout(Some(Duration::from_secs(5)))?;
+/// c.write_all(b"hello, ")?;
+/// c.write_all(b"stream")?;
+/// c.shutdown(Shutdown::Write)?;
+/// let mut back = String::new();
+/// c.read_to_string(&mut back)?; // the echo, then end of stream
+/// assert_eq!(back, "hello, stream");
+/// echo.join().unwrap()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct Stream {
     inner: Arc<Inner>,
@@ -423,12 +550,47 @@ impl Stream {
     }
 
     /// Non-blocking mode: reads and writes that would wait return `WouldBlock`.
+    ///
+    /// ```
+    /// use std::io::{ErrorKind, Read, Write};
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// server.set_nonblocking(true)?;
+    /// let mut buf = [0u8; 8];
+    /// assert_eq!(server.read(&mut buf).unwrap_err().kind(), ErrorKind::WouldBlock);
+    /// client.write_all(b"now")?;
+    /// assert_eq!(server.read(&mut buf)?, 3);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         self.inner.nonblocking.store(on, Ordering::Release);
         Ok(())
     }
 
     /// Bound blocking reads (`TimedOut` after it). `Some(0)` is invalid, as in `std`.
+    ///
+    /// ```
+    /// use std::io::{ErrorKind, Read};
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// server.set_read_timeout(Some(Duration::from_millis(5)))?;
+    /// assert_eq!(server.read(&mut [0u8; 8]).unwrap_err().kind(), ErrorKind::TimedOut);
+    /// assert!(server.set_read_timeout(Some(Duration::ZERO)).is_err());
+    /// # drop(client);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         set_timeout(&self.inner.read_timeout, t)
     }
@@ -441,6 +603,27 @@ impl Stream {
     /// What a read and a write would do now, without waiting or consuming anything: for
     /// readiness (`poll`, `epoll`) on top of the stream. Arm the tripwires of
     /// [`Stream::readiness_tripwires`], look again, then wait on the queue.
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// use std::net::Shutdown;
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// let r = server.readiness();
+    /// assert!(!r.readable && r.writable && !r.eof && !r.error);
+    /// client.write_all(b"x")?;
+    /// client.shutdown(Shutdown::Write)?;
+    /// let r = server.readiness();
+    /// assert!(r.readable && !r.eof, "a byte to read before the end");
+    /// assert_eq!(r.rx_landed, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn readiness(&self) -> Readiness {
         let mut r = Readiness::default();
         if !self.inner.alive() {
@@ -488,6 +671,29 @@ impl Stream {
     /// `space` when the peer frees room by reading. Arm one, look at
     /// [`Stream::readiness`] again, then wait on the queue: no wake-up is lost. A busy
     /// stream never touches them (they are armed only by a waiter).
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// use std::time::{Duration, Instant};
+    /// use clan::Event;
+    /// use clan_proto::stream::{Listener, Stream, StreamConfig};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let cfg = StreamConfig { own_queue: true, ..StreamConfig::default() }; // a queue per stream
+    /// let listener = Listener::bind_with(&nic, None, cfg.clone())?;
+    /// let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// let connecting = std::thread::spawn(move || Stream::connect_with(&n2, addr, &cfg));
+    /// let (server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// let mut client = connecting.join().unwrap()?;
+    /// let (data, _space) = server.readiness_tripwires(1, 2)?;
+    /// data.arm()?;
+    /// assert!(!server.readiness().readable); // looked again after arming: now wait
+    /// client.write_all(b"wake")?;
+    /// let (q, deadline) = (server.endpoint().event_queue(), Instant::now() + Duration::from_secs(5));
+    /// while !matches!(q.wait(Some(deadline - Instant::now()))?, Event::Tripwire { cookie: 1, .. }) {}
+    /// assert!(server.readiness().readable);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn readiness_tripwires(
         &self,
         data_cookie: u64,
@@ -506,6 +712,28 @@ impl Stream {
 
     /// Copy up to `buf.len()` readable bytes into `buf` without consuming them and without
     /// waiting (`MSG_PEEK`): 0 when nothing is readable now.
+    ///
+    /// ```
+    /// use std::io::{Read, Write};
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// assert_eq!(server.peek(&mut [0u8; 4])?, 0);
+    /// client.write_all(b"GET /")?;
+    /// let mut head = [0u8; 3];
+    /// assert_eq!(server.peek(&mut head)?, 3);
+    /// assert_eq!(&head, b"GET");
+    /// assert_eq!(server.available()?, 5, "peeking consumed nothing");
+    /// let mut all = [0u8; 5];
+    /// server.read_exact(&mut all)?;
+    /// assert_eq!(&all, b"GET /");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
         let rx = lock(&self.inner.rx);
         let n = rx.available().map_err(pipe_error)?.min(buf.len() as u64) as usize;
@@ -517,6 +745,26 @@ impl Stream {
 
     /// Shut down reading, writing or both. Shutting down writing sends end of stream after
     /// the bytes already written.
+    ///
+    /// ```
+    /// use std::io::{ErrorKind, Read, Write};
+    /// use std::net::Shutdown;
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// client.write_all(b"last words")?;
+    /// client.shutdown(Shutdown::Write)?;
+    /// assert_eq!(client.write(b"more").unwrap_err().kind(), ErrorKind::BrokenPipe);
+    /// let mut got = String::new();
+    /// server.read_to_string(&mut got)?; // returns at the end of stream
+    /// assert_eq!(got, "last words");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Write | Shutdown::Both) {
             lock(&self.inner.tx).finish().map_err(pipe_error)?;
@@ -538,6 +786,29 @@ impl Stream {
     /// If the peer had handed over first, we take over instead ([`HandOver::PeerLeftFirst`]).
     /// The two sides' checks are ordered like Dekker's (a store, a full fence, a load), so
     /// they never both miss each other; within a host, that is (a link gives no such order).
+    ///
+    /// ```
+    /// use std::io::{ErrorKind, Read, Write};
+    /// use clan_proto::stream::HandOver;
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// client.write_all(b"abc")?; // the server never reads it
+    /// server.write_all(b"xyz")?; // the client never reads it
+    /// let HandOver::Left { unread } = server.hand_over()? else { panic!("the server left first") };
+    /// assert_eq!(unread, 3);
+    /// assert!(client.peer_left());
+    /// let t = client.take_over()?;
+    /// assert_eq!((&t.resend[..], &t.unread[..]), (&b"abc"[..], &b"xyz"[..]));
+    /// assert!(server.taken(), "the leaver may let go now");
+    /// assert_eq!(server.read(&mut [0u8; 1]).unwrap_err().kind(), ErrorKind::NotConnected);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn hand_over(&self) -> io::Result<HandOver> {
         let mut tx = lock(&self.inner.tx);
         if tx.peer_left().map_err(pipe_error)?.is_some() {
@@ -675,6 +946,25 @@ impl Stream {
     /// Lend up to `max` received bytes in place (no copy into a buffer of ours): `f` reads
     /// them through [`InPlace`]; they are consumed when it returns. `Ok(None)` at end of
     /// stream. Blocks like `read`.
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// client.write_all(b"0123456789")?;
+    /// // Parse a 4-byte header where it landed, without copying the rest.
+    /// let header = server.read_in_place(4, |data| data.to_vec())?;
+    /// assert_eq!(header.as_deref(), Some(&b"0123"[..]));
+    /// let n = server.read_in_place(100, |data| data.len())?;
+    /// assert_eq!(n, Some(6), "what was left");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn read_in_place<R>(&self, max: u64, f: impl FnOnce(InPlace<'_>) -> R) -> io::Result<Option<R>> {
         let mut deadline_slot = None;
         let mut rx = lock(&self.inner.rx);
@@ -703,6 +993,25 @@ impl Stream {
     /// bytes the sender writes after it sees the post go straight into it; bytes already
     /// on their way land in the ring and are copied by [`Stream::recv_posted`]. Read
     /// nothing else until then. `len` at most [`StreamConfig::post_area`].
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// server.post_recv(40_000)?; // before the data: all of it is placed directly
+    /// let data = vec![3u8; 40_000];
+    /// client.write_all(&data)?;
+    /// let (rep, got) = server.recv_posted(|rep, data| (rep, data.to_vec()))?;
+    /// assert_eq!((rep.len, rep.direct, rep.copied), (40_000, 40_000, 0));
+    /// assert!(got == data);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn post_recv(&self, len: u64) -> io::Result<()> {
         let mut rx = lock(&self.inner.rx);
         rx.post(len).map(|_| ()).map_err(|e| match e {
@@ -713,7 +1022,7 @@ impl Stream {
 
     /// Wait until the posted buffer is complete (or the stream ended early), and lend it:
     /// `f` gets exactly what happened ([`Redirection`]: how many bytes were placed directly
-    /// and how many were copied) and the data in place.
+    /// and how many were copied) and the data in place. Example at [`Stream::post_recv`].
     pub fn recv_posted<R>(&self, f: impl FnOnce(Redirection, InPlace<'_>) -> R) -> io::Result<R> {
         let deadline = self.deadline(&self.inner.read_timeout);
         let mut rx = lock(&self.inner.rx);
@@ -728,6 +1037,27 @@ impl Stream {
     /// Wait until at least `n` more bytes than were read so far have landed (possibly still
     /// being published: the position tripwire of the paper), then copy them into `buf`
     /// without consuming them. For processing a header while the body is still arriving.
+    ///
+    /// ```
+    /// use std::io::{Read, Write};
+    /// # use std::time::Duration;
+    /// # use clan_proto::stream::{Listener, Stream};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = Listener::bind(&nic)?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+    /// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+    /// # let mut client = connecting.join().unwrap()?;
+    /// server.set_read_timeout(Some(Duration::from_secs(5)))?;
+    /// client.write_all(b"LEN=5hello")?;
+    /// let mut head = [0u8; 5];
+    /// assert_eq!(server.peek_when_landed(5, &mut head)?, 5);
+    /// assert_eq!(&head, b"LEN=5");
+    /// let mut all = [0u8; 10];
+    /// server.read_exact(&mut all)?; // still all there: nothing was consumed
+    /// assert_eq!(&all, b"LEN=5hello");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn peek_when_landed(&self, n: u64, buf: &mut [u8]) -> io::Result<usize> {
         let deadline = self.deadline(&self.inner.read_timeout);
         let mut rx = lock(&self.inner.rx);
@@ -743,7 +1073,31 @@ impl Stream {
     }
 }
 
-/// What [`Stream::hand_over`] did.
+/// What [`Stream::hand_over`] did (more there).
+///
+/// Both sides handing over at once: the second one sees the first one's mark and takes
+/// over instead.
+///
+/// ```
+/// use std::io::Write;
+/// use clan_proto::stream::HandOver;
+/// # use std::time::Duration;
+/// # use clan_proto::stream::{Listener, Stream};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = Listener::bind(&nic)?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+/// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// # let mut client = connecting.join().unwrap()?;
+/// client.write_all(b"abc")?;
+/// server.write_all(b"defg")?;
+/// assert!(matches!(client.hand_over()?, HandOver::Left { unread: 4 }));
+/// match server.hand_over()? {
+///     HandOver::PeerLeftFirst(t) => assert_eq!((&t.resend[..], &t.unread[..]), (&b"defg"[..], &b"abc"[..])),
+///     other => panic!("the server should take over: {other:?}"),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum HandOver {
@@ -757,7 +1111,25 @@ pub enum HandOver {
     PeerLeftFirst(TakeOver),
 }
 
-/// What [`Stream::take_over`] found.
+/// What [`Stream::take_over`] found (more at [`Stream::hand_over`]).
+///
+/// ```
+/// use std::net::Shutdown;
+/// # use std::time::Duration;
+/// # use clan_proto::stream::{Listener, Stream};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = Listener::bind(&nic)?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+/// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// # let mut client = connecting.join().unwrap()?;
+/// client.shutdown(Shutdown::Write)?;
+/// server.hand_over()?;
+/// let t = client.take_over()?;
+/// // Nothing to send again or to read, but the other carrier must end the stream too.
+/// assert!(t.resend.is_empty() && t.unread.is_empty() && t.write_shut);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct TakeOver {
@@ -773,7 +1145,29 @@ fn handed() -> io::Error {
     io::Error::new(io::ErrorKind::NotConnected, "the stream was handed over to another carrier")
 }
 
-/// What [`Stream::readiness`] saw.
+/// What [`Stream::readiness`] saw (more there).
+///
+/// ```
+/// use std::io::Read;
+/// use clan_proto::stream::Readiness;
+/// # use std::time::Duration;
+/// # use clan_proto::stream::{Listener, Stream};
+/// # let nic = clan::Nic::open_default()?;
+/// # let listener = Listener::bind(&nic)?;
+/// # let (addr, n2) = (listener.local_addr(), nic.clone());
+/// # let connecting = std::thread::spawn(move || Stream::connect(&n2, addr));
+/// # let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// # let mut client = connecting.join().unwrap()?;
+/// let fresh = client.readiness();
+/// assert_eq!((fresh.readable, fresh.writable), (false, true));
+/// drop(server); // the peer closes: end of stream
+/// # let deadline = std::time::Instant::now() + Duration::from_secs(5);
+/// # while !client.readiness().eof { assert!(std::time::Instant::now() < deadline); std::thread::yield_now(); }
+/// let Readiness { readable, eof, .. } = client.readiness();
+/// assert!(readable && eof);
+/// assert_eq!(client.read(&mut [0u8; 8])?, 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Readiness {
     /// A read returns at once: bytes are readable, or the stream ended, or it failed.
@@ -909,6 +1303,30 @@ impl Stream {
 /// descriptor is its event queue's, so its events come as *readable* events whatever the
 /// interest: on an event, try each direction you wait on until `WouldBlock` (events may also
 /// be spurious, as mio allows).
+///
+/// ```
+/// use std::io::{ErrorKind, Read, Write};
+/// use std::time::Duration;
+/// use clan_proto::stream::{Listener, Stream, StreamConfig};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let cfg = StreamConfig { own_queue: true, ..StreamConfig::default() };
+/// let listener = Listener::bind_with(&nic, None, cfg.clone())?;
+/// let (addr, n2) = (listener.local_addr(), nic.clone());
+/// let connecting = std::thread::spawn(move || Stream::connect_with(&n2, addr, &cfg));
+/// let (mut server, _) = listener.accept_timeout(Duration::from_secs(5))?;
+/// let mut client = connecting.join().unwrap()?;
+/// let mut poll = mio::Poll::new()?;
+/// poll.registry().register(&mut server, mio::Token(1), mio::Interest::READABLE)?;
+/// let mut buf = [0u8; 16];
+/// assert_eq!(server.read(&mut buf).unwrap_err().kind(), ErrorKind::WouldBlock);
+/// client.write_all(b"event")?;
+/// let mut events = mio::Events::with_capacity(4);
+/// poll.poll(&mut events, Some(Duration::from_secs(5)))?;
+/// assert!(events.iter().any(|e| e.token() == mio::Token(1)));
+/// assert_eq!(server.read(&mut buf)?, 5);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 impl mio::event::Source for Stream {
     fn register(&mut self, registry: &mio::Registry, token: mio::Token, interests: mio::Interest) -> io::Result<()> {
         self.mio_register(registry, token, interests, true)

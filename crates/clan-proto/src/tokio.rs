@@ -31,6 +31,23 @@ use crate::lock;
 use crate::stream::{Listener, Stream, StreamConfig};
 
 /// An event queue you can `await`.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::Event;
+/// use clan_proto::tokio::AsyncEventQueue;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let q = nic.event_queue(clan::EventQueueConfig::default())?;
+/// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+/// let ev = rt.block_on(async {
+///     let aq = AsyncEventQueue::new(q.clone())?; // inside the runtime
+///     std::thread::spawn(move || q.post_user(3)); // any poster: a tripwire, a peer, a thread
+///     tokio::time::timeout(Duration::from_secs(5), aq.wait()).await?
+/// })?;
+/// assert_eq!(ev, Event::User(3));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct AsyncEventQueue {
     fd: AsyncFd<EventQueue>,
@@ -118,6 +135,35 @@ impl Shared {
 }
 
 /// One event queue for many async streams, and the task that serves it. Cheap to clone.
+///
+/// An echo over an async stream, on a current-thread runtime:
+///
+/// ```
+/// use std::time::Duration;
+/// use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// use clan_proto::{stream::StreamConfig, tokio::Reactor};
+///
+/// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+/// let echoed = rt.block_on(async {
+///     let nic = clan::Nic::open_default()?;
+///     let reactor = Reactor::new(&nic)?;
+///     let listener = reactor.bind(StreamConfig::default())?;
+///     let addr = listener.local_addr();
+///     tokio::spawn(async move {
+///         let (mut s, _peer) = listener.accept().await?;
+///         let mut buf = [0u8; 4];
+///         s.read_exact(&mut buf).await?;
+///         s.write_all(&buf).await
+///     });
+///     let mut c = reactor.connect(addr, StreamConfig::default()).await?;
+///     c.write_all(b"ping").await?;
+///     let mut back = [0u8; 4];
+///     tokio::time::timeout(Duration::from_secs(5), c.read_exact(&mut back)).await??;
+///     Ok::<_, Box<dyn std::error::Error>>(back)
+/// })?;
+/// assert_eq!(&echoed, b"ping");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Reactor {
     nic: Nic,
@@ -132,6 +178,17 @@ impl Reactor {
     /// # Errors
     /// Outside a tokio runtime, an error of kind `Other` (not a panic); or the NIC's error
     /// making the queue.
+    ///
+    /// ```
+    /// use clan_proto::tokio::Reactor;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let outside = Reactor::new(&nic).unwrap_err();
+    /// assert_eq!(outside.kind(), std::io::ErrorKind::Other);
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    /// let _reactor = rt.block_on(async { Reactor::new(&nic) })?; // its task runs on `rt`
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(nic: &Nic) -> io::Result<Reactor> {
         Reactor::with_queue(nic, EventQueueConfig { ring_capacity: 1 << 14, ..EventQueueConfig::default() })
     }
@@ -140,6 +197,20 @@ impl Reactor {
     /// reactor's task keeps looking at the queue, between the other tasks' turns, after
     /// the last event before it sleeps on the queue's descriptor (zero: it sleeps at once,
     /// and every event that finds it asleep costs an eventfd write and an epoll wake-up).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::EventQueueConfig;
+    /// use clan_proto::tokio::Reactor;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    /// // A reactor that never spins (the runtime's thread has other work).
+    /// let cfg = EventQueueConfig { spin: Duration::ZERO, ..EventQueueConfig::default() };
+    /// let reactor = rt.block_on(async { Reactor::with_queue(&nic, cfg) })?;
+    /// # drop(reactor);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_queue(nic: &Nic, cfg: EventQueueConfig) -> io::Result<Reactor> {
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| io::Error::other("clan_proto::tokio::Reactor must be made inside a tokio runtime"))?;
@@ -198,6 +269,22 @@ impl Reactor {
     /// Listen for async streams on endpoint port `port` of the reactor's NIC, so that clients
     /// can be told the address in advance. A port already in use is
     /// [`io::ErrorKind::AddrInUse`].
+    ///
+    /// ```
+    /// use clan_proto::{stream::StreamConfig, tokio::Reactor};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    /// rt.block_on(async {
+    ///     let reactor = Reactor::new(&nic)?;
+    ///     let listener = reactor.bind_port(8080, StreamConfig::default())?;
+    ///     assert_eq!(listener.local_addr(), clan::EndpointAddr::new(nic.addr(), 8080));
+    ///     let taken = reactor.bind_port(8080, StreamConfig::default()).unwrap_err();
+    ///     assert_eq!(taken.kind(), std::io::ErrorKind::AddrInUse);
+    ///     Ok::<(), std::io::Error>(())
+    /// })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn bind_port(&self, port: u32, cfg: StreamConfig) -> io::Result<AsyncListener> {
         self.bind_on(Some(port), cfg)
     }
@@ -225,7 +312,27 @@ impl Reactor {
     }
 }
 
-/// A listener for async streams.
+/// A listener for async streams ([`Reactor::bind`]; example at [`Reactor`]).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::{stream::StreamConfig, tokio::Reactor};
+///
+/// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+/// rt.block_on(async {
+///     let nic = clan::Nic::open_default()?;
+///     let reactor = Reactor::new(&nic)?;
+///     let listener = reactor.bind(StreamConfig::default())?;
+///     let (addr, r2) = (listener.local_addr(), reactor.clone());
+///     let client = tokio::spawn(async move { r2.connect(addr, StreamConfig::default()).await });
+///     let (s, from) = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await??;
+///     let c = client.await??;
+///     let client_addr = c.get_ref().local_addr(); // the blocking stream underneath
+///     assert_eq!((from, s.peer_addr()), (client_addr, client_addr));
+///     Ok::<(), Box<dyn std::error::Error>>(())
+/// })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct AsyncListener {
     l: Listener,
@@ -255,7 +362,33 @@ impl AsyncListener {
     }
 }
 
-/// A stream socket for tokio: `AsyncRead` and `AsyncWrite`.
+/// A stream socket for tokio: `AsyncRead` and `AsyncWrite` (example at [`Reactor`]).
+///
+/// ```
+/// use std::time::Duration;
+/// use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// use clan_proto::{stream::StreamConfig, tokio::Reactor};
+///
+/// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+/// let got = rt.block_on(async {
+///     let nic = clan::Nic::open_default()?;
+///     let reactor = Reactor::new(&nic)?;
+///     let listener = reactor.bind(StreamConfig::default())?;
+///     let addr = listener.local_addr();
+///     let server = tokio::spawn(async move {
+///         let (mut s, _) = listener.accept().await?;
+///         let mut all = Vec::new();
+///         s.read_to_end(&mut all).await.map(|_| all) // until the client shuts down
+///     });
+///     let mut c = reactor.connect(addr, StreamConfig::default()).await?;
+///     c.write_all(&[1u8; 100_000]).await?;
+///     c.shutdown().await?; // end of stream
+///     let all = tokio::time::timeout(Duration::from_secs(5), server).await???; // time, task, io
+///     Ok::<_, Box<dyn std::error::Error>>(all)
+/// })?;
+/// assert_eq!(got.len(), 100_000);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct AsyncStream {
     s: Stream,

@@ -66,6 +66,20 @@ fn dma_error(e: DmaError) -> VmmcError {
 }
 
 /// What went wrong.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::vmmc::{ExportOptions, Vmmc, VmmcError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let v = Vmmc::new(&nic)?;
+/// let quiet = v.export(4096, ExportOptions::default())?; // no `Notify::Wait`
+/// assert!(matches!(quiet.wait_notification(Some(Duration::from_millis(5))), Err(VmmcError::NotWaitable)));
+/// let desc = quiet.descriptor();
+/// v.unexport(quiet);
+/// assert!(matches!(v.import(&desc), Err(VmmcError::Import(clan::ImportError::Revoked { .. }))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum VmmcError {
@@ -116,6 +130,21 @@ impl From<VmmcError> for std::io::Error {
 }
 
 /// Settings of a [`Vmmc`].
+///
+/// ```
+/// use clan_proto::vmmc::{SendFlags, Vmmc, VmmcConfig};
+///
+/// let nic = clan::Nic::open_default()?;
+/// // Everything above 1 KiB by DMA.
+/// let v = Vmmc::with_config(&nic, VmmcConfig { inline_max: 1024, ..VmmcConfig::default() })?;
+/// let rx = v.export(64 << 10, Default::default())?;
+/// let (dst, src) = (v.import(&rx.descriptor())?, v.send_buffer(64 << 10)?);
+/// v.send_msg(&src, 0, &dst, 0, 1024, SendFlags::default())?;
+/// v.send_msg(&src, 0, &dst, 0, 1025, SendFlags::default())?;
+/// let s = v.stats();
+/// assert_eq!((s.inline_sends, s.dma_sends), (1, 1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct VmmcConfig {
     /// Largest message sent inline by programmed I/O; longer ones go by DMA.
@@ -136,7 +165,23 @@ impl Default for VmmcConfig {
     }
 }
 
-/// A notification: a sender says a message landed in the buffer.
+/// A notification: a sender says a message landed in the buffer (more at
+/// [`ExportedBuffer::wait_notification`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::vmmc::{ExportOptions, Notification, Notify, SendFlags, Vmmc};
+/// # let nic = clan::Nic::open_default()?;
+/// # let (sender, receiver) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let rx = receiver.export(4096, ExportOptions { notify: Notify::Wait, ..Default::default() })?;
+/// let dst = sender.import(&rx.descriptor())?;
+/// sender.send_bytes(b"msg", &dst, 100, SendFlags::notify())?;
+/// match rx.wait_notification(Some(Duration::from_secs(5)))? {
+///     Notification::Landed { offset, len } => assert_eq!((offset, len), (100, 3)),
+///     Notification::Lost => { /* re-check the whole buffer */ }
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Notification {
     /// `len` bytes at `offset` (checked to lie within the buffer).
@@ -150,10 +195,32 @@ pub enum Notification {
     Lost,
 }
 
-/// The user handler of [`Notify::Handler`].
+/// The user handler of [`Notify::Handler`] (example there).
 pub type Handler = Arc<dyn Fn(Notification) + Send + Sync>;
 
 /// What happens when a notification for an exported buffer arrives.
+///
+/// A handler runs on the notification thread once the message's bytes are in place:
+///
+/// ```
+/// use std::sync::{Arc, mpsc};
+/// use std::time::Duration;
+/// use clan_proto::vmmc::{ExportOptions, Notification, Notify, SendFlags, Vmmc};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (sender, receiver) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let (tx, rx) = mpsc::channel();
+/// let handler = Arc::new(move |n: Notification| {
+///     let _ = tx.send(n);
+/// });
+/// let buf = receiver.export(4096, ExportOptions { notify: Notify::Handler(handler), ..Default::default() })?;
+/// let dst = sender.import(&buf.descriptor())?;
+/// sender.send_bytes(b"quiet", &dst, 0, SendFlags::default())?; // no notification
+/// sender.send_bytes(b"loud", &dst, 64, SendFlags::notify())?;
+/// let n = rx.recv_timeout(Duration::from_secs(5))?;
+/// assert_eq!(n, Notification::Landed { offset: 64, len: 4 });
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Default)]
 pub enum Notify {
     /// Nothing (notifications are counted and dropped).
@@ -176,6 +243,22 @@ impl std::fmt::Debug for Notify {
 }
 
 /// How a buffer is exported.
+///
+/// ```
+/// use clan::ImportPolicy;
+/// use clan_proto::vmmc::{ExportOptions, Notify, Vmmc};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (owner, friend, stranger) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let opts = ExportOptions {
+///     policy: ImportPolicy::anyone().endpoint(friend.endpoint().addr()),
+///     notify: Notify::Wait,
+/// };
+/// let buf = owner.export(4096, opts)?;
+/// assert!(friend.import(&buf.descriptor()).is_ok());
+/// assert!(stranger.import(&buf.descriptor()).is_err(), "VMMC enforces the restriction at import");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct ExportOptions {
     /// Who may import it (VMMC enforces the restrictions when an import is attempted).
@@ -184,7 +267,14 @@ pub struct ExportOptions {
     pub notify: Notify,
 }
 
-/// Flags of a send.
+/// Flags of a send (examples at [`Notify`] and [`ExportedBuffer::wait_notification`]).
+///
+/// ```
+/// use clan_proto::vmmc::SendFlags;
+///
+/// assert!(SendFlags::notify().notify);
+/// assert!(!SendFlags::default().notify);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SendFlags {
     /// Raise a notification at the receiver once the message has landed.
@@ -198,7 +288,22 @@ impl SendFlags {
     }
 }
 
-/// Counters.
+/// Counters ([`Vmmc::stats`]; more at [`VmmcConfig`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::vmmc::{ExportOptions, Notify, SendFlags, Vmmc};
+/// # let nic = clan::Nic::open_default()?;
+/// # let (sender, receiver) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let rx = receiver.export(64 << 10, ExportOptions { notify: Notify::Wait, ..Default::default() })?;
+/// let (dst, src) = (sender.import(&rx.descriptor())?, sender.send_buffer(64 << 10)?);
+/// sender.send_bytes(b"x", &dst, 0, SendFlags::notify())?; // inline
+/// sender.send_msg(&src, 0, &dst, 0, 64 << 10, SendFlags::default())?; // above 8 KiB: DMA
+/// rx.wait_notification(Some(Duration::from_secs(5)))?;
+/// let (s, r) = (sender.stats(), receiver.stats());
+/// assert_eq!((s.inline_sends, s.dma_sends, r.notifications, r.dropped), (1, 1, 1, 0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct VmmcStats {
     /// Messages sent inline (programmed I/O).
@@ -260,12 +365,53 @@ impl Drop for Inner {
 }
 
 /// A VMMC instance: an endpoint of a NIC with its own notification queue. Cheap to clone.
+///
+/// Two instances, here of one process (the same across processes or hosts): the receiver
+/// exports a buffer, the sender imports it and writes into it; there is no receive call.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::vmmc::{ExportOptions, Notification, Notify, SendFlags, Vmmc};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (sender, receiver) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let rx = receiver.export(64 << 10, ExportOptions { notify: Notify::Wait, ..Default::default() })?;
+/// let dst = sender.import(&rx.descriptor())?; // the descriptor travels in any message
+/// let src = sender.send_buffer(64 << 10)?;
+/// src.write(0, b"deliberate update")?;
+/// sender.send_msg(&src, 0, &dst, 128, 17, SendFlags::notify())?; // `src` reusable now
+/// let n = rx.wait_notification(Some(Duration::from_secs(5)))?;
+/// assert_eq!(n, Notification::Landed { offset: 128, len: 17 });
+/// let mut got = [0u8; 17];
+/// rx.read(128, &mut got)?; // the bytes are in place when the notification comes
+/// assert_eq!(&got, b"deliberate update");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Vmmc {
     inner: Arc<Inner>,
 }
 
 /// Local memory registered with the NIC, the source of sends and destination of fetches.
+///
+/// Implemented by [`SendBuffer`], [`ExportedBuffer`] and [`clan::Aperture`]:
+///
+/// ```
+/// use clan_proto::vmmc::{LocalBuffer, SendFlags, Vmmc};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let v = Vmmc::new(&nic)?;
+/// let rx = v.export(4096, Default::default())?;
+/// let dst = v.import(&rx.descriptor())?;
+/// let plain = v.endpoint().export(4096)?; // any aperture of the instance's endpoint
+/// plain.write(0, b"from an aperture")?;
+/// assert_eq!(plain.aperture().len(), 4096);
+/// v.send_msg(&plain, 0, &dst, 0, 16, SendFlags::default())?;
+/// let mut got = [0u8; 16];
+/// rx.read(0, &mut got)?;
+/// assert_eq!(&got, b"from an aperture");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub trait LocalBuffer {
     /// The aperture holding it.
     fn aperture(&self) -> &Aperture;
@@ -277,7 +423,21 @@ impl LocalBuffer for Aperture {
     }
 }
 
-/// A receive buffer this process exported. Dropping it unexports it.
+/// A receive buffer this process exported. Dropping it unexports it. It dereferences to its
+/// [`clan::Aperture`] (local reads and writes, tripwires). More at [`Vmmc`].
+///
+/// ```
+/// # use std::time::Duration;
+/// # use clan_proto::vmmc::{ExportOptions, Notification, Notify, SendFlags, Vmmc};
+/// # let nic = clan::Nic::open_default()?;
+/// # let (sender, receiver) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let rx = receiver.export(4096, ExportOptions::default())?;
+/// let arrived = rx.tripwire(clan::TripwireConfig::writes(0..8))?; // through `Deref`
+/// let dst = sender.import(&rx.descriptor())?;
+/// sender.send_bytes(&7u64.to_le_bytes(), &dst, 0, SendFlags::default())?;
+/// assert_eq!((rx.load_u64(0)?, arrived.count()), (7, 1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct ExportedBuffer {
     ap: Aperture,
@@ -306,6 +466,25 @@ impl ExportedBuffer {
 
     /// The next notification of this buffer (exported with [`Notify::Wait`]): spins a
     /// little, then sleeps. `None` waits without limit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan_proto::vmmc::{ExportOptions, Notification, Notify, SendFlags, Vmmc, VmmcError};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (a, b) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+    /// let rx = b.export(4096, ExportOptions { notify: Notify::Wait, ..Default::default() })?;
+    /// let dst = a.import(&rx.descriptor())?;
+    /// assert!(matches!(rx.wait_notification(Some(Duration::from_millis(5))), Err(VmmcError::Timeout)));
+    /// a.send_bytes(b"one", &dst, 0, SendFlags::notify())?;
+    /// a.send_bytes(b"two", &dst, 8, SendFlags::notify())?;
+    /// let first = rx.wait_notification(Some(Duration::from_secs(5)))?;
+    /// assert_eq!(first, Notification::Landed { offset: 0, len: 3 });
+    /// let second = rx.wait_notification(Some(Duration::from_secs(5)))?;
+    /// assert_eq!(second, Notification::Landed { offset: 8, len: 3 });
+    /// assert_eq!(rx.try_notification()?, None, "never blocks");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_notification(&self, timeout: Option<Duration>) -> Result<Notification, VmmcError> {
         self.vmmc.wait_for(self.key, timeout)
     }
@@ -327,7 +506,20 @@ impl Drop for ExportedBuffer {
     }
 }
 
-/// Local memory to send from (and fetch into). Not visible to anyone else.
+/// Local memory to send from (and fetch into). Not visible to anyone else. It dereferences to
+/// its [`clan::Aperture`].
+///
+/// ```
+/// let nic = clan::Nic::open_default()?;
+/// let v = clan_proto::vmmc::Vmmc::new(&nic)?;
+/// let src = v.send_buffer(4096)?;
+/// src.write(0, b"staged")?;
+/// let mut back = [0u8; 6];
+/// src.read(0, &mut back)?;
+/// assert_eq!(&back, b"staged");
+/// assert!(v.endpoint().import(&src.descriptor()).is_err(), "importable by no one");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct SendBuffer {
     ap: Aperture,
@@ -348,6 +540,17 @@ impl std::ops::Deref for SendBuffer {
 
 /// An imported receive buffer: the destination of sends (the papers' destination proxy).
 /// Dropping the last clone unimports it.
+///
+/// ```
+/// let nic = clan::Nic::open_default()?;
+/// let (a, b) = (clan_proto::vmmc::Vmmc::new(&nic)?, clan_proto::vmmc::Vmmc::new(&nic)?);
+/// let rx = b.export(8192, Default::default())?;
+/// let dst = a.import(&rx.descriptor())?;
+/// assert_eq!(dst.len(), 8192);
+/// dst.mapping().store_u64(0, 1)?; // programmed I/O through the mapping underneath
+/// assert_eq!(rx.load_u64(0)?, 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct ImportedBuffer {
     m: Mapping,
@@ -372,6 +575,25 @@ impl ImportedBuffer {
 
 /// A transfer in flight: an asynchronous send ([`SendHandle`]: when complete, the send
 /// buffer may be reused) or fetch ([`FetchHandle`]: when complete, the data is in place).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan_proto::vmmc::{SendFlags, Vmmc};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (a, b) = (Vmmc::new(&nic)?, Vmmc::new(&nic)?);
+/// let rx = b.export(1 << 20, Default::default())?;
+/// let dst = a.import(&rx.descriptor())?;
+/// let src = a.send_buffer(1 << 20)?;
+/// src.fill(0, 1 << 20, 0xee)?;
+/// let h = a.send_msg_async(&src, 0, &dst, 0, 1 << 20, SendFlags::default())?; // by DMA
+/// // ... other work while the engine moves the megabyte ...
+/// h.wait(Some(Duration::from_secs(5)))?;
+/// assert!(h.is_complete());
+/// src.fill(0, 1 << 20, 0)?; // reusing the buffer cannot change what was sent
+/// assert_eq!(rx.load_u64((1 << 20) - 8)?, u64::from_ne_bytes([0xee; 8]));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct TransferHandle {
     ticket: Option<DmaTicket>,
@@ -501,7 +723,7 @@ impl Vmmc {
     }
 
     /// Deliberate update, synchronous: send `n` bytes of `src` at `src_off` to `dst` at
-    /// `dst_off`; returns when `src` may be reused.
+    /// `dst_off`; returns when `src` may be reused. Example at [`Vmmc`].
     pub fn send_msg(
         &self,
         src: &impl LocalBuffer,
@@ -524,7 +746,8 @@ impl Vmmc {
     }
 
     /// Deliberate update, asynchronous: returns at once; [`SendHandle::is_complete`] says
-    /// when `src` may be reused. Inline sends are complete when this returns.
+    /// when `src` may be reused. Inline sends are complete when this returns. Example at
+    /// [`TransferHandle`].
     pub fn send_msg_async(
         &self,
         src: &impl LocalBuffer,
@@ -551,7 +774,8 @@ impl Vmmc {
         Ok(TransferHandle { ticket: Some(t) })
     }
 
-    /// Send bytes from ordinary memory (always inline, synchronous).
+    /// Send bytes from ordinary memory (always inline, synchronous). Example at
+    /// [`ExportedBuffer::wait_notification`].
     pub fn send_bytes(
         &self,
         data: &[u8],
@@ -568,6 +792,25 @@ impl Vmmc {
     }
 
     /// Remote fetch, synchronous: read `n` bytes of `src` at `src_off` into `dst` at `dst_off`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (a, b) = (clan_proto::vmmc::Vmmc::new(&nic)?, clan_proto::vmmc::Vmmc::new(&nic)?);
+    /// let remote = b.export(64 << 10, Default::default())?;
+    /// remote.fill(0, 64 << 10, 0x11)?;
+    /// remote.write(8, b"small")?;
+    /// let (src, local) = (a.import(&remote.descriptor())?, a.send_buffer(64 << 10)?);
+    /// a.fetch(&src, 8, &local, 0, 5)?; // small: inline, by this thread
+    /// let mut got = [0u8; 5];
+    /// local.read(0, &mut got)?;
+    /// assert_eq!(&got, b"small");
+    /// let h = a.fetch_async(&src, 0, &local, 0, 64 << 10)?; // large: the DMA engine
+    /// h.wait(Some(Duration::from_secs(5)))?;
+    /// assert_eq!(local.load_u64(1024)?, u64::from_ne_bytes([0x11; 8]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn fetch(
         &self,
         src: &ImportedBuffer,
@@ -580,7 +823,7 @@ impl Vmmc {
         h.wait_spin(self.spin_for(n), None)
     }
 
-    /// Remote fetch, asynchronous.
+    /// Remote fetch, asynchronous (example at [`Vmmc::fetch`]).
     pub fn fetch_async(
         &self,
         src: &ImportedBuffer,

@@ -197,6 +197,26 @@ fn a_header_wait_armed_first_wakes_while_the_body_is_still_to_come() {
     assert_eq!((tx.sent(), rx.received()), (6, 6), "six slots");
 }
 
+/// A sender that sends its last message and goes away at once: the receiver still gets
+/// that message (its acknowledgement has nowhere to go, and that loses nothing), then
+/// learns that the sender is gone.
+#[test]
+fn a_channel_keeps_the_last_message_of_a_sender_gone() {
+    let _wd = Watchdog::new("channel, sender gone", Duration::from_secs(60));
+    let nic = Nic::open_default().unwrap();
+    let l = RpcListener::bind(&nic, RpcConfig::default()).unwrap();
+    let (n2, addr) = (nic.clone(), l.local_addr());
+    let t = std::thread::spawn(move || {
+        let mut tx = ChannelSender::connect(&n2, addr, &RpcConfig::default()).unwrap();
+        tx.send(b"last words", WAIT).unwrap();
+        drop(tx);
+    });
+    let mut rx = l.accept_channel(WAIT).unwrap();
+    t.join().unwrap(); // gone before the message is taken
+    assert_eq!(rx.recv(WAIT).unwrap(), b"last words");
+    assert!(rx.recv(SHORT).is_err(), "then the sender is reported gone");
+}
+
 #[test]
 fn channel_and_rpc() {
     let _wd = Watchdog::new("rpc", Duration::from_secs(60));

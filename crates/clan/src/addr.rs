@@ -9,6 +9,19 @@ use std::str::FromStr;
 /// On one host, NICs find each other through the abstract Unix socket named after this
 /// address (abstract names are scoped to the network namespace, i.e. to the virtual host);
 /// across hosts, through a link to `ip:port`.
+///
+/// ```
+/// use clan::NicAddr;
+///
+/// let a: NicAddr = "127.0.0.1:7000".parse()?;
+/// assert_eq!(a, NicAddr::localhost(7000));
+/// assert_eq!(a.port(), 7000);
+/// assert_eq!(a.to_string(), "127.0.0.1:7000");
+/// assert_eq!(a.socket_addr(), "127.0.0.1:7000".parse::<std::net::SocketAddr>()?);
+/// let v6: NicAddr = "[::1]:9".parse()?;
+/// assert!(v6.ip().is_ipv6());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NicAddr {
     ip: IpAddr,
@@ -61,6 +74,16 @@ impl fmt::Display for NicAddr {
 }
 
 /// Error parsing an address.
+///
+/// ```
+/// use clan::{AddrParseError, EndpointAddr, NicAddr};
+///
+/// let e: AddrParseError = "localhost".parse::<NicAddr>().unwrap_err();
+/// assert!(e.to_string().contains("expected ip:port"));
+/// assert!("127.0.0.1:7000".parse::<EndpointAddr>().is_err(), "no endpoint port");
+/// let io: std::io::Error = e.into();
+/// assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid address {input:?}: expected {expected}")]
 pub struct AddrParseError {
@@ -78,6 +101,22 @@ impl FromStr for NicAddr {
 }
 
 /// The address of an endpoint: its NIC and its endpoint port.
+///
+/// Its text form is `ip:port/endpoint`: what to hand to a peer so that it can connect.
+///
+/// ```
+/// use clan::{EndpointAddr, NicAddr};
+///
+/// let e: EndpointAddr = "127.0.0.1:7000/3".parse()?;
+/// assert_eq!(e, EndpointAddr::new(NicAddr::localhost(7000), 3));
+/// assert_eq!((e.nic.port(), e.port), (7000, 3));
+/// assert_eq!(e.to_string(), "127.0.0.1:7000/3");
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// assert_eq!(ep.addr().to_string().parse::<EndpointAddr>()?, ep.addr());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointAddr {
     /// The NIC.
@@ -210,6 +249,20 @@ impl<T: ToEndpointAddrs + ?Sized> ToEndpointAddrs for &T {
 
 /// Try `f` on each address `addrs` names, in turn: the first success, or the last error
 /// (`InvalidInput` when `addrs` names none).
+///
+/// ```
+/// use clan::{EndpointAddr, each_endpoint_addr};
+///
+/// let addrs: [EndpointAddr; 2] = ["127.0.0.1:1/1".parse()?, "127.0.0.1:2/2".parse()?];
+/// let mut tried = Vec::new();
+/// let r: std::io::Result<u32> = each_endpoint_addr(&addrs[..], |a| {
+///     tried.push(a.port);
+///     if a.port == 2 { Ok(a.port) } else { Err(std::io::Error::other("refused")) }
+/// });
+/// assert_eq!(r?, 2);
+/// assert_eq!(tried, [1, 2]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn each_endpoint_addr<A, T, E>(addrs: A, mut f: impl FnMut(EndpointAddr) -> Result<T, E>) -> Result<T, E>
 where
     A: ToEndpointAddrs,

@@ -262,6 +262,26 @@ impl Drop for ApertureInner {
 }
 
 /// An exported region of memory. Dropping it unexports it. `Send` and `Sync`.
+///
+/// Made by [`crate::Endpoint::export`]; it lives as long as its endpoint (closing or dropping
+/// the endpoint unexports it too). The owner reads and writes it as local memory; importers
+/// reach it through the [`Descriptor`] it hands out.
+///
+/// ```
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let ap = ep.export(10_000)?;
+/// assert_eq!(ap.len(), 10_000);
+/// assert_eq!(ap.endpoint(), ep.addr());
+/// ap.write(100, b"local store")?;
+/// ap.store_u64(0, 42)?; // aligned words are atomic
+/// let mut back = [0u8; 11];
+/// ap.read(100, &mut back)?;
+/// assert_eq!((&back, ap.load_u64(0)?), (b"local store", 42));
+/// let d = ap.descriptor();
+/// assert_eq!((d.aperture(), d.generation(), d.len()), (ap.id(), ap.generation(), 10_000));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Aperture {
     pub(crate) inner: Arc<ApertureInner>,
 }
@@ -299,6 +319,18 @@ impl Aperture {
     }
 
     /// Mappings of this aperture currently held by other processes.
+    ///
+    /// ```
+    /// // Another NIC stands for another process of the host.
+    /// let (mine, theirs) = (clan::Nic::open_default()?, clan::Nic::open_default()?);
+    /// let (ep, other) = (mine.endpoint()?, theirs.endpoint()?);
+    /// let ap = ep.export(4096)?;
+    /// let _own = ep.import(&ap.descriptor())?;
+    /// assert_eq!(ap.remote_imports(), 0, "imports of this process do not count");
+    /// let _m = other.import(&ap.descriptor())?;
+    /// assert_eq!(ap.remote_imports(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn remote_imports(&self) -> u32 {
         self.inner.nic.remote_refs(self.inner.id, self.inner.generation)
     }
@@ -320,6 +352,18 @@ impl Aperture {
     }
 
     /// Fill `len` bytes at `off` with `byte`.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// let ap = ep.export(4096)?;
+    /// ap.fill(8, 4, 0xab)?;
+    /// let mut b = [0u8; 6];
+    /// ap.read(7, &mut b)?;
+    /// assert_eq!(b, [0, 0xab, 0xab, 0xab, 0xab, 0]);
+    /// assert!(ap.fill(4090, 7, 0).is_err(), "past the end");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn fill(&self, off: u64, len: u64, byte: u8) -> Result<(), AccessError> {
         check_range(off, len, self.inner.len)?;
         self.seg().fill(off as usize, len as usize, byte).map_err(|_| AccessError::NotWritable)
@@ -333,6 +377,18 @@ impl Aperture {
 
     /// Atomic load (Acquire) of the aligned word at `off`: the way to poll a flag or counter
     /// that a remote writer updates.
+    ///
+    /// ```
+    /// use clan::AccessError;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = ep.export(4096)?;
+    /// peer.import(&ap.descriptor())?.store_u64(64, 7)?;
+    /// assert_eq!(ap.load_u64(64)?, 7);
+    /// assert_eq!(ap.load_u64(3), Err(AccessError::Misaligned { offset: 3, align: 8 }));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn load_u64(&self, off: u64) -> Result<u64, AccessError> {
         Ok(self.word::<AtomicU64>(off, 8)?.load(Ordering::Acquire))
     }
@@ -355,12 +411,39 @@ impl Aperture {
     }
 
     /// A raw window onto `len` bytes at `off`, for zero-copy processing in place.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// let ap = ep.export(4096)?;
+    /// ap.write(16, b"parse me in place")?;
+    /// let r = ap.raw(16, 17)?;
+    /// assert_eq!(r.len(), 17);
+    /// // SAFETY: nobody else writes these bytes while the slice is alive (no importer here).
+    /// let bytes = unsafe { r.as_slice() };
+    /// assert_eq!(bytes, b"parse me in place");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn raw(&self, off: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
         check_range(off, len, self.inner.len)?;
         self.inner.window.raw(off, len)
     }
 
     /// Set a tripwire on incoming traffic (writes and/or reads by importers) to a range.
+    ///
+    /// ```
+    /// use clan::TripwireConfig;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = ep.export(4096)?;
+    /// let tw = ap.tripwire(TripwireConfig::writes(0..8))?;
+    /// ap.store_u64(0, 1)?; // the owner's own store: local memory, the NIC does not see it
+    /// assert_eq!(tw.count(), 0);
+    /// peer.import(&ap.descriptor())?.store_u64(0, 2)?; // traffic through the NIC
+    /// assert_eq!(tw.count(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn tripwire(&self, cfg: TripwireConfig) -> Result<Tripwire, TripwireError> {
         if self.inner.revoked.load(Ordering::Acquire) {
             return Err(TripwireError::Stale);
@@ -369,6 +452,20 @@ impl Aperture {
     }
 
     /// Unexport now (dropping does the same).
+    ///
+    /// ```
+    /// use clan::{AccessError, ImportError};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// let ap = ep.export(4096)?;
+    /// let (desc, m) = (ap.descriptor(), ep.import(&ap.descriptor())?);
+    /// ap.unexport();
+    /// assert_eq!(m.write(0, b"late"), Err(AccessError::Revoked));
+    /// assert!(!m.is_live());
+    /// assert!(matches!(ep.import(&desc), Err(ImportError::Revoked { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn unexport(self) {}
 }
 

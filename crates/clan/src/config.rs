@@ -19,6 +19,12 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(15);
 pub const MAX_SPIN: Duration = Duration::from_secs(1);
 
 /// Why a value of `CLAN_SPIN_US` was refused.
+///
+/// ```
+/// let e = clan::parse_spin("2000000").unwrap_err(); // two seconds: more than MAX_SPIN
+/// assert_eq!(e.value, "2000000");
+/// assert!(e.to_string().contains("from 0 to 1000000"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("CLAN_SPIN_US={value:?}: expected whole microseconds from 0 to 1000000")]
 pub struct SpinParseError {
@@ -56,6 +62,13 @@ pub fn parse_spin(value: &str) -> Result<Duration, SpinParseError> {
 /// [`EventQueueConfig`], [`DmaConfig`] and the protocols' configurations (streams, queues,
 /// RPC, VMMC, the socket interposition and the libfabric provider) all take their default
 /// from here; a value set explicitly in a configuration wins over it.
+///
+/// ```
+/// use clan::{EventQueueConfig, default_spin};
+///
+/// assert!(default_spin() <= clan::MAX_SPIN);
+/// assert_eq!(EventQueueConfig::default().spin, default_spin());
+/// ```
 pub fn default_spin() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
@@ -68,6 +81,20 @@ pub fn default_spin() -> Duration {
 }
 
 /// Who processes incoming link traffic (writes, reads, messages from other hosts).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{Nic, NicConfig, Progress};
+///
+/// assert_eq!(NicConfig::default().progress, Progress::Engine);
+/// // An engine that polls its links for 50 µs after the last frame before it sleeps:
+/// let cfg = NicConfig { progress: Progress::BusyPoll(Duration::from_micros(50)), ..NicConfig::default() };
+/// let nic = Nic::open(cfg)?;
+/// assert_eq!(nic.config().progress, Progress::BusyPoll(Duration::from_micros(50)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// [`Progress::Manual`] is shown at [`crate::Nic::progress`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
     /// The NIC's engine thread, woken by epoll (the default). Threads that wait for a link
@@ -83,6 +110,25 @@ pub enum Progress {
 }
 
 /// How this NIC reaches another NIC of the same host.
+///
+/// Two NICs of one process, linked over loopback TCP as NICs of two hosts are:
+///
+/// ```
+/// use clan::{LocalTransport, Nic, NicConfig};
+///
+/// let cfg = || NicConfig { local_transport: LocalTransport::Link, ..NicConfig::default() };
+/// let (here, there) = (Nic::open(cfg())?, Nic::open(cfg())?);
+/// let (exporter, importer) = (there.endpoint()?, here.endpoint()?);
+/// let buf = exporter.export(4096)?; // lives as long as `exporter` does
+/// let m = importer.import(&buf.descriptor())?;
+/// assert!(m.is_remote(), "through a link, not mapped memory");
+/// m.write(0, b"over tcp")?;
+/// m.barrier()?; // returns once the exporter has applied the write
+/// let mut got = [0u8; 8];
+/// buf.read(0, &mut got)?;
+/// assert_eq!(&got, b"over tcp");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LocalTransport {
     /// Shared memory (the default): the other NIC's memory is mapped here.
@@ -92,6 +138,23 @@ pub enum LocalTransport {
 }
 
 /// How a NIC is opened. (Its `Debug` never shows the cluster key.)
+///
+/// Start from the default and change what you need:
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{Nic, NicConfig};
+///
+/// let cfg = NicConfig {
+///     request_timeout: Duration::from_secs(1),
+///     cluster_key: Some([7; 32]),
+///     ..NicConfig::default()
+/// };
+/// assert!(format!("{cfg:?}").contains("<secret>"), "the key is never printed");
+/// let nic = Nic::open(cfg)?;
+/// assert_eq!(nic.config().request_timeout, Duration::from_secs(1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct NicConfig {
     /// Host address of the NIC (default 127.0.0.1).
@@ -139,6 +202,18 @@ pub struct NicConfig {
 }
 
 /// The DMA engine of a NIC (a thread started with the first DMA request).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{DmaConfig, Nic, NicConfig};
+///
+/// // An engine that sleeps as soon as its queues are empty (it shares a CPU with others).
+/// let dma = DmaConfig { spin: Duration::ZERO, ..DmaConfig::default() };
+/// assert_eq!(dma.quantum, 65536);
+/// let nic = Nic::open(NicConfig { dma, ..NicConfig::default() })?;
+/// assert_eq!(nic.config().dma.spin, Duration::ZERO);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct DmaConfig {
     /// How long the engine polls for new requests after the last one before it sleeps
@@ -197,12 +272,41 @@ impl std::fmt::Debug for NicConfig {
 
 impl NicConfig {
     /// Default configuration at `ip:port`.
+    ///
+    /// ```
+    /// use clan::{Nic, NicConfig, NicError};
+    ///
+    /// let first = Nic::open_default()?;
+    /// let taken = first.addr();
+    /// // Another NIC at the same address is refused.
+    /// match Nic::open(NicConfig::at(taken.ip(), taken.port())) {
+    ///     Err(NicError::AddrInUse(a)) => assert_eq!(a, taken),
+    ///     other => panic!("expected AddrInUse, got {other:?}"),
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn at(ip: IpAddr, port: u16) -> NicConfig {
         NicConfig { ip, port, ..NicConfig::default() }
     }
 }
 
 /// Geometry and behaviour of an event queue.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{EventQueueConfig, EventQueueError, Nic};
+///
+/// let nic = Nic::open_default()?;
+/// // A small queue whose waits sleep at once instead of spinning.
+/// let small =
+///     EventQueueConfig { ring_capacity: 64, tripwires: 64, spin: Duration::ZERO, ..EventQueueConfig::default() };
+/// let q = nic.event_queue(small)?;
+/// assert_eq!(q.config().ring_capacity, 64);
+/// // The ring capacity must be a power of two.
+/// let bad = nic.event_queue(EventQueueConfig { ring_capacity: 1000, ..EventQueueConfig::default() });
+/// assert!(matches!(bad, Err(EventQueueError::Config(_))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct EventQueueConfig {
     /// Events each producer process can have outstanding before overflow (power of two).
@@ -237,6 +341,18 @@ impl Default for EventQueueConfig {
 }
 
 /// Who may import an aperture. Empty lists mean "anyone with the descriptor".
+///
+/// ```
+/// use clan::{Denial, ExportConfig, ImportError, ImportPolicy, Nic};
+///
+/// let nic = Nic::open_default()?;
+/// let (owner, friend, stranger) = (nic.endpoint()?, nic.endpoint()?, nic.endpoint()?);
+/// let policy = ImportPolicy::anyone().endpoint(friend.addr());
+/// let ap = owner.export_with(4096, ExportConfig { policy, ..ExportConfig::default() })?;
+/// assert!(friend.import(&ap.descriptor()).is_ok());
+/// assert!(matches!(stranger.import(&ap.descriptor()), Err(ImportError::Denied(Denial::Endpoint))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ImportPolicy {
     /// Allowed user ids of importing processes (checked with the kernel's peer credentials).
@@ -251,6 +367,12 @@ pub struct ImportPolicy {
 
 impl ImportPolicy {
     /// No restriction.
+    ///
+    /// ```
+    /// let p = clan::ImportPolicy::anyone().uid(1000).pid(4242);
+    /// assert_eq!((p.uids, p.pids), (vec![1000], vec![4242]));
+    /// assert!(clan::ImportPolicy::anyone().endpoints.is_empty());
+    /// ```
     pub fn anyone() -> ImportPolicy {
         ImportPolicy::default()
     }
@@ -277,6 +399,18 @@ impl ImportPolicy {
 }
 
 /// How an aperture is exported.
+///
+/// ```
+/// use clan::{ExportConfig, ImportPolicy, Nic};
+///
+/// let nic = Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let me = std::process::id();
+/// let cfg = ExportConfig { policy: ImportPolicy::anyone().pid(me), ..ExportConfig::default() };
+/// let ap = ep.export_with(4096, cfg)?;
+/// assert!(ep.import(&ap.descriptor()).is_ok(), "this process may import it");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct ExportConfig {
     /// Import restrictions.
@@ -293,6 +427,22 @@ pub struct ExportConfig {
 
 impl ExportConfig {
     /// An aperture for `peer` only, with pooled memory (the field `pooled_for`).
+    ///
+    /// ```
+    /// use clan::{ExportConfig, ImportError, Nic};
+    ///
+    /// let (mine, peer, other) = (Nic::open_default()?, Nic::open_default()?, Nic::open_default()?);
+    /// let ep = mine.endpoint()?;
+    /// let cfg = ExportConfig::for_peer(peer.addr());
+    /// assert_eq!(cfg.pooled_for, Some(peer.addr()));
+    /// let aps = [ep.export_with(4096, cfg.clone())?, ep.export_with(4096, cfg)?];
+    /// assert_eq!(mine.stats().pools, 1, "both carved from one pool");
+    /// let m = peer.endpoint()?.import(&aps[1].descriptor())?;
+    /// m.write(0, b"pooled")?;
+    /// let refused = other.endpoint()?.import(&aps[0].descriptor());
+    /// assert!(matches!(refused, Err(ImportError::Denied(_))), "only `peer` may import");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn for_peer(peer: NicAddr) -> ExportConfig {
         ExportConfig { pooled_for: Some(peer), ..ExportConfig::default() }
     }

@@ -47,6 +47,26 @@ const HANDSHAKE_SLICE: Duration = Duration::from_millis(100);
 const HANDSHAKE_NAP: Duration = Duration::from_micros(100);
 
 /// Why connecting or accepting failed.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::ConnectError;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+/// let mine = client.export(4096)?;
+/// // `server` never called `listen`: refused at once.
+/// match client.connect(server.addr(), &mine.descriptor(), Some(Duration::from_secs(5))) {
+///     Err(ConnectError::Refused(to)) => assert_eq!(to, server.addr()),
+///     other => panic!("expected Refused, got {other:?}"),
+/// }
+/// server.listen();
+/// assert!(matches!(server.accept(Some(Duration::from_millis(5))), Err(ConnectError::NoRequest)));
+/// let too_much = [0u8; clan::MAX_PRIVATE_DATA + 1];
+/// let r = client.connect_with_data(server.addr(), &mine.descriptor(), &too_much, None);
+/// assert!(matches!(r, Err(ConnectError::DataTooLong(257))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConnectError {
@@ -248,7 +268,31 @@ fn random_token() -> u64 {
     u64::from_le_bytes(b) | 1
 }
 
-/// A connection request waiting to be accepted.
+/// A connection request waiting to be accepted ([`Endpoint::accept`]).
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let server = nic.endpoint()?;
+/// server.listen();
+/// let (to, nic2) = (server.addr(), nic.clone());
+/// let client = std::thread::spawn(move || -> std::io::Result<_> {
+///     let ep = nic2.endpoint()?;
+///     let mine = ep.export(4096)?;
+///     let r = ep.connect_with_data(to, &mine.descriptor(), b"user=ann", Some(Duration::from_secs(5)));
+///     Ok((ep.addr(), r.is_err()))
+/// });
+/// let req = server.accept(Some(Duration::from_secs(5)))?;
+/// assert_eq!(req.data(), b"user=ann");
+/// assert_eq!(req.descriptor().len(), 4096);
+/// let from = req.from();
+/// req.refuse(&server)?; // or `accept`
+/// let (client_addr, refused) = client.join().unwrap()?;
+/// assert_eq!(from, client_addr);
+/// assert!(refused);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct ConnectRequest {
     from: EndpointAddr,
@@ -329,6 +373,35 @@ impl ConnectRequest {
 }
 
 /// A connection between two endpoints, with the peer's descriptor. Dropping it closes it.
+///
+/// Each side exports an aperture and hands its descriptor over in the hand-shake; each then
+/// imports the other's:
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let server = nic.endpoint()?;
+/// server.listen();
+/// let (to, nic2) = (server.addr(), nic.clone());
+/// let client = std::thread::spawn(move || -> std::io::Result<_> {
+///     let ep = nic2.endpoint()?;
+///     let inbox = ep.export(4096)?;
+///     let conn = ep.connect(to, &inbox.descriptor(), Some(Duration::from_secs(5)))?;
+///     Ok((ep, inbox, conn))
+/// });
+/// let inbox = server.export(4096)?;
+/// let conn = server.accept(Some(Duration::from_secs(5)))?.accept(&server, &inbox.descriptor())?;
+/// let (_ep, client_inbox, client_conn) = client.join().unwrap()?;
+/// assert_eq!((client_conn.peer(), conn.peer()), (server.addr(), client_conn.local()));
+/// assert_eq!(conn.token(), client_conn.token());
+/// server.import(conn.peer_descriptor())?.write(0, b"to the client")?;
+/// let mut got = [0u8; 13];
+/// client_inbox.read(0, &mut got)?;
+/// assert_eq!(&got, b"to the client");
+/// assert!(conn.is_alive());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Connection {
     nic: Weak<NicInner>,
     local: EndpointAddr,
@@ -372,7 +445,36 @@ impl Connection {
     pub fn peer_data(&self) -> &[u8] {
         &self.peer_data
     }
-    /// Whether the connection is up (false after the peer closed, died or its link broke).
+    /// Whether the connection is up (false after the peer closed, died or its link broke);
+    /// its end is also posted to the endpoint's event queue.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use clan::Event;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let q = nic.event_queue(clan::EventQueueConfig::default())?;
+    /// let server = nic.endpoint_with(clan::EndpointConfig { queue: Some(q.clone()), ..Default::default() })?;
+    /// server.listen();
+    /// let (to, nic2) = (server.addr(), nic.clone());
+    /// let client = std::thread::spawn(move || -> std::io::Result<_> {
+    ///     let ep = nic2.endpoint()?;
+    ///     let inbox = ep.export(4096)?;
+    ///     Ok(ep.connect(to, &inbox.descriptor(), Some(Duration::from_secs(5)))?)
+    /// });
+    /// let inbox = server.export(4096)?;
+    /// let conn = server.accept(Some(Duration::from_secs(5)))?.accept(&server, &inbox.descriptor())?;
+    /// client.join().unwrap()?.close(); // the client hangs up
+    /// let deadline = Instant::now() + Duration::from_secs(5);
+    /// loop {
+    ///     match q.wait(Some(deadline - Instant::now()))? {
+    ///         Event::Disconnect { token, .. } if token == conn.token() => break,
+    ///         _ => {} // connection requests arrive as OOB events
+    ///     }
+    /// }
+    /// assert!(!conn.is_alive());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn is_alive(&self) -> bool {
         self.shared.alive.load(Ordering::Acquire)
     }
@@ -423,7 +525,8 @@ impl Endpoint {
     }
 
     /// Accept connection requests from now on (they queue until [`Endpoint::accept`]).
-    /// Requests that arrive while not listening are refused.
+    /// Requests that arrive while not listening are refused. (Examples at [`Connection`]
+    /// and [`ConnectError`].)
     pub fn listen(&self) {
         lock(&self.inner.conns.state).listen(true);
     }
@@ -440,7 +543,7 @@ impl Endpoint {
 
     /// Connect to the listening endpoint `to`, giving it `local`; returns the connection and
     /// the server's descriptor. Waits at most `timeout` (default
-    /// [`DEFAULT_CONNECT_TIMEOUT`]) in all.
+    /// [`DEFAULT_CONNECT_TIMEOUT`]) in all. Example at [`Connection`].
     pub fn connect(
         &self,
         to: EndpointAddr,
@@ -555,7 +658,7 @@ impl Endpoint {
 
     /// Wait for a connection request (after [`Endpoint::listen`]). Only requests that can
     /// still be answered are returned: one whose client gave up, died or sent a malformed
-    /// descriptor is dropped here, never reported.
+    /// descriptor is dropped here, never reported. Example at [`ConnectRequest`].
     pub fn accept(&self, timeout: Option<Duration>) -> Result<ConnectRequest, ConnectError> {
         self.await_handshake(Deadline::after(timeout), |st| match self.pop_valid(st) {
             Some(r) => Some(Ok(r)),
@@ -584,6 +687,33 @@ impl Endpoint {
     }
 
     /// A connection request, if one is waiting (never blocks).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let server = nic.endpoint()?;
+    /// server.listen();
+    /// assert!(server.try_accept().is_none());
+    /// let (to, nic2) = (server.addr(), nic.clone());
+    /// let client = std::thread::spawn(move || -> std::io::Result<bool> {
+    ///     let ep = nic2.endpoint()?;
+    ///     let inbox = ep.export(4096)?;
+    ///     Ok(ep.connect(to, &inbox.descriptor(), Some(Duration::from_secs(5))).is_ok())
+    /// });
+    /// let deadline = Instant::now() + Duration::from_secs(5);
+    /// let req = loop {
+    ///     if let Some(r) = server.try_accept() {
+    ///         break r;
+    ///     }
+    ///     assert!(Instant::now() < deadline, "no request came");
+    ///     std::thread::sleep(Duration::from_millis(1)); // a real loop does other work here
+    /// };
+    /// let inbox = server.export(4096)?;
+    /// let _conn = req.accept(&server, &inbox.descriptor())?;
+    /// assert!(client.join().unwrap()?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn try_accept(&self) -> Option<ConnectRequest> {
         let mut st = lock(&self.inner.conns.state);
         self.pop_valid(&mut st)

@@ -52,6 +52,27 @@ const LINK_QUANTUM: u64 = 1 << 20;
 pub const DEFAULT_DMA_QUEUE: usize = 256;
 
 /// Options of a DMA request (or of a chain: they apply to its completion).
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{DmaOptions, Event};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let q = nic.event_queue(clan::EventQueueConfig::default())?; // `me`'s queue alone
+/// let them = nic.endpoint()?;
+/// let me = nic.endpoint_with(clan::EndpointConfig { queue: Some(q.clone()), ..Default::default() })?;
+/// let (src, target) = (me.export(4096)?, them.export(4096)?);
+/// let dst = me.import(&target.descriptor())?;
+/// me.dma_write(&src, 0, &dst, 0, 4096, DmaOptions::new().event(77))?;
+/// // Completion as an event (a file descriptor for epoll), instead of the ticket:
+/// match q.wait(Some(Duration::from_secs(5)))? {
+///     Event::DmaComplete { endpoint, tag, result } => {
+///         assert_eq!((endpoint, tag, result), (me.port(), 77, Ok(())));
+///     }
+///     other => panic!("unexpected {other:?}"),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DmaOptions {
     event: Option<u64>,
@@ -148,6 +169,24 @@ impl Completion {
 
 /// A handle on a posted request (or chain). Dropping it does not cancel anything.
 /// `Send` and `Sync`; cheap to clone.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::DmaOptions;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (me, them) = (nic.endpoint()?, nic.endpoint()?);
+/// let (src, target) = (me.export(1 << 20)?, them.export(1 << 20)?);
+/// src.fill(0, 1 << 20, 0x5a)?;
+/// let dst = me.import(&target.descriptor())?;
+/// let ticket = me.dma_write(&src, 0, &dst, 0, 1 << 20, DmaOptions::new())?;
+/// // ... the engine moves the megabyte while this thread goes on ...
+/// ticket.wait(Some(Duration::from_secs(5)))?;
+/// assert!(ticket.is_complete());
+/// assert_eq!(ticket.result(), Some(Ok(())));
+/// assert_eq!(target.load_u64((1 << 20) - 8)?, 0x5a5a_5a5a_5a5a_5a5a);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct DmaTicket {
     done: Arc<Completion>,
@@ -207,6 +246,27 @@ enum Op {
 }
 
 /// One request of a chain ([`crate::Endpoint::dma_chain`]), checked when it is made.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{AccessError, DmaError, DmaOptions, DmaRequest};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (me, them) = (nic.endpoint()?, nic.endpoint()?);
+/// let (src, target) = (me.export(4096)?, them.export(4096)?);
+/// let dst = me.import(&target.descriptor())?;
+/// src.write(8, b"body")?;
+/// src.store_u64(0, 1)?;
+/// // The body, then the flag: requests of a chain run in order.
+/// let chain = vec![DmaRequest::write(&src, 8, &dst, 8, 4)?, DmaRequest::write(&src, 0, &dst, 0, 8)?];
+/// assert_eq!(chain[0].len(), 4);
+/// me.dma_chain(chain, DmaOptions::new())?.wait(Some(Duration::from_secs(5)))?;
+/// assert_eq!(target.load_u64(0)?, 1);
+/// // Checked when made: range and rights.
+/// let bad = DmaRequest::write(&src, 4090, &dst, 0, 8);
+/// assert!(matches!(bad, Err(DmaError::Access(AccessError::OutOfBounds { .. }))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct DmaRequest {
     op: Op,
@@ -281,7 +341,20 @@ struct Job {
     done: Arc<Completion>,
 }
 
-/// Counters of an endpoint's DMA queue.
+/// Counters of an endpoint's DMA queue ([`crate::Endpoint::dma_stats`]).
+///
+/// ```
+/// # use std::time::Duration;
+/// # let nic = clan::Nic::open_default()?;
+/// # let (me, them) = (nic.endpoint()?, nic.endpoint()?);
+/// # let (src, target) = (me.export(4096)?, them.export(4096)?);
+/// # let dst = me.import(&target.descriptor())?;
+/// assert_eq!(me.dma_stats(), clan::DmaStats::default(), "no DMA yet");
+/// me.dma_write(&src, 0, &dst, 0, 4096, clan::DmaOptions::new())?.wait(Some(Duration::from_secs(5)))?;
+/// let s = me.dma_stats();
+/// assert_eq!((s.posted, s.completed, s.failed, s.bytes), (1, 1, 0, 4096));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DmaStats {
     /// Requests posted.

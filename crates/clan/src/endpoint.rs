@@ -23,6 +23,20 @@ use clan_wire::control::{Code, OOB_PAYLOAD};
 pub const OOB_QUEUE: usize = 256;
 
 /// An out-of-band message: a fixed 40-byte payload and its sender.
+///
+/// ```
+/// use clan::{OobError, OOB_PAYLOAD};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (a, b) = (nic.endpoint()?, nic.endpoint()?);
+/// a.send_oob(b.addr(), b"hello")?;
+/// let msg = b.recv_oob().expect("queued at once within the NIC");
+/// assert_eq!(msg.from, a.addr());
+/// assert_eq!(&msg.payload[..5], b"hello");
+/// assert!(msg.payload[5..].iter().all(|&x| x == 0), "zero-padded to {OOB_PAYLOAD} bytes");
+/// assert!(matches!(a.send_oob(b.addr(), &[0; 41]), Err(OobError::TooLong(41))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OobMessage {
     /// Sending endpoint.
@@ -31,7 +45,19 @@ pub struct OobMessage {
     pub payload: [u8; OOB_PAYLOAD],
 }
 
-/// How an endpoint is created.
+/// How an endpoint is created ([`crate::Nic::endpoint_with`]).
+///
+/// ```
+/// use clan::{EndpointConfig, Nic};
+///
+/// let nic = Nic::open_default()?;
+/// let q = nic.event_queue(clan::EventQueueConfig::default())?;
+/// let cfg = EndpointConfig { port: Some(80), queue: Some(q.clone()), dma_queue: 16 };
+/// let ep = nic.endpoint_with(cfg)?;
+/// assert_eq!(ep.port(), 80);
+/// assert_eq!(ep.event_queue().id(), q.id());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct EndpointConfig {
     /// Endpoint port; None picks a free one.
@@ -139,6 +165,22 @@ impl Drop for EndpointInner {
 
 /// An endpoint. Dropping it (or [`Endpoint::close`]) unexports its apertures and frees its
 /// port. `Send` and `Sync`: share it across threads with `Arc`.
+///
+/// ```
+/// use clan::{ExportError, ImportError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = server.export(4096)?;
+/// let m = client.import(&ap.descriptor())?;
+/// m.write(0, b"ok")?;
+/// server.close(); // unexports `ap` too
+/// assert!(server.is_closed());
+/// assert!(matches!(server.export(4096), Err(ExportError::EndpointClosed)));
+/// assert!(m.write(0, b"late").is_err());
+/// assert!(matches!(client.import(&ap.descriptor()), Err(ImportError::Revoked { .. })));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Endpoint {
     pub(crate) inner: Arc<EndpointInner>,
 }
@@ -161,6 +203,19 @@ impl Endpoint {
 
     /// Export `len` bytes (rounded up to whole pages in memory; accesses are bounded by
     /// `len`), zero-filled, importable by anyone holding its descriptor.
+    ///
+    /// ```
+    /// use clan::ExportError;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// let ap = ep.export(100)?;
+    /// assert_eq!(ap.len(), 100);
+    /// assert_eq!(ap.load_u64(0)?, 0, "zero-filled");
+    /// assert!(ap.write(96, &[0; 8]).is_err(), "bounded by its length, not the page");
+    /// assert!(matches!(ep.export(0), Err(ExportError::Empty)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn export(&self, len: u64) -> Result<Aperture, ExportError> {
         self.export_with(len, ExportConfig::default())
     }
@@ -187,12 +242,40 @@ impl Endpoint {
     /// Import a descriptor: from this process, from another process of this host (the
     /// memory is mapped here), or from another host (over a link). Waits at most
     /// [`crate::NicConfig::request_timeout`] for the exporter.
+    ///
+    /// ```
+    /// // Another NIC of this process stands for another process of the host.
+    /// let (exporter_nic, importer_nic) = (clan::Nic::open_default()?, clan::Nic::open_default()?);
+    /// let (server, client) = (exporter_nic.endpoint()?, importer_nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let desc: clan::Descriptor = ap.descriptor().to_string().parse()?; // as if sent as text
+    /// let m = client.import(&desc)?;
+    /// m.store_u64(0, 5)?; // a store into the exporter's memory, no copy in between
+    /// assert_eq!(ap.load_u64(0)?, 5);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn import(&self, desc: &Descriptor) -> Result<Mapping, ImportError> {
         self.import_timeout(desc, self.inner.nic.config.request_timeout)
     }
 
     /// [`Endpoint::import`], waiting at most `timeout` for the exporter (and for a link to
     /// be set up).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::ImportError;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// let gone = {
+    ///     let other = clan::Nic::open_default()?; // closes at the end of this block
+    ///     let other_ep = other.endpoint()?;
+    ///     other_ep.export(4096)?.descriptor()
+    /// };
+    /// let r = ep.import_timeout(&gone, Duration::from_secs(1));
+    /// assert!(matches!(r, Err(ImportError::Unreachable(nic)) if nic == gone.nic()), "{r:?}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn import_timeout(&self, desc: &Descriptor, timeout: Duration) -> Result<Mapping, ImportError> {
         import_timeout(&self.inner, desc, timeout)
     }
@@ -202,6 +285,19 @@ impl Endpoint {
     /// the answer (or, if nothing could be sent yet, makes the whole import). Meant for an
     /// import that may be needed soon, started where nothing may wait (a server accepting a
     /// connection), so that its round trip overlaps other work.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let (nic, other) = (clan::Nic::open_default()?, clan::Nic::open_default()?);
+    /// let (server, client) = (other.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let pending = client.import_begin(&ap.descriptor()); // never waits
+    /// // ... other work while the request travels ...
+    /// let m = pending.finish(Duration::from_secs(5))?;
+    /// m.write(0, b"late but ready")?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn import_begin(&self, desc: &Descriptor) -> PendingImport {
         let started = if desc.nic() != self.inner.nic.addr && !self.is_closed() {
             crate::peer::try_begin_import(&self.inner, desc)
@@ -213,6 +309,19 @@ impl Endpoint {
 }
 
 /// An import started without waiting ([`Endpoint::import_begin`]).
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = server.export(4096)?;
+/// let pending = client.import_begin(&ap.descriptor());
+/// assert!(!pending.is_started(), "an aperture of our own NIC needs no request");
+/// let m = pending.finish(Duration::from_secs(1))?;
+/// assert_eq!(m.len(), 4096);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct PendingImport {
     ep: Arc<EndpointInner>,
     desc: Descriptor,
@@ -314,7 +423,7 @@ fn import_local(inner: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping
 }
 
 impl Endpoint {
-    /// A tripset for tripwires of this endpoint.
+    /// A tripset for tripwires of this endpoint (example at [`Tripset`]).
     pub fn tripset(&self) -> Result<Tripset, TripwireError> {
         Tripset::new(self.inner.queue.inner.clone(), self.inner.addr.port)
     }
@@ -374,6 +483,21 @@ impl Endpoint {
     }
 
     /// Wait for an out-of-band message.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::OobError;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (a, b) = (nic.endpoint()?, nic.endpoint()?);
+    /// let b_addr = b.addr();
+    /// let t = std::thread::spawn(move || a.send_oob(b_addr, b"wake up"));
+    /// let msg = b.wait_oob(Some(Duration::from_secs(5)))?;
+    /// assert_eq!(&msg.payload[..7], b"wake up");
+    /// t.join().unwrap()?;
+    /// assert!(matches!(b.wait_oob(Some(Duration::from_millis(5))), Err(OobError::Timeout)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait_oob(&self, timeout: Option<Duration>) -> Result<OobMessage, OobError> {
         let i = &self.inner;
         let drive = crate::progress::Drive::Others;
@@ -388,7 +512,8 @@ impl Endpoint {
 
     /// Queue a DMA write of `len` bytes of `src` (an aperture of this process) at `src_off`
     /// to `dst` at `dst_off`; returns at once. The range, rights and liveness are checked
-    /// now; the engine moves the data (see [`crate::DmaTicket`] for completion).
+    /// now; the engine moves the data (see [`crate::DmaTicket`] for completion, and an
+    /// example).
     pub fn dma_write(
         &self,
         src: &Aperture,
@@ -406,6 +531,25 @@ impl Endpoint {
     /// Queue a DMA read (a remote fetch) of `len` bytes of `src` at `src_off` into `dst` (an
     /// aperture of this process) at `dst_off`; returns at once. `dst`'s write tripwires fire
     /// as the data lands.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::{DmaOptions, TripwireConfig};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (me, them) = (nic.endpoint()?, nic.endpoint()?);
+    /// let remote = them.export(4096)?;
+    /// remote.write(0, b"fetched by the engine")?;
+    /// let local = me.export(4096)?;
+    /// let landed = local.tripwire(TripwireConfig::writes(0..8))?;
+    /// let src = me.import(&remote.descriptor())?;
+    /// me.dma_read(&src, 0, &local, 0, 21, DmaOptions::new())?.wait(Some(Duration::from_secs(5)))?;
+    /// let mut got = [0u8; 21];
+    /// local.read(0, &mut got)?;
+    /// assert_eq!(&got, b"fetched by the engine");
+    /// assert_eq!(landed.count(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dma_read(
         &self,
         src: &Mapping,
@@ -422,7 +566,8 @@ impl Endpoint {
 
     /// Queue a chain: requests run in order, back to back, and complete together (one
     /// ticket, one event with `opts`); if one fails, the rest are not run and the chain
-    /// reports the first failure. Posting a chain rings the doorbell at most once.
+    /// reports the first failure. Posting a chain rings the doorbell at most once. Example at
+    /// [`crate::DmaRequest`].
     pub fn dma_chain(&self, reqs: Vec<DmaRequest>, opts: DmaOptions) -> Result<DmaTicket, DmaError> {
         self.check_open()?;
         self.inner.dma_queue()?.post(reqs, opts)

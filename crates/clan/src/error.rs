@@ -7,6 +7,21 @@ use std::time::Duration;
 use crate::addr::{EndpointAddr, NicAddr};
 
 /// Opening a NIC.
+///
+/// ```
+/// use clan::{Nic, NicConfig, NicError};
+///
+/// let first = Nic::open_default()?;
+/// let same = NicConfig::at(first.addr().ip(), first.addr().port());
+/// match Nic::open(same) {
+///     Err(NicError::AddrInUse(a)) => assert_eq!(a, first.addr()),
+///     other => panic!("expected AddrInUse, got {other:?}"),
+/// }
+/// // Every clan error converts into an `io::Error` of the kind `std::net` would use.
+/// let e: std::io::Error = Nic::open(NicConfig::at(first.addr().ip(), first.addr().port())).unwrap_err().into();
+/// assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum NicError {
@@ -31,6 +46,17 @@ pub enum NicError {
 }
 
 /// Creating, finding or closing endpoints.
+///
+/// ```
+/// use clan::{EndpointConfig, EndpointError, Nic};
+///
+/// let (nic, other) = (Nic::open_default()?, Nic::open_default()?);
+/// let zero = nic.endpoint_with(EndpointConfig { port: Some(0), ..EndpointConfig::default() });
+/// assert!(matches!(zero, Err(EndpointError::ReservedPort)));
+/// let foreign = EndpointConfig { queue: Some(other.default_queue().clone()), ..EndpointConfig::default() };
+/// assert!(matches!(nic.endpoint_with(foreign), Err(EndpointError::ForeignQueue)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EndpointError {
@@ -49,6 +75,19 @@ pub enum EndpointError {
 }
 
 /// Exporting apertures.
+///
+/// ```
+/// use clan::{ExportError, MAX_APERTURE};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// assert!(matches!(ep.export(0), Err(ExportError::Empty)));
+/// match ep.export(MAX_APERTURE + 1) {
+///     Err(ExportError::TooLarge { len, max }) => assert_eq!((len, max), (MAX_APERTURE + 1, MAX_APERTURE)),
+///     other => panic!("expected TooLarge, got {other:?}"),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ExportError {
@@ -88,7 +127,18 @@ pub enum ExportError {
     },
 }
 
-/// Why an import was refused by the exporter.
+/// Why an import was refused by the exporter ([`ImportError::Denied`]).
+///
+/// ```
+/// use clan::{Denial, ExportConfig, ImportError, ImportPolicy};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let policy = ImportPolicy::anyone().uid(0xfffe); // a user this process does not run as
+/// let ap = ep.export_with(4096, ExportConfig { policy, ..ExportConfig::default() })?;
+/// assert!(matches!(ep.import(&ap.descriptor()), Err(ImportError::Denied(Denial::Uid))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Denial {
@@ -104,6 +154,27 @@ pub enum Denial {
 }
 
 /// Importing descriptors.
+///
+/// ```
+/// use clan::{ImportError, Rights};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let ap = ep.export(4096)?;
+/// // Altering a descriptor (here: its rights byte, to undo a narrowing) breaks its tag.
+/// let mut bytes = ap.descriptor().derive(0, 4096, Rights::READ)?.to_bytes();
+/// let rights = bytes.len() - 17;
+/// bytes[rights] = Rights::READ_WRITE.bits();
+/// let forged = clan::Descriptor::from_bytes(&bytes)?;
+/// assert!(matches!(ep.import(&forged), Err(ImportError::BadKey)));
+/// let (id, desc) = (ap.id(), ap.descriptor());
+/// drop(ap);
+/// match ep.import(&desc) {
+///     Err(ImportError::Revoked { aperture, .. }) => assert_eq!(aperture, id),
+///     other => panic!("expected Revoked, got {other:?}"),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ImportError {
@@ -211,6 +282,20 @@ impl ImportError {
 }
 
 /// Programmed I/O through a mapping, and local access to an aperture.
+///
+/// ```
+/// use clan::{AccessError, Rights};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let ap = ep.export(4096)?;
+/// let m = ep.import(&ap.descriptor().derive(1000, 100, Rights::READ_WRITE)?)?;
+/// assert_eq!(m.write(95, &[0; 6]), Err(AccessError::OutOfBounds { offset: 95, len: 6, size: 100 }));
+/// assert_eq!(m.store_u64(4, 1), Err(AccessError::Misaligned { offset: 4, align: 8 }));
+/// let e = m.write(100, b"x").unwrap_err();
+/// assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::InvalidInput);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum AccessError {
@@ -252,6 +337,20 @@ pub enum AccessError {
 }
 
 /// Tripwires and tripsets.
+///
+/// ```
+/// use clan::{TripwireConfig, TripwireError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let ap = ep.export(4096)?;
+/// assert_eq!(ap.tripwire(TripwireConfig::writes(8..8)).unwrap_err(), TripwireError::EmptyRange);
+/// match ap.tripwire(TripwireConfig::writes(4090..4097)) {
+///     Err(TripwireError::OutOfBounds { end, size, .. }) => assert_eq!((end, size), (4097, 4096)),
+///     other => panic!("expected OutOfBounds, got {other:?}"),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TripwireError {
@@ -299,6 +398,18 @@ pub enum TripwireError {
 }
 
 /// Event queues.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{EventQueueConfig, EventQueueError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let q = nic.event_queue(EventQueueConfig::default())?;
+/// assert!(matches!(q.wait(Some(Duration::from_millis(1))), Err(EventQueueError::Timeout)));
+/// let none = nic.event_queue(EventQueueConfig { producers: 0, ..EventQueueConfig::default() });
+/// assert!(matches!(none, Err(EventQueueError::Config(_))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EventQueueError {
@@ -320,6 +431,17 @@ pub enum EventQueueError {
 }
 
 /// Out-of-band messages.
+///
+/// ```
+/// use clan::{EndpointAddr, OobError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let nobody = EndpointAddr::new(nic.addr(), 999_999);
+/// assert!(matches!(ep.send_oob(nobody, b"x"), Err(OobError::NoSuchEndpoint(e)) if e == nobody));
+/// assert!(matches!(ep.send_oob(ep.addr(), &[0; 41]), Err(OobError::TooLong(41))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OobError {
@@ -352,6 +474,23 @@ pub enum OobError {
 }
 
 /// Parsing and deriving descriptors.
+///
+/// ```
+/// use clan::{Descriptor, DescriptorError, Rights};
+///
+/// assert_eq!("hello".parse::<Descriptor>(), Err(DescriptorError::BadText));
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let ap = ep.export(4096)?;
+/// let d = ap.descriptor();
+/// match d.derive(4000, 200, Rights::READ) {
+///     Err(DescriptorError::NotWithin { parent_len, .. }) => assert_eq!(parent_len, 4096),
+///     other => panic!("expected NotWithin, got {other:?}"),
+/// }
+/// let deep = (0..4).try_fold(d, |d, _| d.derive(0, 8, Rights::READ))?;
+/// assert_eq!(deep.derive(0, 8, Rights::READ), Err(DescriptorError::TooDeep(clan::MAX_CAVEATS)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DescriptorError {
@@ -387,6 +526,25 @@ pub enum DescriptorError {
 
 /// How a DMA request that was accepted failed (reported by [`crate::DmaTicket`] and in
 /// [`crate::Event::DmaComplete`]).
+///
+/// ```
+/// use std::io::ErrorKind;
+/// use std::time::Duration;
+/// use clan::{DmaError, DmaFailure, DmaOptions};
+///
+/// # let nic = clan::Nic::open_default()?;
+/// # let (me, them) = (nic.endpoint()?, nic.endpoint()?);
+/// # let (src, target) = (me.export(4096)?, them.export(4096)?);
+/// # let dst = me.import(&target.descriptor())?;
+/// let ticket = me.dma_write(&src, 0, &dst, 0, 4096, DmaOptions::new())?;
+/// match ticket.wait(Some(Duration::from_secs(5))) {
+///     Ok(()) => {}
+///     Err(DmaError::Failed(DmaFailure::Revoked)) => eprintln!("the target was unexported"),
+///     Err(e) => return Err(e.into()),
+/// }
+/// assert_eq!(std::io::Error::from(DmaFailure::Cancelled).kind(), ErrorKind::Interrupted);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 #[non_exhaustive]
 pub enum DmaFailure {
@@ -409,6 +567,21 @@ pub enum DmaFailure {
 }
 
 /// DMA: posting requests and waiting for them.
+///
+/// ```
+/// use clan::{AccessError, DmaError, DmaOptions};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (me, them) = (nic.endpoint()?, nic.endpoint()?);
+/// let (src, target) = (me.export(4096)?, them.export(4096)?);
+/// let dst = me.import(&target.descriptor())?;
+/// let r = me.dma_write(&src, 0, &dst, 4000, 200, DmaOptions::new()); // past the end of `dst`
+/// assert!(matches!(r, Err(DmaError::Access(AccessError::OutOfBounds { .. }))));
+/// assert_eq!(me.dma_chain(Vec::new(), DmaOptions::new()).unwrap_err(), DmaError::EmptyChain);
+/// me.close();
+/// assert_eq!(me.dma_write(&src, 0, &dst, 0, 8, DmaOptions::new()).unwrap_err(), DmaError::EndpointClosed);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DmaError {

@@ -165,6 +165,31 @@ impl Word {
 }
 
 /// Something that happened.
+///
+/// ```
+/// use clan::{Access, Event, TripwireConfig};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = ep.export(4096)?;
+/// let tw = ap.tripwire(TripwireConfig::writes(0..8).event(1))?;
+/// peer.import(&ap.descriptor())?.store_u64(0, 1)?;
+/// peer.send_oob(ep.addr(), b"knock knock")?;
+/// let q = ep.event_queue(); // the NIC's default queue: `peer` reports there too
+/// q.post_user(99);
+/// let mut seen = Vec::new();
+/// while let Some(ev) = q.try_take() {
+///     match ev {
+///         Event::Tripwire { id, cookie: 1, access: Access::Write, .. } => assert_eq!(id, tw.id()),
+///         Event::Oob { endpoint } => assert_eq!(endpoint, ep.port()),
+///         Event::User(v) => assert_eq!(v, 99),
+///         other => panic!("unexpected {other:?}"),
+///     }
+///     seen.push(ev);
+/// }
+/// assert_eq!(seen.len(), 3);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Event {
@@ -230,7 +255,18 @@ pub enum Event {
     },
 }
 
-/// Counters of a queue.
+/// Counters of a queue ([`EventQueue::stats`]).
+///
+/// ```
+/// let nic = clan::Nic::open_default()?;
+/// let q = nic.event_queue(clan::EventQueueConfig::default())?;
+/// q.post_user(1);
+/// q.post_user(2);
+/// while q.try_take().is_some() {}
+/// let s = q.stats();
+/// assert_eq!((s.delivered, s.lost, s.malformed), (2, 0, 0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EventQueueStats {
     /// Events delivered.
@@ -648,6 +684,21 @@ impl EqInner {
 
 /// An event queue. Cheap to clone (clones share the queue); `Send` and `Sync`: any thread may
 /// take events, and several may wait at once.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::{Event, EventQueueError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let q = nic.event_queue(clan::EventQueueConfig::default())?;
+/// assert_eq!(q.try_take(), None);
+/// let q2 = q.clone();
+/// let t = std::thread::spawn(move || q2.post_user(7)); // wakes the waiter below
+/// assert_eq!(q.wait(Some(Duration::from_secs(5)))?, Event::User(7));
+/// t.join().unwrap();
+/// assert!(matches!(q.wait(Some(Duration::from_millis(5))), Err(EventQueueError::Timeout)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct EventQueue {
     pub(crate) inner: Arc<EqInner>,
@@ -672,6 +723,19 @@ impl EventQueue {
     }
 
     /// Take up to `max` events into `out`; returns how many.
+    ///
+    /// ```
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let q = nic.event_queue(clan::EventQueueConfig::default())?;
+    /// for v in 0..5 {
+    ///     q.post_user(v);
+    /// }
+    /// let mut batch = Vec::new();
+    /// assert_eq!(q.poll(&mut batch, 3), 3);
+    /// assert_eq!(batch, [clan::Event::User(0), clan::Event::User(1), clan::Event::User(2)]);
+    /// assert_eq!(q.poll(&mut batch, 16), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn poll(&self, out: &mut Vec<Event>, max: usize) -> usize {
         let mut n = 0;
         while n < max {
@@ -731,6 +795,32 @@ impl EventQueue {
     /// Arm the file descriptor before sleeping on it in an epoll/mio/tokio loop. Returns
     /// `true` if the queue is empty (sleep: the descriptor becomes readable when an event is
     /// posted), `false` if events are pending (the descriptor is left readable: take them).
+    ///
+    /// The queue in a mio loop (the same with epoll or tokio):
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::Event;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let mut q = nic.event_queue(clan::EventQueueConfig::default())?;
+    /// let mut poll = mio::Poll::new()?;
+    /// poll.registry().register(&mut q, mio::Token(0), mio::Interest::READABLE)?;
+    /// let q2 = q.clone();
+    /// std::thread::spawn(move || q2.post_user(5));
+    /// let mut events = mio::Events::with_capacity(4);
+    /// let got = loop {
+    ///     if let Some(ev) = q.try_take() {
+    ///         break ev;
+    ///     }
+    ///     if q.arm() {
+    ///         // Empty and armed: the descriptor turns readable when an event is posted.
+    ///         poll.poll(&mut events, Some(Duration::from_secs(5)))?;
+    ///     }
+    /// };
+    /// assert_eq!(got, Event::User(5));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn arm(&self) -> bool {
         let i = &self.inner;
         // Reset what is readable (the queue's eventfd and the ports'), then arm everything.
@@ -780,6 +870,24 @@ impl EventQueue {
 
     /// Register interest in `tripwire`: its firings are posted here as [`Event::Tripwire`]
     /// carrying `cookie`. The tripwire must belong to an endpoint using this queue.
+    ///
+    /// ```
+    /// use clan::{Event, TripwireConfig};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = ep.export(4096)?;
+    /// let m = peer.import(&ap.descriptor())?;
+    /// let tw = ap.tripwire(TripwireConfig::writes(0..8))?; // no event yet
+    /// let q = ep.event_queue();
+    /// q.register(&tw, 42)?;
+    /// m.store_u64(0, 1)?;
+    /// assert!(matches!(q.try_take(), Some(Event::Tripwire { cookie: 42, .. })));
+    /// q.unregister(&tw)?;
+    /// m.store_u64(0, 2)?;
+    /// assert_eq!(q.try_take(), None);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn register(&self, tripwire: &crate::Tripwire, cookie: u64) -> Result<(), crate::TripwireError> {
         tripwire.set_registration(self, Some(cookie))
     }

@@ -18,7 +18,8 @@
 //! - Endpoints exchange fixed-size out-of-band messages ([`Endpoint::send_oob`]) for
 //!   connection setup and exceptional conditions.
 //!
-//! ```no_run
+//! ```
+//! use std::time::Duration;
 //! use clan::{Nic, NicConfig, TripwireConfig};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let nic = Nic::open(NicConfig::default())?;
@@ -36,8 +37,11 @@
 //! // Back in the server: arm, re-check, wait.
 //! flag.arm()?;
 //! while buf.load_u64(0)? == 0 {
-//!     flag.wait(None)?;
+//!     flag.wait(Some(Duration::from_secs(5)))?;
 //! }
+//! let mut body = [0u8; 5];
+//! buf.read(8, &mut body)?;
+//! assert_eq!(&body, b"hello");
 //! # Ok(()) }
 //! ```
 //!

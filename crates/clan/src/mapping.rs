@@ -60,6 +60,24 @@ pub(crate) struct MappingInner {
 
 /// An imported descriptor. Cheap to clone (clones share the import); `Send` and `Sync`.
 /// The import is released when the last clone is dropped.
+///
+/// ```
+/// use clan::{AccessError, Rights};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = server.export(4096)?;
+/// let m = client.import(&ap.descriptor())?;
+/// assert_eq!((m.len(), m.rights(), m.is_remote()), (4096, Rights::READ_WRITE, false));
+/// m.write(8, b"message")?;
+/// m.store_u64(0, 1)?; // then the flag that announces it
+/// assert_eq!(ap.load_u64(0)?, 1);
+/// let mut got = [0u8; 7];
+/// m.read(8, &mut got)?;
+/// assert_eq!(&got, b"message");
+/// assert_eq!(m.store_u32(4096, 1), Err(AccessError::OutOfBounds { offset: 4096, len: 4, size: 4096 }));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct Mapping {
     pub(crate) inner: Arc<MappingInner>,
@@ -205,6 +223,25 @@ impl Mapping {
     /// rights ([`clan_shm::segment::RawRegion::is_writable`]). Across hosts, the window is a
     /// local staging area that `commit` sends (reading it shows what was staged, not the
     /// remote memory).
+    ///
+    /// ```
+    /// use clan::TripwireConfig;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let tw = ap.tripwire(TripwireConfig::writes(64..72))?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// let mut r = m.raw(0, 128)?;
+    /// assert!(r.is_writable());
+    /// // SAFETY: nobody else touches bytes 0..128 of this aperture meanwhile.
+    /// let s = unsafe { r.as_mut_slice() };
+    /// s[64..72].copy_from_slice(&9u64.to_le_bytes()); // serialise straight into the peer
+    /// assert_eq!(tw.count(), 0, "raw stores are invisible to the NIC ...");
+    /// assert_eq!(m.commit(0, 128)?, 1, "... until committed: one tripwire fired");
+    /// assert_eq!(ap.load_u64(64)?, 9);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn raw(&self, off: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
         let need = if self.inner.rights.contains(Rights::WRITE) { Rights::WRITE } else { Rights::READ };
         let abs = self.check(off, len, need)?;
@@ -214,6 +251,7 @@ impl Mapping {
     /// Publish raw stores to `[off, off+len)`: fence, then fire the tripwires the range
     /// touches, as a write through the NIC would have (across hosts: send the staged bytes).
     /// Returns how many tripwires fired locally (0 across hosts: they fire at the exporter).
+    /// Example at [`Mapping::raw`].
     pub fn commit(&self, off: u64, len: u64) -> Result<u32, AccessError> {
         let abs = self.check(off, len, Rights::WRITE)?;
         let n = self.inner.via.commit(off, abs, len)?;
@@ -224,6 +262,19 @@ impl Mapping {
     /// Order all earlier writes through this mapping before all later memory accesses of the
     /// caller: a full fence within a host; across hosts, returns once the exporter has
     /// applied every earlier write of this NIC (an error if the link went down).
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// m.write(0, b"data")?;
+    /// m.barrier()?; // the write is in the exporter's memory before anything after this
+    /// let mut got = [0u8; 4];
+    /// ap.read(0, &mut got)?;
+    /// assert_eq!(&got, b"data");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn barrier(&self) -> Result<(), AccessError> {
         std::sync::atomic::fence(Ordering::SeqCst);
         self.inner.via.barrier()
@@ -233,6 +284,23 @@ impl Mapping {
     /// at once; across hosts the request goes out now and the data comes back later. If
     /// `notify` is given, [`crate::Event::ReadComplete`] with that token is posted to the
     /// queue when the data is there.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::Event;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// ap.write(0, b"fetch me")?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// let q = client.event_queue();
+    /// let pending = m.read_async(0, 8, Some((q, 77)))?;
+    /// // ... other work while the read is in flight ...
+    /// assert_eq!(pending.wait(Some(Duration::from_secs(5)))?, b"fetch me");
+    /// assert_eq!(q.try_take(), Some(Event::ReadComplete { token: 77 }));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn read_async(
         &self,
         off: u64,
@@ -254,6 +322,22 @@ impl Mapping {
     /// then the flag that announces it, the pattern of every protocol on apertures. The
     /// word is stored atomically after the message is in place; within a host the two cost
     /// one fence instead of two; across hosts they are two frames, in order.
+    ///
+    /// ```
+    /// use clan::TripwireConfig;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let flag = ap.tripwire(TripwireConfig::writes(0..8))?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// m.write_then_store_u64(8, b"body", 0, 1)?;
+    /// assert!(flag.take_fired());
+    /// let mut body = [0u8; 4];
+    /// ap.read(8, &mut body)?; // whoever sees the flag sees the body
+    /// assert_eq!((ap.load_u64(0)?, &body), (1, b"body"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn write_then_store_u64(&self, off: u64, src: &[u8], word_off: u64, v: u64) -> Result<(), AccessError> {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
         check_align(word_off, 8)?;
@@ -270,6 +354,18 @@ impl Mapping {
     /// rest of a header), then `v` at the aligned word `word_off`. Within a host one snooped
     /// transfer with one fence; across hosts three frames, in order. The message queue's
     /// slot (its sequence word, then its header and body) is written this way.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// m.write_led_then_store_u64(64, 5, b"slot body", 0, 1)?;
+    /// let mut body = [0u8; 9];
+    /// ap.read(72, &mut body)?;
+    /// assert_eq!((ap.load_u64(0)?, ap.load_u64(64)?, &body), (1, 5, b"slot body"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn write_led_then_store_u64(
         &self,
         off: u64,
@@ -297,6 +393,20 @@ impl Mapping {
     /// from `off` (a multiple of 8, each body at most `stride - 8` bytes): every message's
     /// body then its lead word, in order, then `v` at `word_off`. Within a host one snooped
     /// transfer and one fence for the whole run: the message queue's batched send.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// let run: [(u64, &[u8]); 2] = [(1, b"first"), (2, b"second")];
+    /// m.write_led_run_then_store_u64(64, 32, &run, 0, 2)?; // slots of 32 bytes from 64
+    /// assert_eq!((ap.load_u64(64)?, ap.load_u64(96)?, ap.load_u64(0)?), (1, 2, 2));
+    /// let mut second = [0u8; 6];
+    /// ap.read(104, &mut second)?;
+    /// assert_eq!(&second, b"second");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn write_led_run_then_store_u64(
         &self,
         off: u64,
@@ -327,13 +437,29 @@ impl Mapping {
     /// Write `len` bytes of local aperture `src` at `src_off` to `off` (programmed I/O by
     /// the calling thread, straight from the aperture's memory: one copy within a host, no
     /// copy into a link's bursts).
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let (dst, src) = (server.export(4096)?, client.export(4096)?);
+    /// src.write(0, b"from an aperture")?;
+    /// let m = client.import(&dst.descriptor())?;
+    /// m.write_from(100, &src, 0, 16)?;
+    /// let back = client.export(4096)?;
+    /// m.read_to(100, &back, 0, 16)?; // and the other way round
+    /// let mut got = [0u8; 16];
+    /// back.read(0, &mut got)?;
+    /// assert_eq!(&got, b"from an aperture");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn write_from(&self, off: u64, src: &crate::Aperture, src_off: u64, len: u64) -> Result<(), AccessError> {
         check_range(src_off, len, src.len())?;
         self.write_from_segment(off, &src.inner.window.data, src_off, len)
     }
 
     /// Read `len` bytes at `off` into local aperture `dst` at `dst_off` (the calling thread
-    /// does it; `dst`'s write tripwires fire as for incoming traffic).
+    /// does it; `dst`'s write tripwires fire as for incoming traffic). Example at
+    /// [`Mapping::write_from`].
     pub fn read_to(&self, off: u64, dst: &crate::Aperture, dst_off: u64, len: u64) -> Result<(), AccessError> {
         check_range(dst_off, len, dst.len())?;
         self.read_into_aperture(off, &dst.inner, dst_off, len)
@@ -344,6 +470,27 @@ impl Mapping {
     /// writing the message: the notification is ordered after every earlier write through
     /// this NIC to that exporter (within a host, the writes are already in place; across
     /// hosts, the notification travels behind them on the link).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::Event;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let q = nic.event_queue(clan::EventQueueConfig::default())?; // the server's alone
+    /// let server = nic.endpoint_with(clan::EndpointConfig { queue: Some(q.clone()), ..Default::default() })?;
+    /// let client = nic.endpoint()?;
+    /// let ap = server.export(4096)?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// m.write(512, b"landed")?;
+    /// m.notify(512, 6)?;
+    /// match q.wait(Some(Duration::from_secs(5)))? {
+    ///     Event::Notification { aperture, offset, len, .. } => {
+    ///         assert_eq!((aperture, offset, len), (ap.id(), 512, 6));
+    ///     }
+    ///     other => panic!("unexpected {other:?}"),
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn notify(&self, off: u64, len: u64) -> Result<(), AccessError> {
         let abs = self.check(off, len, Rights::WRITE)?;
         let d = &self.inner.desc;
@@ -408,6 +555,19 @@ impl Mapping {
     /// Set a tripwire on this node's own traffic through the mapping: it fires once a write
     /// (or read) through the mapping that touches `cfg`'s range (relative to the mapping) has
     /// completed. It reports to the importing endpoint's event queue.
+    ///
+    /// ```
+    /// use clan::TripwireConfig;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = server.export(4096)?;
+    /// let m = client.import(&ap.descriptor())?;
+    /// let sent = m.tripwire(TripwireConfig::writes(0..4096))?;
+    /// m.write(10, b"out")?;
+    /// assert_eq!(sent.count(), 1, "fired once the write was complete");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn tripwire(&self, cfg: TripwireConfig) -> Result<Tripwire, TripwireError> {
         let i = &self.inner;
         let owner = match i.outgoing.get() {
@@ -466,6 +626,19 @@ enum ReadState {
 }
 
 /// A read in flight ([`Mapping::read_async`]).
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = server.export(4096)?;
+/// ap.store_u64(8, 3)?;
+/// let read = client.import(&ap.descriptor())?.read_async(8, 8, None)?;
+/// assert!(read.is_done(), "within a host a read completes at once");
+/// assert_eq!(read.wait(Some(Duration::from_secs(1)))?, 3u64.to_ne_bytes());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct PendingRead {
     mapping: Mapping,
     off: u64,

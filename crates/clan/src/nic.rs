@@ -32,6 +32,12 @@ use crate::window::Window;
 static FD_LIMIT: AtomicU64 = AtomicU64::new(0);
 
 /// The soft file-descriptor limit in force (raised to the hard limit when a NIC opens).
+///
+/// ```
+/// let _nic = clan::Nic::open_default()?;
+/// assert!(clan::fd_limit() > 0, "known once a NIC has opened");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn fd_limit() -> u64 {
     FD_LIMIT.load(Ordering::Relaxed)
 }
@@ -166,7 +172,19 @@ struct Cache {
     bytes: u64,
 }
 
-/// Counters of a NIC.
+/// Counters of a NIC ([`Nic::stats`]).
+///
+/// ```
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let before = nic.stats();
+/// let _ap = ep.export(4096)?;
+/// let after = nic.stats();
+/// assert_eq!(after.endpoints, 1);
+/// assert_eq!(after.exports_fresh + after.exports_cached, before.exports_fresh + before.exports_cached + 1);
+/// assert_eq!(after.links, 0, "nothing talked to another host");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NicStats {
     /// Apertures exported with fresh memory.
@@ -1003,6 +1021,26 @@ impl NicInner {
 /// A software NIC, embedded in this process. Cheap to clone (clones share the NIC);
 /// `Send` and `Sync`. The NIC closes when the last clone and the last object made from it
 /// (endpoint, aperture, mapping, queue) are gone.
+///
+/// One NIC can hold any number of endpoints; two of them talk to each other exactly as two
+/// processes (or hosts) would:
+///
+/// ```
+/// use clan::{Nic, NicConfig};
+///
+/// let nic = Nic::open(NicConfig::default())?;
+/// let (server, client) = (nic.endpoint()?, nic.endpoint()?);
+/// assert_eq!(server.addr().nic, nic.addr());
+/// assert_ne!(server.port(), client.port());
+///
+/// let buf = server.export(4096)?;
+/// let remote = client.import(&buf.descriptor())?;
+/// remote.write(0, b"hello")?;
+/// let mut got = [0u8; 5];
+/// buf.read(0, &mut got)?;
+/// assert_eq!(&got, b"hello");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct Nic {
     pub(crate) inner: Arc<NicInner>,
@@ -1022,6 +1060,17 @@ impl Nic {
     /// Open a NIC: bind its address on this host, create its default event queue and start
     /// its engine thread. Raises the soft `RLIMIT_NOFILE` to the hard limit (each aperture
     /// holds one memfd).
+    ///
+    /// ```
+    /// use clan::{Nic, NicConfig};
+    ///
+    /// // Host-local only (no TCP listener for links), on a free port.
+    /// let nic = Nic::open(NicConfig { tcp: false, ..NicConfig::default() })?;
+    /// assert!(nic.addr().ip().is_loopback());
+    /// assert_ne!(nic.addr().port(), 0, "port 0 asked for a free one");
+    /// assert!(!nic.config().tcp);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn open(config: NicConfig) -> Result<Nic, NicError> {
         FD_LIMIT.store(clan_shm::memfd::raise_fd_limit(), Ordering::Relaxed);
         let (addr, listener, tcp) = bind(&config)?;
@@ -1070,6 +1119,12 @@ impl Nic {
     }
 
     /// Open a NIC on 127.0.0.1 with a free port and default settings.
+    ///
+    /// ```
+    /// let (a, b) = (clan::Nic::open_default()?, clan::Nic::open_default()?);
+    /// assert_ne!(a.addr(), b.addr(), "each gets a port of its own");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn open_default() -> Result<Nic, NicError> {
         Nic::open(NicConfig::default())
     }
@@ -1085,21 +1140,62 @@ impl Nic {
     }
 
     /// The default event queue (used by endpoints created without one).
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// assert_eq!(ep.event_queue().id(), nic.default_queue().id());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn default_queue(&self) -> &EventQueue {
         self.inner.default_queue()
     }
 
     /// A new event queue.
+    ///
+    /// ```
+    /// use clan::{EndpointConfig, EventQueueConfig, Nic};
+    ///
+    /// let nic = Nic::open_default()?;
+    /// let q = nic.event_queue(EventQueueConfig { ring_capacity: 256, ..EventQueueConfig::default() })?;
+    /// assert_ne!(q.id(), nic.default_queue().id());
+    /// // An endpoint that reports to it:
+    /// let ep = nic.endpoint_with(EndpointConfig { queue: Some(q.clone()), ..EndpointConfig::default() })?;
+    /// assert_eq!(ep.event_queue().id(), q.id());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn event_queue(&self, config: EventQueueConfig) -> Result<EventQueue, EventQueueError> {
         self.inner.new_queue(config)
     }
 
     /// A new endpoint on a free port, reporting to the default queue.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let ep = nic.endpoint()?;
+    /// assert_ne!(ep.port(), 0);
+    /// assert_eq!(nic.stats().endpoints, 1);
+    /// drop(ep);
+    /// assert_eq!(nic.stats().endpoints, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn endpoint(&self) -> Result<Endpoint, EndpointError> {
         self.endpoint_with(EndpointConfig::default())
     }
 
     /// A new endpoint.
+    ///
+    /// ```
+    /// use clan::{EndpointAddr, EndpointConfig, EndpointError, Nic};
+    ///
+    /// let nic = Nic::open_default()?;
+    /// // A well-known port, so that peers can be told the address in advance.
+    /// let ep = nic.endpoint_with(EndpointConfig { port: Some(7), ..EndpointConfig::default() })?;
+    /// assert_eq!(ep.addr(), EndpointAddr::new(nic.addr(), 7));
+    /// let again = nic.endpoint_with(EndpointConfig { port: Some(7), ..EndpointConfig::default() });
+    /// assert!(matches!(again, Err(EndpointError::PortInUse(7))));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn endpoint_with(&self, cfg: EndpointConfig) -> Result<Endpoint, EndpointError> {
         let queue = cfg.queue.unwrap_or_else(|| self.inner.default_queue().clone());
         if queue.inner.nic.upgrade().is_none_or(|n| !Arc::ptr_eq(&n, &self.inner)) {
@@ -1135,11 +1231,24 @@ impl Nic {
     /// Process incoming link traffic in the calling thread; returns whether there was any.
     /// Required with [`crate::Progress::Manual`] (call it wherever the thread spins); harmless
     /// otherwise (it only does what the engine would have done a little later).
+    ///
+    /// ```
+    /// use clan::{Nic, NicConfig, Progress};
+    ///
+    /// let nic = Nic::open(NicConfig { progress: Progress::Manual, ..NicConfig::default() })?;
+    /// assert!(!nic.progress(), "no link to another host: nothing to process");
+    /// // Within a host, data moves without any progress call at all:
+    /// let (a, b) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = a.export(4096)?;
+    /// b.import(&ap.descriptor())?.store_u64(0, 9)?;
+    /// assert_eq!(ap.load_u64(0)?, 9);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn progress(&self) -> bool {
         self.inner.progress()
     }
 
-    /// Counters.
+    /// Counters (example at [`NicStats`]).
     pub fn stats(&self) -> NicStats {
         let i = &self.inner;
         NicStats {

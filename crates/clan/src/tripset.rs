@@ -35,6 +35,26 @@ impl Member {
 
 /// A group of tripwires of one endpoint, waited on together. `Send` and `Sync`.
 ///
+/// ```
+/// use std::time::Duration;
+/// use clan::{TripwireConfig, TripwireError};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = ep.export(4096)?;
+/// let a = ap.tripwire(TripwireConfig::writes(0..8))?;
+/// let b = ap.tripwire(TripwireConfig::writes(64..72))?;
+/// let set = ep.tripset()?;
+/// set.add(&a)?;
+/// set.add(&b)?;
+/// assert_eq!(set.add(&a), Err(TripwireError::InTripset));
+/// assert_eq!(set.wait(Some(Duration::from_millis(5))), Err(TripwireError::Timeout));
+/// peer.import(&ap.descriptor())?.store_u64(64, 1)?;
+/// assert_eq!(set.wait(Some(Duration::from_secs(5)))?, vec![b.id()]);
+/// assert!(set.poll().is_empty(), "nothing fired since");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
 /// Each member links to the tripset's wake word in the event queue's segment; a firing of
 /// any member bumps it and wakes the waiters, who then find which members fired by comparing
 /// their firing sequence numbers (no system call when nothing sleeps).

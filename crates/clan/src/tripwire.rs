@@ -17,11 +17,21 @@
 //! A tripwire only catches traffic that starts after it was armed. The pattern that never
 //! misses a wake-up is: arm, re-check the watched memory, and only then wait:
 //!
-//! ```ignore
-//! tw.arm();
+//! ```
+//! # use std::time::Duration;
+//! # let nic = clan::Nic::open_default()?;
+//! # let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+//! # let aperture = ep.export(4096)?;
+//! # const FLAG: u64 = 0;
+//! # let tw = aperture.tripwire(clan::TripwireConfig::writes(FLAG..FLAG + 8))?;
+//! # let m = peer.import(&aperture.descriptor())?;
+//! # let writer = std::thread::spawn(move || m.store_u64(FLAG, 1));
+//! tw.arm()?;
 //! while aperture.load_u64(FLAG)? == 0 {
-//!     tw.wait(None)?;
+//!     tw.wait(Some(Duration::from_secs(5)))?;
 //! }
+//! # writer.join().unwrap()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! `arm` fences after arming, and every writer fences between its data and its look at the
@@ -54,6 +64,21 @@ use crate::progress::{self, Deadline};
 pub use clan_shm::trip::Access;
 
 /// What a firing does.
+///
+/// ```
+/// use clan::{Actions, TripwireConfig};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = ep.export(4096)?;
+/// let counted = ap.tripwire(TripwireConfig::writes(0..8).actions(Actions::COUNTER))?;
+/// let flagged = ap.tripwire(TripwireConfig::writes(0..8).actions(Actions::BITMAP))?;
+/// peer.import(&ap.descriptor())?.store_u64(0, 1)?;
+/// assert_eq!((counted.count(), counted.fired()), (1, false));
+/// assert_eq!((flagged.count(), flagged.fired()), (0, true));
+/// assert!(Actions::default().contains(Actions::BITMAP | Actions::COUNTER));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Actions(u32);
 
@@ -87,7 +112,25 @@ impl Default for Actions {
     }
 }
 
-/// How a tripwire is set up.
+/// How a tripwire is set up: the range and the traffic it watches, then options.
+///
+/// ```
+/// use clan::{Event, TripwireConfig};
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = ep.export(4096)?;
+/// // Fires once, then disarms; posts an event with cookie 7 to `ep`'s queue.
+/// let tw = ap.tripwire(TripwireConfig::reads(100..200).once().event(7))?;
+/// let m = peer.import(&ap.descriptor())?;
+/// m.write(100, b"x")?; // a write: not watched
+/// m.read(150, &mut [0u8; 4])?;
+/// m.read(150, &mut [0u8; 4])?; // disarmed by the first read
+/// assert_eq!(tw.count(), 1);
+/// assert!(!tw.is_armed());
+/// assert!(matches!(ep.event_queue().try_take(), Some(Event::Tripwire { cookie: 7, .. })));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct TripwireConfig {
     range: Range<u64>,
@@ -135,6 +178,20 @@ impl TripwireConfig {
 }
 
 /// Identity of a tripwire: queue, table index and generation.
+///
+/// ```
+/// use clan::TripwireConfig;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let ep = nic.endpoint()?;
+/// let ap = ep.export(4096)?;
+/// let (a, b) = (ap.tripwire(TripwireConfig::writes(0..8))?, ap.tripwire(TripwireConfig::writes(8..16))?);
+/// assert_ne!(a.id(), b.id());
+/// assert_eq!(a.id().queue, ep.event_queue().id());
+/// let id = a.id();
+/// assert_eq!(id.to_string(), format!("tw{}.{}#{}", id.queue, id.index, id.generation));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TripwireId {
     /// Event queue id (within the NIC).
@@ -358,6 +415,31 @@ impl WatchOwner {
 const ALIVE_SLICE: Duration = Duration::from_millis(50);
 
 /// A tripwire. Dropping it destroys it. `Send` and `Sync`.
+///
+/// Made by [`crate::Aperture::tripwire`] (incoming traffic) or [`crate::Mapping::tripwire`]
+/// (outgoing traffic). A thread waits for a write from another one:
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::TripwireConfig;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+/// let ap = ep.export(4096)?;
+/// let flag = ap.tripwire(TripwireConfig::writes(0..8))?;
+/// let m = peer.import(&ap.descriptor())?;
+/// let writer = std::thread::spawn(move || m.write_then_store_u64(8, b"hello", 0, 1));
+/// flag.arm()?; // arm, re-check, wait: never misses the write
+/// while ap.load_u64(0)? == 0 {
+///     flag.wait(Some(Duration::from_secs(5)))?;
+/// }
+/// writer.join().unwrap()?;
+/// let mut body = [0u8; 5];
+/// ap.read(8, &mut body)?;
+/// assert_eq!(&body, b"hello");
+/// assert!(flag.count() >= 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Tripwire {
     pub(crate) owner: Arc<WatchOwner>,
     pub(crate) id: TripwireId,
@@ -417,6 +499,24 @@ impl Tripwire {
     }
 
     /// Disarm.
+    ///
+    /// ```
+    /// use clan::TripwireConfig;
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+    /// let ap = ep.export(4096)?;
+    /// let m = peer.import(&ap.descriptor())?;
+    /// let tw = ap.tripwire(TripwireConfig::writes(0..8).disarmed())?;
+    /// m.store_u64(0, 1)?;
+    /// assert_eq!(tw.count(), 0, "created disarmed");
+    /// tw.arm()?;
+    /// m.store_u64(0, 2)?;
+    /// tw.disarm()?;
+    /// m.store_u64(0, 3)?;
+    /// assert_eq!(tw.count(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn disarm(&self) -> Result<(), TripwireError> {
         self.check()?;
         if trip::set_armed(self.entry(), self.cell(), self.id.index, self.id.generation, false) {
@@ -439,6 +539,18 @@ impl Tripwire {
     }
 
     /// Clear its bit in the fired bitmap; returns whether it was set.
+    ///
+    /// ```
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+    /// # let ap = ep.export(4096)?;
+    /// let tw = ap.tripwire(clan::TripwireConfig::writes(0..8))?;
+    /// peer.import(&ap.descriptor())?.store_u64(0, 1)?;
+    /// assert!(tw.fired());
+    /// assert!(tw.clear());
+    /// assert!(!tw.fired() && !tw.clear());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn clear(&self) -> bool {
         trip::clear_bit(&self.owner.eq.view().table, self.id.index)
     }
@@ -451,6 +563,18 @@ impl Tripwire {
 
     /// Whether it fired since the last `arm`, `wait` or `take_fired`; consumes the
     /// observation. A plain memory load when it has not.
+    ///
+    /// ```
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let (ep, peer) = (nic.endpoint()?, nic.endpoint()?);
+    /// # let ap = ep.export(4096)?;
+    /// let tw = ap.tripwire(clan::TripwireConfig::writes(0..8))?;
+    /// assert!(!tw.take_fired());
+    /// peer.import(&ap.descriptor())?.store_u64(0, 1)?;
+    /// assert!(tw.take_fired());
+    /// assert!(!tw.take_fired(), "consumed");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn take_fired(&self) -> bool {
         // What other processes claimed is applied first (`crate::port`): one load if none.
         self.owner.eq.pump();
@@ -471,6 +595,19 @@ impl Tripwire {
     /// Block until it fires (if it already fired since the last `arm`, `wait` or
     /// `take_fired`, return at once). Spins for the queue's spin time first
     /// ([`crate::EventQueueConfig::spin`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan::TripwireError;
+    ///
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let ep = nic.endpoint()?;
+    /// # let ap = ep.export(4096)?;
+    /// let tw = ap.tripwire(clan::TripwireConfig::writes(0..8))?;
+    /// // Nobody writes: the wait ends with the timeout.
+    /// assert_eq!(tw.wait(Some(Duration::from_millis(10))), Err(TripwireError::Timeout));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), TripwireError> {
         self.wait_spin(self.owner.eq.config.spin, timeout)
     }
