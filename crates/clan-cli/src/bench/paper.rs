@@ -22,8 +22,8 @@ pub struct PaperArgs {
     /// Report folder (made if missing).
     #[arg(long, default_value = "clan-report")]
     pub out: PathBuf,
-    /// Fewer sizes and repetitions: under a minute on 2 cores (the default takes about a
-    /// minute and a half).
+    /// Fewer sizes and repetitions: under a minute on 2 cores (the default takes about four
+    /// minutes).
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
     /// About ten minutes: more sizes, repetitions and endpoints.
