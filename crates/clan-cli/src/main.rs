@@ -46,9 +46,10 @@ enum Cmd {
     /// Internal: the peer process of a benchmark.
     #[command(name = "__peer", hide = true)]
     Peer {
-        role: String,
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        #[arg(value_enum)]
+        role: bench::Role,
+        /// The role's arguments, as JSON.
+        args: String,
     },
 }
 
@@ -116,7 +117,7 @@ fn main() {
         Cmd::Info => info(),
         Cmd::Run(a) => run(&a),
         Cmd::Fabric(FabricCmd::Env) => fabric_env(),
-        Cmd::Peer { role, args } => bench::peer_main(&role, &args),
+        Cmd::Peer { role, args } => bench::peer_main(role, &args),
     };
     if let Err(e) = r {
         eprintln!("clan: {e}");

@@ -17,7 +17,7 @@ use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::report::{Percentiles, Samples, emit, ns, ratio};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 /// Requests/s of clan over tokio-over-Unix-sockets: the target (at least as many).
@@ -172,10 +172,7 @@ fn reactor(nic: &Nic, kind: &str) -> Result<Reactor> {
 
 /// `n` clients of transport `kind` against a fresh echo server.
 fn one_run(kind: &str, n: usize, size: usize, window: Duration) -> Result<TokioRun> {
-    let mut peer = PeerProc::spawn(
-        "tok-echo",
-        &[format!("kind={kind}"), format!("clients={n}"), format!("size={size}"), "cpu=1".into()],
-    )?;
+    let mut peer = PeerProc::spawn(Role::TokEcho, &EchoArgs { kind: kind.to_owned(), clients: n, size, cpu: 1 })?;
     let addr = peer.recv()?;
     let rt = runtime()?;
     let (count, samples) = rt.block_on(async {
@@ -253,12 +250,20 @@ async fn client(mut c: Box<dyn Duplex>, size: usize, start: Instant, end: Instan
     Ok((count, s))
 }
 
+/// What the echo server is told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct EchoArgs {
+    /// The transport: clan, clan-no-spin, unix or tcp.
+    kind: String,
+    clients: usize,
+    size: usize,
+    cpu: usize,
+}
+
 /// The echo server: accept `clients` connections, echo each until its end of stream.
-pub fn peer(_role: &str, args: &[String]) -> Result<()> {
-    sys::pin(arg(args, "cpu")?);
-    let kind: String = arg(args, "kind")?;
-    let n: usize = arg(args, "clients")?;
-    let size: usize = arg(args, "size")?;
+pub fn peer(a: EchoArgs) -> Result<()> {
+    sys::pin(a.cpu);
+    let EchoArgs { kind, clients: n, size, .. } = a;
     let rt = runtime()?;
     rt.block_on(async move {
         let mut tasks = Vec::with_capacity(n);

@@ -16,7 +16,7 @@ use clan::{Aperture, DmaConfig, DmaOptions, DmaTicket, Endpoint, EndpointConfig,
 use serde::Serialize;
 
 use super::report::{Samples, emit, ns, ratio, timed_batches};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,7 +170,7 @@ pub fn run(a: &BandwidthArgs) -> Result<()> {
     // peer's aperture.
     let nic = Nic::open(NicConfig { dma: DmaConfig { cpu: Some(1), ..DmaConfig::default() }, ..NicConfig::default() })?;
     let ep = nic.endpoint_with(EndpointConfig { dma_queue: DMA_DEPTH, ..EndpointConfig::default() })?;
-    let mut peer = PeerProc::spawn("bw-clan", &[format!("size={}", a.size), "cpu=1".to_string()])?;
+    let mut peer = PeerProc::spawn(Role::BwClan, &ReceiverArgs { size: a.size, cpu: 1 })?;
     let m = ep.import(&peer.recv()?.parse()?)?;
     let (t, s) = match a.mode {
         Mode::Pio => run_ring(a.size, iters, |off| {
@@ -312,13 +312,17 @@ fn run_tcp(a: &BandwidthArgs) -> Result<()> {
     Ok(())
 }
 
+/// What the receiving peer is told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct ReceiverArgs {
+    size: usize,
+    cpu: usize,
+}
+
 /// The receiving peer.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    if role != "bw-clan" {
-        return Err(format!("unknown role {role}").into());
-    }
-    let size: usize = arg(args, "size")?;
-    sys::pin(arg(args, "cpu")?);
+pub fn peer(a: ReceiverArgs) -> Result<()> {
+    let size = a.size;
+    sys::pin(a.cpu);
     let nic = Nic::open(NicConfig::default())?;
     let ep = nic.endpoint()?;
     let ring = ring_bytes(size);

@@ -20,7 +20,7 @@ use clan_proto::stream::{Listener, Stream, StreamConfig};
 use serde::Serialize;
 
 use super::report::{Samples, emit, ns, ratio};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 /// Arguments of `clan bench connect`.
@@ -100,8 +100,7 @@ fn once(kind: Kind, t: &Targets, nic: &Nic, cfg: &StreamConfig) -> Result<()> {
 pub fn run(a: &ConnectArgs) -> Result<()> {
     sys::pin(0);
     let unix = format!("clan-bench-connect-{}", std::process::id());
-    let mut peer =
-        PeerProc::spawn("conn-server", &[format!("ring={}", a.ring), format!("unix={unix}"), "cpu=1".into()])?;
+    let mut peer = PeerProc::spawn(Role::ConnServer, &ServerArgs { ring: a.ring, unix: unix.clone(), cpu: 1 })?;
     let line = peer.recv()?;
     let mut it = line.split(' ');
     let t =
@@ -180,11 +179,20 @@ pub fn run(a: &ConnectArgs) -> Result<()> {
     Ok(())
 }
 
+/// What the server is told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct ServerArgs {
+    /// Bytes of ring per clan stream.
+    ring: u64,
+    /// The abstract name of its Unix listener.
+    unix: String,
+    cpu: usize,
+}
+
 /// The server: three listeners, one thread each; every connection echoes one byte and closes.
-pub fn peer(_role: &str, args: &[String]) -> Result<()> {
-    sys::pin(arg(args, "cpu")?);
-    let ring: u64 = arg(args, "ring")?;
-    let unix: String = arg(args, "unix")?;
+pub fn peer(a: ServerArgs) -> Result<()> {
+    sys::pin(a.cpu);
+    let ServerArgs { ring, unix, .. } = a;
     let nic = Nic::open(NicConfig::default())?;
     let l = Listener::bind_with(&nic, None, StreamConfig { ring, post_area: 0, ..StreamConfig::default() })?;
     let tcp = TcpListener::bind("127.0.0.1:0")?;

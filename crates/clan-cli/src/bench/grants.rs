@@ -24,7 +24,7 @@ use clan_shm::segment::{Access, Segment};
 use serde::Serialize;
 
 use super::report::{Percentiles, Samples, emit, ns, ratio};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 /// Bytes of a grant.
@@ -101,10 +101,7 @@ pub fn run(a: &GrantsArgs) -> Result<()> {
     let whole = ep.export(GRANT)?;
     let big = ep.export(APERTURE)?;
     let narrowed = big.descriptor().derive(APERTURE / 2, GRANT, Rights::READ_WRITE)?;
-    let mut peer = PeerProc::spawn(
-        "grants-peer",
-        &[format!("imports={}", a.imports), format!("iters={}", a.iters), "cpu=1".into()],
-    )?;
+    let mut peer = PeerProc::spawn(Role::GrantsPeer, &ImporterArgs { imports: a.imports, iters: a.iters, cpu: 1 })?;
     let direct = measure(&mut peer, "direct", &whole.descriptor())?;
     let mediated = measure(&mut peer, "mediated", &narrowed)?;
     peer.finish()?;
@@ -179,11 +176,18 @@ fn measure(peer: &mut PeerProc, kind: &'static str, desc: &Descriptor) -> Result
     Ok(GrantCosts { kind, import, write_read_64, read_4k, write_mbit_s: mbit.parse()?, fds_held: fds.parse()? })
 }
 
+/// What the importing peer is told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct ImporterArgs {
+    imports: u64,
+    iters: u64,
+    cpu: usize,
+}
+
 /// The importing peer: for each descriptor it is sent, time imports and accesses.
-pub fn peer(_role: &str, args: &[String]) -> Result<()> {
-    let imports: u64 = arg(args, "imports")?;
-    let iters: u64 = arg(args, "iters")?;
-    sys::pin(arg(args, "cpu")?);
+pub fn peer(a: ImporterArgs) -> Result<()> {
+    let ImporterArgs { imports, iters, cpu } = a;
+    sys::pin(cpu);
     let nic = Nic::open(NicConfig::default())?;
     let ep = nic.endpoint()?;
     while let Ok(line) = Link::hear() {

@@ -21,7 +21,7 @@ use clan_shm::sync::AtomicU64;
 use serde::Serialize;
 
 use super::report::{Samples, emit, ns, ratio};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +33,8 @@ pub enum Transport {
     Tcp,
 }
 
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum SyncMode {
     /// Poll memory.
     Spin,
@@ -256,11 +257,8 @@ fn side(sync: SyncMode, size: usize) -> Result<Side> {
 
 fn clan_pingpong(sync: SyncMode, size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
     let me = side(sync, size)?;
-    let mode = if sync == SyncMode::Spin { "spin" } else { "block" };
-    let mut peer = PeerProc::spawn(
-        "lat-clan",
-        &[format!("sync={mode}"), format!("size={size}"), format!("iters={total}"), format!("cpu={cpu_peer}")],
-    )?;
+    let mut peer =
+        PeerProc::spawn(Role::LatClan, &PeerArgs { sync, size, iters: total, cpu: cpu_peer, place: String::new() })?;
     let theirs = me.ep.import(&peer.recv()?.parse()?)?;
     peer.send(me.ap.descriptor())?;
     if peer.recv()? != "ready" {
@@ -293,8 +291,8 @@ pub fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<
     let seg = Segment::map(&memfd, 0, 2 * region, Access::ReadWrite)?;
     let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
     let mut peer = PeerProc::spawn(
-        "lat-raw",
-        &[format!("path={path}"), format!("size={size}"), format!("iters={total}"), format!("cpu={cpu_peer}")],
+        Role::LatRaw,
+        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path },
     )?;
     if peer.recv()? != "ready" {
         return Err("peer not ready".into());
@@ -336,8 +334,8 @@ pub fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Sam
     let name = format!("clan-bench-unix-{}", std::process::id());
     let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
     let peer = PeerProc::spawn(
-        "lat-unix",
-        &[format!("name={name}"), format!("size={size}"), format!("iters={total}"), format!("cpu={cpu_peer}")],
+        Role::LatUnix,
+        &PeerArgs { sync: SyncMode::Block, size, iters: total, cpu: cpu_peer, place: name.clone() },
     )?;
     let (mut sock, _) = listener.accept()?;
     sock.set_read_timeout(Some(LIMIT))?;
@@ -366,14 +364,24 @@ impl RawFdNum for clan_shm::memfd::Memfd {
     }
 }
 
+/// What the latency benchmark's peers are told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct PeerArgs {
+    /// How the clan side waits.
+    sync: SyncMode,
+    size: usize,
+    iters: u64,
+    cpu: usize,
+    /// Where to meet: the shared memfd's path (raw), the socket's abstract name (Unix).
+    place: String,
+}
+
 /// The peer side of the latency benchmarks.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    let size: usize = arg(args, "size")?;
-    let iters: u64 = arg(args, "iters")?;
-    sys::pin(arg(args, "cpu")?);
+pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
+    let PeerArgs { sync, size, iters, cpu, place } = a;
+    sys::pin(cpu);
     match role {
-        "lat-clan" => {
-            let sync = if arg::<String>(args, "sync")? == "block" { SyncMode::Block } else { SyncMode::Spin };
+        Role::LatClan => {
             let me = side(sync, size)?;
             Link::say(me.ap.descriptor());
             let theirs = me.ep.import(&Link::hear()?.parse()?)?;
@@ -390,9 +398,8 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             Link::say("done");
             let _ = Link::hear();
         }
-        "lat-raw" => {
-            let path: String = arg(args, "path")?;
-            let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+        Role::LatRaw => {
+            let f = std::fs::OpenOptions::new().read(true).write(true).open(&place)?;
             let region = clan_shm::segment::page_align(size.max(64));
             let seg = Segment::map(&f, 0, 2 * region, Access::ReadWrite)?;
             let (theirs, mine) = (seg.view::<AtomicU64>(0)?, seg.view::<AtomicU64>(region)?);
@@ -406,11 +413,10 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 theirs.store(i, std::sync::atomic::Ordering::Release);
             }
         }
-        "lat-unix" => {
+        Role::LatUnix => {
             use std::os::linux::net::SocketAddrExt;
             use std::os::unix::net::{SocketAddr, UnixStream};
-            let name: String = arg(args, "name")?;
-            let mut sock = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
+            let mut sock = UnixStream::connect_addr(&SocketAddr::from_abstract_name(place.as_bytes())?)?;
             sock.set_read_timeout(Some(LIMIT))?;
             let mut buf = vec![0u8; size];
             for _ in 0..iters {
@@ -418,7 +424,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 sock.write_all(&buf)?;
             }
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of bench latency: {other:?}").into()),
     }
     Ok(())
 }

@@ -25,7 +25,69 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-/// A benchmark peer: this executable re-run as `clan __peer <role> <args…>`, talking in
+/// The part a benchmark peer plays: `clan __peer <role> <arguments>`, where the arguments
+/// are the role's own typed struct (in its benchmark's module) as JSON. A role that does
+/// not exist is refused by the command line, arguments that do not fit by serde.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// `bench latency`: the clan ping-pong's other side.
+    LatClan,
+    /// `bench latency`: the raw shared-memory ping-pong's other side.
+    LatRaw,
+    /// `bench latency`: the Unix-socket ping-pong's other side.
+    LatUnix,
+    /// `bench bandwidth`: the receiving process.
+    BwClan,
+    /// `bench latency --transport tcp`: clan over a link, both sides.
+    LatLinkPing,
+    LatLinkPong,
+    /// `bench latency --transport tcp`: raw TCP, both sides.
+    LatTcpPing,
+    LatTcpPong,
+    /// `bench bandwidth --transport tcp`: clan over a link, both sides.
+    BwLinkRecv,
+    BwLinkSend,
+    /// `bench bandwidth --transport tcp`: raw TCP, both sides.
+    BwTcpRecv,
+    BwTcpSend,
+    /// `bench vmmc`: the other process.
+    VmmcPeer,
+    /// `bench server`: the clan server and the epoll TCP server.
+    SrvClan,
+    SrvTcp,
+    /// `bench queue`: both sides of a streaming round, and of the hand-written ring.
+    PqRecv,
+    PqSend,
+    PqRingRecv,
+    PqRingSend,
+    /// `bench rpc`: the clan server and the Unix-socket server.
+    PrpcServer,
+    PrpcUnix,
+    /// `bench stream`: the echoing and the sinking side.
+    PstEcho,
+    PstSink,
+    /// `bench connect`: the server.
+    ConnServer,
+    /// `bench grants`: the importing process.
+    GrantsPeer,
+    /// `bench tokio`: the echo server.
+    TokEcho,
+}
+
+impl Role {
+    /// Its name on the command line.
+    fn name(self) -> String {
+        use clap::ValueEnum as _;
+        self.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default()
+    }
+}
+
+/// A peer's arguments from their JSON.
+pub fn args_of<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
+    serde_json::from_str(json).map_err(|e| format!("peer arguments {json}: {e}").into())
+}
+
+/// A benchmark peer: this executable re-run as `clan __peer <role> <arguments>`, talking in
 /// lines over its stdin and stdout.
 pub struct PeerProc {
     child: Child,
@@ -39,16 +101,16 @@ impl PeerProc {
         self.child.id()
     }
 
-    pub fn spawn(role: &str, args: &[String]) -> Result<PeerProc> {
+    pub fn spawn(role: Role, args: &impl serde::Serialize) -> Result<PeerProc> {
         PeerProc::spawn_via(Command::new(std::env::current_exe()?), role, args)
     }
 
     /// Spawn through a prepared command (e.g. `ip netns exec NS <this executable>`).
-    pub fn spawn_via(mut cmd: Command, role: &str, args: &[String]) -> Result<PeerProc> {
+    pub fn spawn_via(mut cmd: Command, role: Role, args: &impl serde::Serialize) -> Result<PeerProc> {
         let mut child = cmd
             .arg("__peer")
-            .arg(role)
-            .args(args)
+            .arg(role.name())
+            .arg(serde_json::to_string(args)?)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -110,23 +172,24 @@ impl Link {
 }
 
 /// Entry of `clan __peer`.
-pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
+pub fn peer_main(role: Role, args: &str) -> Result<()> {
     // Die with the benchmark that started us.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    use Role as R;
     match role {
-        r if r.starts_with("lat-link") || r.starts_with("lat-tcp") => tcp::latency_peer(r, args),
-        r if r.starts_with("bw-link") || r.starts_with("bw-tcp") => tcp::bandwidth_peer(r, args),
-        "vmmc-peer" => vmmc::peer(role, args),
-        r if r.starts_with("srv-") => server::peer(r, args),
-        r if r.starts_with("pq-") => queue::peer(r, args),
-        r if r.starts_with("prpc-") => rpc::peer(r, args),
-        r if r.starts_with("pst-") => stream::peer(r, args),
-        "conn-server" => connect::peer(role, args),
-        "grants-peer" => grants::peer(role, args),
-        "tok-echo" => asyncio::peer(role, args),
-        r if r.starts_with("lat-") => latency::peer(r, args),
-        r if r.starts_with("bw-") => bandwidth::peer(r, args),
-        other => Err(format!("unknown peer role {other}").into()),
+        R::LatLinkPing | R::LatLinkPong | R::LatTcpPing | R::LatTcpPong => tcp::latency_peer(role, args_of(args)?),
+        R::BwLinkRecv | R::BwLinkSend | R::BwTcpRecv | R::BwTcpSend => tcp::bandwidth_peer(role, args_of(args)?),
+        R::VmmcPeer => vmmc::peer(args_of(args)?),
+        R::SrvClan | R::SrvTcp => server::peer(role, args_of(args)?),
+        R::PqRecv | R::PqSend => queue::peer(role, args_of(args)?),
+        R::PqRingRecv | R::PqRingSend => queue::ring_peer(role, args_of(args)?),
+        R::PrpcServer | R::PrpcUnix => rpc::peer(role, args_of(args)?),
+        R::PstEcho | R::PstSink => stream::peer(role, args_of(args)?),
+        R::ConnServer => connect::peer(args_of(args)?),
+        R::GrantsPeer => grants::peer(args_of(args)?),
+        R::TokEcho => asyncio::peer(args_of(args)?),
+        R::LatClan | R::LatRaw | R::LatUnix => latency::peer(role, args_of(args)?),
+        R::BwClan => bandwidth::peer(args_of(args)?),
     }
 }
 
@@ -136,13 +199,4 @@ pub fn peer_main(role: &str, args: &[String]) -> Result<()> {
 pub fn nic_config(spin: std::time::Duration) -> clan::NicConfig {
     let d = clan::NicConfig::default();
     clan::NicConfig { default_queue: clan::EventQueueConfig { spin, ..d.default_queue.clone() }, ..d }
-}
-
-/// `key=value` arguments.
-pub fn arg<T: std::str::FromStr>(args: &[String], key: &str) -> Result<T> {
-    args.iter()
-        .find_map(|a| a.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-        .ok_or_else(|| format!("missing peer argument {key}"))?
-        .parse()
-        .map_err(|_| format!("bad peer argument {key}").into())
 }

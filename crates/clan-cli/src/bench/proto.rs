@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use clan::{LocalTransport, Nic, NicConfig};
 use clan_proto::stream::Stream;
 
-use super::{Result, arg};
+use super::Result;
 
 pub(super) const LIMIT: Duration = Duration::from_secs(60);
 /// How long a spinning side polls before it would sleep: far longer than any wait of a run,
@@ -35,9 +35,8 @@ pub(super) fn mbit(bytes: u64, d: Duration) -> f64 {
     bytes as f64 * 8.0 / d.as_secs_f64().max(1e-9) / 1e6
 }
 
-pub(super) fn peer_nic(args: &[String]) -> Result<Nic> {
-    let ip: IpAddr = arg(args, "ip")?;
-    let link: bool = arg(args, "link")?;
+/// A peer's NIC at `ip`, reaching the other side over links (`link`) or shared memory.
+pub(super) fn peer_nic(ip: IpAddr, link: bool) -> Result<Nic> {
     Ok(Nic::open(NicConfig {
         local_transport: if link { LocalTransport::Link } else { LocalTransport::SharedMemory },
         ..NicConfig::at(ip, 0)

@@ -10,7 +10,7 @@
 //! `ucx_perftest -t tag_bw`.
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use clan::EndpointAddr;
@@ -22,7 +22,8 @@ use super::latency::Transport;
 use super::proto::*;
 use super::report::{emit, ratio};
 use super::rpc::clan_rpc;
-use super::{Link, PeerProc, Result, arg};
+use super::tcp::OnHost;
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 /// Arguments of `clan bench queue`.
 #[derive(clap::Args, Debug, Clone)]
@@ -337,8 +338,9 @@ pub fn run(a: &QueueArgs) -> Result<()> {
 }
 
 /// What carries the transfers of a queue run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum QueueKind {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QueueKind {
     /// The distributed queue's unstructured variant: a clan byte stream.
     Stream,
     /// The slot-based message queue.
@@ -349,15 +351,26 @@ enum QueueKind {
     Tcp,
 }
 
-impl QueueKind {
-    fn name(self) -> &'static str {
-        match self {
-            QueueKind::Batch => "batch",
-            QueueKind::Stream => "stream",
-            QueueKind::Slots => "slots",
-            QueueKind::Tcp => "tcp",
-        }
-    }
+/// What both sides of a queue run are told (with the host and CPU: [`OnHost`]).
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct QueuePeerArgs {
+    size: usize,
+    bytes: u64,
+    buffer: u64,
+    /// The NICs reach each other over links (test hosts), else by shared memory.
+    link: bool,
+    kind: QueueKind,
+}
+
+/// What both sides of the hand-written ring are told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct RingArgs {
+    size: usize,
+    bytes: u64,
+    buffer: u64,
+    /// The shared memfd, through `/proc`.
+    path: String,
+    cpu: usize,
 }
 
 /// The slot queue's geometry for `size`-byte transfers in `buffer` bytes: a slot holds one
@@ -384,27 +397,16 @@ fn queue_round(
     buffer: u64,
     kind: QueueKind,
 ) -> Result<Duration> {
-    let common = [
-        format!("size={size}"),
-        format!("bytes={bytes}"),
-        format!("buffer={buffer}"),
-        format!("link={}", h.is_some()),
-        format!("kind={}", kind.name()),
-    ];
-    let spawn = |i: usize, role: &str| -> Result<PeerProc> {
+    let common = || QueuePeerArgs { size, bytes, buffer, link: h.is_some(), kind };
+    let spawn = |i: usize, role: Role| -> Result<PeerProc> {
         match h {
-            Some(h) => h.spawn(i, role, &common),
-            None => {
-                let mut a = common.to_vec();
-                a.push("ip=127.0.0.1".into());
-                a.push(format!("cpu={i}"));
-                PeerProc::spawn(role, &a)
-            }
+            Some(h) => h.spawn(i, role, common()),
+            None => PeerProc::spawn(role, &OnHost { ip: Ipv4Addr::LOCALHOST.into(), cpu: i, args: common() }),
         }
     };
-    let mut rx = spawn(1, "pq-recv")?;
+    let mut rx = spawn(1, Role::PqRecv)?;
     let addr = rx.recv()?;
-    let mut tx = spawn(0, "pq-send")?;
+    let mut tx = spawn(0, Role::PqSend)?;
     tx.send(addr)?;
     let line = tx.recv()?;
     let verdict = rx.recv()?;
@@ -495,17 +497,14 @@ fn ring_round(size: usize, bytes: u64, buffer: u64) -> Result<Duration> {
         use std::os::fd::{AsFd, AsRawFd};
         memfd.as_fd().as_raw_fd()
     });
-    let common = [format!("size={size}"), format!("bytes={bytes}"), format!("buffer={buffer}"), format!("path={path}")];
-    let spawn = |cpu: usize, role: &str| -> Result<PeerProc> {
-        let mut a = common.to_vec();
-        a.push(format!("cpu={cpu}"));
-        PeerProc::spawn(role, &a)
+    let spawn = |cpu: usize, role: Role| -> Result<PeerProc> {
+        PeerProc::spawn(role, &RingArgs { size, bytes, buffer, path: path.clone(), cpu })
     };
-    let mut rx = spawn(1, "pq-ring-recv")?;
+    let mut rx = spawn(1, Role::PqRingRecv)?;
     if rx.recv()? != "ready" {
         return Err("ring receiver not ready".into());
     }
-    let mut tx = spawn(0, "pq-ring-send")?;
+    let mut tx = spawn(0, Role::PqRingSend)?;
     let line = tx.recv()?;
     let verdict = rx.recv()?;
     if verdict != "ok" {
@@ -532,14 +531,11 @@ fn spin_on(mut cond: impl FnMut() -> bool) -> Result<()> {
 }
 
 /// Peer roles of the hand-written ring.
-fn ring_peer(role: &str, args: &[String]) -> Result<()> {
+pub fn ring_peer(role: Role, a: RingArgs) -> Result<()> {
     use clan_shm::segment::{Access, Segment};
     use std::sync::atomic::{AtomicU64, Ordering};
-    let size: usize = arg(args, "size")?;
-    let bytes: u64 = arg(args, "bytes")?;
-    let cap: u64 = arg(args, "buffer")?;
-    let path: String = arg(args, "path")?;
-    sys::pin(arg(args, "cpu")?);
+    let RingArgs { size, bytes, buffer: cap, path, cpu } = a;
+    sys::pin(cpu);
     let page = clan_shm::segment::page_size();
     let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
     let seg = Segment::map(&f, 0, page + clan_shm::segment::page_align(cap as usize), Access::ReadWrite)?;
@@ -550,7 +546,7 @@ fn ring_peer(role: &str, args: &[String]) -> Result<()> {
     let chunk = (cap / 2).max(1);
     let want = pattern(size);
     match role {
-        "pq-ring-recv" => {
+        Role::PqRingRecv => {
             Link::say("ready");
             let mut buf = vec![0u8; size];
             let (mut r, mut published, mut seen) = (0u64, 0u64, 0u64);
@@ -586,7 +582,7 @@ fn ring_peer(role: &str, args: &[String]) -> Result<()> {
             ack.store(2, Ordering::Release);
             Link::say(if ok { "ok" } else { "data differs" });
         }
-        "pq-ring-send" => {
+        Role::PqRingSend => {
             let (mut w, mut read_seen) = (0u64, 0u64);
             let mut send = |w: &mut u64| -> Result<()> {
                 let mut off = 0usize;
@@ -624,34 +620,27 @@ fn ring_peer(role: &str, args: &[String]) -> Result<()> {
             spin_on(|| ack.load(Ordering::Acquire) == 2)?;
             Link::say(format!("secs {}", start.elapsed().as_secs_f64()));
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of bench queue: {other:?}").into()),
     }
     Ok(())
 }
 
 /// Peer roles of the queue benchmark: the same transfers over a clan stream with a small
 /// ring, through the slot-based message queue, or over a raw TCP connection.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    if role.starts_with("pq-ring-") {
-        return ring_peer(role, args);
+pub fn peer(role: Role, a: OnHost<QueuePeerArgs>) -> Result<()> {
+    let OnHost { ip, cpu, args: QueuePeerArgs { size, bytes, buffer, link, kind } } = a;
+    sys::pin(cpu);
+    if matches!(kind, QueueKind::Slots | QueueKind::Batch) {
+        return slot_peer(role, peer_nic(ip, link)?, size, bytes, buffer, kind == QueueKind::Batch);
     }
-    let size: usize = arg(args, "size")?;
-    let bytes: u64 = arg(args, "bytes")?;
-    let buffer: u64 = arg(args, "buffer")?;
-    let kind: String = arg(args, "kind")?;
-    sys::pin(arg(args, "cpu")?);
-    if kind == "slots" || kind == "batch" {
-        return slot_peer(role, args, size, bytes, buffer, kind == "batch");
-    }
-    let raw = kind == "tcp";
+    let raw = kind == QueueKind::Tcp;
     let want = pattern(size);
     let n = bytes / size as u64;
     let warm = ((4 << 20) / size as u64).max(16);
     let cfg = StreamConfig { ring: buffer, post_area: 0, ..StreamConfig::default() };
     match role {
-        "pq-recv" => {
+        Role::PqRecv => {
             let mut s = if raw {
-                let ip: IpAddr = arg(args, "ip")?;
                 let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
                 Link::say(l.local_addr()?);
                 let (s, _) = l.accept()?;
@@ -659,7 +648,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 s.set_read_timeout(Some(LIMIT))?;
                 AnyStream::Tcp(s)
             } else {
-                let nic = peer_nic(args)?;
+                let nic = peer_nic(ip, link)?;
                 let l = Listener::bind_with(&nic, None, cfg)?;
                 Link::say(l.local_addr());
                 let (s, _) = l.accept()?;
@@ -683,7 +672,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             let _ = s.read(&mut end);
             Link::say(if ok { "ok" } else { "data differs" });
         }
-        "pq-send" => {
+        Role::PqSend => {
             let to = Link::hear()?;
             let mut s = if raw {
                 let s = TcpStream::connect(to.parse::<SocketAddr>()?)?;
@@ -691,7 +680,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 s.set_read_timeout(Some(LIMIT))?;
                 AnyStream::Tcp(s)
             } else {
-                let nic = peer_nic(args)?;
+                let nic = peer_nic(ip, link)?;
                 let s = Stream::connect_with(&nic, to.parse::<clan::EndpointAddr>()?, &cfg)?;
                 s.set_read_timeout(Some(LIMIT))?;
                 AnyStream::Clan(s)
@@ -708,7 +697,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             s.read_exact(&mut ack)?;
             Link::say(format!("secs {}", start.elapsed().as_secs_f64()));
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of bench queue: {other:?}").into()),
     }
     Ok(())
 }
@@ -716,14 +705,13 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
 /// The slot-queue variant of [`queue_peer`]: one message per transfer (its metadata word is
 /// its number), copied out of the slot by the receiver. The acknowledgements go back through
 /// a second, small message queue, whose address the sender sends as its first message.
-fn slot_peer(role: &str, args: &[String], size: usize, bytes: u64, buffer: u64, batched: bool) -> Result<()> {
+fn slot_peer(role: Role, nic: clan::Nic, size: usize, bytes: u64, buffer: u64, batched: bool) -> Result<()> {
     let want = pattern(size);
     let n = bytes / size as u64;
     let warm = ((4 << 20) / size as u64).max(16);
     let cfg = slot_config(size, buffer);
-    let nic = peer_nic(args)?;
     match role {
-        "pq-recv" => {
+        Role::PqRecv => {
             let l = QueueListener::bind(&nic, cfg)?;
             Link::say(l.local_addr());
             let mut rx: MsgReceiver = l.accept(Some(LIMIT))?;
@@ -763,7 +751,7 @@ fn slot_peer(role: &str, args: &[String], size: usize, bytes: u64, buffer: u64, 
             let _ = rx.recv(Some(LIMIT));
             Link::say(if ok { "ok" } else { "data differs" });
         }
-        "pq-send" => {
+        Role::PqSend => {
             let to: EndpointAddr = Link::hear()?.parse()?;
             let mut tx = MsgSender::connect(&nic, to, &cfg)?;
             let acks = QueueListener::bind(&nic, ack_config())?;
@@ -792,7 +780,7 @@ fn slot_peer(role: &str, args: &[String], size: usize, bytes: u64, buffer: u64, 
             tx.send(u64::MAX, b"bye")?;
             Link::say(format!("secs {secs}"));
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of bench queue: {other:?}").into()),
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::proto::*;
 use super::report::{Samples, emit, ns, ratio, verdict};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 /// Arguments of `clan bench rpc`.
 #[derive(clap::Args, Debug, Clone)]
@@ -196,7 +196,7 @@ pub fn run(a: &RpcArgs) -> Result<()> {
 
 /// Calls to an event-driven RpcServer in a peer, both sides spinning or both blocking.
 pub(super) fn clan_rpc(size: usize, total: u64, warm: u64, spin: bool) -> Result<(Samples, Duration)> {
-    let mut peer = PeerProc::spawn("prpc-server", &[format!("size={size}"), format!("spin={spin}"), "cpu=1".into()])?;
+    let mut peer = PeerProc::spawn(Role::PrpcServer, &PeerArgs { size, spin, iters: 0, name: String::new(), cpu: 1 })?;
     let addr: EndpointAddr = peer.recv()?.parse()?;
     let nic = Nic::open(super::nic_config(poll_time(spin)))?;
     let cfg = RpcConfig { spin: poll_time(spin), ..RpcConfig::default() };
@@ -229,16 +229,7 @@ fn unix_rpc(size: usize, total: u64, warm: u64, spin: bool) -> Result<(Samples, 
     let l = std::os::unix::net::UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(
         name.as_bytes(),
     )?)?;
-    let peer = PeerProc::spawn(
-        "prpc-unix",
-        &[
-            format!("name={name}"),
-            format!("size={size}"),
-            format!("iters={total}"),
-            format!("spin={spin}"),
-            "cpu=1".into(),
-        ],
-    )?;
+    let peer = PeerProc::spawn(Role::PrpcUnix, &PeerArgs { size, spin, iters: total, name: name.clone(), cpu: 1 })?;
     let (mut s, _) = l.accept()?;
     s.set_read_timeout(Some(LIMIT))?;
     s.set_nonblocking(spin)?;
@@ -268,12 +259,25 @@ fn unix_rpc(size: usize, total: u64, warm: u64, spin: bool) -> Result<(Samples, 
     Ok((out, measured))
 }
 
+/// What the RPC benchmark's peers are told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct PeerArgs {
+    size: usize,
+    /// Both sides spin (else both block).
+    spin: bool,
+    /// Calls to answer (the Unix server).
+    iters: u64,
+    /// The abstract name of the Unix socket (the Unix server).
+    name: String,
+    cpu: usize,
+}
+
 /// Peer roles of the RPC benchmark.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    sys::pin(arg(args, "cpu")?);
-    let spin: bool = arg(args, "spin")?;
+pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
+    sys::pin(a.cpu);
+    let spin = a.spin;
     match role {
-        "prpc-server" => {
+        Role::PrpcServer => {
             let nic = Nic::open(super::nic_config(poll_time(spin)))?;
             let mut server = RpcServer::bind(&nic, RpcConfig { spin: poll_time(spin), ..RpcConfig::default() }, 16)?;
             Link::say(server.local_addr());
@@ -294,10 +298,8 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 })?;
             }
         }
-        "prpc-unix" => {
-            let name: String = arg(args, "name")?;
-            let size: usize = arg(args, "size")?;
-            let iters: u64 = arg(args, "iters")?;
+        Role::PrpcUnix => {
+            let PeerArgs { name, size, iters, .. } = a;
             let mut s = std::os::unix::net::UnixStream::connect_addr(
                 &std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?,
             )?;
@@ -314,7 +316,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 }
             }
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of bench rpc: {other:?}").into()),
     }
     Ok(())
 }

@@ -36,7 +36,7 @@ use clan_proto::server::EventLoop;
 use serde::Serialize;
 
 use super::report::{Samples, emit, ns, ratio, verdict};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -660,8 +660,16 @@ fn set_mode(peer: &mut PeerProc, sync: Sync) -> Result<()> {
     Ok(())
 }
 
-fn server_args(a: &ServerArgs) -> [String; 3] {
-    [format!("endpoints={}", a.endpoints), format!("size={}", a.size), "cpu=1".into()]
+/// What the server processes are told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct PeerArgs {
+    endpoints: usize,
+    size: usize,
+    cpu: usize,
+}
+
+fn server_args(a: &ServerArgs) -> PeerArgs {
+    PeerArgs { endpoints: a.endpoints, size: a.size, cpu: 1 }
 }
 
 /// The clan server process and the client's connections to it.
@@ -674,7 +682,7 @@ struct ClanSide {
 
 impl ClanSide {
     fn start(a: &ServerArgs) -> Result<ClanSide> {
-        let mut peer = PeerProc::spawn("srv-clan", &server_args(a))?;
+        let mut peer = PeerProc::spawn(Role::SrvClan, &server_args(a))?;
         let addr: EndpointAddr = peer.recv()?.parse()?;
         // The client's waits poll for 0 (its connections and its NIC's queue, on which their
         // tripwires are): `await_reply` does the polling each way asks for.
@@ -710,7 +718,7 @@ struct TcpSide {
 
 impl TcpSide {
     fn start(a: &ServerArgs) -> Result<TcpSide> {
-        let mut peer = PeerProc::spawn("srv-tcp", &server_args(a))?;
+        let mut peer = PeerProc::spawn(Role::SrvTcp, &server_args(a))?;
         let addr: SocketAddr = peer.recv()?.parse()?;
         let mut conns = Vec::with_capacity(a.endpoints);
         for _ in 0..a.endpoints {
@@ -763,11 +771,10 @@ fn clan_loop(
 
 /// The server processes. Lines on stdin: `mode spin|block|policy` (acknowledged by the same
 /// line once the server waits that way), `stop`.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    sys::pin(arg(args, "cpu")?);
+pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
+    sys::pin(a.cpu);
     clan_shm::memfd::raise_fd_limit();
-    let endpoints: usize = arg(args, "endpoints")?;
-    let size: usize = arg(args, "size")?;
+    let PeerArgs { endpoints, size, .. } = a;
     let stop = Arc::new(AtomicBool::new(false));
     // The mode asked for last (low byte) and how many times one was asked for (above it):
     // every request is acknowledged, a change of mode or not.
@@ -796,7 +803,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
     };
     let mut seen = mode.load(Ordering::Acquire);
     match role {
-        "srv-clan" => {
+        Role::SrvClan => {
             let nic = Nic::open(NicConfig::default())?;
             let cfg = RpcConfig { max_msg: (size as u64).max(64), ..RpcConfig::default() };
             let rpc = RpcServer::bind(&nic, cfg, endpoints as u32 + 16)?;
@@ -823,7 +830,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             drop(el);
             drop(rpc);
         }
-        "srv-tcp" => {
+        Role::SrvTcp => {
             use mio::net::TcpListener;
             use mio::{Events, Interest, Poll, Token};
             use std::collections::HashMap;
@@ -890,7 +897,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 }
             }
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of bench server: {other:?}").into()),
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::proto::*;
 use super::report::{Samples, emit, ns, ratio, verdict};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 /// Arguments of `clan bench stream`.
 #[derive(clap::Args, Debug, Clone)]
@@ -179,8 +179,9 @@ pub struct StreamReport {
     pub machine: sys::Machine,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
     Clan,
     /// A clan stream between two NICs of this host forced onto a TCP link over loopback,
     /// each NIC's engine thread receiving (`Progress::Auto`, the default).
@@ -205,8 +206,9 @@ impl Kind {
 }
 
 /// How both sides of a stream run wait.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Wait {
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Wait {
     /// Poll: clan streams and their NICs' queues poll 10 ms, sockets are non-blocking and
     /// polled.
     Spin,
@@ -217,21 +219,6 @@ enum Wait {
 }
 
 impl Wait {
-    fn name(self) -> &'static str {
-        match self {
-            Wait::Spin => "spin",
-            Wait::Block => "block",
-            Wait::Default => "default",
-        }
-    }
-    fn parse(s: &str) -> Result<Wait> {
-        Ok(match s {
-            "spin" => Wait::Spin,
-            "block" => Wait::Block,
-            "default" => Wait::Default,
-            other => return Err(format!("unknown wait {other}").into()),
-        })
-    }
     /// The clan NIC of a side waiting this way (`link`: one that reaches the other
     /// processes of this host over TCP links, as it reaches other hosts).
     fn nic(self, kind: &str) -> Result<Nic> {
@@ -276,20 +263,26 @@ fn stream_connect(kind: Kind, peer: &mut PeerProc, nic: &Nic, ring: u64, wait: W
     Ok(s)
 }
 
-fn stream_args(kind: Kind, size: usize, ring: u64, wait: Wait, cpu: usize) -> Vec<String> {
-    vec![
-        format!("kind={}", kind.name()),
-        format!("size={size}"),
-        format!("ring={ring}"),
-        format!("wait={}", wait.name()),
-        format!("cpu={cpu}"),
-    ]
+/// What the stream benchmark's peers are told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct PeerArgs {
+    kind: Kind,
+    size: usize,
+    ring: u64,
+    wait: Wait,
+    cpu: usize,
+    /// Messages to take (the sink).
+    n: u64,
+}
+
+fn stream_args(kind: Kind, size: usize, ring: u64, wait: Wait, cpu: usize) -> PeerArgs {
+    PeerArgs { kind, size, ring, wait, cpu, n: 0 }
 }
 
 /// Round trips with the echoing peer on `peer_cpu` (the caller is on CPU 0).
 fn stream_rtt(kind: Kind, size: usize, iters: u64, ring: u64, wait: Wait, peer_cpu: usize) -> Result<Samples> {
     let nic = wait.nic(kind.name())?;
-    let mut peer = PeerProc::spawn("pst-echo", &stream_args(kind, size, ring, wait, peer_cpu))?;
+    let mut peer = PeerProc::spawn(Role::PstEcho, &stream_args(kind, size, ring, wait, peer_cpu))?;
     let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
     let msg = pattern(size);
     let mut back = vec![0u8; size];
@@ -320,9 +313,8 @@ fn stream_bw(kind: Kind, size: usize, bytes: u64, ring: u64) -> Result<f64> {
     let n = (bytes / size as u64).max(1);
     let wait = Wait::Default;
     let nic = wait.nic(kind.name())?;
-    let mut args = stream_args(kind, size, ring, wait, 1);
-    args.push(format!("n={n}"));
-    let mut peer = PeerProc::spawn("pst-sink", &args)?;
+    let args = PeerArgs { n, ..stream_args(kind, size, ring, wait, 1) };
+    let mut peer = PeerProc::spawn(Role::PstSink, &args)?;
     let mut s = stream_connect(kind, &mut peer, &nic, ring, wait)?;
     let msg = pattern(size);
     let mut ack = [0u8; 1];
@@ -558,15 +550,13 @@ fn stream_accept(kind: &str, ring: u64, wait: Wait) -> Result<AnyStream> {
 }
 
 /// Peer roles of the stream benchmark.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    sys::pin(arg(args, "cpu")?);
-    let kind: String = arg(args, "kind")?;
-    let size: usize = arg(args, "size")?;
-    let wait = Wait::parse(&arg::<String>(args, "wait")?)?;
-    let mut s = stream_accept(&kind, arg(args, "ring")?, wait)?;
+pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
+    sys::pin(a.cpu);
+    let PeerArgs { kind, size, wait, ring, n, .. } = a;
+    let mut s = stream_accept(kind.name(), ring, wait)?;
     let mut buf = vec![0u8; size];
     match role {
-        "pst-echo" => loop {
+        Role::PstEcho => loop {
             let got = if wait == Wait::Spin { read_exact_polling(&mut s, &mut buf) } else { s.read_exact(&mut buf) };
             match got {
                 Ok(()) if wait == Wait::Spin => write_all_polling(&mut s, &buf)?,
@@ -575,8 +565,7 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
                 Err(e) => return Err(e.into()),
             }
         },
-        "pst-sink" => {
-            let n: u64 = arg(args, "n")?;
+        Role::PstSink => {
             let warm = ((64u64 << 20) / size as u64).max(1);
             let want = pattern(size);
             let mut ok = true;
@@ -595,6 +584,6 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             let _ = s.read(&mut end);
             Ok(())
         }
-        other => Err(format!("unknown role {other}").into()),
+        other => Err(format!("not a role of bench stream: {other:?}").into()),
     }
 }

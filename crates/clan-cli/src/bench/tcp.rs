@@ -22,7 +22,7 @@ use clan::{Aperture, EventQueue, LocalTransport, Nic, NicConfig, Progress, Tripw
 use clan_testkit::netns::TestNet;
 
 use super::report::{Samples, timed_batches};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -65,17 +65,40 @@ impl Hosts {
         }
     }
 
-    pub fn spawn(&self, i: usize, role: &str, args: &[String]) -> Result<PeerProc> {
-        let mut a = args.to_vec();
-        a.push(format!("ip={}", self.ip(i)));
-        a.push(format!("cpu={i}"));
-        PeerProc::spawn_via(self.command(i)?, role, &a)
+    /// A peer on host `i` (and CPU `i`), told `args` and where it is.
+    pub fn spawn<A: serde::Serialize>(&self, i: usize, role: Role, args: A) -> Result<PeerProc> {
+        PeerProc::spawn_via(self.command(i)?, role, &OnHost { ip: self.ip(i), cpu: i, args })
     }
 }
 
-fn nic(args: &[String], progress: Progress) -> Result<Nic> {
-    let ip: IpAddr = arg(args, "ip")?;
-    let cpu: usize = arg(args, "cpu")?;
+/// A peer's arguments with the host address and CPU it runs on.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct OnHost<A> {
+    pub ip: IpAddr,
+    pub cpu: usize,
+    #[serde(flatten)]
+    pub args: A,
+}
+
+/// What the latency peers are told.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct LatArgs {
+    spin: bool,
+    size: usize,
+    iters: u64,
+    warmup: u64,
+}
+
+/// What the bandwidth peers are told.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct BwArgs {
+    size: usize,
+    iters: u64,
+    /// The sender posts DMA (else it stores).
+    dma: bool,
+}
+
+fn nic(ip: IpAddr, cpu: usize, progress: Progress) -> Result<Nic> {
     Ok(Nic::open(NicConfig {
         local_transport: LocalTransport::Link,
         progress,
@@ -111,9 +134,9 @@ fn wait_word(nic: &Nic, ap: &Aperture, off: u64, v: u64, q: Option<&EventQueue>)
 
 /// One round of the clan ping-pong over a link; returns the pinger's samples.
 pub fn clan_round(h: &Hosts, spin: bool, size: usize, total: u64, warmup: u64) -> Result<Samples> {
-    let common = [format!("spin={spin}"), format!("size={size}"), format!("iters={total}"), format!("warmup={warmup}")];
-    let mut pong = h.spawn(1, "lat-link-pong", &common)?;
-    let mut ping = h.spawn(0, "lat-link-ping", &common)?;
+    let common = || LatArgs { spin, size, iters: total, warmup };
+    let mut pong = h.spawn(1, Role::LatLinkPong, common())?;
+    let mut ping = h.spawn(0, Role::LatLinkPing, common())?;
     let (dpong, dping) = (pong.recv()?, ping.recv()?);
     pong.send(&dping)?;
     ping.send(&dpong)?;
@@ -128,10 +151,10 @@ pub fn clan_round(h: &Hosts, spin: bool, size: usize, total: u64, warmup: u64) -
 
 /// One round of the raw TCP ping-pong between the same hosts.
 pub fn raw_round(h: &Hosts, spin: bool, size: usize, total: u64, warmup: u64) -> Result<Samples> {
-    let common = [format!("spin={spin}"), format!("size={size}"), format!("iters={total}"), format!("warmup={warmup}")];
-    let mut server = h.spawn(1, "lat-tcp-pong", &common)?;
+    let common = || LatArgs { spin, size, iters: total, warmup };
+    let mut server = h.spawn(1, Role::LatTcpPong, common())?;
     let port = server.recv()?;
-    let mut client = h.spawn(0, "lat-tcp-ping", &common)?;
+    let mut client = h.spawn(0, Role::LatTcpPing, common())?;
     client.send(format!("{}:{port}", h.ip(1)))?;
     let line = client.recv()?;
     let s = Samples::from_line(line.strip_prefix("samples ").ok_or("bad samples")?).ok_or("bad samples")?;
@@ -160,17 +183,14 @@ fn recv_nonblocking_exact(sock: &mut TcpStream, buf: &mut [u8], spin: bool) -> R
 }
 
 /// Peer roles of the link latency benchmarks.
-pub fn latency_peer(role: &str, args: &[String]) -> Result<()> {
-    let spin: bool = arg(args, "spin")?;
-    let size: usize = arg(args, "size")?;
-    let iters: u64 = arg(args, "iters")?;
-    let warmup: u64 = arg(args, "warmup")?;
-    sys::pin(arg(args, "cpu")?);
+pub fn latency_peer(role: Role, a: OnHost<LatArgs>) -> Result<()> {
+    let OnHost { ip, cpu, args: LatArgs { spin, size, iters, warmup } } = a;
+    sys::pin(cpu);
     match role {
-        "lat-link-ping" | "lat-link-pong" => {
+        Role::LatLinkPing | Role::LatLinkPong => {
             // Manual progress in both modes: the thread that spins or sleeps drives the link
             // itself (in `block` mode it sleeps on the link's socket), as a raw TCP thread does.
-            let nic = nic(args, Progress::Manual)?;
+            let nic = nic(ip, cpu, Progress::Manual)?;
             let ep = nic.endpoint()?;
             let ap = ep.export(size.max(64) as u64)?;
             let _tw = if spin { None } else { Some(ap.tripwire(TripwireConfig::writes(0..8).event(1))?) };
@@ -178,7 +198,7 @@ pub fn latency_peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(ap.descriptor());
             let theirs = ep.import(&Link::hear()?.parse()?)?;
             let payload = vec![0x5au8; size - 8];
-            let ping = role == "lat-link-ping";
+            let ping = role == Role::LatLinkPing;
             let mut s = Samples::new();
             for i in 1..=iters {
                 let t0 = Instant::now();
@@ -202,8 +222,7 @@ pub fn latency_peer(role: &str, args: &[String]) -> Result<()> {
             // Keep the NIC (and its link) up until the other side is done too.
             while Link::hear().is_ok_and(|l| l != "done") {}
         }
-        "lat-tcp-pong" => {
-            let ip: IpAddr = arg(args, "ip")?;
+        Role::LatTcpPong => {
             let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
             Link::say(l.local_addr()?.port());
             let (mut sock, _) = l.accept()?;
@@ -216,7 +235,7 @@ pub fn latency_peer(role: &str, args: &[String]) -> Result<()> {
                 write_all_spin(&mut sock, &buf)?;
             }
         }
-        "lat-tcp-ping" => {
+        Role::LatTcpPing => {
             let to: SocketAddr = Link::hear()?.parse()?;
             let mut sock = TcpStream::connect(to)?;
             sock.set_nodelay(true)?;
@@ -235,7 +254,7 @@ pub fn latency_peer(role: &str, args: &[String]) -> Result<()> {
             }
             Link::say(format!("samples {}", s.to_line()));
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of this benchmark: {other:?}").into()),
     }
     Ok(())
 }
@@ -260,9 +279,9 @@ fn write_all_spin(sock: &mut TcpStream, mut b: &[u8]) -> Result<()> {
 /// Bandwidth: one round of clan PIO streaming over a link; returns (seconds, per-message samples).
 pub fn clan_stream(h: &Hosts, size: usize, iters: u64, mode: super::bandwidth::Mode) -> Result<(Duration, Samples)> {
     let dma = mode == super::bandwidth::Mode::Dma;
-    let common = [format!("size={size}"), format!("iters={iters}"), format!("dma={dma}")];
-    let mut recv = h.spawn(1, "bw-link-recv", &common)?;
-    let mut send = h.spawn(0, "bw-link-send", &common)?;
+    let common = || BwArgs { size, iters, dma };
+    let mut recv = h.spawn(1, Role::BwLinkRecv, common())?;
+    let mut send = h.spawn(0, Role::BwLinkSend, common())?;
     send.send(recv.recv()?)?;
     let line = send.recv()?;
     recv.send(format!("check {iters}"))?;
@@ -279,10 +298,10 @@ pub fn clan_stream(h: &Hosts, size: usize, iters: u64, mode: super::bandwidth::M
 
 /// Bandwidth baseline: a raw TCP stream of the same messages between the same hosts.
 pub fn raw_stream(h: &Hosts, size: usize, iters: u64) -> Result<(Duration, Samples)> {
-    let common = [format!("size={size}"), format!("iters={iters}")];
-    let mut recv = h.spawn(1, "bw-tcp-recv", &common)?;
+    let common = || BwArgs { size, iters, dma: false };
+    let mut recv = h.spawn(1, Role::BwTcpRecv, common())?;
     let port = recv.recv()?;
-    let mut send = h.spawn(0, "bw-tcp-send", &common)?;
+    let mut send = h.spawn(0, Role::BwTcpSend, common())?;
     send.send(format!("{}:{port}", h.ip(1)))?;
     let line = send.recv()?;
     send.finish()?;
@@ -301,16 +320,15 @@ fn ring(size: usize) -> usize {
 }
 
 /// Peer roles of the link bandwidth benchmarks.
-pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
-    let size: usize = arg(args, "size")?;
-    let iters: u64 = arg(args, "iters")?;
-    sys::pin(arg(args, "cpu")?);
+pub fn bandwidth_peer(role: Role, a: OnHost<BwArgs>) -> Result<()> {
+    let OnHost { ip, cpu, args: BwArgs { size, iters, dma } } = a;
+    sys::pin(cpu);
     let src: Vec<u8> = (0..size).map(|i| (i * 7 + 3) as u8).collect();
     let ring_bytes = ring(size);
     let slots = (ring_bytes / size) as u64;
     match role {
-        "bw-link-recv" => {
-            let nic = nic(args, Progress::Engine)?;
+        Role::BwLinkRecv => {
+            let nic = nic(ip, cpu, Progress::Engine)?;
             let ep = nic.endpoint()?;
             let ap = ep.export(ring_bytes as u64 + 8)?;
             Link::say(ap.descriptor());
@@ -323,11 +341,9 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(if seq == n && got == src { "ok".to_string() } else { format!("seq {seq}, expected {n}") });
             while Link::hear().is_ok_and(|l| l != "done") {}
         }
-        "bw-link-send" if arg::<bool>(args, "dma")? => {
+        Role::BwLinkSend if dma => {
             // The sender's DMA engine (on the sender's CPU) sends the bursts, straight from
             // the source aperture.
-            let ip: IpAddr = arg(args, "ip")?;
-            let cpu: usize = arg(args, "cpu")?;
             let nic = Nic::open(NicConfig {
                 local_transport: LocalTransport::Link,
                 engine_cpu: Some(cpu),
@@ -352,8 +368,8 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(format!("result {} {}", t.as_secs_f64(), s2.to_line()));
             while Link::hear().is_ok_and(|l| l != "done") {}
         }
-        "bw-link-send" => {
-            let nic = nic(args, Progress::Engine)?;
+        Role::BwLinkSend => {
+            let nic = nic(ip, cpu, Progress::Engine)?;
             let ep = nic.endpoint()?;
             let m = ep.import(&Link::hear()?.parse()?)?;
             // Warm up: one pass over the ring.
@@ -371,8 +387,7 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             Link::say(format!("result {} {}", t.as_secs_f64(), s.to_line()));
             while Link::hear().is_ok_and(|l| l != "done") {}
         }
-        "bw-tcp-recv" => {
-            let ip: IpAddr = arg(args, "ip")?;
+        Role::BwTcpRecv => {
             let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
             Link::say(l.local_addr()?.port());
             let (mut sock, _) = l.accept()?;
@@ -398,7 +413,7 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             }
             sock.write_all(&[1])?;
         }
-        "bw-tcp-send" => {
+        Role::BwTcpSend => {
             let to: SocketAddr = Link::hear()?.parse()?;
             let mut sock = TcpStream::connect(to)?;
             sock.set_nodelay(true)?;
@@ -416,7 +431,7 @@ pub fn bandwidth_peer(role: &str, args: &[String]) -> Result<()> {
             let t = start.elapsed();
             Link::say(format!("result {} {}", t.as_secs_f64(), s.to_line()));
         }
-        other => return Err(format!("unknown role {other}").into()),
+        other => return Err(format!("not a role of this benchmark: {other:?}").into()),
     }
     Ok(())
 }

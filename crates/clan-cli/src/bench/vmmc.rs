@@ -26,7 +26,7 @@ use clan_proto::vmmc::{
 use serde::Serialize;
 
 use super::report::{Samples, emit, ns, ratio};
-use super::{Link, PeerProc, Result, arg};
+use super::{Link, PeerProc, Result, Role};
 use crate::sys;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -162,7 +162,7 @@ fn setup(v: Vmmc) -> Result<Me> {
     let src = v.send_buffer(RING)?;
     let sleeper = Vmmc::with_config(&nic()?, VmmcConfig { spin: Duration::ZERO, ..VmmcConfig::default() })?;
     let sleeper_buf = sleeper.export(4096, ExportOptions { notify: Notify::Wait, ..ExportOptions::default() })?;
-    let mut peer = PeerProc::spawn("vmmc-peer", &["cpu=1".to_string()])?;
+    let mut peer = PeerProc::spawn(Role::VmmcPeer, &PeerArgs { cpu: 1 })?;
     peer.send(buf.descriptor())?;
     peer.send(sleeper_buf.descriptor())?;
     let peer_buf = v.import(&peer.recv()?.parse()?)?;
@@ -624,12 +624,15 @@ fn setup_costs(me: &mut Me, n: u64) -> Result<SetupReport> {
     })
 }
 
+/// What the peer process is told.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct PeerArgs {
+    cpu: usize,
+}
+
 /// The peer process.
-pub fn peer(role: &str, args: &[String]) -> Result<()> {
-    if role != "vmmc-peer" {
-        return Err(format!("unknown role {role}").into());
-    }
-    sys::pin(arg(args, "cpu")?);
+pub fn peer(a: PeerArgs) -> Result<()> {
+    sys::pin(a.cpu);
     let nic = Nic::open(NicConfig::default())?;
     let v = Vmmc::new(&nic)?;
     let buf = v.export(BUF, ExportOptions { notify: Notify::Wait, ..ExportOptions::default() })?;
