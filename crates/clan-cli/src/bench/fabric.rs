@@ -201,10 +201,14 @@ pub fn run(a: &FabricArgs) -> Result<()> {
     let big_iters = (iters / 20).max(100);
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
+    // Steps: fi_pingpong over three providers and MPI over two, each round.
+    let bar = super::report::progress(rounds as u64 * 5, a.json);
     let progress = |what: &str| {
         if !a.json {
-            eprintln!("clan bench fabric: {what}");
+            bar.suspend(|| eprintln!("clan bench fabric: {what}"));
         }
+        bar.set_message(what.to_owned());
+        bar.inc(1);
     };
 
     if have("fi_pingpong") {
@@ -300,6 +304,7 @@ pub fn run(a: &FabricArgs) -> Result<()> {
         skipped.push("Open MPI (mpicc or mpirun not installed)".into());
     }
 
+    bar.finish_and_clear();
     let report = FabricReport { bench: "fabric", rows, skipped, placement: PLACEMENT };
     if a.json {
         println!("{}", serde_json::to_string(&report)?);

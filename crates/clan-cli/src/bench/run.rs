@@ -165,10 +165,14 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
     let rounds = a.rounds.max(1);
+    // Steps: sockperf and redis-benchmark, each round.
+    let bar = super::report::progress(rounds as u64 * 2, a.json);
     let progress = |what: &str| {
         if !a.json {
-            eprintln!("clan bench run: {what}");
+            bar.suspend(|| eprintln!("clan bench run: {what}"));
         }
+        bar.set_message(what.to_owned());
+        bar.inc(1);
     };
 
     if have("sockperf") {
@@ -269,6 +273,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
         skipped.push("redis (redis-server or redis-benchmark not installed)".into());
     }
 
+    bar.finish_and_clear();
     let report = RunReport { bench: "run", rows, skipped, placement: PLACEMENT };
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
