@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 /// What the benchmark ran on.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Machine {
     pub cpus: usize,
     pub model: String,

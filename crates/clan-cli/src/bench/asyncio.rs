@@ -43,14 +43,14 @@ pub struct TokioArgs {
 }
 
 /// One transport at one client count.
-#[derive(Serialize, Debug, Clone, Copy)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy)]
 pub struct TokioRun {
     pub requests_per_s: f64,
     pub rtt: Percentiles,
 }
 
 /// All transports at one client count.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct TokioPoint {
     pub clients: usize,
     /// Both reactors spin for `spin_us` before sleeping.
@@ -69,7 +69,7 @@ pub struct TokioPoint {
 }
 
 /// The report of `clan bench tokio`.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct TokioReport {
     pub machine: sys::Machine,
     pub placement: &'static str,

@@ -47,23 +47,23 @@ pub struct BandwidthArgs {
     pub json: bool,
 }
 
-#[derive(Serialize)]
-struct BandwidthReport {
-    bench: &'static str,
-    transport: &'static str,
-    mode: &'static str,
-    size: usize,
-    iters: u64,
-    ring_bytes: usize,
-    mbit_s: f64,
-    msg_p50_ns: u64,
-    msg_p99_ns: u64,
-    baseline: &'static str,
-    baseline_mbit_s: f64,
-    baseline_msg_p50_ns: u64,
-    ratio: f64,
-    placement: String,
-    machine: sys::Machine,
+#[derive(Serialize, serde::Deserialize)]
+pub struct BandwidthReport {
+    pub bench: &'static str,
+    pub transport: &'static str,
+    pub mode: &'static str,
+    pub size: usize,
+    pub iters: u64,
+    pub ring_bytes: usize,
+    pub mbit_s: f64,
+    pub msg_p50_ns: u64,
+    pub msg_p99_ns: u64,
+    pub baseline: &'static str,
+    pub baseline_mbit_s: f64,
+    pub baseline_msg_p50_ns: u64,
+    pub ratio: f64,
+    pub placement: String,
+    pub machine: sys::Machine,
 }
 
 fn ring_bytes(size: usize) -> usize {

@@ -40,7 +40,7 @@ pub struct ConnectArgs {
     pub json: bool,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct ConnectReport {
     pub bench: &'static str,
     pub iters: u64,

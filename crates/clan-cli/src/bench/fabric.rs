@@ -27,7 +27,7 @@ pub struct FabricArgs {
 }
 
 /// One line of the report.
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct Row {
     pub program: &'static str,
     pub measure: String,
@@ -40,7 +40,7 @@ pub struct Row {
     pub met: bool,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct FabricReport {
     pub bench: &'static str,
     pub rows: Vec<Row>,

@@ -50,7 +50,7 @@ pub struct GrantsArgs {
 }
 
 /// One kind of grant, seen from the importing process.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct GrantCosts {
     pub kind: &'static str,
     /// Import, first access, unimport.
@@ -66,7 +66,7 @@ pub struct GrantCosts {
 }
 
 /// One way of splitting an aperture into memfds.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct SplitCosts {
     pub chunk: u64,
     pub chunks: u64,
@@ -76,7 +76,7 @@ pub struct SplitCosts {
     pub fds_held: u64,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct GrantsReport {
     pub machine: sys::Machine,
     pub placement: &'static str,

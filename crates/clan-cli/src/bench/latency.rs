@@ -77,26 +77,26 @@ pub struct LatencyArgs {
     pub json: bool,
 }
 
-#[derive(Serialize)]
-struct LatencyReport {
-    bench: &'static str,
-    transport: &'static str,
-    sync: &'static str,
-    size: usize,
-    iters: u64,
-    rtt_p50_ns: u64,
-    rtt_p90_ns: u64,
-    rtt_p99_ns: u64,
-    rtt_p999_ns: u64,
-    rtt_mean_ns: f64,
-    one_way_p50_ns: u64,
-    baseline: &'static str,
-    baseline_rtt_p50_ns: u64,
-    baseline_rtt_p99_ns: u64,
-    baseline_rtt_mean_ns: f64,
-    ratio_p50: f64,
-    placement: String,
-    machine: sys::Machine,
+#[derive(Serialize, serde::Deserialize)]
+pub struct LatencyReport {
+    pub bench: &'static str,
+    pub transport: &'static str,
+    pub sync: &'static str,
+    pub size: usize,
+    pub iters: u64,
+    pub rtt_p50_ns: u64,
+    pub rtt_p90_ns: u64,
+    pub rtt_p99_ns: u64,
+    pub rtt_p999_ns: u64,
+    pub rtt_mean_ns: f64,
+    pub one_way_p50_ns: u64,
+    pub baseline: &'static str,
+    pub baseline_rtt_p50_ns: u64,
+    pub baseline_rtt_p99_ns: u64,
+    pub baseline_rtt_mean_ns: f64,
+    pub ratio_p50: f64,
+    pub placement: String,
+    pub machine: sys::Machine,
 }
 
 const LIMIT: Duration = Duration::from_secs(60);

@@ -14,6 +14,16 @@ use std::time::Instant;
 use serde_json::{Value, json};
 
 use super::Result;
+use super::asyncio::{TokioPoint, TokioReport};
+use super::bandwidth::BandwidthReport;
+use super::fabric::FabricReport;
+use super::latency::LatencyReport;
+use super::queue::{QueuePoint, QueueReport};
+use super::rpc::RpcReport;
+use super::run::RunReport;
+use super::server::ServerReport;
+use super::stream::StreamReport;
+use super::vmmc::{BandwidthPoint, VmmcReport};
 use crate::sys;
 
 /// Arguments of `clan bench paper`.
@@ -76,42 +86,30 @@ fn bench(args: &[String]) -> Result<Value> {
     Ok(serde_json::from_str(line)?)
 }
 
+/// Run `clan bench ARGS --json` and read its report as the benchmark's own type: a field
+/// renamed there does not compile here, one missing from the output fails the run.
+fn bench_as<T: serde::Deserialize<'static>>(args: &[String]) -> Result<T> {
+    let v = bench(args)?;
+    // The reports' text fields borrow from their JSON: the text is kept for the run (a few
+    // kilobytes per benchmark).
+    let text: &'static str = Box::leak(v.to_string().into_boxed_str());
+    serde_json::from_str(text)
+        .map_err(|e| format!("clan bench {}: its report does not read as its type: {e}", args.join(" ")).into())
+}
+
+/// A report kept as JSON read back as its type (text fields borrow from the kept text).
+fn typed<T: serde::Deserialize<'static>>(v: &Value) -> Result<T> {
+    let text: &'static str = Box::leak(v.to_string().into_boxed_str());
+    Ok(serde_json::from_str(text)?)
+}
+
+/// A nanosecond figure of a report.
+fn nsu(v: u64) -> String {
+    super::report::ns(v)
+}
+
 fn s(v: &[&str]) -> Vec<String> {
     v.iter().map(|x| (*x).to_owned()).collect()
-}
-
-/// Fields the report asked a benchmark's JSON for and did not find: a field renamed in a
-/// benchmark's result type and not here. The run fails at the end, naming them, instead of
-/// showing NaN (an absent optional section, `null` or no object at all, is not counted).
-static MISSING: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-
-fn note_missing(parent: &Value, key: &str) {
-    if parent.as_object().is_some_and(|o| !o.contains_key(key)) {
-        let mut m = MISSING.lock().unwrap_or_else(|e| e.into_inner());
-        if !m.iter().any(|k| k == key) {
-            m.push(key.to_owned());
-        }
-    }
-}
-
-fn f(v: &Value, k: &str) -> f64 {
-    note_missing(v, k);
-    v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN)
-}
-
-/// The number at a JSON pointer (`/spin/clan/rtt_p50_ns`).
-fn fp(v: &Value, pointer: &str) -> f64 {
-    if let Some((parent, key)) = pointer.rsplit_once('/') {
-        let parent = if parent.is_empty() { Some(v) } else { v.pointer(parent) };
-        if let Some(p) = parent {
-            note_missing(p, key);
-        }
-    }
-    v.pointer(pointer).and_then(Value::as_f64).unwrap_or(f64::NAN)
-}
-
-fn ns(v: f64) -> String {
-    super::report::ns(v.max(0.0) as u64)
 }
 
 fn mbit(v: f64) -> String {
@@ -181,7 +179,7 @@ pub fn run(a: &PaperArgs) -> Result<()> {
         };
         say(format!("      {} ({:.0} s)", fig.ours, t.elapsed().as_secs_f64()));
         bar.inc(weight);
-        figs.extend(split_vmmc(fig));
+        figs.extend(split_vmmc(fig)?);
     }
     say(format!("[{total}/{total}] across hosts (TCP links between network namespaces) …"));
     bar.set_message("across hosts");
@@ -212,14 +210,6 @@ pub fn run(a: &PaperArgs) -> Result<()> {
     ));
     bar.finish_and_clear();
     figs.push(not_reproduced());
-    let missing = std::mem::take(&mut *MISSING.lock().unwrap_or_else(|e| e.into_inner()));
-    if !missing.is_empty() {
-        return Err(format!(
-            "the report asked the benchmarks' JSON for fields it does not have (renamed?): {}",
-            missing.join(", ")
-        )
-        .into());
-    }
     write_report(&a.out, &figs, profile, started.elapsed().as_secs_f64())?;
     println!(
         "clan bench paper: {} figures in {:.0} s → {}",
@@ -241,27 +231,28 @@ fn fig_rtt(p: Profile) -> Result<Figure> {
         Profile::Default => "300000",
         Profile::Full => "1000000",
     };
-    let spin = bench(&s(&["latency", "--sync", "spin", "--iters", iters]))?;
-    let block = bench(&s(&["latency", "--sync", "block", "--iters", &(iters.parse::<u64>()? / 10).to_string()]))?;
+    let spin: LatencyReport = bench_as(&s(&["latency", "--sync", "spin", "--iters", iters]))?;
+    let block: LatencyReport =
+        bench_as(&s(&["latency", "--sync", "block", "--iters", &(iters.parse::<u64>()? / 10).to_string()]))?;
     let rows = vec![
         (
             "RTT, 8 B, spinning (p50)".into(),
-            ns(f(&spin, "rtt_p50_ns")),
-            format!("{} (shm-raw)", ns(f(&spin, "baseline_rtt_p50_ns"))),
-            r2(f(&spin, "ratio_p50")),
+            nsu(spin.rtt_p50_ns),
+            format!("{} (shm-raw)", nsu(spin.baseline_rtt_p50_ns)),
+            r2(spin.ratio_p50),
         ),
         (
             "RTT, 8 B, blocking on tripwires (p50)".into(),
-            ns(f(&block, "rtt_p50_ns")),
-            format!("{} (unix)", ns(f(&block, "baseline_rtt_p50_ns"))),
-            r2(f(&block, "ratio_p50")),
+            nsu(block.rtt_p50_ns),
+            format!("{} (unix)", nsu(block.baseline_rtt_p50_ns)),
+            r2(block.ratio_p50),
         ),
     ];
     Ok(Figure {
         id: "rtt",
         title: "Shared-memory round trip, one word",
         paper: "3.7 µs RTT, 1.9 µs one way (T §5.2); 1.5 µs app to app (CLAN page)",
-        ours: format!("RTT {} (shm-raw {})", ns(f(&spin, "rtt_p50_ns")), ns(f(&spin, "baseline_rtt_p50_ns"))),
+        ours: format!("RTT {} (shm-raw {})", nsu(spin.rtt_p50_ns), nsu(spin.baseline_rtt_p50_ns)),
         rows,
         data: json!({ "spin": spin, "block": block }),
         skipped: None,
@@ -284,16 +275,18 @@ fn fig_bandwidth(p: Profile) -> Result<Figure> {
     let mut points = Vec::new();
     for &size in sizes {
         let iters = (bytes / size).max(1000).to_string();
-        let pio = bench(&s(&["bandwidth", "--mode", "pio", "--size", &size.to_string(), "--iters", &iters]))?;
-        let dma = bench(&s(&["bandwidth", "--mode", "dma", "--size", &size.to_string(), "--iters", &iters]))?;
-        points.push(json!({ "size": size, "pio": pio, "dma": dma }));
+        let pio: BandwidthReport =
+            bench_as(&s(&["bandwidth", "--mode", "pio", "--size", &size.to_string(), "--iters", &iters]))?;
+        let dma: BandwidthReport =
+            bench_as(&s(&["bandwidth", "--mode", "dma", "--size", &size.to_string(), "--iters", &iters]))?;
+        points.push((size, pio, dma));
     }
-    let series = |k: &str, field: &str| -> Vec<(f64, f64)> {
-        points.iter().map(|pt| (f(pt, "size"), f(&pt[k], field))).collect()
+    let series = |f: fn(&(u64, BandwidthReport, BandwidthReport)) -> f64| -> Vec<(f64, f64)> {
+        points.iter().map(|pt| (pt.0 as f64, f(pt))).collect()
     };
-    let pio = series("pio", "mbit_s");
-    let dma = series("dma", "mbit_s");
-    let mem = series("pio", "baseline_mbit_s");
+    let pio = series(|p| p.1.mbit_s);
+    let dma = series(|p| p.2.mbit_s);
+    let mem = series(|p| p.1.baseline_mbit_s);
     let at = |v: &[(f64, f64)], size: f64| v.iter().find(|(x, _)| *x == size).map_or(f64::NAN, |(_, y)| *y);
     let big = *sizes.last().unwrap_or(&(1 << 20)) as f64;
     let rows = vec![
@@ -310,7 +303,8 @@ fn fig_bandwidth(p: Profile) -> Result<Figure> {
             r2(at(&dma, big) / at(&mem, big)),
         ),
     ];
-    let data = json!({ "points": points });
+    let data: Vec<Value> =
+        points.iter().map(|(size, pio, dma)| json!({ "size": size, "pio": pio, "dma": dma })).collect();
     Ok(Figure {
         id: "bandwidth",
         title: "Raw bandwidth against size, PIO and DMA (T figure 7)",
@@ -321,7 +315,7 @@ fn fig_bandwidth(p: Profile) -> Result<Figure> {
             mbit(dma.iter().map(|p| p.1).fold(0.0, f64::max))
         ),
         rows,
-        data: json!({ "series": { "pio": pio, "dma": dma, "memcpy": mem }, "raw": data }),
+        data: json!({ "series": { "pio": pio, "dma": dma, "memcpy": mem }, "raw": { "points": data } }),
         skipped: None,
     })
 }
@@ -339,11 +333,11 @@ fn fig_server(p: Profile) -> Result<Figure> {
         Profile::Default => "100000",
         Profile::Full => "300000",
     };
-    let mut busy = Vec::new();
+    let mut busy: Vec<ServerReport> = Vec::new();
     for &n in ns_list {
-        busy.push(bench(&s(&["server", "--endpoints", &n.to_string(), "--mode", "busy", "--requests", requests]))?);
+        busy.push(bench_as(&s(&["server", "--endpoints", &n.to_string(), "--mode", "busy", "--requests", requests]))?);
     }
-    let idle = bench(&s(&[
+    let idle: ServerReport = bench_as(&s(&[
         "server",
         "--endpoints",
         "1",
@@ -353,60 +347,59 @@ fn fig_server(p: Profile) -> Result<Figure> {
         if p == Profile::Smoke { "300" } else { "5000" },
     ]))?;
     let wide = if p == Profile::Smoke { "32" } else { "1000" };
-    let many =
-        bench(&s(&["server", "--endpoints", wide, "--mode", "busy", "--inflight", "16", "--requests", requests]))?;
-    let at = |n: usize| busy.iter().find(|v| f(v, "endpoints") as usize == n);
-    let first = at(ns_list[0]).ok_or("no first point")?;
-    let last = at(*ns_list.last().unwrap_or(&1)).ok_or("no last point")?;
-    let spin_rtt = |v: &Value| fp(v, "/spin/clan/rtt_p50_ns");
-    let spread = busy.iter().map(spin_rtt).fold(0.0, f64::max) / busy.iter().map(spin_rtt).fold(f64::MAX, f64::min);
+    let many: ServerReport =
+        bench_as(&s(&["server", "--endpoints", wide, "--mode", "busy", "--inflight", "16", "--requests", requests]))?;
+    let spin_rtt = |v: &ServerReport| v.spin.clan.rtt_p50_ns;
+    let spread = busy.iter().map(spin_rtt).max().unwrap_or(0) as f64
+        / busy.iter().map(spin_rtt).min().unwrap_or(0).max(1) as f64;
+    let both = |v: &'static ServerReport| {
+        [(&v.spin, "both spinning", "busy-polling"), (&v.block, "both blocking", "blocking")]
+    };
     // RTT rows, both ways.
-    let rtt_rows = |what: &str, v: &Value| -> Vec<Row> {
-        [("spin", "both spinning", "busy-polling"), ("block", "both blocking", "blocking")]
+    let rtt_rows = |what: &str, v: &'static ServerReport| -> Vec<Row> {
+        both(v)
             .into_iter()
-            .map(|(k, how, base)| {
+            .map(|(c, how, base)| {
                 (
                     format!("{what}, {how} (p50)"),
-                    ns(fp(v, &format!("/{k}/clan/rtt_p50_ns"))),
-                    format!("{} (epoll-tcp, {base})", ns(fp(v, &format!("/{k}/baseline/rtt_p50_ns")))),
-                    r2(fp(v, &format!("/{k}/ratio_rtt_p50"))),
+                    nsu(c.clan.rtt_p50_ns),
+                    format!("{} (epoll-tcp, {base})", nsu(c.baseline.rtt_p50_ns)),
+                    r2(c.ratio_rtt_p50),
                 )
             })
             .collect()
     };
     // Requests/s rows, both ways, with the target.
-    let rate_rows = |what: &str, v: &Value| -> Vec<Row> {
-        [("spin", "both spinning", "busy-polling"), ("block", "both blocking", "blocking")]
+    let rate_rows = |what: &str, v: &'static ServerReport| -> Vec<Row> {
+        both(v)
             .into_iter()
-            .map(|(k, how, base)| {
-                let met = v.pointer(&format!("/{k}/target_met")).and_then(Value::as_bool).unwrap_or(false);
+            .map(|(c, how, base)| {
                 (
                     format!("{what}, {how}"),
-                    format!("{:.0}", fp(v, &format!("/{k}/clan/req_per_s"))),
-                    format!("{:.0} (epoll-tcp, {base})", fp(v, &format!("/{k}/baseline/req_per_s"))),
+                    format!("{:.0}", c.clan.req_per_s),
+                    format!("{:.0} (epoll-tcp, {base})", c.baseline.req_per_s),
                     format!(
                         "{:.1}× ({})",
-                        fp(v, &format!("/{k}/ratio_req_per_s")),
-                        if met { "≥ 20×: met" } else { "≥ 20×: not met" }
+                        c.ratio_req_per_s,
+                        if c.target_met { "≥ 20×: met" } else { "≥ 20×: not met" }
                     ),
                 )
             })
             .collect()
     };
-    let raw_row = |v: &Value| -> Row {
-        let met = v.get("raw_shm_target_met").and_then(Value::as_bool);
+    let raw_row = |v: &ServerReport| -> Row {
         (
             format!(
                 "busy RTT, {} endpoint{}, both spinning, against the raw shm ping-pong (p50)",
-                f(v, "endpoints"),
-                if f(v, "endpoints") == 1.0 { "" } else { "s" }
+                v.endpoints,
+                if v.endpoints == 1 { "" } else { "s" }
             ),
-            ns(spin_rtt(v)),
-            format!("{} (shm-raw, same run)", ns(f(v, "raw_shm_rtt_p50_ns"))),
+            nsu(spin_rtt(v)),
+            format!("{} (shm-raw, same run)", v.raw_shm_rtt_p50_ns.map_or("—".into(), nsu)),
             format!(
                 "{} ({})",
-                r2(f(v, "raw_shm_ratio")),
-                match met {
+                v.raw_shm_ratio.map_or("—".into(), r2),
+                match v.raw_shm_target_met {
                     Some(true) => "≤ 2×: met",
                     Some(false) => "≤ 2×: not met",
                     None => "—",
@@ -414,14 +407,20 @@ fn fig_server(p: Profile) -> Result<Figure> {
             ),
         )
     };
+    // The reports live for the run (their text borrows from leaked JSON too).
+    let (busy, idle, many): (&'static [ServerReport], &'static ServerReport, &'static ServerReport) =
+        (Box::leak(busy.into_boxed_slice()), Box::leak(Box::new(idle)), Box::leak(Box::new(many)));
+    let at = |n: usize| busy.iter().find(|v| v.endpoints == n);
+    let first = at(ns_list[0]).ok_or("no first point")?;
+    let last = at(*ns_list.last().unwrap_or(&1)).ok_or("no last point")?;
     let mut rows = rtt_rows("busy RTT, 1 endpoint", first);
-    rows.extend(rtt_rows(&format!("busy RTT, {} endpoints", f(last, "endpoints")), last));
+    rows.extend(rtt_rows(&format!("busy RTT, {} endpoints", last.endpoints), last));
     rows.push(raw_row(first));
     rows.push(raw_row(last));
-    rows.extend(rtt_rows("idle RTT, 1 endpoint", &idle));
+    rows.extend(rtt_rows("idle RTT, 1 endpoint", idle));
     rows.push((
         "idle RTT, 1 endpoint, clan as the paper runs it (polls 15 µs, then sleeps; p50)".into(),
-        ns(f(&idle, "rtt_p50_ns")),
+        nsu(idle.rtt_p50_ns),
         "—".into(),
         "—".into(),
     ));
@@ -429,20 +428,20 @@ fn fig_server(p: Profile) -> Result<Figure> {
     if let Some(k) = at(1000) {
         rows.extend(rate_rows("requests/s, 1000 endpoints, 1 in flight", k));
     }
-    rows.extend(rate_rows(&format!("requests/s, {wide} endpoints, 16 in flight"), &many));
+    rows.extend(rate_rows(&format!("requests/s, {wide} endpoints, 16 in flight"), many));
     Ok(Figure {
         id: "server",
         title: "Event-driven server: round trip and requests/s against endpoints (T §5.3, figures 8 and 9)",
         paper: "busy 7.9 µs, idle 16.8 µs RTT, flat in the endpoints; tends to 340 000 req/s (461 000 on the CLAN page); GbE TCP 21 184 req/s",
         ours: format!(
             "busy RTT spinning {} → {} over {}…{} endpoints (blocking {} → {}); idle {} as the paper runs it",
-            ns(spin_rtt(first)),
-            ns(spin_rtt(last)),
+            nsu(spin_rtt(first)),
+            nsu(spin_rtt(last)),
             ns_list[0],
             ns_list.last().unwrap_or(&1),
-            ns(fp(first, "/block/clan/rtt_p50_ns")),
-            ns(fp(last, "/block/clan/rtt_p50_ns")),
-            ns(f(&idle, "rtt_p50_ns"))
+            nsu(first.block.clan.rtt_p50_ns),
+            nsu(last.block.clan.rtt_p50_ns),
+            nsu(idle.rtt_p50_ns)
         ),
         rows,
         data: json!({ "busy": busy, "idle": idle, "inflight16": many }),
@@ -465,177 +464,176 @@ fn fig_oneway_vmmc(p: Profile) -> Result<Figure> {
         Profile::Default => "50000",
         Profile::Full => "100000",
     };
-    let v = bench(&s(&["vmmc", "--bytes", bytes, "--iters", iters]))?;
+    let r: VmmcReport = bench_as(&s(&["vmmc", "--bytes", bytes, "--iters", iters]))?;
     Ok(Figure {
         id: "vmmc",
         title: "VMMC",
         paper: "",
         ours: format!(
             "send_msg one way {}, notification {}",
-            ns(v["latency"][0]["one_way_p50_ns"].as_f64().unwrap_or(f64::NAN)),
-            ns(f(&v["notification"], "wait_one_way_p50_ns"))
+            r.latency.first().map_or("—".into(), |l| nsu(l.one_way_p50_ns)),
+            nsu(r.notification.wait_one_way_p50_ns)
         ),
         rows: Vec::new(),
-        data: v,
+        data: serde_json::to_value(&r)?,
         skipped: None,
     })
 }
 
-fn split_vmmc(fig: Figure) -> Vec<Figure> {
+fn split_vmmc(fig: Figure) -> Result<Vec<Figure>> {
     if fig.id != "vmmc" {
-        return vec![fig];
+        return Ok(vec![fig]);
     }
-    let v = fig.data;
-    let bw = v["bandwidth"].as_array().cloned().unwrap_or_default();
-    let big = bw.last().cloned().unwrap_or(Value::Null);
-    let half = |key: &str| -> String {
-        let peak = bw.iter().map(|p| f(p, key)).fold(0.0, f64::max);
-        bw.iter().find(|p| f(p, key) >= peak / 2.0).map_or("—".into(), |p| format!("{} B", f(p, "size")))
+    let v: VmmcReport = typed(&fig.data)?;
+    let bw = &v.bandwidth;
+    let big = bw.last().ok_or("vmmc: no bandwidth point")?;
+    let half = |f: fn(&BandwidthPoint) -> f64| -> String {
+        let peak = bw.iter().map(f).fold(0.0, f64::max);
+        bw.iter().find(|p| f(p) >= peak / 2.0).map_or("—".into(), |p| format!("{} B", p.size))
     };
     let oneway = Figure {
         id: "oneway",
         title: "One-way bandwidth: one message at a time (synchronous send) and streaming (asynchronous) (T figure 10)",
         paper: "streaming ≈ 900 Mbit/s with 6 µs setup; half bandwidth at ~750 B (T fig 10)",
-        ours: format!(
-            "1 MiB: synchronous {}, streaming {}",
-            mbit(f(&big, "sync_mbit_s")),
-            mbit(f(&big, "async_mbit_s"))
-        ),
+        ours: format!("1 MiB: synchronous {}, streaming {}", mbit(big.sync_mbit_s), mbit(big.async_mbit_s)),
         rows: vec![
             (
                 "one at a time, 1 MiB".into(),
-                mbit(f(&big, "sync_mbit_s")),
-                format!("{} (memcpy)", mbit(f(&big, "baseline_mbit_s"))),
-                r2(f(&big, "sync_mbit_s") / f(&big, "baseline_mbit_s")),
+                mbit(big.sync_mbit_s),
+                format!("{} (memcpy)", mbit(big.baseline_mbit_s)),
+                r2(big.sync_mbit_s / big.baseline_mbit_s),
             ),
             (
                 "streaming, 1 MiB".into(),
-                mbit(f(&big, "async_mbit_s")),
-                format!("{} (memcpy)", mbit(f(&big, "baseline_mbit_s"))),
-                r2(f(&big, "async_mbit_s") / f(&big, "baseline_mbit_s")),
+                mbit(big.async_mbit_s),
+                format!("{} (memcpy)", mbit(big.baseline_mbit_s)),
+                r2(big.async_mbit_s / big.baseline_mbit_s),
             ),
-            ("half of peak reached at (streaming)".into(), half("async_mbit_s"), "—".into(), "—".into()),
+            ("half of peak reached at (streaming)".into(), half(|p| p.async_mbit_s), "—".into(), "—".into()),
         ],
-        data: json!({ "bandwidth": bw }),
+        data: json!({ "bandwidth": bw, "placement": v.placement }),
         skipped: None,
     };
-    let ovh = bw.iter().find(|p| f(p, "size") == 65536.0).cloned().unwrap_or(Value::Null);
+    let ovh = bw.iter().find(|p| p.size == 65536).ok_or("vmmc: no 64 KiB point")?;
     let overhead = Figure {
         id: "send-overhead",
         title: "VMMC send overhead, synchronous and asynchronous, by size (M figure 4)",
         paper: "~3 µs for short sends; long asynchronous sends cheaper than synchronous (M fig 4)",
         ours: format!(
             "64 KiB: synchronous {}, asynchronous {}",
-            ns(f(&ovh, "sync_overhead_p50_ns")),
-            ns(f(&ovh, "async_overhead_p50_ns"))
+            nsu(ovh.sync_overhead_p50_ns),
+            nsu(ovh.async_overhead_p50_ns)
         ),
         rows: vec![
-            ("asynchronous send, 64 KiB (p50)".into(), ns(f(&ovh, "async_overhead_p50_ns")), "—".into(), "—".into()),
-            ("synchronous send, 64 KiB (p50)".into(), ns(f(&ovh, "sync_overhead_p50_ns")), "—".into(), "—".into()),
+            ("asynchronous send, 64 KiB (p50)".into(), nsu(ovh.async_overhead_p50_ns), "—".into(), "—".into()),
+            ("synchronous send, 64 KiB (p50)".into(), nsu(ovh.sync_overhead_p50_ns), "—".into(), "—".into()),
             (
                 "inline/DMA threshold".into(),
-                format!("{} B", v["inline_max"]),
-                format!("crossover measured at {} B", v["crossover_bytes"]),
+                format!("{} B", v.inline_max),
+                v.crossover_bytes
+                    .map_or("no crossover in the sizes measured".into(), |c| format!("crossover measured at {c} B")),
                 "—".into(),
             ),
         ],
-        data: json!({ "bandwidth": v["bandwidth"], "inline_max": v["inline_max"], "crossover_bytes": v["crossover_bytes"] }),
+        data: json!({
+            "bandwidth": bw, "inline_max": v.inline_max, "crossover_bytes": v.crossover_bytes,
+            "placement": v.placement,
+        }),
         skipped: None,
     };
-    let lat0 = v["latency"][0].clone();
+    let lat0 = v.latency.first().ok_or("vmmc: no latency point")?;
+    let fetch0 = v.fetch.first().ok_or("vmmc: no fetch point")?;
     let latency = Figure {
         id: "vmmc-latency",
         title: "VMMC one-way latency and remote fetch (M §5.3, NT figures 7 and 8)",
         paper: "9.8 µs one way, 108.4 MB/s = 98 % of the hardware (M §5.3); fetch measured (NT figs 7–8)",
-        ours: format!(
-            "send_msg one way {}; fetch 8 B {}",
-            ns(f(&lat0, "one_way_p50_ns")),
-            ns(v["fetch"][0]["latency_p50_ns"].as_f64().unwrap_or(f64::NAN))
-        ),
+        ours: format!("send_msg one way {}; fetch 8 B {}", nsu(lat0.one_way_p50_ns), nsu(fetch0.latency_p50_ns)),
         rows: vec![
             (
                 "send_msg one way, 8 B (p50)".into(),
-                ns(f(&lat0, "one_way_p50_ns")),
-                format!("{} (shm-raw)", ns(f(&lat0, "baseline_one_way_p50_ns"))),
-                r2(f(&lat0, "ratio")),
+                nsu(lat0.one_way_p50_ns),
+                format!("{} (shm-raw)", nsu(lat0.baseline_one_way_p50_ns)),
+                r2(lat0.ratio),
             ),
             (
                 "fetch 8 B (p50)".into(),
-                ns(v["fetch"][0]["latency_p50_ns"].as_f64().unwrap_or(f64::NAN)),
-                format!("{} (memcpy)", ns(v["fetch"][0]["baseline_memcpy_p50_ns"].as_f64().unwrap_or(f64::NAN))),
+                nsu(fetch0.latency_p50_ns),
+                format!("{} (memcpy)", nsu(fetch0.baseline_memcpy_p50_ns)),
                 "—".into(),
             ),
         ],
-        data: json!({ "latency": v["latency"], "fetch": v["fetch"] }),
+        data: json!({ "latency": v.latency, "fetch": v.fetch, "placement": v.placement }),
         skipped: None,
     };
-    let n = &v["notification"];
+    let n = &v.notification;
+    let per = |x: u64| r2(x as f64 / n.baseline_one_way_p50_ns as f64);
     let notif = Figure {
         id: "notification",
         title: "VMMC notification overhead (NT §5.3)",
         paper: "30 µs Linux, 52 µs NT (NT §5.3)",
         ours: format!(
             "{} (waiter spinning first), {} sleeping",
-            ns(f(n, "wait_one_way_p50_ns")),
-            ns(f(n, "sleep_one_way_p50_ns"))
+            nsu(n.wait_one_way_p50_ns),
+            nsu(n.sleep_one_way_p50_ns)
         ),
         rows: vec![
             (
                 "one way, waiting thread (p50)".into(),
-                ns(f(n, "wait_one_way_p50_ns")),
-                format!("{} (unix)", ns(f(n, "baseline_one_way_p50_ns"))),
-                r2(f(n, "ratio")),
+                nsu(n.wait_one_way_p50_ns),
+                format!("{} (unix)", nsu(n.baseline_one_way_p50_ns)),
+                r2(n.ratio),
             ),
             (
                 "one way, handler thread (p50)".into(),
-                ns(f(n, "handler_one_way_p50_ns")),
-                format!("{} (unix)", ns(f(n, "baseline_one_way_p50_ns"))),
-                r2(f(n, "handler_one_way_p50_ns") / f(n, "baseline_one_way_p50_ns")),
+                nsu(n.handler_one_way_p50_ns),
+                format!("{} (unix)", nsu(n.baseline_one_way_p50_ns)),
+                per(n.handler_one_way_p50_ns),
             ),
             (
                 "one way, nobody spinning (p50)".into(),
-                ns(f(n, "sleep_one_way_p50_ns")),
-                format!("{} (unix)", ns(f(n, "baseline_one_way_p50_ns"))),
-                r2(f(n, "sleep_one_way_p50_ns") / f(n, "baseline_one_way_p50_ns")),
+                nsu(n.sleep_one_way_p50_ns),
+                format!("{} (unix)", nsu(n.baseline_one_way_p50_ns)),
+                per(n.sleep_one_way_p50_ns),
             ),
         ],
-        data: n.clone(),
+        data: json!({ "notification": n, "placement": v.placement }),
         skipped: None,
     };
-    let st = &v["setup"];
+    let st = &v.setup;
+    let vs = |a: u64, b: u64| r2(a as f64 / b as f64);
     let setup = Figure {
         id: "setup",
         title: "Export and import cost (NT §5.1)",
         paper: "export 43 µs, import 68 µs (NT §5.1)",
         ours: format!(
             "export {}, import across processes {}",
-            ns(f(st, "export_4k_fresh_ns")),
-            ns(f(st, "import_cross_process_ns"))
+            nsu(st.export_4k_fresh_ns),
+            nsu(st.import_cross_process_ns)
         ),
         rows: vec![
             (
                 "export 4 KiB, fresh".into(),
-                ns(f(st, "export_4k_fresh_ns")),
-                format!("{} (memfd+mmap)", ns(f(st, "baseline_memfd_mmap_4k_ns"))),
-                r2(f(st, "export_4k_fresh_ns") / f(st, "baseline_memfd_mmap_4k_ns")),
+                nsu(st.export_4k_fresh_ns),
+                format!("{} (memfd+mmap)", nsu(st.baseline_memfd_mmap_4k_ns)),
+                vs(st.export_4k_fresh_ns, st.baseline_memfd_mmap_4k_ns),
             ),
             (
                 "export 4 KiB, from the endpoint cache".into(),
-                ns(f(st, "export_4k_cached_ns")),
-                format!("{} (memfd+mmap)", ns(f(st, "baseline_memfd_mmap_4k_ns"))),
-                r2(f(st, "export_4k_cached_ns") / f(st, "baseline_memfd_mmap_4k_ns")),
+                nsu(st.export_4k_cached_ns),
+                format!("{} (memfd+mmap)", nsu(st.baseline_memfd_mmap_4k_ns)),
+                vs(st.export_4k_cached_ns, st.baseline_memfd_mmap_4k_ns),
             ),
             (
                 "import, another process".into(),
-                ns(f(st, "import_cross_process_ns")),
-                format!("{} (unix request/response)", ns(f(st, "baseline_unix_rtt_ns"))),
-                r2(f(st, "import_cross_process_ns") / f(st, "baseline_unix_rtt_ns")),
+                nsu(st.import_cross_process_ns),
+                format!("{} (unix request/response)", nsu(st.baseline_unix_rtt_ns)),
+                vs(st.import_cross_process_ns, st.baseline_unix_rtt_ns),
             ),
         ],
-        data: st.clone(),
+        data: json!({ "setup": st, "placement": v.placement }),
         skipped: None,
     };
-    vec![oneway, overhead, latency, notif, setup]
+    Ok(vec![oneway, overhead, latency, notif, setup])
 }
 
 fn fig_queue(p: Profile) -> Result<Figure> {
@@ -644,95 +642,87 @@ fn fig_queue(p: Profile) -> Result<Figure> {
         Profile::Default => "3",
         Profile::Full => "5",
     };
-    let v = if p == Profile::Smoke {
-        bench(&s(&["queue", "--rounds", rounds, "--size", "32768"]))?
+    let v: QueueReport = if p == Profile::Smoke {
+        bench_as(&s(&["queue", "--rounds", rounds, "--size", "32768"]))?
     } else {
-        bench(&s(&["queue", "--rounds", rounds]))?
+        bench_as(&s(&["queue", "--rounds", rounds]))?
     };
-    let pts = v["points"].as_array().cloned().unwrap_or_default();
-    let at = |size: f64| pts.iter().find(|x| f(x, "size") == size).cloned().unwrap_or(Value::Null);
-    let k32 = at(32768.0);
-    let small = pts.first().cloned().unwrap_or(Value::Null);
+    let k32 = v.points.iter().find(|x| x.size == 32768).ok_or("queue: no 32 KiB point")?;
+    let small = v.points.first().ok_or("queue: no point")?;
+    let opt = |x: Option<f64>| x.map_or("—".into(), r2);
+    let size_of = |x: Option<usize>| x.map_or("—".into(), |n| format!("{n} B"));
+    let mut rows = vec![
+        (
+            "32 KiB transfers".into(),
+            mbit(k32.mbit_s),
+            format!("{} (memcpy in and out)", mbit(k32.baseline_mbit_s)),
+            r2(k32.ratio),
+        ),
+        (
+            "32 KiB transfers, against a hand-written ring".into(),
+            mbit(k32.mbit_s),
+            format!("{} (ring of the same size, no tripwires)", k32.ring_mbit_s.map_or("—".into(), mbit)),
+            opt(k32.ring_ratio),
+        ),
+        (
+            "32 KiB transfers, slot-based message queue (multi-part messages)".into(),
+            mbit(k32.slot_mbit_s),
+            format!("{} (memcpy in and out)", mbit(k32.baseline_mbit_s)),
+            r2(k32.slot_ratio),
+        ),
+        (
+            format!("{} B messages per second, slot-based message queue", small.size),
+            format!("{:.0}", small.slot_msg_per_s),
+            format!("{:.0} (the byte stream)", small.msg_per_s),
+            r2(small.slot_msg_per_s / small.msg_per_s),
+        ),
+        ("peak".into(), mbit(v.peak_mbit_s), "—".into(), "—".into()),
+        ("half of the peak reached at".into(), size_of(v.half_peak_size), "—".into(), "—".into()),
+        ("peak, slot-based message queue".into(), mbit(v.slot_peak_mbit_s), "—".into(), "—".into()),
+        (
+            "half of the peak reached at, slot-based message queue".into(),
+            size_of(v.slot_half_peak_size),
+            "—".into(),
+            "—".into(),
+        ),
+        ("buffer per endpoint".into(), format!("{} KiB", v.buffer_bytes >> 10), "—".into(), "—".into()),
+    ];
+    if let Some(batch) = small.batch_msg_per_s {
+        let size = small.size;
+        rows.insert(
+            4,
+            (
+                format!("{size} B messages per second, sent in batches (MsgSender::send_batch)"),
+                format!("{batch:.0}"),
+                match small.ucx_msg_per_s {
+                    Some(u) => format!("{u:.0} (UCX tag_bw, shared memory)"),
+                    None => "(UCX not installed)".into(),
+                },
+                opt(small.batch_vs_ucx),
+            ),
+        );
+        rows.insert(
+            5,
+            (
+                format!("{size} B messages, batched, against the hand-written ring"),
+                mbit(batch * size as f64 * 8.0 / 1e6),
+                format!("{} (ring)", small.ring_mbit_s.map_or("—".into(), mbit)),
+                opt(small.batch_vs_ring),
+            ),
+        );
+    }
     Ok(Figure {
         id: "queue",
         title: "Distributed queue streaming, copied into and out of the queue (CLAN page)",
         paper: "880 Mbit/s at 32 KB, half of it at 128 B transfers, 10 KB of buffer per endpoint",
         ours: format!(
-            "{} at 32 KiB, half of the peak at {} B, {} KiB per endpoint",
-            mbit(f(&k32, "mbit_s")),
-            v["half_peak_size"],
-            f(&v, "buffer_bytes") as u64 >> 10
+            "{} at 32 KiB, half of the peak at {}, {} KiB per endpoint",
+            mbit(k32.mbit_s),
+            size_of(v.half_peak_size),
+            v.buffer_bytes >> 10
         ),
-        rows: {
-            let mut rows = vec![
-                (
-                    "32 KiB transfers".into(),
-                    mbit(f(&k32, "mbit_s")),
-                    format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
-                    r2(f(&k32, "ratio")),
-                ),
-                (
-                    "32 KiB transfers, against a hand-written ring".into(),
-                    mbit(f(&k32, "mbit_s")),
-                    format!("{} (ring of the same size, no tripwires)", mbit(f(&k32, "ring_mbit_s"))),
-                    r2(f(&k32, "ring_ratio")),
-                ),
-                (
-                    "32 KiB transfers, slot-based message queue (multi-part messages)".into(),
-                    mbit(f(&k32, "slot_mbit_s")),
-                    format!("{} (memcpy in and out)", mbit(f(&k32, "baseline_mbit_s"))),
-                    r2(f(&k32, "slot_ratio")),
-                ),
-                (
-                    format!("{} B messages per second, slot-based message queue", f(&small, "size")),
-                    format!("{:.0}", f(&small, "slot_msg_per_s")),
-                    format!("{:.0} (the byte stream)", f(&small, "msg_per_s")),
-                    r2(f(&small, "slot_msg_per_s") / f(&small, "msg_per_s")),
-                ),
-                ("peak".into(), mbit(f(&v, "peak_mbit_s")), "—".into(), "—".into()),
-                ("half of the peak reached at".into(), format!("{} B", v["half_peak_size"]), "—".into(), "—".into()),
-                ("peak, slot-based message queue".into(), mbit(f(&v, "slot_peak_mbit_s")), "—".into(), "—".into()),
-                (
-                    "half of the peak reached at, slot-based message queue".into(),
-                    format!("{} B", v["slot_half_peak_size"]),
-                    "—".into(),
-                    "—".into(),
-                ),
-                (
-                    "buffer per endpoint".into(),
-                    format!("{} KiB", f(&v, "buffer_bytes") as u64 >> 10),
-                    "—".into(),
-                    "—".into(),
-                ),
-            ];
-            if small.get("batch_msg_per_s").is_some_and(|x| !x.is_null()) {
-                let size = f(&small, "size");
-                let ucx = small.get("ucx_msg_per_s").and_then(Value::as_f64);
-                rows.insert(
-                    4,
-                    (
-                        format!("{size} B messages per second, sent in batches (MsgSender::send_batch)"),
-                        format!("{:.0}", f(&small, "batch_msg_per_s")),
-                        match ucx {
-                            Some(u) => format!("{u:.0} (UCX tag_bw, shared memory)"),
-                            None => "(UCX not installed)".into(),
-                        },
-                        ucx.map_or("—".into(), |_| r2(f(&small, "batch_vs_ucx"))),
-                    ),
-                );
-                rows.insert(
-                    5,
-                    (
-                        format!("{size} B messages, batched, against the hand-written ring"),
-                        mbit(f(&small, "batch_msg_per_s") * size * 8.0 / 1e6),
-                        format!("{} (ring)", mbit(f(&small, "ring_mbit_s"))),
-                        r2(f(&small, "batch_vs_ring")),
-                    ),
-                );
-            }
-            rows
-        },
-        data: v,
+        rows,
+        data: serde_json::to_value(&v)?,
         skipped: None,
     })
 }
@@ -744,94 +734,73 @@ fn fig_stream(p: Profile) -> Result<Figure> {
         Profile::Default => ("2147483648", "60000"),
         Profile::Full => ("4294967296", "200000"),
     };
-    let v = bench(&s(&["stream", "--bytes", bytes, "--iters", iters]))?;
+    let v: StreamReport = bench_as(&s(&["stream", "--bytes", bytes, "--iters", iters]))?;
+    let mut rows = vec![
+        (
+            "RTT, 64 B, both spinning (p50)".into(),
+            nsu(v.spin.clan_rtt_p50_ns),
+            format!(
+                "{} (unix), {} (tcp), non-blocking, polled",
+                nsu(v.spin.unix_rtt_p50_ns),
+                nsu(v.spin.tcp_rtt_p50_ns)
+            ),
+            r2(v.ratio_spin),
+        ),
+        (
+            "RTT, 64 B, both blocking (p50)".into(),
+            nsu(v.block.clan_rtt_p50_ns),
+            format!("{} (unix), {} (tcp), blocking", nsu(v.block.unix_rtt_p50_ns), nsu(v.block.tcp_rtt_p50_ns)),
+            r2(v.ratio_block),
+        ),
+        (
+            "bandwidth, 64 KiB writes".into(),
+            mbit(v.mbit_s),
+            format!("{} (unix), {} (tcp)", mbit(v.unix_mbit_s), mbit(v.tcp_mbit_s)),
+            r2(v.bw_ratio_vs_unix),
+        ),
+    ];
+    for (l, how) in [(&v.link, "engine receiving"), (&v.link_manual, "manual progress")] {
+        rows.push((
+            format!("RTT, 64 B, over a TCP link ({how}), spinning / blocking (p50)"),
+            format!("{} / {}", nsu(l.spin_rtt_p50_ns), nsu(l.block_rtt_p50_ns)),
+            format!("{} / {} (kernel TCP over loopback)", nsu(l.tcp_spin_rtt_p50_ns), nsu(l.tcp_block_rtt_p50_ns)),
+            format!("{} / {}", r2(l.ratio_spin_vs_tcp), r2(l.ratio_block_vs_tcp)),
+        ));
+        rows.push((
+            format!("bandwidth over a TCP link ({how}), 64 KiB writes"),
+            mbit(l.mbit_s),
+            format!("{} (kernel TCP over loopback)", mbit(l.tcp_mbit_s)),
+            r2(l.bw_ratio_vs_tcp),
+        ));
+    }
+    if let Some(o) = &v.one_core {
+        rows.insert(
+            2,
+            (
+                "RTT, 64 B, both on one CPU, blocking (p50)".into(),
+                nsu(o.clan_block_p50_ns),
+                format!(
+                    "{} (unix, blocking); clan with its defaults {}",
+                    nsu(o.unix_p50_ns),
+                    nsu(o.clan_default_p50_ns)
+                ),
+                r2(o.ratio_block),
+            ),
+        );
+    }
     Ok(Figure {
         id: "stream",
         title: "Stream sockets (NT §4.1)",
         paper: "20 µs one way, > 84 MB/s peak (NT §4.1)",
         ours: format!(
             "one way {} spinning, {} blocking, {}; RTT ≤ 1× Unix met {}",
-            ns(fp(&v, "/spin/clan_rtt_p50_ns") / 2.0),
-            ns(fp(&v, "/block/clan_rtt_p50_ns") / 2.0),
-            mbit(f(&v, "mbit_s")),
-            v["target_met"].as_str().unwrap_or("?")
+            nsu(v.spin.clan_rtt_p50_ns / 2),
+            nsu(v.block.clan_rtt_p50_ns / 2),
+            mbit(v.mbit_s),
+            v.target_met
         ),
-        rows: {
-            let mut rows = vec![
-                (
-                    "RTT, 64 B, both spinning (p50)".into(),
-                    ns(fp(&v, "/spin/clan_rtt_p50_ns")),
-                    format!(
-                        "{} (unix), {} (tcp), non-blocking, polled",
-                        ns(fp(&v, "/spin/unix_rtt_p50_ns")),
-                        ns(fp(&v, "/spin/tcp_rtt_p50_ns"))
-                    ),
-                    r2(f(&v, "ratio_spin")),
-                ),
-                (
-                    "RTT, 64 B, both blocking (p50)".into(),
-                    ns(fp(&v, "/block/clan_rtt_p50_ns")),
-                    format!(
-                        "{} (unix), {} (tcp), blocking",
-                        ns(fp(&v, "/block/unix_rtt_p50_ns")),
-                        ns(fp(&v, "/block/tcp_rtt_p50_ns"))
-                    ),
-                    r2(f(&v, "ratio_block")),
-                ),
-                (
-                    "bandwidth, 64 KiB writes".into(),
-                    mbit(f(&v, "mbit_s")),
-                    format!("{} (unix), {} (tcp)", mbit(f(&v, "unix_mbit_s")), mbit(f(&v, "tcp_mbit_s"))),
-                    r2(f(&v, "bw_ratio_vs_unix")),
-                ),
-            ];
-            for (k, how) in [("link", "engine receiving"), ("link_manual", "manual progress")] {
-                if v.pointer(&format!("/{k}/spin_rtt_p50_ns")).is_none() {
-                    continue;
-                }
-                rows.push((
-                    format!("RTT, 64 B, over a TCP link ({how}), spinning / blocking (p50)"),
-                    format!(
-                        "{} / {}",
-                        ns(fp(&v, &format!("/{k}/spin_rtt_p50_ns"))),
-                        ns(fp(&v, &format!("/{k}/block_rtt_p50_ns")))
-                    ),
-                    format!(
-                        "{} / {} (kernel TCP over loopback)",
-                        ns(fp(&v, &format!("/{k}/tcp_spin_rtt_p50_ns"))),
-                        ns(fp(&v, &format!("/{k}/tcp_block_rtt_p50_ns")))
-                    ),
-                    format!(
-                        "{} / {}",
-                        r2(fp(&v, &format!("/{k}/ratio_spin_vs_tcp"))),
-                        r2(fp(&v, &format!("/{k}/ratio_block_vs_tcp")))
-                    ),
-                ));
-                rows.push((
-                    format!("bandwidth over a TCP link ({how}), 64 KiB writes"),
-                    mbit(fp(&v, &format!("/{k}/mbit_s"))),
-                    format!("{} (kernel TCP over loopback)", mbit(fp(&v, &format!("/{k}/tcp_mbit_s")))),
-                    r2(fp(&v, &format!("/{k}/bw_ratio_vs_tcp"))),
-                ));
-            }
-            if v.pointer("/one_core/clan_block_p50_ns").is_some() {
-                rows.insert(
-                    2,
-                    (
-                        "RTT, 64 B, both on one CPU, blocking (p50)".into(),
-                        ns(fp(&v, "/one_core/clan_block_p50_ns")),
-                        format!(
-                            "{} (unix, blocking); clan with its defaults {}",
-                            ns(fp(&v, "/one_core/unix_p50_ns")),
-                            ns(fp(&v, "/one_core/clan_default_p50_ns"))
-                        ),
-                        r2(fp(&v, "/one_core/ratio_block")),
-                    ),
-                );
-            }
-            rows
-        },
-        data: v,
+        rows,
+        data: serde_json::to_value(&v)?,
         skipped: None,
     })
 }
@@ -843,45 +812,45 @@ fn fig_tokio(p: Profile) -> Result<Figure> {
         Profile::Default => ("1,4,16,64", "2000"),
         Profile::Full => ("1,4,16,64,256", "3000"),
     };
-    let v = bench(&s(&["tokio", "--clients", clients, "--millis", millis]))?;
-    let points = v["points"].as_array().cloned().unwrap_or_default();
-    let met = points.iter().all(|p| p["target_met"].as_bool() == Some(true));
+    let v: TokioReport = bench_as(&s(&["tokio", "--clients", clients, "--millis", millis]))?;
+    let met = v.points.iter().all(|p| p.target_met);
+    let last = v.points.last().ok_or("tokio: no point")?;
     Ok(Figure {
         id: "tokio",
         title: "tokio: concurrent request/response clients",
         paper: "(not in the papers: async Rust servers are what our users write)",
         ours: format!(
-            "{} at {} clients: {}× tokio over Unix sockets; ≥ 1× at every count: {}",
-            points.last().map_or(String::new(), |p| format!("{:.0} req/s", fp(p, "/clan/requests_per_s"))),
-            points.last().map_or(0, |p| p["clients"].as_u64().unwrap_or(0)),
-            points.last().map_or(String::new(), |p| r2(f(p, "ratio_vs_unix"))),
+            "{:.0} req/s at {} clients: {}× tokio over Unix sockets; ≥ 1× at every count: {}",
+            last.clan.requests_per_s,
+            last.clients,
+            r2(last.ratio_vs_unix),
             if met { "met" } else { "not met" }
         ),
-        rows: points
+        rows: v
+            .points
             .iter()
             .flat_map(|p| {
-                let n = p["clients"].as_u64().unwrap_or(0);
+                let n = p.clients;
                 [
                     (
                         format!("req/s, {n} clients, reactors spinning then sleeping"),
-                        format!("{:.0}", fp(p, "/clan/requests_per_s")),
+                        format!("{:.0}", p.clan.requests_per_s),
                         format!(
                             "{:.0} (tokio over Unix), {:.0} (over TCP)",
-                            fp(p, "/unix/requests_per_s"),
-                            fp(p, "/tcp/requests_per_s")
+                            p.unix.requests_per_s, p.tcp.requests_per_s
                         ),
-                        r2(f(p, "ratio_vs_unix")),
+                        r2(p.ratio_vs_unix),
                     ),
                     (
                         format!("req/s, {n} clients, reactors never spinning"),
-                        format!("{:.0}", fp(p, "/clan_no_spin/requests_per_s")),
-                        format!("{:.0} (tokio over Unix)", fp(p, "/unix/requests_per_s")),
-                        r2(f(p, "ratio_no_spin_vs_unix")),
+                        format!("{:.0}", p.clan_no_spin.requests_per_s),
+                        format!("{:.0} (tokio over Unix)", p.unix.requests_per_s),
+                        r2(p.ratio_no_spin_vs_unix),
                     ),
                 ]
             })
             .collect(),
-        data: v,
+        data: serde_json::to_value(&v)?,
         skipped: None,
     })
 }
@@ -893,38 +862,38 @@ fn fig_rpc(p: Profile) -> Result<Figure> {
         Profile::Default => "200000",
         Profile::Full => "500000",
     };
-    let v = bench(&s(&["rpc", "--iters", iters]))?;
+    let v: RpcReport = bench_as(&s(&["rpc", "--iters", iters]))?;
     Ok(Figure {
         id: "rpc",
         title: "RPC on flags and tripwires (T §4.1)",
         paper: "(the paper builds RPC this way; no figure)",
         ours: format!(
             "RTT {} spinning ({:.0} calls/s), {} blocking; RTT ≤ 1× Unix met {}",
-            ns(fp(&v, "/spin/clan/rtt_p50_ns")),
-            fp(&v, "/spin/clan/calls_per_s"),
-            ns(fp(&v, "/block/clan/rtt_p50_ns")),
-            v["target_met"].as_str().unwrap_or("?")
+            nsu(v.spin.clan.rtt_p50_ns),
+            v.spin.clan.calls_per_s,
+            nsu(v.block.clan.rtt_p50_ns),
+            v.target_met
         ),
-        rows: [("spin", "both spinning", "non-blocking, polled"), ("block", "both blocking", "blocking")]
+        rows: [(&v.spin, "both spinning", "non-blocking, polled"), (&v.block, "both blocking", "blocking")]
             .into_iter()
-            .flat_map(|(k, how, base)| {
+            .flat_map(|(c, how, base)| {
                 [
                     (
                         format!("RTT, 64 B, {how} (p50)"),
-                        ns(fp(&v, &format!("/{k}/clan/rtt_p50_ns"))),
-                        format!("{} (unix, {base})", ns(fp(&v, &format!("/{k}/baseline/rtt_p50_ns")))),
-                        r2(fp(&v, &format!("/{k}/ratio_rtt_p50"))),
+                        nsu(c.clan.rtt_p50_ns),
+                        format!("{} (unix, {base})", nsu(c.baseline.rtt_p50_ns)),
+                        r2(c.ratio_rtt_p50),
                     ),
                     (
                         format!("calls/s, {how}"),
-                        format!("{:.0}", fp(&v, &format!("/{k}/clan/calls_per_s"))),
-                        format!("{:.0} (unix, {base})", fp(&v, &format!("/{k}/baseline/calls_per_s"))),
-                        format!("{:.1}×", fp(&v, &format!("/{k}/ratio_calls_per_s"))),
+                        format!("{:.0}", c.clan.calls_per_s),
+                        format!("{:.0} (unix, {base})", c.baseline.calls_per_s),
+                        format!("{:.1}×", c.ratio_calls_per_s),
                     ),
                 ]
             })
             .collect(),
-        data: v,
+        data: serde_json::to_value(&v)?,
         skipped: None,
     })
 }
@@ -936,30 +905,31 @@ fn fig_tcp(p: Profile) -> Result<Figure> {
         Profile::Default => "100000",
         Profile::Full => "300000",
     };
-    let lat = bench(&s(&["latency", "--transport", "tcp", "--sync", "spin", "--iters", iters]))?;
+    let lat: LatencyReport = bench_as(&s(&["latency", "--transport", "tcp", "--sync", "spin", "--iters", iters]))?;
     let bw_iters = match p {
         Profile::Smoke => "500",
         Profile::Quick => "4000",
         _ => "16000",
     };
-    let bw = bench(&s(&["bandwidth", "--transport", "tcp", "--size", "65536", "--iters", bw_iters]))?;
+    let bw: BandwidthReport =
+        bench_as(&s(&["bandwidth", "--transport", "tcp", "--size", "65536", "--iters", bw_iters]))?;
     Ok(Figure {
         id: "links",
         title: "Across hosts: TCP links between test hosts (network namespaces, veth)",
         paper: "(the papers' networks: CLAN 1.5 µs app to app; Myrinet 9.8 µs)",
-        ours: format!("RTT {}, {}", ns(f(&lat, "rtt_p50_ns")), mbit(f(&bw, "mbit_s"))),
+        ours: format!("RTT {}, {}", nsu(lat.rtt_p50_ns), mbit(bw.mbit_s)),
         rows: vec![
             (
                 "RTT, 8 B, spinning (p50)".into(),
-                ns(f(&lat, "rtt_p50_ns")),
-                format!("{} (tcp)", ns(f(&lat, "baseline_rtt_p50_ns"))),
-                r2(f(&lat, "ratio_p50")),
+                nsu(lat.rtt_p50_ns),
+                format!("{} (tcp)", nsu(lat.baseline_rtt_p50_ns)),
+                r2(lat.ratio_p50),
             ),
             (
                 "streaming PIO, 64 KiB".into(),
-                mbit(f(&bw, "mbit_s")),
-                format!("{} (tcp stream)", mbit(f(&bw, "baseline_mbit_s"))),
-                r2(f(&bw, "ratio")),
+                mbit(bw.mbit_s),
+                format!("{} (tcp stream)", mbit(bw.baseline_mbit_s)),
+                r2(bw.ratio),
             ),
         ],
         data: json!({ "latency": lat, "bandwidth": bw }),
@@ -976,26 +946,13 @@ fn fig_run(p: Profile) -> Result<Figure> {
         Profile::Default => ("3", "50000", "2"),
         Profile::Full => ("5", "100000", "3"),
     };
-    let v = bench(&s(&["run", "--secs", secs, "--requests", requests, "--rounds", rounds]))?;
-    let rows: Vec<(String, String, String, String)> = v["rows"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
+    let v: RunReport = bench_as(&s(&["run", "--secs", secs, "--requests", requests, "--rounds", rounds]))?;
+    let rows: Vec<Row> = v
+        .rows
         .iter()
-        .map(|r| {
-            let num = |x: f64| if x < 100.0 { format!("{x:.3}") } else { format!("{x:.0}") };
-            (
-                format!("{}: {}", r["program"].as_str().unwrap_or("?"), r["measure"].as_str().unwrap_or("?")),
-                num(f(r, "clan")),
-                format!("{} ({})", num(f(r, "baseline")), r["baseline_name"].as_str().unwrap_or("?")),
-                r2(f(r, "ratio")),
-            )
-        })
+        .map(|r| program_row(r.program, &r.measure, r.clan, r.baseline, r.baseline_name, r.ratio))
         .collect();
-    let skipped: Vec<String> = v["skipped"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect())
-        .unwrap_or_default();
+    let skipped = &v.skipped;
     let ours = if rows.is_empty() {
         "skipped (sockperf and redis are not installed)".to_string()
     } else {
@@ -1008,8 +965,14 @@ fn fig_run(p: Profile) -> Result<Figure> {
         ours,
         skipped: (rows.is_empty()).then(|| skipped.join("; ")),
         rows,
-        data: v,
+        data: serde_json::to_value(&v)?,
     })
+}
+
+/// A row of a program's measure against its baseline (`clan bench run`, `clan bench fabric`).
+fn program_row(program: &str, measure: &str, clan: f64, baseline: f64, baseline_name: &str, ratio: f64) -> Row {
+    let num = |x: f64| if x < 100.0 { format!("{x:.3}") } else { format!("{x:.0}") };
+    (format!("{program}: {measure}"), num(clan), format!("{} ({baseline_name})", num(baseline)), r2(ratio))
 }
 
 /// libfabric's `fi_pingpong` and an MPI ping-pong over the clan provider against libfabric's
@@ -1022,26 +985,13 @@ fn fig_fabric(p: Profile) -> Result<Figure> {
         Profile::Default => ("10000", "1"),
         Profile::Full => ("20000", "3"),
     };
-    let v = bench(&s(&["fabric", "--iters", iters, "--rounds", rounds]))?;
-    let rows: Vec<Row> = v["rows"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
+    let v: FabricReport = bench_as(&s(&["fabric", "--iters", iters, "--rounds", rounds]))?;
+    let rows: Vec<Row> = v
+        .rows
         .iter()
-        .map(|r| {
-            let num = |x: f64| if x < 100.0 { format!("{x:.3}") } else { format!("{x:.0}") };
-            (
-                format!("{}: {}", r["program"].as_str().unwrap_or("?"), r["measure"].as_str().unwrap_or("?")),
-                num(f(r, "clan")),
-                format!("{} ({})", num(f(r, "baseline")), r["baseline_name"].as_str().unwrap_or("?")),
-                r2(f(r, "ratio")),
-            )
-        })
+        .map(|r| program_row(r.program, &r.measure, r.clan, r.baseline, r.baseline_name, r.ratio))
         .collect();
-    let skipped: Vec<String> = v["skipped"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect())
-        .unwrap_or_default();
+    let skipped = &v.skipped;
     let ours = if rows.is_empty() {
         "skipped (libfabric's fi_pingpong and Open MPI are not installed)".to_string()
     } else {
@@ -1054,7 +1004,7 @@ fn fig_fabric(p: Profile) -> Result<Figure> {
         ours,
         skipped: (rows.is_empty()).then(|| skipped.join("; ")),
         rows,
-        data: v,
+        data: serde_json::to_value(&v)?,
     })
 }
 
@@ -1176,74 +1126,56 @@ fn plot(dir: &Path, fig: &Figure, m: &sys::Machine) -> Result<()> {
         }
         "queue" => {
             x = size("transfer size");
-            let pts = fig.data["points"].as_array().cloned().unwrap_or_default();
-            curves.push(("clan byte queue".into(), pts.iter().map(|p| (f(p, "size"), f(p, "mbit_s"))).collect()));
-            curves.push((
-                "clan slot message queue".into(),
-                pts.iter().map(|p| (f(p, "size"), f(p, "slot_mbit_s"))).collect(),
-            ));
-            curves.push((
-                "memcpy in and out (baseline)".into(),
-                pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect(),
-            ));
-            curves.push((
-                "hand-written ring (baseline)".into(),
-                pts.iter().map(|p| (f(p, "size"), f(p, "ring_mbit_s"))).collect(),
-            ));
+            let r: QueueReport = typed(&fig.data)?;
+            let curve = |f: fn(&QueuePoint) -> f64| -> Vec<(f64, f64)> {
+                r.points.iter().map(|p| (p.size as f64, f(p))).collect()
+            };
+            curves.push(("clan byte queue".into(), curve(|p| p.mbit_s)));
+            curves.push(("clan slot message queue".into(), curve(|p| p.slot_mbit_s)));
+            curves.push(("memcpy in and out (baseline)".into(), curve(|p| p.baseline_mbit_s)));
+            curves.push(("hand-written ring (baseline)".into(), curve(|p| p.ring_mbit_s.unwrap_or(f64::NAN))));
         }
-        "oneway" => {
-            let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
-            curves.push((
-                "clan send_msg, one at a time".into(),
-                pts.iter().map(|p| (f(p, "size"), f(p, "sync_mbit_s"))).collect(),
-            ));
-            curves.push((
-                "clan send_msg, streaming".into(),
-                pts.iter().map(|p| (f(p, "size"), f(p, "async_mbit_s"))).collect(),
-            ));
-            curves.push((
-                "memcpy (baseline)".into(),
-                pts.iter().map(|p| (f(p, "size"), f(p, "baseline_mbit_s"))).collect(),
-            ));
-        }
-        "send-overhead" => {
-            let pts = fig.data["bandwidth"].as_array().cloned().unwrap_or_default();
-            y = Axis { label: "sender's time per send, p50", unit: Unit::Nanos };
-            for (k, name) in [
-                ("sync_overhead_p50_ns", "synchronous"),
-                ("async_overhead_p50_ns", "asynchronous"),
-                ("pio_overhead_p50_ns", "asynchronous, PIO forced"),
-                ("dma_overhead_p50_ns", "asynchronous, DMA forced"),
-            ] {
-                curves.push((name.into(), pts.iter().map(|p| (f(p, "size"), f(p, k))).collect()));
+        "oneway" | "send-overhead" => {
+            let pts: Vec<BandwidthPoint> = typed(&fig.data["bandwidth"])?;
+            let curve = |f: fn(&BandwidthPoint) -> f64| -> Vec<(f64, f64)> {
+                pts.iter().map(|p| (p.size as f64, f(p))).collect()
+            };
+            if fig.id == "oneway" {
+                curves.push(("clan send_msg, one at a time".into(), curve(|p| p.sync_mbit_s)));
+                curves.push(("clan send_msg, streaming".into(), curve(|p| p.async_mbit_s)));
+                curves.push(("memcpy (baseline)".into(), curve(|p| p.baseline_mbit_s)));
+            } else {
+                y = Axis { label: "sender's time per send, p50", unit: Unit::Nanos };
+                curves.push(("synchronous".into(), curve(|p| p.sync_overhead_p50_ns as f64)));
+                curves.push(("asynchronous".into(), curve(|p| p.async_overhead_p50_ns as f64)));
+                curves.push(("asynchronous, PIO forced".into(), curve(|p| p.pio_overhead_p50_ns as f64)));
+                curves.push(("asynchronous, DMA forced".into(), curve(|p| p.dma_overhead_p50_ns as f64)));
             }
         }
         "tokio" => {
-            let pts = fig.data["points"].as_array().cloned().unwrap_or_default();
+            let r: TokioReport = typed(&fig.data)?;
             x = Axis { label: "concurrent clients", unit: Unit::Count };
             y = Axis { label: "requests per second", unit: Unit::PerSec };
-            for (name, ptr) in [
-                ("clan, spinning then sleeping", "/clan/requests_per_s"),
-                ("clan, never spinning", "/clan_no_spin/requests_per_s"),
-                ("tokio over Unix sockets (baseline)", "/unix/requests_per_s"),
-                ("tokio over loopback TCP (baseline)", "/tcp/requests_per_s"),
-            ] {
-                curves.push((name.into(), pts.iter().map(|p| (f(p, "clients"), fp(p, ptr))).collect()));
-            }
+            let curve = |f: fn(&TokioPoint) -> f64| -> Vec<(f64, f64)> {
+                r.points.iter().map(|p| (p.clients as f64, f(p))).collect()
+            };
+            curves.push(("clan, spinning then sleeping".into(), curve(|p| p.clan.requests_per_s)));
+            curves.push(("clan, never spinning".into(), curve(|p| p.clan_no_spin.requests_per_s)));
+            curves.push(("tokio over Unix sockets (baseline)".into(), curve(|p| p.unix.requests_per_s)));
+            curves.push(("tokio over loopback TCP (baseline)".into(), curve(|p| p.tcp.requests_per_s)));
         }
         "server" => {
-            let pts = fig.data["busy"].as_array().cloned().unwrap_or_default();
+            let busy: Vec<ServerReport> = typed(&fig.data["busy"])?;
             x = Axis { label: "endpoints (connections)", unit: Unit::Count };
             y = Axis { label: "round trip, p50", unit: Unit::Nanos };
-            for (name, ptr) in [
-                ("clan, spinning", "/spin/clan/rtt_p50_ns"),
-                ("epoll TCP, busy-polling (baseline)", "/spin/baseline/rtt_p50_ns"),
-                ("clan, blocking", "/block/clan/rtt_p50_ns"),
-                ("epoll TCP, blocking (baseline)", "/block/baseline/rtt_p50_ns"),
-                ("raw shared-memory ping-pong (baseline)", "/raw_shm_rtt_p50_ns"),
-            ] {
-                curves.push((name.into(), pts.iter().map(|p| (f(p, "endpoints"), fp(p, ptr))).collect()));
-            }
+            let curve = |f: fn(&ServerReport) -> Option<u64>| -> Vec<(f64, f64)> {
+                busy.iter().map(|p| (p.endpoints as f64, f(p).map_or(f64::NAN, |v| v as f64))).collect()
+            };
+            curves.push(("clan, spinning".into(), curve(|p| Some(p.spin.clan.rtt_p50_ns))));
+            curves.push(("epoll TCP, busy-polling (baseline)".into(), curve(|p| Some(p.spin.baseline.rtt_p50_ns))));
+            curves.push(("clan, blocking".into(), curve(|p| Some(p.block.clan.rtt_p50_ns))));
+            curves.push(("epoll TCP, blocking (baseline)".into(), curve(|p| Some(p.block.baseline.rtt_p50_ns))));
+            curves.push(("raw shared-memory ping-pong (baseline)".into(), curve(|p| p.raw_shm_rtt_p50_ns)));
         }
         _ => {}
     }

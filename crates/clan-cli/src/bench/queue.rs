@@ -47,7 +47,7 @@ pub struct QueueArgs {
     pub json: bool,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct QueuePoint {
     pub size: usize,
     pub mbit_s: f64,
@@ -80,7 +80,7 @@ pub struct QueuePoint {
     pub rpc_calls_per_s: Option<f64>,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct QueueReport {
     pub bench: &'static str,
     pub transport: &'static str,

@@ -64,7 +64,7 @@ impl Samples {
     }
 }
 
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
 pub struct Percentiles {
     pub p50_ns: u64,
     pub p90_ns: u64,

@@ -29,7 +29,7 @@ pub struct RpcArgs {
 }
 
 /// One side's figures.
-#[derive(Serialize, Debug, Clone, Copy)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy)]
 pub struct Calls {
     pub rtt_p50_ns: u64,
     pub rtt_p90_ns: u64,
@@ -49,7 +49,7 @@ impl Calls {
 }
 
 /// clan RPC against the Unix socket, both sides waiting the same way.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct RpcCompared {
     /// How both sides waited.
     pub how: &'static str,
@@ -77,7 +77,7 @@ impl RpcCompared {
     }
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct RpcReport {
     pub bench: &'static str,
     pub transport: &'static str,

@@ -28,7 +28,7 @@ pub struct RunArgs {
 }
 
 /// One line of the report.
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct Row {
     pub program: &'static str,
     pub measure: String,
@@ -41,7 +41,7 @@ pub struct Row {
     pub met: bool,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct RunReport {
     pub bench: &'static str,
     pub rows: Vec<Row>,

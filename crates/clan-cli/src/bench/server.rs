@@ -124,7 +124,7 @@ impl Sync {
 }
 
 /// One side's figures.
-#[derive(Serialize, Debug, Clone, Copy)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy)]
 pub struct Figures {
     pub rtt_p50_ns: u64,
     pub rtt_p90_ns: u64,
@@ -133,7 +133,7 @@ pub struct Figures {
 }
 
 /// clan against the epoll TCP server, both waiting the same way.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct Compared {
     /// How both sides waited.
     pub how: &'static str,
@@ -147,7 +147,7 @@ pub struct Compared {
     pub target_met: bool,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct ServerReport {
     pub bench: &'static str,
     pub endpoints: usize,
@@ -196,7 +196,7 @@ pub struct ServerReport {
 
 /// What a set of connections holds: descriptors, memory mappings and resident memory of the
 /// client and the server process together, from `/proc`.
-#[derive(Serialize, Debug, Clone, Copy, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy, Default)]
 pub struct Footprint {
     pub fds: u64,
     pub maps: u64,
@@ -230,7 +230,7 @@ impl Footprint {
     }
 }
 
-#[derive(Serialize, Debug, Clone, Copy, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy, Default)]
 pub struct PerEndpoint {
     pub fds: f64,
     pub maps: f64,

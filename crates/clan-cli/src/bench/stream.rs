@@ -39,7 +39,7 @@ pub struct StreamArgs {
 }
 
 /// Round trips of the three kinds of stream, all waiting one way.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct StreamRtt {
     /// How both sides waited.
     pub how: &'static str,
@@ -76,7 +76,7 @@ impl StreamRtt {
 }
 
 /// Round trips with both processes on one CPU.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct OneCore {
     pub how: &'static str,
     pub clan_block_p50_ns: u64,
@@ -91,7 +91,7 @@ pub struct OneCore {
 }
 
 /// A clan stream over a TCP link against kernel TCP, same placement.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct OverLink {
     pub how: &'static str,
     pub spin_rtt_p50_ns: u64,
@@ -144,7 +144,7 @@ impl OverLink {
     }
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct StreamReport {
     pub bench: &'static str,
     /// A clan stream over a TCP link on loopback against kernel TCP.

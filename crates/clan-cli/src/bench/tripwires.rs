@@ -33,7 +33,7 @@ pub struct TripwiresArgs {
     pub json: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, serde::Deserialize)]
 struct Report {
     bench: &'static str,
     count: u64,

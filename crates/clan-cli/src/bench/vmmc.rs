@@ -50,7 +50,7 @@ pub struct VmmcArgs {
     pub json: bool,
 }
 
-#[derive(Serialize, Debug, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Default)]
 pub struct LatencyPoint {
     pub size: u64,
     pub one_way_p50_ns: u64,
@@ -59,7 +59,7 @@ pub struct LatencyPoint {
     pub ratio: f64,
 }
 
-#[derive(Serialize, Debug, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Default)]
 pub struct BandwidthPoint {
     pub size: u64,
     pub sync_mbit_s: f64,
@@ -74,7 +74,7 @@ pub struct BandwidthPoint {
     pub method: &'static str,
 }
 
-#[derive(Serialize, Debug, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Default)]
 pub struct FetchPoint {
     pub size: u64,
     pub latency_p50_ns: u64,
@@ -83,7 +83,7 @@ pub struct FetchPoint {
     pub baseline_mbit_s: f64,
 }
 
-#[derive(Serialize, Debug, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Default)]
 pub struct NotifyReport {
     pub wait_one_way_p50_ns: u64,
     pub wait_one_way_p99_ns: u64,
@@ -98,7 +98,7 @@ pub struct NotifyReport {
     pub ratio: f64,
 }
 
-#[derive(Serialize, Debug, Default)]
+#[derive(Serialize, serde::Deserialize, Debug, Default)]
 pub struct SetupReport {
     pub export_4k_fresh_ns: u64,
     pub export_4k_cached_ns: u64,
@@ -111,7 +111,7 @@ pub struct SetupReport {
     pub baseline_unix_rtt_ns: u64,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, serde::Deserialize, Debug)]
 pub struct VmmcReport {
     pub bench: &'static str,
     pub inline_max: u64,
