@@ -67,3 +67,16 @@ pub fn size_usize(s: &str) -> Result<usize, String> {
 pub fn which(exe: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(exe)).find(|p| p.is_file())
 }
+
+/// Resident memory of process `pid` in bytes (0 if it is gone), from `sysinfo`.
+pub fn rss_bytes(pid: u32) -> u64 {
+    use sysinfo::{Pid, ProcessRefreshKind, ProcessesToUpdate};
+    let pid = Pid::from_u32(pid);
+    let mut sys = sysinfo::System::new();
+    sys.refresh_processes_specifics(
+        ProcessesToUpdate::Some(&[pid]),
+        false,
+        ProcessRefreshKind::nothing().with_memory(),
+    );
+    sys.process(pid).map_or(0, |p| p.memory())
+}

@@ -207,14 +207,7 @@ impl Footprint {
     fn of(pid: u32) -> Footprint {
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_or(0, |m| m.lines().count() as u64);
-        let rss_kib = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
-            })
-            .unwrap_or(0);
+        let rss_kib = crate::sys::rss_bytes(pid) / 1024;
         Footprint { fds, maps, rss_kib }
     }
 
