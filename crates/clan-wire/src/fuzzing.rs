@@ -139,6 +139,12 @@ pub fn connect(data: &[u8]) {
                     sent.entry(key).or_default();
                     tainted.insert(key);
                     gone.remove(&peer);
+                    // A new request head after a close is a new request, as in op 1 (a
+                    // fragment alone never brings a withdrawn one back: the close dropped
+                    // its partial).
+                    if matches!(connect::Message::decode(&p), Ok(connect::Message::Connect { .. })) {
+                        withdrawn.remove(&key);
+                    }
                 }
                 h.handle_message(peer, &p, now);
             }
