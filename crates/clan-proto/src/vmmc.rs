@@ -223,7 +223,10 @@ pub type Handler = Arc<dyn Fn(Notification) + Send + Sync>;
 /// ```
 #[derive(Clone, Default)]
 pub enum Notify {
-    /// Nothing (notifications are counted and dropped).
+    /// Nothing: a notification for this buffer is dropped, and counted in
+    /// [`VmmcStats::dropped`], when this `Vmmc` next takes its queue's events (its handler
+    /// thread, or a waiter on another buffer, does). Until then it waits in the queue, whose
+    /// ring is bounded: with nobody taking events at all, the oldest are lost, never memory.
     #[default]
     None,
     /// Run the handler on the notification thread.
