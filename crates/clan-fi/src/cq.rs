@@ -131,12 +131,11 @@ impl Cq {
         self.wake();
     }
 
-    /// Up to `max` completions, oldest first.
-    pub fn read(&self, max: usize) -> Result<Vec<Entry>, ReadError> {
-        Self::take(&mut self.lock(), max)
-    }
-
-    fn take(s: &mut State, max: usize) -> Result<Vec<Entry>, ReadError> {
+    /// Take up to `max` completions, in order, handing each to `each` with its index (no
+    /// copy of them is made); how many. `Avail` while an error completion waits, `Again`
+    /// when there is none.
+    pub fn read(&self, max: usize, mut each: impl FnMut(usize, &Entry)) -> Result<usize, ReadError> {
+        let mut s = self.lock();
         if !s.errors.is_empty() {
             return Err(ReadError::Avail);
         }
@@ -144,7 +143,10 @@ impl Cq {
             return Err(ReadError::Again);
         }
         let n = max.min(s.entries.len());
-        Ok(s.entries.drain(..n).collect())
+        for (i, e) in s.entries.drain(..n).enumerate() {
+            each(i, &e);
+        }
+        Ok(n)
     }
 
     /// Whether a read would return something (a completion or an error).
@@ -186,19 +188,30 @@ mod tests {
     #[test]
     fn order_errors_overrun_and_signal() {
         let q = Cq::new(3, None);
-        assert_eq!(q.read(4), Err(ReadError::Again));
+        let read = |n: usize| {
+            let mut v = Vec::new();
+            q.read(n, |i, e| {
+                assert_eq!(i, v.len());
+                v.push(*e);
+            })
+            .map(|k| {
+                assert_eq!(k, v.len());
+                v
+            })
+        };
+        assert_eq!(read(4), Err(ReadError::Again));
         q.push(e(1));
         q.push(e(2));
-        assert_eq!(q.read(1).unwrap(), [e(1)]);
+        assert_eq!(read(1).unwrap(), [e(1)]);
         q.push(e(3));
         q.push(e(4));
         // Full: the next is an overrun error, and errors come first.
         q.push(e(5));
-        assert_eq!(q.read(8), Err(ReadError::Avail));
+        assert_eq!(read(8), Err(ReadError::Avail));
         let err = q.readerr().unwrap();
         assert_eq!((err.entry, err.prov_errno), (e(5), prov::OVERRUN));
         assert!(!strerror(err.prov_errno).is_empty());
-        assert_eq!(q.read(8).unwrap(), [e(2), e(3), e(4)]);
+        assert_eq!(read(8).unwrap(), [e(2), e(3), e(4)]);
         assert!(!q.has_any());
         q.signal();
         assert!(q.take_signal() && !q.take_signal());

@@ -19,7 +19,8 @@
 //! ([`Done::Failed`]), as do sends to it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Mutex, OnceLock};
+use std::hash::BuildHasherDefault;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use clan::{EventQueue, Nic, Tripwire};
@@ -115,6 +116,9 @@ pub enum CmKind {
 
 /// Longest message.
 pub const MAX_MSG: usize = 1 << 20;
+
+/// The longest frame buffer a sender keeps between sends.
+const KEEP_FRAME: usize = 64 << 10;
 
 fn config() -> QueueConfig {
     QueueConfig { slots: 64, slot_size: 2048, spin: Duration::ZERO, ..QueueConfig::default() }
@@ -247,14 +251,29 @@ struct Rx {
     ready: Tripwire,
 }
 
+/// An address's bytes as a map key.
+type Key = [u8; crate::av::ADDR_LEN];
+
+/// Maps keyed by address on the data path: a fast hash (the keys are addresses the
+/// application put in its address vector, or that our own senders announced; a peer that
+/// announces many makes itself slower, nobody else).
+type Fast<K, V> = HashMap<K, V, BuildHasherDefault<rustc_hash::FxHasher>>;
+
+/// Our queue to a peer, with the buffer its frames are assembled in (reused: a send
+/// allocates nothing once the buffer has grown to the longest frame sent).
+struct Tx {
+    tx: MsgSender,
+    frame: Vec<u8>,
+}
+
 #[derive(Default)]
 struct State {
-    senders: HashMap<[u8; crate::av::ADDR_LEN], std::sync::Arc<Mutex<MsgSender>>>,
+    senders: Fast<Key, Arc<Mutex<Tx>>>,
     receivers: Vec<Rx>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Arrival>,
     /// Peers whose connection to us ended (until they connect again).
-    gone: HashSet<[u8; crate::av::ADDR_LEN]>,
+    gone: HashSet<Key, BuildHasherDefault<rustc_hash::FxHasher>>,
     /// Finished while a send waited for room (handed out by the next `progress`).
     done: Vec<Done>,
     /// Messages claimed by a peek (`FI_CLAIM`), by the peek's context.
@@ -267,7 +286,7 @@ const READY: u64 = 1;
 /// An endpoint. A thread of its own takes in new senders (a sender's connect waits for
 /// that, and must not wait for this application to look).
 pub struct Rdm {
-    shared: std::sync::Arc<Shared>,
+    shared: Arc<Shared>,
     me: Addr,
 }
 
@@ -285,7 +304,7 @@ impl Drop for Rdm {
     }
 }
 
-fn take_senders(shared: std::sync::Arc<Shared>) {
+fn take_senders(shared: Arc<Shared>) {
     use std::sync::atomic::Ordering;
     while !shared.closed.load(Ordering::Acquire) {
         match shared.listener.accept_to(&shared.queue, Some(Duration::from_millis(100))) {
@@ -312,7 +331,7 @@ impl Rdm {
     pub fn open(queue: &EventQueue) -> Result<Rdm, Error> {
         let listener = QueueListener::bind(nic()?, config())?;
         let me = Addr::of(listener.local_addr());
-        let shared = std::sync::Arc::new(Shared {
+        let shared = Arc::new(Shared {
             listener,
             state: Mutex::new(State::default()),
             closed: std::sync::atomic::AtomicBool::new(false),
@@ -396,23 +415,31 @@ impl Rdm {
                 hello[..8].copy_from_slice(&F_HELLO.to_le_bytes());
                 hello.extend_from_slice(self.me.bytes());
                 tx.send(0, &hello)?;
-                self.lock().senders.entry(*to.bytes()).or_insert_with(|| std::sync::Arc::new(Mutex::new(tx))).clone()
+                let tx = Tx { tx, frame: Vec::new() };
+                self.lock().senders.entry(*to.bytes()).or_insert_with(|| Arc::new(Mutex::new(tx))).clone()
             }
         };
-        let mut m = Vec::with_capacity(HEADER + parts.iter().map(|p| p.len()).sum::<usize>());
-        m.extend_from_slice(&flags.to_le_bytes());
-        m.extend_from_slice(&tag.to_le_bytes());
-        m.extend_from_slice(&word2.to_le_bytes());
-        for p in parts {
-            m.extend_from_slice(p);
-        }
         // Only this peer's sender is held while it waits for room (never the receive side).
         // While it waits, what others send us is taken in: the peer may be waiting for room
         // in our rings to finish a send to us before it reads ours.
-        let r = tx.lock().unwrap_or_else(|p| p.into_inner()).send_idling(0, &m, &mut || {
+        let mut guard = tx.lock().unwrap_or_else(|p| p.into_inner());
+        let Tx { tx: sender, frame } = &mut *guard;
+        frame.clear();
+        frame.extend_from_slice(&flags.to_le_bytes());
+        frame.extend_from_slice(&tag.to_le_bytes());
+        frame.extend_from_slice(&word2.to_le_bytes());
+        for p in parts {
+            frame.extend_from_slice(p);
+        }
+        let r = sender.send_idling(0, frame, &mut || {
             let mut s = self.lock();
             take_in(&mut s);
         });
+        if frame.capacity() > KEEP_FRAME {
+            // (a long message's buffer is not kept for the short ones that follow)
+            *frame = Vec::new();
+        }
+        drop(guard);
         match r {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -476,7 +503,7 @@ impl Rdm {
         };
         // (never the sender's lock while holding the state's: a send holds its sender's and
         // takes the state's while it waits; a sender busy sending is found out by its send)
-        tx.is_some_and(|tx| tx.try_lock().is_ok_and(|tx| !tx.is_connected()))
+        tx.is_some_and(|tx| tx.try_lock().is_ok_and(|tx| !tx.tx.is_connected()))
     }
 
     /// The first waiting message that `p` would match, without taking it; with `claim`,
@@ -509,67 +536,61 @@ impl Rdm {
 
 /// Take in what arrived into `s`: messages match posted receives (or wait as unexpected),
 /// remote memory requests and answers are handed on, and receives directed to peers that
-/// went away fail; what finished goes to `s.done`, in the order it came.
+/// went away fail; what finished goes to `s.done`, in the order it came. Allocates nothing
+/// when nothing came (the cost of a completion queue polled in a loop).
 fn take_in(s: &mut State) {
-    let mut incoming = Vec::new();
-    let mut dead = Vec::new();
-    for (i, r) in s.receivers.iter_mut().enumerate() {
+    let State { senders, receivers, posted, unexpected, gone, done, .. } = s;
+    let mut i = 0;
+    while i < receivers.len() {
+        let r = &mut receivers[i];
         // (looked at first: a sender that published and then went away has its last
         // messages taken before it counts as gone)
         let alive = r.rx.is_connected();
-        loop {
+        let dead = loop {
             // (never waiting: a message's parts come as its sender, which may be waiting
             // for us in turn, writes them; the parts taken wait in the receiver)
             match r.rx.try_recv() {
-                Ok(Some(m)) => {
-                    if let Some(x) = parse(m.data, &mut r.from) {
-                        incoming.push(x);
-                    }
-                }
-                Ok(None) => {
-                    if !alive {
-                        dead.push(i);
-                    }
-                    break;
-                }
-                Err(_) => {
-                    dead.push(i);
-                    break;
-                }
+                Ok(Some(m)) => match parse(m.data, &mut r.from) {
+                    Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
+                        Some(k) => {
+                            if let Some(p) = posted.remove(k) {
+                                done.push(Done::Received(p, a));
+                            }
+                        }
+                        None => unexpected.push_back(a),
+                    },
+                    Some(Incoming::Done(d)) => done.push(d),
+                    None => {}
+                },
+                Ok(None) => break !alive,
+                Err(_) => break true,
             }
+        };
+        if dead {
+            let r = receivers.swap_remove(i);
+            if let Some(f) = r.from {
+                gone.insert(*f.bytes());
+                senders.remove(f.bytes());
+            }
+        } else {
+            i += 1;
         }
     }
-    for i in dead.into_iter().rev() {
-        let r = s.receivers.swap_remove(i);
-        if let Some(f) = r.from {
-            s.gone.insert(*f.bytes());
-            s.senders.remove(f.bytes());
-        }
+    if gone.is_empty() {
+        return;
     }
     // A peer that connected again is back.
-    let back: Vec<_> = s.receivers.iter().filter_map(|r| r.from).filter(|f| s.gone.contains(f.bytes())).collect();
-    for f in back {
-        s.gone.remove(f.bytes());
-    }
-    for x in incoming {
-        match x {
-            Incoming::Msg(a) => match s.posted.iter().position(|p| p.matches(&a)) {
-                Some(i) => {
-                    if let Some(p) = s.posted.remove(i) {
-                        s.done.push(Done::Received(p, a));
-                    }
-                }
-                None => s.unexpected.push_back(a),
-            },
-            Incoming::Done(d) => s.done.push(d),
+    for r in receivers.iter() {
+        if let Some(f) = r.from {
+            gone.remove(f.bytes());
         }
     }
     // Receives directed to a peer that went away can never complete.
     let mut k = 0;
-    while k < s.posted.len() {
-        if s.posted[k].from.is_some_and(|f| s.gone.contains(f.bytes())) {
-            if let Some(p) = s.posted.remove(k) {
-                s.done.push(Done::Failed(p));
+    while k < posted.len() {
+        if posted[k].from.is_some_and(|f| gone.contains(f.bytes())) {
+            if let Some(p) = posted.remove(k) {
+                done.push(Done::Failed(p));
             }
         } else {
             k += 1;

@@ -20,6 +20,9 @@ pub(super) struct CntrObj {
     queue: clan::EventQueue,
     /// Whether a waiter arms the bound endpoints' receivers (manual progress).
     arms: bool,
+    /// Reads in a row that found the counts unchanged (`last`: the counts they found).
+    polls: super::Polls,
+    last: std::sync::atomic::AtomicU64,
 }
 
 static CNTR_FI_OPS: fi_ops = fi_ops {
@@ -44,8 +47,9 @@ static CNTR_OPS: fi_ops_cntr = fi_ops_cntr {
 };
 
 impl CntrObj {
-    fn eps(&self) -> Vec<usize> {
-        self.eps.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// The bound endpoints, locked (as `CqObj::eps`).
+    fn eps(&self) -> std::sync::MutexGuard<'_, Vec<usize>> {
+        self.eps.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn progress(&self) {
@@ -90,6 +94,8 @@ pub(super) unsafe extern "C" fn cntr_open(
         eps: std::sync::Mutex::new(Vec::new()),
         queue,
         arms,
+        polls: super::Polls::default(),
+        last: std::sync::atomic::AtomicU64::new(0),
     });
     // SAFETY: checked non-null; lives until `cntr_close`.
     unsafe { *out = &mut Box::leak(c).fid };
@@ -113,7 +119,14 @@ unsafe extern "C" fn cntr_read(c: *mut fid_cntr) -> u64 {
     // SAFETY: as `cntr_of` requires.
     let Some(c) = (unsafe { cntr_of(c) }) else { return 0 };
     c.progress();
-    c.cntr.read()
+    let n = c.cntr.read();
+    let seen = n.wrapping_add(c.cntr.read_err().rotate_left(32));
+    if c.last.swap(seen, std::sync::atomic::Ordering::Relaxed) == seen {
+        c.polls.empty();
+    } else {
+        c.polls.found();
+    }
+    n
 }
 
 unsafe extern "C" fn cntr_readerr(c: *mut fid_cntr) -> u64 {

@@ -777,11 +777,15 @@ struct CqObj {
     wait_fd: bool,
     /// Whether a waiter arms the bound endpoints' receivers (manual progress).
     arms: bool,
+    /// Reads in a row that found nothing.
+    polls: Polls,
 }
 
 impl CqObj {
-    fn eps(&self) -> Vec<usize> {
-        self.eps.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// The bound endpoints, locked: held while they make progress, so that an endpoint
+    /// closing (which takes itself off the list first) waits for that to end.
+    fn eps(&self) -> std::sync::MutexGuard<'_, Vec<usize>> {
+        self.eps.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Progress of every endpoint bound here.
@@ -832,10 +836,39 @@ impl CqObj {
     }
 }
 
-/// Progress of the endpoints `eps` (addresses of `EpObj`s bound to a queue or counter).
+/// Reads in a row that found nothing, of an application polling a queue or counter in a
+/// loop (as MPI libraries and `fi_pingpong` do, never sleeping): every [`Polls::EVERY`]th
+/// gives the CPU up for a moment (`sched_yield`). The provider's own threads (the NIC's
+/// engine, which answers a peer's connection hand-shake, and the endpoint's acceptor) may
+/// share that CPU (a process bound to one core); without it they would wait for the
+/// scheduler to take the CPU from the poller, a few milliseconds for each step of a
+/// hand-shake. A reply that comes while the loop is busy is not delayed by it.
+#[derive(Debug, Default)]
+struct Polls(std::sync::atomic::AtomicU32);
+
+impl Polls {
+    const EVERY: u32 = 256;
+
+    /// A read found nothing.
+    fn empty(&self) {
+        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
+        if n % Self::EVERY == 0 {
+            std::thread::yield_now();
+        }
+    }
+
+    /// A read found something.
+    fn found(&self) {
+        self.0.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Progress of the endpoints `eps` (addresses of `EpObj`s bound to a queue or counter; the
+/// caller holds the list's lock).
 fn progress_eps(eps: &[usize]) {
     for &ep in eps {
-        // SAFETY: an endpoint removes itself from the lists it is on before it is freed.
+        // SAFETY: an endpoint removes itself from the lists it is on before it is freed, and
+        // the caller holds the list's lock (so the endpoint is not freed while it runs).
         if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
             ep.progress();
         }
@@ -925,6 +958,7 @@ unsafe extern "C" fn cq_open(
         queue,
         wait_fd,
         arms,
+        polls: Polls::default(),
     });
     // SAFETY: checked non-null; lives until `cq_close`.
     unsafe { *out = &mut Box::leak(cq).fid };
@@ -970,38 +1004,44 @@ unsafe extern "C" fn cq_close(f: *mut fid) -> c_int {
     0
 }
 
-/// Write `entries` at `buf` in the queue's format; how many.
-unsafe fn write_entries(format: fi_cq_format, buf: *mut c_void, entries: &[crate::cq::Entry]) -> isize {
-    for (i, e) in entries.iter().enumerate() {
-        let ctx = e.op_context as *mut c_void;
-        // SAFETY: the caller's buffer holds at least `entries.len()` entries of its format.
-        unsafe {
-            match format {
-                fi_cq_format_FI_CQ_FORMAT_MSG => buf.cast::<fi_cq_msg_entry>().add(i).write(fi_cq_msg_entry {
-                    op_context: ctx,
-                    flags: e.flags,
-                    len: e.len,
-                }),
-                fi_cq_format_FI_CQ_FORMAT_DATA => buf.cast::<fi_cq_data_entry>().add(i).write(fi_cq_data_entry {
-                    op_context: ctx,
-                    flags: e.flags,
-                    len: e.len,
-                    buf: e.buf as *mut c_void,
-                    data: e.data,
-                }),
-                fi_cq_format_FI_CQ_FORMAT_TAGGED => buf.cast::<fi_cq_tagged_entry>().add(i).write(fi_cq_tagged_entry {
-                    op_context: ctx,
-                    flags: e.flags,
-                    len: e.len,
-                    buf: e.buf as *mut c_void,
-                    data: e.data,
-                    tag: e.tag,
-                }),
-                _ => buf.cast::<fi_cq_entry>().add(i).write(fi_cq_entry { op_context: ctx }),
-            }
+/// Write entry `e` at index `i` of `buf`, in the queue's format.
+unsafe fn write_entry(format: fi_cq_format, buf: *mut c_void, i: usize, e: &crate::cq::Entry) {
+    let ctx = e.op_context as *mut c_void;
+    // SAFETY: the caller's buffer holds more than `i` entries of its format.
+    unsafe {
+        match format {
+            fi_cq_format_FI_CQ_FORMAT_MSG => buf.cast::<fi_cq_msg_entry>().add(i).write(fi_cq_msg_entry {
+                op_context: ctx,
+                flags: e.flags,
+                len: e.len,
+            }),
+            fi_cq_format_FI_CQ_FORMAT_DATA => buf.cast::<fi_cq_data_entry>().add(i).write(fi_cq_data_entry {
+                op_context: ctx,
+                flags: e.flags,
+                len: e.len,
+                buf: e.buf as *mut c_void,
+                data: e.data,
+            }),
+            fi_cq_format_FI_CQ_FORMAT_TAGGED => buf.cast::<fi_cq_tagged_entry>().add(i).write(fi_cq_tagged_entry {
+                op_context: ctx,
+                flags: e.flags,
+                len: e.len,
+                buf: e.buf as *mut c_void,
+                data: e.data,
+                tag: e.tag,
+            }),
+            _ => buf.cast::<fi_cq_entry>().add(i).write(fi_cq_entry { op_context: ctx }),
         }
     }
-    entries.len() as isize
+}
+
+/// Read up to `count` completions of `q` into the caller's `buf`; how many, or the error.
+unsafe fn read_entries(q: &CqObj, buf: *mut c_void, count: usize) -> isize {
+    // SAFETY: the caller's buffer of `count` entries; `read` hands out at most `count`.
+    match q.cq.read(count, |i, e| unsafe { write_entry(q.format, buf, i, e) }) {
+        Ok(n) => n as isize,
+        Err(e) => read_err(e),
+    }
 }
 
 fn read_err(e: crate::cq::ReadError) -> isize {
@@ -1020,11 +1060,14 @@ unsafe extern "C" fn cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) ->
         return err(FI_EINVAL) as isize;
     }
     q.progress();
-    match q.cq.read(count) {
-        // SAFETY: the caller's buffer of `count` entries.
-        Ok(v) => unsafe { write_entries(q.format, buf, &v) },
-        Err(e) => read_err(e),
+    // SAFETY: the caller's buffer of `count` entries.
+    let n = unsafe { read_entries(q, buf, count) };
+    if n == -(FI_EAGAIN as isize) {
+        q.polls.empty();
+    } else {
+        q.polls.found();
     }
+    n
 }
 
 unsafe extern "C" fn cq_readfrom(cq: *mut fid_cq, buf: *mut c_void, count: usize, src: *mut fi_addr_t) -> isize {
@@ -1056,11 +1099,8 @@ unsafe extern "C" fn cq_sread(
     if let Err(e) = q.wait(end) {
         return read_err(e);
     }
-    match q.cq.read(count) {
-        // SAFETY: the caller's buffer of `count` entries.
-        Ok(v) => unsafe { write_entries(q.format, buf, &v) },
-        Err(e) => read_err(e),
-    }
+    // SAFETY: the caller's buffer of `count` entries.
+    unsafe { read_entries(q, buf, count) }
 }
 
 unsafe extern "C" fn cq_sreadfrom(
