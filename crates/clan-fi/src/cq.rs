@@ -55,6 +55,8 @@ pub struct Cq {
     state: Mutex<State>,
     /// Readers asleep on `waker`.
     sleepers: AtomicUsize,
+    /// Completions and errors waiting (kept by every change, under the lock).
+    waiting: AtomicUsize,
     /// Woken when a completion comes while a reader sleeps.
     waker: Option<clan::EventQueue>,
     /// Entries it holds at most (`fi_cq_attr::size`); beyond, an error completion says so.
@@ -88,7 +90,13 @@ pub fn strerror(prov_errno: i32) -> &'static str {
 
 impl Cq {
     pub fn new(capacity: usize, waker: Option<clan::EventQueue>) -> Cq {
-        Cq { state: Mutex::new(State::default()), sleepers: AtomicUsize::new(0), waker, capacity: capacity.max(1) }
+        Cq {
+            state: Mutex::new(State::default()),
+            sleepers: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            waker,
+            capacity: capacity.max(1),
+        }
     }
 
     /// Run `sleep` counted as a sleeping reader: a completion pushed meanwhile wakes the
@@ -110,6 +118,13 @@ impl Cq {
         }
     }
 
+    /// Publish how many completions and errors wait (after a change, under the lock).
+    fn count(&self, s: &State) {
+        // (Relaxed: a reader that sees a count then takes the lock, which orders the rest; a
+        // reader that sees a stale zero looks again at its next poll)
+        self.waiting.store(s.entries.len() + s.errors.len(), Ordering::Relaxed);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -122,12 +137,16 @@ impl Cq {
         } else {
             s.entries.push_back(e);
         }
+        self.count(&s);
         drop(s);
         self.wake();
     }
 
     pub fn push_err(&self, e: ErrEntry) {
-        self.lock().errors.push_back(e);
+        let mut s = self.lock();
+        s.errors.push_back(e);
+        self.count(&s);
+        drop(s);
         self.wake();
     }
 
@@ -135,6 +154,10 @@ impl Cq {
     /// copy of them is made); how many. `Avail` while an error completion waits, `Again`
     /// when there is none.
     pub fn read(&self, max: usize, mut each: impl FnMut(usize, &Entry)) -> Result<usize, ReadError> {
+        // (an empty queue polled in a loop costs no lock)
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            return Err(ReadError::Again);
+        }
         let mut s = self.lock();
         if !s.errors.is_empty() {
             return Err(ReadError::Avail);
@@ -146,6 +169,7 @@ impl Cq {
         for (i, e) in s.entries.drain(..n).enumerate() {
             each(i, &e);
         }
+        self.count(&s);
         Ok(n)
     }
 
@@ -167,7 +191,10 @@ impl Cq {
 
     /// The first error completion.
     pub fn readerr(&self) -> Option<ErrEntry> {
-        self.lock().errors.pop_front()
+        let mut s = self.lock();
+        let e = s.errors.pop_front();
+        self.count(&s);
+        e
     }
 
     /// Interrupt a blocking read (it returns [`ReadError::Canceled`]).

@@ -150,8 +150,36 @@ pub struct Arrival {
     pub from: Option<Addr>,
 }
 
+/// A message that arrived, seen where it lies (an [`Arrival`] it is not yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Landed<'a> {
+    pub data: &'a [u8],
+    pub tagged: bool,
+    pub tag: u64,
+    pub cq_data: Option<u64>,
+    pub from: Option<Addr>,
+}
+
+impl Arrival {
+    /// A view of it.
+    pub fn landed(&self) -> Landed<'_> {
+        Landed { data: &self.data, tagged: self.tagged, tag: self.tag, cq_data: self.cq_data, from: self.from }
+    }
+}
+
+impl Landed<'_> {
+    fn to_arrival(self) -> Arrival {
+        Arrival { data: self.data.to_vec(), tagged: self.tagged, tag: self.tag, cq_data: self.cq_data, from: self.from }
+    }
+}
+
+/// Where a message that matches a posted receive as it is taken in goes at once (set by
+/// [`Rdm::set_land`]): `ffi` copies it into the receive's buffer and completes the receive.
+/// Called with the endpoint's lock held: it must not call back into the endpoint.
+pub type Land = Box<dyn Fn(Posted, Landed<'_>) + Send + Sync>;
+
 impl Posted {
-    fn matches(&self, a: &Arrival) -> bool {
+    fn matches(&self, a: &Landed<'_>) -> bool {
         self.tagged == a.tagged
             && (!self.tagged || (self.tag ^ a.tag) & !self.ignore == 0)
             && self.from.is_none_or(|f| a.from == Some(f))
@@ -245,6 +273,8 @@ pub struct Peeked {
 /// A sender's queue into this endpoint.
 struct Rx {
     rx: MsgReceiver,
+    /// What its last message was read into (reused).
+    buf: Vec<u8>,
     /// Who it is (its hello says).
     from: Option<Addr>,
     /// Armed by a waiter: fires when the sender publishes.
@@ -288,6 +318,7 @@ const READY: u64 = 1;
 pub struct Rdm {
     shared: Arc<Shared>,
     me: Addr,
+    land: OnceLock<Land>,
 }
 
 struct Shared {
@@ -310,7 +341,12 @@ fn take_senders(shared: Arc<Shared>) {
         match shared.listener.accept_to(&shared.queue, Some(Duration::from_millis(100))) {
             Ok(rx) => {
                 let Ok(ready) = rx.readiness_tripwire(READY) else { continue };
-                shared.state.lock().unwrap_or_else(|p| p.into_inner()).receivers.push(Rx { rx, from: None, ready });
+                shared.state.lock().unwrap_or_else(|p| p.into_inner()).receivers.push(Rx {
+                    rx,
+                    buf: Vec::new(),
+                    from: None,
+                    ready,
+                });
                 // A waiter that looked before this receiver was there looks again.
                 shared.queue.post_user(READY);
             }
@@ -342,7 +378,14 @@ impl Rdm {
             .name("clan-fi-accept".into())
             .spawn(move || take_senders(s2))
             .map_err(|e| Error::Nic(e.to_string()))?;
-        Ok(Rdm { shared, me })
+        Ok(Rdm { shared, me, land: OnceLock::new() })
+    }
+
+    /// From now on, hand a message that matches a posted receive as it is taken in to
+    /// `land` at once, instead of as a [`Done::Received`] from [`Rdm::progress`] (no copy of
+    /// it is made on the way). Once only: a second call is ignored.
+    pub fn set_land(&self, land: Land) {
+        let _ = self.land.set(land);
     }
 
     /// Its address (what `fi_getname` gives).
@@ -433,7 +476,7 @@ impl Rdm {
         }
         let r = sender.send_idling(0, frame, &mut || {
             let mut s = self.lock();
-            take_in(&mut s);
+            take_in(&mut s, self.land.get());
         });
         if frame.capacity() > KEEP_FRAME {
             // (a long message's buffer is not kept for the short ones that follow)
@@ -457,7 +500,7 @@ impl Rdm {
     /// at once if it is directed to a peer that went away.
     pub fn post(&self, p: Posted) -> Option<Done> {
         let mut s = self.lock();
-        if let Some(i) = s.unexpected.iter().position(|a| p.matches(a)) {
+        if let Some(i) = s.unexpected.iter().position(|a| p.matches(&a.landed())) {
             let a = s.unexpected.remove(i)?;
             return Some(Done::Received(p, a));
         }
@@ -487,7 +530,7 @@ impl Rdm {
     /// went away, which fail), and the remote memory requests and answers that came.
     pub fn progress(&self) -> Vec<Done> {
         let mut s = self.lock();
-        take_in(&mut s);
+        take_in(&mut s, self.land.get());
         std::mem::take(&mut s.done)
     }
 
@@ -510,8 +553,8 @@ impl Rdm {
     /// taken aside for the receive that names the same context ([`Rdm::claimed`]).
     pub fn peek(&self, p: &Posted, claim: bool) -> Option<Peeked> {
         let mut s = self.lock();
-        take_in(&mut s);
-        let i = s.unexpected.iter().position(|a| p.matches(a))?;
+        take_in(&mut s, self.land.get());
+        let i = s.unexpected.iter().position(|a| p.matches(&a.landed()))?;
         let a = &s.unexpected[i];
         let found = Peeked { len: a.data.len(), tag: a.tag, cq_data: a.cq_data };
         if claim {
@@ -538,7 +581,7 @@ impl Rdm {
 /// remote memory requests and answers are handed on, and receives directed to peers that
 /// went away fail; what finished goes to `s.done`, in the order it came. Allocates nothing
 /// when nothing came (the cost of a completion queue polled in a loop).
-fn take_in(s: &mut State) {
+fn take_in(s: &mut State, land: Option<&Land>) {
     let State { senders, receivers, posted, unexpected, gone, done, .. } = s;
     let mut i = 0;
     while i < receivers.len() {
@@ -549,21 +592,28 @@ fn take_in(s: &mut State) {
         let dead = loop {
             // (never waiting: a message's parts come as its sender, which may be waiting
             // for us in turn, writes them; the parts taken wait in the receiver)
-            match r.rx.try_recv() {
-                Ok(Some(m)) => match parse(m.data, &mut r.from) {
+            match r.rx.try_recv_into(&mut r.buf) {
+                Ok(Some(_)) => match parse(&r.buf, &mut r.from) {
                     Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
                         Some(k) => {
                             if let Some(p) = posted.remove(k) {
-                                done.push(Done::Received(p, a));
+                                match land {
+                                    Some(land) => land(p, a),
+                                    None => done.push(Done::Received(p, a.to_arrival())),
+                                }
                             }
                         }
-                        None => unexpected.push_back(a),
+                        None => unexpected.push_back(a.to_arrival()),
                     },
                     Some(Incoming::Done(d)) => done.push(d),
                     None => {}
                 },
                 Ok(None) => break !alive,
                 Err(_) => break true,
+            }
+            if r.buf.capacity() > KEEP_FRAME {
+                // (a long message's buffer is not kept)
+                r.buf = Vec::new();
             }
         };
         if dead {
@@ -599,19 +649,19 @@ fn take_in(s: &mut State) {
 }
 
 /// A message taken from a sender's ring.
-enum Incoming {
-    Msg(Arrival),
+enum Incoming<'a> {
+    Msg(Landed<'a>),
     Done(Done),
 }
 
 /// Parse one message of the sender whose hello said `from` (a hello sets it). Memory a peer
 /// wrote: anything short or malformed is dropped (a malformed request is answered as such).
-fn parse(mut data: Vec<u8>, from: &mut Option<Addr>) -> Option<Incoming> {
+fn parse<'a>(data: &'a [u8], from: &mut Option<Addr>) -> Option<Incoming<'a>> {
     if data.len() < HEADER {
         return None;
     }
     let word = |d: &[u8], k: usize| u64::from_le_bytes(d[k * 8..k * 8 + 8].try_into().unwrap_or_default());
-    let (flags, w1, w2) = (word(&data, 0), word(&data, 1), word(&data, 2));
+    let (flags, w1, w2) = (word(data, 0), word(data, 1), word(data, 2));
     let body = &data[HEADER..];
     if flags & F_HELLO != 0 {
         *from = Addr::from_bytes(body).ok();
@@ -628,8 +678,7 @@ fn parse(mut data: Vec<u8>, from: &mut Option<Addr>) -> Option<Incoming> {
         let kind = if flags & F_READ != 0 {
             RmaKind::Read { len: word(body, 2) }
         } else {
-            data.drain(..HEADER + 16);
-            RmaKind::Write { data, cq_data: (flags & F_DATA != 0).then_some(w2) }
+            RmaKind::Write { data: body[16..].to_vec(), cq_data: (flags & F_DATA != 0).then_some(w2) }
         };
         return Some(Incoming::Done(Done::Rma(RmaRequest { from: *from, id: w1, key, addr, kind })));
     }
@@ -641,16 +690,13 @@ fn parse(mut data: Vec<u8>, from: &mut Option<Addr>) -> Option<Incoming> {
             4 => CmKind::Shutdown,
             _ => return None,
         };
-        data.drain(..HEADER);
-        return Some(Incoming::Done(Done::Cm { from: *from, kind, data }));
+        return Some(Incoming::Done(Done::Cm { from: *from, kind, data: body.to_vec() }));
     }
     if flags & F_REPLY != 0 {
-        data.drain(..HEADER);
-        return Some(Incoming::Done(Done::Reply(RmaReply { id: w1, status: w2, data })));
+        return Some(Incoming::Done(Done::Reply(RmaReply { id: w1, status: w2, data: body.to_vec() })));
     }
-    data.drain(..HEADER);
-    Some(Incoming::Msg(Arrival {
-        data,
+    Some(Incoming::Msg(Landed {
+        data: body,
         tagged: flags & F_TAGGED != 0,
         tag: w1,
         cq_data: (flags & F_DATA != 0).then_some(w2),
@@ -717,6 +763,30 @@ mod tests {
         assert_eq!((p.context, m.data.as_slice()), (4, &b"from a"[..]));
         assert_eq!(b.cancel(3).map(|p| p.context), Some(3));
         assert!(b.cancel(3).is_none());
+    }
+
+    /// With a place to land, a message that matches a posted receive as it is taken in
+    /// goes there at once (not through `progress`); one that matches nothing waits, and is
+    /// matched by the next post as before.
+    #[test]
+    fn messages_land_at_once_when_the_endpoint_has_a_place_for_them() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        let landed = Arc::new(Mutex::new(Vec::new()));
+        let l2 = landed.clone();
+        b.set_land(Box::new(move |p, m| l2.lock().unwrap().push((p.context, m.data.to_vec(), m.tag, m.from))));
+        assert!(b.post(posted(1, true, 7)).is_none());
+        a.send(b.addr(), b"unexpected", false, 0, None).unwrap();
+        a.send(b.addr(), b"tagged 7", true, 7, None).unwrap();
+        until(|| {
+            assert!(b.progress().is_empty(), "nothing through progress");
+            (landed.lock().unwrap().len() == 1).then_some(())
+        });
+        assert_eq!(landed.lock().unwrap()[0], (1, b"tagged 7".to_vec(), 7, Some(a.addr())));
+        let (p, m) = received(b.post(posted(2, false, 0)).expect("waited"));
+        assert_eq!((p.context, m.data.as_slice()), (2, &b"unexpected"[..]));
+        assert_eq!(landed.lock().unwrap().len(), 1);
     }
 
     /// A waiter sleeps on the queue (nothing pending) and is woken by a message; a peer that

@@ -856,6 +856,51 @@ impl MsgReceiver {
         self.take_parts()
     }
 
+    /// [`MsgReceiver::try_recv`] into `buf` (replacing what it held): the message's
+    /// metadata word once its last part is taken (its bytes in `buf`), `None` until then. A
+    /// message of one slot is read straight into `buf`, which is reused: a receiver taking
+    /// small messages this way allocates nothing once `buf` has grown.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// let mut buf = Vec::with_capacity(256);
+    /// assert_eq!(rx.try_recv_into(&mut buf)?, None);
+    /// tx.send(3, b"one")?;
+    /// tx.send(4, b"two")?;
+    /// assert_eq!(rx.try_recv_into(&mut buf)?, Some(3));
+    /// assert_eq!(buf, b"one");
+    /// assert_eq!(rx.try_recv_into(&mut buf)?, Some(4));
+    /// assert_eq!(buf, b"two");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn try_recv_into(&mut self, buf: &mut Vec<u8>) -> Result<Option<u64>, QueueError> {
+        if self.partial.is_none() && self.has_published()? {
+            let (part, flags, meta, total) =
+                self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+            if flags & FIRST != 0 && flags & MORE == 0 {
+                if part != total {
+                    return Err(QueueError::Protocol("a message shorter than its header says"));
+                }
+                buf.clear();
+                buf.resize(part as usize, 0);
+                self.mine.read(self.slot_off(self.read) + HEADER, buf)?;
+                self.consume()?;
+                return Ok(Some(meta));
+            }
+        }
+        Ok(self.take_parts()?.map(|m| {
+            *buf = m.data;
+            m.meta
+        }))
+    }
+
     fn take_parts(&mut self) -> Result<Option<Message>, QueueError> {
         while self.has_published()? {
             let (part, flags, m, total) =

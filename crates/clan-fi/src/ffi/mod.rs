@@ -1443,6 +1443,9 @@ struct EpObj {
     domain: usize,
     /// Remote memory requests of ours not yet answered, by id.
     rma: std::sync::Mutex<std::collections::HashMap<u64, rma::Pending>>,
+    /// How many there are (read without the lock by progress, which fails those of peers
+    /// that went away).
+    rma_count: std::sync::atomic::AtomicUsize,
     next_rma: std::sync::atomic::AtomicU64,
     /// A connected endpoint (`FI_EP_MSG`): its event queue, its peer, its state
     /// (`cm::CM_*`).
@@ -1613,11 +1616,13 @@ impl EpObj {
             crate::rdm::Done::Reply(r) => return self.answered(r),
             crate::rdm::Done::Cm { from, kind, data } => return self.on_cm(from, kind, &data),
         };
-        self.complete_recv(p, &a);
+        self.complete_recv(p, a.landed());
     }
 
-    /// Copy arrival `a` into the buffer of receive `p`, and complete it.
-    fn complete_recv(&self, p: crate::rdm::Posted, a: &crate::rdm::Arrival) {
+    /// Copy arrival `a` into the buffer of receive `p`, and complete it. (Also called by
+    /// the endpoint's `rdm` with its lock held, as the message is taken in: nothing here
+    /// calls back into it.)
+    fn complete_recv(&self, p: crate::rdm::Posted, a: crate::rdm::Landed<'_>) {
         let n = a.data.len().min(p.len);
         if n > 0 {
             // SAFETY: the application posted `p.len` writable bytes at `p.buf`, valid until
@@ -1760,6 +1765,7 @@ unsafe extern "C" fn ep_open(
         cntrs: Default::default(),
         domain: domain as usize,
         rma: Default::default(),
+        rma_count: Default::default(),
         next_rma: std::sync::atomic::AtomicU64::new(1),
         msg,
         eq: std::sync::atomic::AtomicUsize::new(0),
@@ -1767,6 +1773,13 @@ unsafe extern "C" fn ep_open(
         cm_state: std::sync::atomic::AtomicU8::new(cm::CM_IDLE),
     });
     let ep = Box::leak(ep);
+    let at = ep as *const EpObj as usize;
+    ep.rdm.set_land(Box::new(move |p, a| {
+        // SAFETY: the closure lives in the endpoint's own `rdm`, which calls it only from
+        // its methods, called through the endpoint: the endpoint is alive.
+        let ep = unsafe { &*(at as *const EpObj) };
+        ep.complete_recv(p, a);
+    }));
     // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours, which
     // outlives its endpoints (its close refuses while the progress thread has any).
     if let Some(a) = unsafe { (*domain.cast::<Domain>()).auto.as_ref() } {
@@ -2192,7 +2205,7 @@ unsafe extern "C" fn tagged_recvmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, 
                 crate::cq::Entry { op_context: p.context, flags: flags_of(false), tag: a.tag, ..Default::default() };
             ep.succeeded(true, entry, true, Count::Recv);
         } else {
-            ep.complete_recv(p, &a);
+            ep.complete_recv(p, a.landed());
         }
         return 0;
     }

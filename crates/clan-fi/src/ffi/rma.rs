@@ -13,6 +13,7 @@
 //! served when the target makes progress (reads its queues or counters).
 
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::Ordering;
 
 use super::sys::*;
 use super::{Count, EpObj, ep_of, err, one_iov};
@@ -200,7 +201,6 @@ impl EpObj {
         ctx: Option<*mut c_void>,
         completion: bool,
     ) -> isize {
-        use std::sync::atomic::Ordering;
         if len > 0 && buf.is_null() {
             return err(FI_EINVAL) as isize;
         }
@@ -217,7 +217,7 @@ impl EpObj {
             completion: completion && ctx.is_some(),
         };
         // (recorded first: the answer may be taken in while the request is being sent)
-        self.rma.lock().unwrap_or_else(|p| p.into_inner()).insert(id, p);
+        self.rma_insert(id, p);
         let r = if read_into {
             self.rdm.read(to, id, key, addr, len)
         } else {
@@ -230,7 +230,7 @@ impl EpObj {
             self.rdm.write(to, id, key, addr, bytes, data)
         };
         if let Err(e) = r {
-            let Some(p) = self.rma.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) else { return 0 };
+            let Some(p) = self.rma_remove(id) else { return 0 };
             return match e {
                 crate::rdm::Error::PeerGone if ctx.is_some() => {
                     let e = crate::cq::ErrEntry {
@@ -310,7 +310,7 @@ impl EpObj {
     /// The answer to one of our requests.
     pub(super) fn answered(&self, r: RmaReply) {
         // (an answer to nothing of ours — forged or late — is dropped)
-        let Some(p) = self.rma.lock().unwrap_or_else(|p| p.into_inner()).remove(&r.id) else { return };
+        let Some(p) = self.rma_remove(r.id) else { return };
         let mut status = RmaStatus::from_word(r.status);
         if status == RmaStatus::Done {
             match p.read_into {
@@ -334,15 +334,33 @@ impl EpObj {
         }
     }
 
+    /// Record request `id` of ours, awaiting its answer.
+    fn rma_insert(&self, id: u64, p: Pending) {
+        let mut m = self.rma.lock().unwrap_or_else(|p| p.into_inner());
+        m.insert(id, p);
+        self.rma_count.store(m.len(), Ordering::Relaxed);
+    }
+
+    /// Take request `id` of ours (answered, or failed).
+    fn rma_remove(&self, id: u64) -> Option<Pending> {
+        let mut m = self.rma.lock().unwrap_or_else(|p| p.into_inner());
+        let p = m.remove(&id);
+        self.rma_count.store(m.len(), Ordering::Relaxed);
+        p
+    }
+
     /// Fail our requests to peers that went away (they will never answer).
     pub(super) fn fail_gone_rma(&self) {
+        // (most of the time there is none: polling a queue costs no lock for it)
+        if self.rma_count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
         let gone: Vec<Pending> = {
             let mut m = self.rma.lock().unwrap_or_else(|p| p.into_inner());
-            if m.is_empty() {
-                return;
-            }
             let ids: Vec<u64> = m.iter().filter(|(_, p)| self.rdm.is_gone(p.to)).map(|(id, _)| *id).collect();
-            ids.iter().filter_map(|id| m.remove(id)).collect()
+            let gone: Vec<Pending> = ids.iter().filter_map(|id| m.remove(id)).collect();
+            self.rma_count.store(m.len(), Ordering::Relaxed);
+            gone
         };
         for p in gone {
             let e = crate::cq::ErrEntry {
