@@ -117,11 +117,15 @@ pub enum CmKind {
 /// Longest message.
 pub const MAX_MSG: usize = 1 << 20;
 
-/// The longest frame buffer a sender keeps between sends.
+/// The longest part buffer a receiver keeps between parts.
 const KEEP_FRAME: usize = 64 << 10;
 
+/// Every sender's ring: 31 slots of 16 KiB (496 KiB, with its control page just within
+/// what the NIC pools, so a connection costs no descriptor of its own). Long slots make long
+/// messages cheap (one header, one fence and one look at the tripwires per 16 KiB: a 1 MiB
+/// message is 65 slots); a short message still takes one slot, so 30 are in flight.
 fn config() -> QueueConfig {
-    QueueConfig { slots: 64, slot_size: 2048, spin: Duration::ZERO, ..QueueConfig::default() }
+    QueueConfig { slots: 31, slot_size: 16384, spin: Duration::ZERO, ..QueueConfig::default() }
 }
 
 /// A receive the application posted (its buffer as an address: `ffi` writes into it).
@@ -174,9 +178,17 @@ impl Landed<'_> {
 }
 
 /// Where a message that matches a posted receive as it is taken in goes at once (set by
-/// [`Rdm::set_land`]): `ffi` copies it into the receive's buffer and completes the receive.
-/// Called with the endpoint's lock held: it must not call back into the endpoint.
-pub type Land = Box<dyn Fn(Posted, Landed<'_>) + Send + Sync>;
+/// [`Rdm::set_land`]): `ffi` copies it into the receive's buffer as its parts come and
+/// completes the receive when it is whole. Called with the endpoint's lock held: nothing
+/// here may call back into the endpoint.
+pub trait Land: Send + Sync {
+    /// Bytes `at..at + data.len()` of the message for receive `p` (what lies past `p.len`
+    /// is dropped: the message is truncated).
+    fn part(&self, p: &Posted, at: usize, data: &[u8]);
+    /// The message for `p` is whole: `len` bytes in all, its header in `m` (whose `data` is
+    /// empty: its bytes came by `part`).
+    fn done(&self, p: Posted, m: Landed<'_>, len: usize);
+}
 
 impl Posted {
     fn matches(&self, a: &Landed<'_>) -> bool {
@@ -273,12 +285,14 @@ pub struct Peeked {
 /// A sender's queue into this endpoint.
 struct Rx {
     rx: MsgReceiver,
-    /// What its last message was read into (reused).
+    /// What its last part was read into (reused; at most a slot's payload).
     buf: Vec<u8>,
+    /// The message whose parts are coming in.
+    assembly: Option<Assembly>,
     /// Who it is (its hello says).
     from: Option<Addr>,
     /// Armed by a waiter: fires when the sender publishes.
-    ready: Tripwire,
+    ready: Option<Tripwire>,
 }
 
 /// An address's bytes as a map key.
@@ -289,11 +303,18 @@ type Key = [u8; crate::av::ADDR_LEN];
 /// announces many makes itself slower, nobody else).
 type Fast<K, V> = HashMap<K, V, BuildHasherDefault<rustc_hash::FxHasher>>;
 
-/// Our queue to a peer, with the buffer its frames are assembled in (reused: a send
-/// allocates nothing once the buffer has grown to the longest frame sent).
+/// Our queue to a peer.
 struct Tx {
     tx: MsgSender,
-    frame: Vec<u8>,
+}
+
+/// Where a message longer than a slot goes as its parts come in.
+enum Assembly {
+    /// Straight into the buffer of the posted receive its first part matched (its header:
+    /// `m`, whose `data` is empty).
+    Landing { p: Posted, tagged: bool, tag: u64, cq_data: Option<u64>, from: Option<Addr> },
+    /// Into a buffer of ours (no receive for it yet, or not a message for a receive).
+    Own(Vec<u8>),
 }
 
 #[derive(Default)]
@@ -318,7 +339,7 @@ const READY: u64 = 1;
 pub struct Rdm {
     shared: Arc<Shared>,
     me: Addr,
-    land: OnceLock<Land>,
+    land: OnceLock<Box<dyn Land>>,
 }
 
 struct Shared {
@@ -340,12 +361,12 @@ fn take_senders(shared: Arc<Shared>) {
     while !shared.closed.load(Ordering::Acquire) {
         match shared.listener.accept_to(&shared.queue, Some(Duration::from_millis(100))) {
             Ok(rx) => {
-                let Ok(ready) = rx.readiness_tripwire(READY) else { continue };
                 shared.state.lock().unwrap_or_else(|p| p.into_inner()).receivers.push(Rx {
                     rx,
                     buf: Vec::new(),
+                    assembly: None,
                     from: None,
-                    ready,
+                    ready: None,
                 });
                 // A waiter that looked before this receiver was there looks again.
                 shared.queue.post_user(READY);
@@ -384,7 +405,7 @@ impl Rdm {
     /// From now on, hand a message that matches a posted receive as it is taken in to
     /// `land` at once, instead of as a [`Done::Received`] from [`Rdm::progress`] (no copy of
     /// it is made on the way). Once only: a second call is ignored.
-    pub fn set_land(&self, land: Land) {
+    pub fn set_land(&self, land: Box<dyn Land>) {
         let _ = self.land.set(land);
     }
 
@@ -458,31 +479,28 @@ impl Rdm {
                 hello[..8].copy_from_slice(&F_HELLO.to_le_bytes());
                 hello.extend_from_slice(self.me.bytes());
                 tx.send(0, &hello)?;
-                let tx = Tx { tx, frame: Vec::new() };
+                let tx = Tx { tx };
                 self.lock().senders.entry(*to.bytes()).or_insert_with(|| Arc::new(Mutex::new(tx))).clone()
             }
         };
         // Only this peer's sender is held while it waits for room (never the receive side).
         // While it waits, what others send us is taken in: the peer may be waiting for room
         // in our rings to finish a send to us before it reads ours.
-        let mut guard = tx.lock().unwrap_or_else(|p| p.into_inner());
-        let Tx { tx: sender, frame } = &mut *guard;
-        frame.clear();
-        frame.extend_from_slice(&flags.to_le_bytes());
-        frame.extend_from_slice(&tag.to_le_bytes());
-        frame.extend_from_slice(&word2.to_le_bytes());
-        for p in parts {
-            frame.extend_from_slice(p);
+        let mut head = [0u8; HEADER];
+        head[..8].copy_from_slice(&flags.to_le_bytes());
+        head[8..16].copy_from_slice(&tag.to_le_bytes());
+        head[16..].copy_from_slice(&word2.to_le_bytes());
+        // The header, then the parts, as one message (no copy of them put together).
+        let mut all: [&[u8]; 5] = [&[]; 5];
+        all[0] = &head;
+        for (slot, p) in all[1..].iter_mut().zip(parts) {
+            *slot = p;
         }
-        let r = sender.send_idling(0, frame, &mut || {
+        let all = &all[..1 + parts.len().min(4)];
+        let r = tx.lock().unwrap_or_else(|p| p.into_inner()).tx.send_vectored_idling(0, all, &mut || {
             let mut s = self.lock();
-            take_in(&mut s, self.land.get());
+            take_in(&mut s, self.land.get().map(|l| &**l));
         });
-        if frame.capacity() > KEEP_FRAME {
-            // (a long message's buffer is not kept for the short ones that follow)
-            *frame = Vec::new();
-        }
-        drop(guard);
         match r {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -515,9 +533,15 @@ impl Rdm {
     /// `true`: nothing has arrived and every sender is still there (sleep; a sender's next
     /// message wakes the queue); `false`: make progress first.
     pub fn prepare_wait(&self) -> bool {
-        let s = self.lock();
-        for r in &s.receivers {
-            if r.ready.arm().is_err() {
+        let mut s = self.lock();
+        for r in &mut s.receivers {
+            if r.ready.is_none() {
+                match r.rx.readiness_tripwire(READY) {
+                    Ok(t) => r.ready = Some(t),
+                    Err(_) => return false,
+                }
+            }
+            if r.ready.as_ref().is_some_and(|t| t.arm().is_err()) {
                 return false;
             }
         }
@@ -530,7 +554,7 @@ impl Rdm {
     /// went away, which fail), and the remote memory requests and answers that came.
     pub fn progress(&self) -> Vec<Done> {
         let mut s = self.lock();
-        take_in(&mut s, self.land.get());
+        take_in(&mut s, self.land.get().map(|l| &**l));
         std::mem::take(&mut s.done)
     }
 
@@ -553,7 +577,7 @@ impl Rdm {
     /// taken aside for the receive that names the same context ([`Rdm::claimed`]).
     pub fn peek(&self, p: &Posted, claim: bool) -> Option<Peeked> {
         let mut s = self.lock();
-        take_in(&mut s, self.land.get());
+        take_in(&mut s, self.land.get().map(|l| &**l));
         let i = s.unexpected.iter().position(|a| p.matches(&a.landed()))?;
         let a = &s.unexpected[i];
         let found = Peeked { len: a.data.len(), tag: a.tag, cq_data: a.cq_data };
@@ -581,7 +605,7 @@ impl Rdm {
 /// remote memory requests and answers are handed on, and receives directed to peers that
 /// went away fail; what finished goes to `s.done`, in the order it came. Allocates nothing
 /// when nothing came (the cost of a completion queue polled in a loop).
-fn take_in(s: &mut State, land: Option<&Land>) {
+fn take_in(s: &mut State, land: Option<&dyn Land>) {
     let State { senders, receivers, posted, unexpected, gone, done, .. } = s;
     let mut i = 0;
     while i < receivers.len() {
@@ -592,32 +616,65 @@ fn take_in(s: &mut State, land: Option<&Land>) {
         let dead = loop {
             // (never waiting: a message's parts come as its sender, which may be waiting
             // for us in turn, writes them; the parts taken wait in the receiver)
-            match r.rx.try_recv_into(&mut r.buf) {
-                Ok(Some(_)) => match parse(&r.buf, &mut r.from) {
-                    Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
-                        Some(k) => {
-                            if let Some(p) = posted.remove(k) {
-                                match land {
-                                    Some(land) => land(p, a),
-                                    None => done.push(Done::Received(p, a.to_arrival())),
-                                }
-                            }
-                        }
-                        None => unexpected.push_back(a.to_arrival()),
-                    },
-                    Some(Incoming::Done(d)) => done.push(d),
-                    None => {}
-                },
+            let part = match r.rx.try_recv_part(&mut r.buf) {
+                Ok(Some(part)) => part,
                 Ok(None) => break !alive,
                 Err(_) => break true,
+            };
+            if part.at == 0 && part.last {
+                // A message of one slot, whole.
+                whole(&r.buf, &mut r.from, land, posted, unexpected, done);
+            } else if part.at == 0 {
+                // The first part of a longer one: its header says where it goes.
+                let body = part.total as usize - HEADER.min(part.total as usize);
+                r.assembly = Some(match parse(&r.buf, &mut r.from) {
+                    Some(Incoming::Msg(m)) if land.is_some() => match posted.iter().position(|p| p.matches(&m)) {
+                        Some(k) => match (posted.remove(k), land) {
+                            (Some(p), Some(land)) => {
+                                land.part(&p, 0, m.data);
+                                Assembly::Landing { p, tagged: m.tagged, tag: m.tag, cq_data: m.cq_data, from: m.from }
+                            }
+                            _ => Assembly::Own(own_start(&r.buf, body)),
+                        },
+                        None => Assembly::Own(own_start(&r.buf, body)),
+                    },
+                    _ => Assembly::Own(own_start(&r.buf, body)),
+                });
+            } else {
+                match &mut r.assembly {
+                    Some(Assembly::Landing { p, .. }) => {
+                        if let Some(land) = land {
+                            land.part(p, part.at as usize - HEADER, &r.buf);
+                        }
+                    }
+                    Some(Assembly::Own(v)) => v.extend_from_slice(&r.buf),
+                    // (the receiver would have refused a part without its first)
+                    None => {}
+                }
+                if part.last {
+                    match r.assembly.take() {
+                        Some(Assembly::Landing { p, tagged, tag, cq_data, from }) => {
+                            if let Some(land) = land {
+                                let m = Landed { data: &[], tagged, tag, cq_data, from };
+                                land.done(p, m, part.total as usize - HEADER);
+                            }
+                        }
+                        Some(Assembly::Own(v)) => whole(&v, &mut r.from, land, posted, unexpected, done),
+                        None => {}
+                    }
+                }
             }
             if r.buf.capacity() > KEEP_FRAME {
-                // (a long message's buffer is not kept)
+                // (a long slot's buffer is not kept)
                 r.buf = Vec::new();
             }
         };
         if dead {
             let r = receivers.swap_remove(i);
+            if let Some(Assembly::Landing { p, .. }) = r.assembly {
+                // Its message will never be whole: the receive waits for another.
+                posted.push_front(p);
+            }
             if let Some(f) = r.from {
                 gone.insert(*f.bytes());
                 senders.remove(f.bytes());
@@ -646,6 +703,44 @@ fn take_in(s: &mut State, land: Option<&Land>) {
             k += 1;
         }
     }
+}
+
+/// A whole message `data` of the sender whose hello said `from`: to a posted receive it
+/// matches (landed at once, with a place to land), kept as unexpected, or handed on.
+fn whole(
+    data: &[u8],
+    from: &mut Option<Addr>,
+    land: Option<&dyn Land>,
+    posted: &mut VecDeque<Posted>,
+    unexpected: &mut VecDeque<Arrival>,
+    done: &mut Vec<Done>,
+) {
+    match parse(data, from) {
+        Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
+            Some(k) => {
+                if let Some(p) = posted.remove(k) {
+                    match land {
+                        Some(land) => {
+                            land.part(&p, 0, a.data);
+                            land.done(p, Landed { data: &[], ..a }, a.data.len());
+                        }
+                        None => done.push(Done::Received(p, a.to_arrival())),
+                    }
+                }
+            }
+            None => unexpected.push_back(a.to_arrival()),
+        },
+        Some(Incoming::Done(d)) => done.push(d),
+        None => {}
+    }
+}
+
+/// Our buffer for a message of `body` bytes after its header, starting with `first` (its
+/// first part, header included).
+fn own_start(first: &[u8], body: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER + body);
+    v.extend_from_slice(first);
+    v
 }
 
 /// A message taken from a sender's ring.
@@ -774,8 +869,7 @@ mod tests {
         let a = Rdm::open(&q).unwrap();
         let b = Rdm::open(&q).unwrap();
         let landed = Arc::new(Mutex::new(Vec::new()));
-        let l2 = landed.clone();
-        b.set_land(Box::new(move |p, m| l2.lock().unwrap().push((p.context, m.data.to_vec(), m.tag, m.from))));
+        b.set_land(Box::new(Keep(landed.clone(), Mutex::default())));
         assert!(b.post(posted(1, true, 7)).is_none());
         a.send(b.addr(), b"unexpected", false, 0, None).unwrap();
         a.send(b.addr(), b"tagged 7", true, 7, None).unwrap();
@@ -787,6 +881,83 @@ mod tests {
         let (p, m) = received(b.post(posted(2, false, 0)).expect("waited"));
         assert_eq!((p.context, m.data.as_slice()), (2, &b"unexpected"[..]));
         assert_eq!(landed.lock().unwrap().len(), 1);
+    }
+
+    /// A message longer than a slot lands part by part, in order, in the receive its first
+    /// part matched; a receive shorter than the message gets its first bytes and the whole
+    /// length (truncated).
+    #[test]
+    fn long_messages_land_part_by_part() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        let landed = Arc::new(Mutex::new(Vec::new()));
+        b.set_land(Box::new(Keep(landed.clone(), Mutex::default())));
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        assert!(b.post(Posted { len: big.len(), ..posted(1, false, 0) }).is_none());
+        assert!(b.post(Posted { len: 1000, ..posted(2, false, 0) }).is_none());
+        a.send(b.addr(), &big, false, 0, None).unwrap();
+        a.send(b.addr(), &big, false, 0, None).unwrap();
+        until(|| {
+            assert!(b.progress().is_empty());
+            (landed.lock().unwrap().len() == 2).then_some(())
+        });
+        let got = landed.lock().unwrap();
+        assert_eq!((got[0].0, got[0].1 == big, got[0].3), (1, true, Some(a.addr())));
+        // (`Keep` records what `part` was given: the receive's buffer gets the first 1000)
+        assert_eq!((got[1].0, got[1].1.len()), (2, big.len()));
+    }
+
+    /// A sender that goes away in the middle of a long message: the receive its first part
+    /// matched is posted again (its message will never be whole).
+    #[test]
+    fn a_receive_whose_long_message_never_completes_is_posted_again() {
+        let q = queue();
+        let b = Rdm::open(&q).unwrap();
+        let landed = Arc::new(Mutex::new(Vec::new()));
+        b.set_land(Box::new(Keep(landed.clone(), Mutex::default())));
+        assert!(b.post(Posted { len: MAX_MSG, ..posted(1, false, 0) }).is_none());
+        // A sender that fills the ring with the first parts of a message longer than it, then
+        // goes away.
+        let mut tx = MsgSender::connect(nic().unwrap(), b.addr().endpoint().unwrap(), &config()).unwrap();
+        let mut hello = vec![0u8; HEADER];
+        hello[..8].copy_from_slice(&F_HELLO.to_le_bytes());
+        hello.extend_from_slice(Addr::of(b.addr().endpoint().unwrap()).bytes());
+        tx.send(0, &hello).unwrap();
+        let big = vec![1u8; MAX_MSG];
+        let r = tx.send_timeout(0, &[&[0u8; HEADER][..], &big].concat(), Some(Duration::from_millis(200)));
+        assert!(matches!(r, Err(QueueError::Timeout)), "{r:?}");
+        // Its first part matched the receive, which is no longer posted ...
+        until(|| {
+            b.progress();
+            b.lock().posted.is_empty().then_some(())
+        });
+        drop(tx);
+        until(|| {
+            b.progress();
+            b.cancel(1).map(|p| p.context)
+        });
+        assert!(landed.lock().unwrap().is_empty(), "nothing completed");
+    }
+
+    /// What a test's place to land was given: each whole message (receive, bytes, tag, from).
+    struct Keep(Arc<Mutex<Vec<Kept>>>, Mutex<Vec<u8>>);
+
+    /// A message a test's place to land was given: (receive, bytes, tag, from).
+    type Kept = (usize, Vec<u8>, u64, Option<Addr>);
+
+    impl Land for Keep {
+        fn part(&self, p: &Posted, at: usize, data: &[u8]) {
+            let mut b = self.1.lock().unwrap();
+            assert_eq!(at, b.len(), "parts in order");
+            assert!(p.context > 0);
+            b.extend_from_slice(data);
+        }
+        fn done(&self, p: Posted, m: Landed<'_>, len: usize) {
+            let b = std::mem::take(&mut *self.1.lock().unwrap());
+            assert_eq!(b.len(), len);
+            self.0.lock().unwrap().push((p.context, b, m.tag, m.from));
+        }
     }
 
     /// A waiter sleeps on the queue (nothing pending) and is woken by a message; a peer that

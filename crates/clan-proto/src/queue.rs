@@ -201,6 +201,19 @@ pub struct Header {
     pub len: u64,
 }
 
+/// One part of a message, as [`MsgReceiver::try_recv_part`] takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    /// The message's metadata word.
+    pub meta: u64,
+    /// The whole message's length.
+    pub total: u64,
+    /// Where this part's bytes go in the message.
+    pub at: u64,
+    /// Whether it is the message's last part (the message is now whole).
+    pub last: bool,
+}
+
 /// A received message ([`MsgReceiver::recv`]).
 ///
 /// ```
@@ -474,7 +487,7 @@ impl MsgSender {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn send_timeout(&mut self, meta: u64, data: &[u8], timeout: Option<Duration>) -> Result<(), QueueError> {
-        self.send_inner(meta, data, timeout, None)
+        self.send_inner(meta, &[data], timeout, None)
     }
 
     /// [`MsgSender::send`] that, while it waits for room, calls `idle` every so often
@@ -482,20 +495,56 @@ impl MsgSender {
     /// to send to it takes in that receiver's messages there, so that two peers sending each
     /// other more than their rings hold do not wait for each other forever.
     pub fn send_idling(&mut self, meta: u64, data: &[u8], idle: &mut dyn FnMut()) -> Result<(), QueueError> {
-        self.send_inner(meta, data, None, Some(idle))
+        self.send_inner(meta, &[data], None, Some(idle))
+    }
+
+    /// [`MsgSender::send`] of the bytes of `parts` one after the other, as one message: what
+    /// a caller with a header and a body sends without first copying them together.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// let body = vec![7u8; 10_000]; // several slots
+    /// let sending = std::thread::spawn(move || tx.send_vectored(1, &[b"head:", &body]).map(|()| tx));
+    /// let m = rx.recv(Some(Duration::from_secs(5)))?;
+    /// assert_eq!((&m.data[..5], m.data.len()), (&b"head:"[..], 10_005));
+    /// # sending.join().unwrap()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn send_vectored(&mut self, meta: u64, parts: &[&[u8]]) -> Result<(), QueueError> {
+        self.send_inner(meta, parts, None, None)
+    }
+
+    /// [`MsgSender::send_vectored`] that calls `idle` while it waits for room, as
+    /// [`MsgSender::send_idling`] does.
+    pub fn send_vectored_idling(
+        &mut self,
+        meta: u64,
+        parts: &[&[u8]],
+        idle: &mut dyn FnMut(),
+    ) -> Result<(), QueueError> {
+        self.send_inner(meta, parts, None, Some(idle))
     }
 
     fn send_inner(
         &mut self,
         meta: u64,
-        data: &[u8],
+        data: &[&[u8]],
         timeout: Option<Duration>,
         mut idle: Option<&mut dyn FnMut()>,
     ) -> Result<(), QueueError> {
         let payload = self.slot_payload();
-        let total = data.len() as u64;
+        let total: u64 = data.iter().map(|d| d.len() as u64).sum();
         let mut done = 0u64;
         let mut first = true;
+        // Where the next byte comes from: part `k`, at `within`.
+        let (mut k, mut within) = (0usize, 0usize);
         self.settle_dma(timeout.map(|t| Instant::now() + t))?;
         loop {
             if !self.has_room()? {
@@ -514,14 +563,41 @@ impl MsgSender {
             let n = (total - done).min(payload);
             let flags = if first { FIRST } else { 0 } | if done + n < total { MORE } else { 0 };
             let at = self.slot_off(self.write);
-            let part = &data[done as usize..(done + n) as usize];
+            // The pieces of the parts that make this slot's `n` bytes.
+            let mut pieces: [&[u8]; 4] = [&[]; 4];
+            let mut npieces = 0;
+            let mut left = n as usize;
+            while left > 0 {
+                let Some(part) = data.get(k) else { break };
+                let take = (part.len() - within).min(left);
+                if take > 0 {
+                    if npieces == pieces.len() {
+                        // (more pieces than fit one write each: the rest of this slot waits
+                        // for the next; never happens with the header-and-body of callers)
+                        break;
+                    }
+                    pieces[npieces] = &part[within..within + take];
+                    npieces += 1;
+                }
+                within += take;
+                left -= take;
+                if within == part.len() {
+                    k += 1;
+                    within = 0;
+                }
+            }
+            let n = n - left as u64;
+            let flags = if left > 0 { flags | MORE } else { flags };
+            let pieces = &pieces[..npieces];
             if n <= SMALL_PART {
                 // The slot in one transfer with one fence: its header fields and body, its
                 // sequence word once they are in place, then the counter.
                 let fields = header_fields(n, flags, meta, total);
                 self.staging.clear();
                 self.staging.extend_from_slice(&fields);
-                self.staging.extend_from_slice(part);
+                for p in pieces {
+                    self.staging.extend_from_slice(p);
+                }
                 self.write += 1;
                 self.peer.get()?.write_led_then_store_u64(at, self.write, &self.staging, RX_WRITE, self.write)?;
             } else {
@@ -529,7 +605,16 @@ impl MsgSender {
                 // while the body is still on its way.
                 self.write_header(at, n, flags, meta, total)?;
                 self.write += 1;
-                self.peer.get()?.write_then_store_u64(at + HEADER, part, RX_WRITE, self.write)?;
+                let peer = self.peer.get()?;
+                let mut off = at + HEADER;
+                for (i, p) in pieces.iter().enumerate() {
+                    if i + 1 == pieces.len() {
+                        peer.write_then_store_u64(off, p, RX_WRITE, self.write)?;
+                    } else {
+                        peer.write(off, p)?;
+                    }
+                    off += p.len() as u64;
+                }
             }
             done += n;
             first = false;
@@ -569,7 +654,7 @@ impl MsgSender {
         let mut i = 0;
         while i < msgs.len() {
             if !small(&msgs[i]) {
-                self.send_inner(msgs[i].0, msgs[i].1, None, None)?;
+                self.send_inner(msgs[i].0, &[msgs[i].1], None, None)?;
                 i += 1;
                 continue;
             }
@@ -724,6 +809,9 @@ pub struct MsgReceiver {
     /// The message being taken in part by part (by [`MsgReceiver::try_recv`], or a `recv`
     /// that timed out): its metadata word, its length, its bytes so far.
     partial: Option<(u64, u64, Vec<u8>)>,
+    /// The message being taken in part by part by [`MsgReceiver::try_recv_part`]: its
+    /// metadata word, its length, its bytes handed out so far.
+    parting: Option<(u64, u64, u64)>,
 }
 
 impl MsgReceiver {
@@ -742,6 +830,7 @@ impl MsgReceiver {
             data,
             spin: cfg.spin,
             partial: None,
+            parting: None,
         })
     }
 
@@ -881,7 +970,10 @@ impl MsgReceiver {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn try_recv_into(&mut self, buf: &mut Vec<u8>) -> Result<Option<u64>, QueueError> {
-        if self.partial.is_none() && self.has_published()? {
+        if !self.has_published()? {
+            return Ok(None);
+        }
+        if self.partial.is_none() && self.parting.is_none() {
             let (part, flags, meta, total) =
                 self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
             if flags & FIRST != 0 && flags & MORE == 0 {
@@ -901,7 +993,85 @@ impl MsgReceiver {
         }))
     }
 
+    /// Take the next part of a message without waiting, into `buf` (replacing what it held,
+    /// at most one slot's payload: `buf` is reused and never grows past it): where it goes
+    /// in its message, and whether the message is now whole. A receiver that puts a long
+    /// message's parts where they belong as they come needs no buffer for the whole message.
+    /// A message begun this way is finished this way (and one begun by
+    /// [`MsgReceiver::recv`] or [`MsgReceiver::try_recv`] by those): mixing them in the
+    /// middle of a message is an error.
+    ///
+    /// ```
+    /// use clan_proto::queue::Part;
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// let cfg = QueueConfig { slot_size: 1024, ..QueueConfig::default() };
+    /// # let listener = QueueListener::bind(&nic, cfg.clone())?;
+    /// # let (addr, n2, c2) = (listener.local_addr(), nic.clone(), cfg.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &c2));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// tx.send(9, &[1u8; 3000])?; // three slots' worth
+    /// let (mut whole, mut buf) = (vec![0u8; 3000], Vec::new());
+    /// loop {
+    ///     let Some(p) = rx.try_recv_part(&mut buf)? else { continue };
+    ///     assert_eq!((p.meta, p.total), (9, 3000));
+    ///     whole[p.at as usize..p.at as usize + buf.len()].copy_from_slice(&buf);
+    ///     if p.last {
+    ///         break;
+    ///     }
+    /// }
+    /// assert!(whole.iter().all(|&b| b == 1) && buf.len() < 1024);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn try_recv_part(&mut self, buf: &mut Vec<u8>) -> Result<Option<Part>, QueueError> {
+        if self.partial.is_some() {
+            return Err(QueueError::BadConfig("a message begun by recv or try_recv is finished by them"));
+        }
+        if !self.has_published()? {
+            return Ok(None);
+        }
+        let (part, flags, m, total) =
+            self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+        let (meta, total, at) = match self.parting.take() {
+            None => {
+                if flags & FIRST == 0 {
+                    return Err(QueueError::Protocol("a message that does not start with its first part"));
+                }
+                if total > (1 << 32) {
+                    return Err(QueueError::Protocol("a message of more than 4 GiB"));
+                }
+                (m, total, 0)
+            }
+            Some((meta, total, at)) => {
+                if flags & FIRST != 0 || m != meta {
+                    return Err(QueueError::Protocol("parts of different messages interleaved"));
+                }
+                (meta, total, at)
+            }
+        };
+        if at + part > total {
+            return Err(QueueError::Protocol("parts longer than the message"));
+        }
+        let last = flags & MORE == 0;
+        if last && at + part != total {
+            return Err(QueueError::Protocol("a message shorter than its header says"));
+        }
+        buf.clear();
+        buf.resize(part as usize, 0);
+        self.mine.read(self.slot_off(self.read) + HEADER, buf)?;
+        self.consume()?;
+        if !last {
+            self.parting = Some((meta, total, at + part));
+        }
+        Ok(Some(Part { meta, total, at, last }))
+    }
+
     fn take_parts(&mut self) -> Result<Option<Message>, QueueError> {
+        if self.parting.is_some() {
+            return Err(QueueError::BadConfig("a message begun by try_recv_part is finished by it"));
+        }
         while self.has_published()? {
             let (part, flags, m, total) =
                 self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
@@ -970,7 +1140,7 @@ impl MsgReceiver {
         }
         let (part, flags, meta, _) =
             self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
-        if flags & MORE != 0 || flags & FIRST == 0 || self.partial.is_some() {
+        if flags & MORE != 0 || flags & FIRST == 0 || self.partial.is_some() || self.parting.is_some() {
             return Err(QueueError::BadConfig("a multi-part message cannot be lent in place"));
         }
         let r = f(meta, InPlace::new(&self.mine, self.slot_off(self.read) + HEADER, part));

@@ -338,3 +338,64 @@ fn a_pio_send_behind_a_dma_send_does_not_publish_it_early() {
         t.wait(SHORT).unwrap();
     }
 }
+
+/// A message sent from several pieces arrives as one; taken part by part it is whole at its
+/// last part; a message begun part by part is finished that way (and one begun by
+/// `try_recv` by that), and mixing them in the middle is refused without losing anything.
+#[test]
+fn vectored_sends_and_parts() {
+    let _w = Watchdog::new("vectored_sends_and_parts", Duration::from_secs(120));
+    let nic = Nic::open_default().unwrap();
+    let cfg = QueueConfig { slots: 8, slot_size: 256, ..QueueConfig::default() };
+    let l = QueueListener::bind(&nic, cfg.clone()).unwrap();
+    let (addr, n2, c2) = (l.local_addr(), nic.clone(), cfg.clone());
+    let t = std::thread::spawn(move || MsgSender::connect(&n2, addr, &c2).unwrap());
+    let mut rx = l.accept(WAIT).unwrap();
+    let mut tx = t.join().unwrap();
+    let head = b"head".to_vec();
+    let body: Vec<u8> = (0..1000u32).map(|i| (i % 253) as u8).collect();
+    let whole = [&head[..], &body[..], b"", b"tail"].concat();
+    // (1008 bytes: five slots of 224, fewer than the ring's seven)
+    tx.send_vectored(7, &[&head, &body, b"", b"tail"]).unwrap();
+    let mut buf = Vec::new();
+    let mut got = vec![0u8; whole.len()];
+    let mut parts = 0;
+    loop {
+        let p = rx.try_recv_part(&mut buf).unwrap().expect("published");
+        assert_eq!((p.meta, p.total), (7, whole.len() as u64));
+        got[p.at as usize..p.at as usize + buf.len()].copy_from_slice(&buf);
+        parts += 1;
+        if parts == 1 {
+            // In the middle of a message begun part by part: the others refuse.
+            assert!(matches!(rx.try_recv(), Err(QueueError::BadConfig(_))));
+            assert!(matches!(rx.try_recv_into(&mut Vec::new()), Err(QueueError::BadConfig(_))));
+        }
+        if p.last {
+            break;
+        }
+    }
+    assert_eq!((got == whole, parts), (true, 5));
+    // The second, begun by `try_recv` (the ring holds it whole: taken at once).
+    tx.send_vectored(8, &[&head, &body, b"", b"tail"]).unwrap();
+    assert_eq!(rx.try_recv().unwrap(), Some(Message { meta: 8, data: whole.clone() }));
+    // Begun by `try_recv`, which keeps what it took: a part-by-part take is refused.
+    let sending = std::thread::spawn(move || {
+        tx.send(9, &vec![5u8; 3000]).unwrap();
+        tx
+    });
+    let deadline = std::time::Instant::now() + WAIT.unwrap();
+    while rx.pending().unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::yield_now();
+    }
+    let first = rx.try_recv().unwrap();
+    if first.is_none() {
+        assert!(matches!(rx.try_recv_part(&mut buf), Err(QueueError::BadConfig(_))));
+    }
+    let m = match first {
+        Some(m) => m,
+        None => rx.recv(WAIT).unwrap(),
+    };
+    assert_eq!((m.meta, m.data.len()), (9, 3000));
+    let _tx = sending.join().unwrap();
+}

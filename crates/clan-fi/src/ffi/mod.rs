@@ -1619,16 +1619,29 @@ impl EpObj {
         self.complete_recv(p, a.landed());
     }
 
-    /// Copy arrival `a` into the buffer of receive `p`, and complete it. (Also called by
-    /// the endpoint's `rdm` with its lock held, as the message is taken in: nothing here
-    /// calls back into it.)
+    /// Copy arrival `a` into the buffer of receive `p`, and complete it.
     fn complete_recv(&self, p: crate::rdm::Posted, a: crate::rdm::Landed<'_>) {
-        let n = a.data.len().min(p.len);
+        self.land_part(&p, 0, a.data);
+        self.land_done(p, a, a.data.len());
+    }
+
+    /// Copy bytes `at..at + data.len()` of a message into the buffer of receive `p` (what
+    /// lies past its length is dropped). (Also called by the endpoint's `rdm` with its lock
+    /// held, as the parts are taken in: nothing here calls back into it.)
+    fn land_part(&self, p: &crate::rdm::Posted, at: usize, data: &[u8]) {
+        let n = data.len().min(p.len.saturating_sub(at));
         if n > 0 {
             // SAFETY: the application posted `p.len` writable bytes at `p.buf`, valid until
-            // this receive completes (now).
-            unsafe { std::ptr::copy_nonoverlapping(a.data.as_ptr(), p.buf as *mut u8, n) };
+            // this receive completes; `at + n <= p.len`.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (p.buf as *mut u8).add(at), n) };
         }
+    }
+
+    /// Complete receive `p` with a message of `len` bytes whose header is `a` (its bytes are
+    /// in place): truncated if `len` is over the receive's length. (Also called by `rdm`, as
+    /// `land_part` is.)
+    fn land_done(&self, p: crate::rdm::Posted, a: crate::rdm::Landed<'_>, len: usize) {
+        let n = len.min(p.len);
         let mut flags = (FI_RECV as u64) | if a.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
         if a.cq_data.is_some() {
             flags |= FI_REMOTE_CQ_DATA as u64;
@@ -1641,8 +1654,8 @@ impl EpObj {
             data: a.cq_data.unwrap_or(0),
             tag: a.tag,
         };
-        if a.data.len() > p.len {
-            let olen = a.data.len() - p.len;
+        if len > p.len {
+            let olen = len - p.len;
             let e = crate::cq::ErrEntry { entry, olen, err: FI_ETRUNC as i32, prov_errno: crate::cq::prov::TRUNCATED };
             self.failed(true, e, Count::Recv);
         } else {
@@ -1704,6 +1717,28 @@ impl EpObj {
         // Sending is a chance to take in arrivals too.
         self.progress();
         0
+    }
+}
+
+/// Where an endpoint's `rdm` lands the messages that match posted receives: the endpoint
+/// (its address), which copies them into the receives' buffers.
+struct LandIn(usize);
+
+impl LandIn {
+    fn ep(&self) -> &EpObj {
+        // SAFETY: a `LandIn` lives in its endpoint's own `rdm`, which calls it only from its
+        // methods, called through the endpoint: the endpoint is alive.
+        unsafe { &*(self.0 as *const EpObj) }
+    }
+}
+
+impl crate::rdm::Land for LandIn {
+    fn part(&self, p: &crate::rdm::Posted, at: usize, data: &[u8]) {
+        self.ep().land_part(p, at, data);
+    }
+
+    fn done(&self, p: crate::rdm::Posted, m: crate::rdm::Landed<'_>, len: usize) {
+        self.ep().land_done(p, m, len);
     }
 }
 
@@ -1773,13 +1808,7 @@ unsafe extern "C" fn ep_open(
         cm_state: std::sync::atomic::AtomicU8::new(cm::CM_IDLE),
     });
     let ep = Box::leak(ep);
-    let at = ep as *const EpObj as usize;
-    ep.rdm.set_land(Box::new(move |p, a| {
-        // SAFETY: the closure lives in the endpoint's own `rdm`, which calls it only from
-        // its methods, called through the endpoint: the endpoint is alive.
-        let ep = unsafe { &*(at as *const EpObj) };
-        ep.complete_recv(p, a);
-    }));
+    ep.rdm.set_land(Box::new(LandIn(ep as *const EpObj as usize)));
     // SAFETY: checked non-null: the `fid_domain` at the start of a `Domain` of ours, which
     // outlives its endpoints (its close refuses while the progress thread has any).
     if let Some(a) = unsafe { (*domain.cast::<Domain>()).auto.as_ref() } {
