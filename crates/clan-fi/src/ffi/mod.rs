@@ -851,7 +851,10 @@ impl Polls {
 
     /// A read found nothing.
     fn empty(&self) {
-        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
+        // (a load and a store, not an atomic add: a count lost to a racing poller only
+        // moves the next yield, and a locked instruction in every poll costs more)
+        let n = self.0.load(std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
+        self.0.store(n, std::sync::atomic::Ordering::Relaxed);
         if n % Self::EVERY == 0 {
             std::thread::yield_now();
         }
@@ -859,7 +862,9 @@ impl Polls {
 
     /// A read found something.
     fn found(&self) {
-        self.0.store(0, std::sync::atomic::Ordering::Relaxed);
+        if self.0.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+            self.0.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
