@@ -804,7 +804,9 @@ pub struct MsgReceiver {
     published: u64,
     /// The sender's counter as last loaded (every slot below it is published).
     written_seen: u64,
-    data: Tripwire,
+    /// Fires when the sender moves its counter: made by the first wait (a receiver that
+    /// only polls has none, and senders' stores look at one tripwire less).
+    data: std::sync::OnceLock<Tripwire>,
     spin: Duration,
     /// The message being taken in part by part (by [`MsgReceiver::try_recv`], or a `recv`
     /// that timed out): its metadata word, its length, its bytes so far.
@@ -816,7 +818,6 @@ pub struct MsgReceiver {
 
 impl MsgReceiver {
     fn new(s: side::Sides, cfg: &QueueConfig) -> Result<MsgReceiver, QueueError> {
-        let data = wait_tripwire(&s.mine, RX_WRITE..RX_WRITE + 8)?;
         Ok(MsgReceiver {
             _ep: s.ep,
             conn: s.conn,
@@ -827,7 +828,7 @@ impl MsgReceiver {
             read: 0,
             published: 0,
             written_seen: 0,
-            data,
+            data: std::sync::OnceLock::new(),
             spin: cfg.spin,
             partial: None,
             parting: None,
@@ -899,15 +900,14 @@ impl MsgReceiver {
     }
 
     fn wait_published(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
-        wait_check(
-            &self.data,
-            self.spin,
-            deadline,
-            SLICE,
-            || Ok(self.pending()? > 0),
-            || !self.conn.is_alive(),
-            wait_err,
-        )
+        let data = match self.data.get() {
+            Some(t) => t,
+            None => {
+                let t = wait_tripwire(&self.mine, RX_WRITE..RX_WRITE + 8)?;
+                self.data.get_or_init(|| t)
+            }
+        };
+        wait_check(data, self.spin, deadline, SLICE, || Ok(self.pending()? > 0), || !self.conn.is_alive(), wait_err)
     }
 
     fn consume(&mut self) -> Result<(), QueueError> {
