@@ -89,6 +89,7 @@ const _: () = {
     send_sync::<queue::QueueConfig>();
     send_sync::<queue::QueueError>();
     send_sync::<queue::Header>();
+    send_sync::<queue::Part>();
     send_sync::<queue::Message>();
     send_sync::<queue::QueueListener>();
     send_sync::<queue::MsgSender>();

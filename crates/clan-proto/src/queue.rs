@@ -305,6 +305,17 @@ impl QueueListener {
     }
 }
 
+/// What of a ring of `slots` slots of `slot` bytes a connection faults in when it is set up
+/// (offsets and lengths): the whole ring when slots are at most a page, else the first page
+/// of each slot (where a message's header and a short message lie; the rest of a long slot
+/// is faulted in by the first long message, whose copy costs more anyway).
+fn ring_pages(slots: u64, slot: u64) -> impl Iterator<Item = (u64, u64)> {
+    const PAGE: u64 = 4096;
+    let whole = slot <= PAGE;
+    let n = if whole { 1 } else { slots };
+    (0..n).map(move |i| if whole { (RING, slots * slot) } else { (RING + i * slot, PAGE) })
+}
+
 /// The sending end (connected with [`MsgSender::connect`]; more at [`QueueListener`]).
 ///
 /// ```
@@ -362,7 +373,7 @@ impl MsgSender {
             return Err(QueueError::Protocol("the peer is not a message queue"));
         }
         let space = wait_tripwire(&s.mine, CTL_READ..CTL_READ + 8)?;
-        Ok(MsgSender {
+        let tx = MsgSender {
             slots: s.peer_cap / s.peer_slot,
             slot: s.peer_slot,
             ep: s.ep,
@@ -376,7 +387,14 @@ impl MsgSender {
             dma: None,
             staging: Vec::with_capacity((HEADER + SMALL_PART) as usize),
             read_seen: 0,
-        })
+        };
+        // The pages our first messages land in, faulted in now rather than on the way.
+        if let Ok(m) = tx.peer.get() {
+            for (off, len) in ring_pages(tx.slots, tx.slot) {
+                let _ = m.prefault(off, len);
+            }
+        }
+        Ok(tx)
     }
 
     /// Payload bytes per slot.
@@ -818,6 +836,10 @@ pub struct MsgReceiver {
 
 impl MsgReceiver {
     fn new(s: side::Sides, cfg: &QueueConfig) -> Result<MsgReceiver, QueueError> {
+        // The pages the first messages land in, faulted in now rather than on the way.
+        for (off, len) in ring_pages(cfg.slots, cfg.slot_size) {
+            let _ = s.mine.prefault(off, len);
+        }
         Ok(MsgReceiver {
             _ep: s.ep,
             conn: s.conn,

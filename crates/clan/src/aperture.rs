@@ -429,6 +429,24 @@ impl Aperture {
         self.inner.window.raw(off, len)
     }
 
+    /// Fault in the pages of `[off, off+len)` now, so that the first accesses there (ours,
+    /// or an importer's through its own mapping, which faults separately) take no page
+    /// fault. Best effort, as [`crate::Mapping::prefault`].
+    ///
+    /// ```
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let ep = nic.endpoint()?;
+    /// let ap = ep.export(64 << 10)?;
+    /// ap.prefault(0, 64 << 10)?;
+    /// assert!(ap.prefault(60 << 10, 8 << 10).is_err(), "past the end");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn prefault(&self, off: u64, len: u64) -> Result<(), AccessError> {
+        check_range(off, len, self.inner.len)?;
+        self.inner.window.prefault(off, len);
+        Ok(())
+    }
+
     /// Set a tripwire on incoming traffic (writes and/or reads by importers) to a range.
     ///
     /// ```

@@ -346,6 +346,11 @@ impl Window {
     pub fn raw(&self, abs: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
         self.data.raw(self.rel(abs), len as usize).map_err(seg_err)
     }
+
+    /// Fault in the pages of `len` bytes at `abs` (best effort).
+    pub fn prefault(&self, abs: u64, len: u64) {
+        self.data.populate(self.rel(abs), len as usize);
+    }
 }
 
 /// Check that `[off, off+len)` lies within `size` bytes.

@@ -189,6 +189,10 @@ impl Transport for LinkTarget {
         self.send_all(&parts)
     }
 
+    fn prefault(&self, _abs: u64, _len: u64) {
+        // (the exporter's memory is not mapped here: its NIC applies our writes)
+    }
+
     fn raw(&self, off: u64, _abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError> {
         self.shadow()?.raw(off as usize, len as usize).map_err(|_| AccessError::OutOfBounds {
             offset: off,

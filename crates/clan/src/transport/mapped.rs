@@ -90,6 +90,10 @@ impl Transport for Window {
         Window::raw(self, abs, len)
     }
 
+    fn prefault(&self, abs: u64, len: u64) {
+        Window::prefault(self, abs, len);
+    }
+
     fn commit(&self, _off: u64, abs: u64, len: u64) -> Result<u32, AccessError> {
         Ok(Window::commit(self, abs, len, Access::Write))
     }

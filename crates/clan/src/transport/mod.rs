@@ -72,6 +72,9 @@ pub(crate) trait Transport {
     ) -> Result<(), AccessError>;
     /// A raw window of `len` bytes at mapping offset `off` (aperture offset `abs`).
     fn raw(&self, off: u64, abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError>;
+    /// Fault in the pages of `len` bytes at `abs` now (best effort; nothing to do across
+    /// hosts).
+    fn prefault(&self, abs: u64, len: u64);
     /// Publish raw stores to `[off, off+len)`; how many tripwires fired here.
     fn commit(&self, off: u64, abs: u64, len: u64) -> Result<u32, AccessError>;
     /// Every earlier write has been applied (the caller fenced already).
@@ -139,6 +142,7 @@ forward! {
     write_led_then_store_u64(&self, abs: u64, lead: u64, src: &[u8], word_abs: u64, v: u64) -> Result<(), AccessError>;
     write_led_run_then_store_u64(&self, abs: u64, stride: u64, msgs: &[(u64, &[u8])], word_abs: u64, v: u64) -> Result<(), AccessError>;
     raw(&self, off: u64, abs: u64, len: u64) -> Result<RawRegion<'_>, AccessError>;
+    prefault(&self, abs: u64, len: u64) -> ();
     commit(&self, off: u64, abs: u64, len: u64) -> Result<u32, AccessError>;
     barrier(&self) -> Result<(), AccessError>;
     notify(&self, aperture: u32, generation: u32, abs: u64, len: u64) -> Result<(), AccessError>;
