@@ -981,9 +981,11 @@ fn program_row(program: &str, measure: &str, clan: f64, baseline: f64, baseline_
 fn fig_fabric(p: Profile) -> Result<Figure> {
     let (iters, rounds) = match p {
         Profile::Smoke => ("200", "1"),
-        Profile::Quick => ("2000", "1"),
-        Profile::Default => ("10000", "1"),
-        Profile::Full => ("20000", "3"),
+        // (enough iterations that the connections made by the first one weigh little: that
+        // cost has its own row)
+        Profile::Quick => ("5000", "1"),
+        Profile::Default => ("50000", "1"),
+        Profile::Full => ("50000", "3"),
     };
     let v: FabricReport = bench_as(&s(&["fabric", "--iters", iters, "--rounds", rounds]))?;
     let rows: Vec<Row> = v
