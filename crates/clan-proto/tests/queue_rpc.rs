@@ -378,6 +378,11 @@ fn vectored_sends_and_parts() {
     // The second, begun by `try_recv` (the ring holds it whole: taken at once).
     tx.send_vectored(8, &[&head, &body, b"", b"tail"]).unwrap();
     assert_eq!(rx.try_recv().unwrap(), Some(Message { meta: 8, data: whole.clone() }));
+    // More pieces than one slot's write takes at once: still one message, in order.
+    let pieces: Vec<Vec<u8>> = (0..7u8).map(|i| vec![i; 10]).collect();
+    let refs: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
+    tx.send_vectored(10, &refs).unwrap();
+    assert_eq!(rx.recv(WAIT).unwrap(), Message { meta: 10, data: pieces.concat() });
     // Begun by `try_recv`, which keeps what it took: a part-by-part take is refused.
     let sending = std::thread::spawn(move || {
         tx.send(9, &vec![5u8; 3000]).unwrap();
