@@ -24,6 +24,7 @@
 //! straight into the peer's buffer as it is written.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use clan::{
@@ -245,6 +246,9 @@ impl Writer<'_> {
 #[derive(Debug)]
 struct Party {
     sides: Sides,
+    /// The peer's side once imported, held here: a write follows one pointer fewer than
+    /// through `sides.peer` (at thousands of connections, one cache miss fewer per call).
+    peer: OnceLock<Mapping>,
     /// Fires when our flag is written.
     flag: Tripwire,
     seq: u64,
@@ -260,7 +264,7 @@ impl Party {
             None => cfg.once().disarmed().actions(clan::Actions::NONE),
         };
         let flag = sides.mine.tripwire(cfg).map_err(|_| AccessError::Revoked)?;
-        Ok(Party { sides, flag, seq: 0, spin })
+        Ok(Party { sides, peer: OnceLock::new(), flag, seq: 0, spin })
     }
 
     /// Our flag's sequence number.
@@ -295,13 +299,14 @@ impl Party {
     }
 
     fn writer(&self) -> Result<Writer<'_>, RpcError> {
-        Ok(Writer {
-            peer: self.sides.peer.get()?,
-            max: self.sides.peer_cap.min(u64::from(u32::MAX)),
-            len: 0,
-            small: [0; SMALL],
-            direct: false,
-        })
+        let peer = match self.peer.get() {
+            Some(m) => m,
+            None => {
+                let m = self.sides.peer.get()?.clone();
+                self.peer.get_or_init(|| m)
+            }
+        };
+        Ok(Writer { peer, max: self.sides.peer_cap.min(u64::from(u32::MAX)), len: 0, small: [0; SMALL], direct: false })
     }
 }
 

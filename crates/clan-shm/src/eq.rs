@@ -273,7 +273,7 @@ impl CamModel {
 }
 
 #[cfg(not(loom))]
-pub use mapped::{CamMap, EqMap};
+pub use mapped::{CamMap, CamRef, EqMap};
 
 #[cfg(not(loom))]
 mod mapped {
@@ -389,6 +389,42 @@ mod mapped {
         /// The segment.
         pub fn segment(&self) -> &Arc<Segment> {
             &self.seg
+        }
+
+        /// A handle that keeps the index mapped and holds its view inline: reaching an entry
+        /// through it costs no load of the `CamMap` (a window keeps one per aperture, and at
+        /// thousands of apertures each such load is a cache miss on the data path).
+        pub fn handle(self: &Arc<CamMap>) -> CamRef {
+            CamRef { view: self.view, map: self.clone() }
+        }
+    }
+
+    /// An index mapped in this process, its view held inline ([`CamMap::handle`]).
+    #[derive(Clone)]
+    pub struct CamRef {
+        // Field order: the view (borrowing the mapping) is dropped before the mapping.
+        view: CamView<'static>,
+        map: Arc<CamMap>,
+    }
+
+    impl CamRef {
+        /// The view, for as long as `self` is borrowed.
+        #[inline]
+        pub fn view(&self) -> &CamView<'_> {
+            // The references point into the mapping that `map` keeps alive (and unmoved:
+            // behind an `Arc`), as for `CamMap::view`.
+            &self.view
+        }
+
+        /// The index.
+        pub fn map(&self) -> &Arc<CamMap> {
+            &self.map
+        }
+    }
+
+    impl std::fmt::Debug for CamRef {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            self.map.fmt(f)
         }
     }
 }

@@ -148,6 +148,19 @@ impl Segment {
         Ok(Segment { ptr, len, access: parent.access, parent: Some(parent.clone()) })
     }
 
+    /// The whole of `parent` as a part of it: a segment held by value (no `Arc` to follow on
+    /// each access) that keeps the mapping alive.
+    pub fn whole(parent: &std::sync::Arc<Segment>) -> Segment {
+        Segment { ptr: parent.ptr, len: parent.len, access: parent.access, parent: Some(parent.clone()) }
+    }
+
+    /// Another handle on a part of a mapping (`None` for a mapping itself, which is unmapped
+    /// by its one owner: share it through an `Arc` and [`Segment::whole`] instead).
+    pub fn alias(&self) -> Option<Segment> {
+        let parent = self.parent.as_ref()?.clone();
+        Some(Segment { ptr: self.ptr, len: self.len, access: self.access, parent: Some(parent) })
+    }
+
     /// Anonymous shared memory (inherited across `fork`), zero-filled.
     pub fn anonymous(len: usize) -> io::Result<Segment> {
         if len == 0 {

@@ -284,9 +284,20 @@ impl Drop for ApertureInner {
 /// ```
 pub struct Aperture {
     pub(crate) inner: Arc<ApertureInner>,
+    /// The data and the exported length, held here as well: a load or store of one's own
+    /// aperture follows no pointer to reach the memory (at thousands of connections each
+    /// pointer followed is a cache miss).
+    data: Segment,
+    len: u64,
 }
 
 impl Aperture {
+    pub(crate) fn new(inner: Arc<ApertureInner>) -> Aperture {
+        let data = Segment::whole(&inner.mem().seg);
+        let len = inner.len;
+        Aperture { inner, data, len }
+    }
+
     /// The descriptor of the whole aperture (read-write). Narrow it with
     /// [`Descriptor::derive`] before handing it out if the importer needs less.
     pub fn descriptor(&self) -> Descriptor {
@@ -295,7 +306,7 @@ impl Aperture {
 
     /// Length in bytes.
     pub fn len(&self) -> u64 {
-        self.inner.len
+        self.len
     }
 
     /// Whether the aperture is empty (never).
@@ -335,19 +346,20 @@ impl Aperture {
         self.inner.nic.remote_refs(self.inner.id, self.inner.generation)
     }
 
+    #[inline]
     fn seg(&self) -> &Segment {
-        &self.inner.window.data
+        &self.data
     }
 
     /// Copy `src` into the aperture at `off` (a local store: fires no tripwire).
     pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
-        check_range(off, src.len() as u64, self.inner.len)?;
+        check_range(off, src.len() as u64, self.len)?;
         self.seg().write(off as usize, src).map_err(|_| AccessError::NotWritable)
     }
 
     /// Copy from the aperture at `off` into `dst` (a local load).
     pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
-        check_range(off, dst.len() as u64, self.inner.len)?;
+        check_range(off, dst.len() as u64, self.len)?;
         self.seg().read(off as usize, dst).map_err(|_| AccessError::NotReadable)
     }
 
@@ -365,12 +377,12 @@ impl Aperture {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn fill(&self, off: u64, len: u64, byte: u8) -> Result<(), AccessError> {
-        check_range(off, len, self.inner.len)?;
+        check_range(off, len, self.len)?;
         self.seg().fill(off as usize, len as usize, byte).map_err(|_| AccessError::NotWritable)
     }
 
     fn word<T: segment::Shared>(&self, off: u64, size: u64) -> Result<&T, AccessError> {
-        check_range(off, size, self.inner.len)?;
+        check_range(off, size, self.len)?;
         check_align(off, size)?;
         self.seg().view::<T>(off as usize).map_err(|_| AccessError::Misaligned { offset: off, align: size })
     }
@@ -425,7 +437,7 @@ impl Aperture {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn raw(&self, off: u64, len: u64) -> Result<clan_shm::segment::RawRegion<'_>, AccessError> {
-        check_range(off, len, self.inner.len)?;
+        check_range(off, len, self.len)?;
         self.inner.window.raw(off, len)
     }
 
@@ -442,7 +454,7 @@ impl Aperture {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn prefault(&self, off: u64, len: u64) -> Result<(), AccessError> {
-        check_range(off, len, self.inner.len)?;
+        check_range(off, len, self.len)?;
         self.inner.window.prefault(off, len);
         Ok(())
     }

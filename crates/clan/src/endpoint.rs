@@ -409,7 +409,7 @@ fn import_local(inner: &Arc<EndpointInner>, desc: &Descriptor) -> Result<Mapping
         let ap = nic.check_import(desc, &who).map_err(|r| ImportError::refused(r, desc))?;
         let w = &ap.window;
         let window = crate::window::Window {
-            data: w.data.clone(),
+            data: clan_shm::segment::Segment::whole(&ap.mem().seg),
             data_base: 0,
             cam: w.cam.clone(),
             tag: w.tag,

@@ -724,9 +724,9 @@ impl NicInner {
         let source = crate::tripwire::source_of(id, generation);
         let watch = Arc::new(WatchOwner::new(eq.clone(), mem.cam.clone(), tag, len, 0, ep.addr.port, source));
         let window = Window {
-            data: mem.seg.clone(),
+            data: clan_shm::segment::Segment::whole(&mem.seg),
             data_base: 0,
-            cam: mem.cam.clone(),
+            cam: mem.cam.handle(),
             tag,
             live: live_state(generation),
             port: eq.port.clone(),
@@ -750,7 +750,7 @@ impl NicInner {
             let mut t = lock(&self.apertures);
             t.slots[id as usize].live = Arc::downgrade(&inner);
         }
-        Ok(Aperture { inner })
+        Ok(Aperture::new(inner))
     }
 
     /// The live aperture `(id, generation)`, if it is exported.

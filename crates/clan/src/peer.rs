@@ -543,9 +543,9 @@ pub(crate) fn finish_import(
     // The mappings keep the memory; the descriptors are no longer needed.
     drop((memfd, index_fd));
     let window = Window {
-        data: Arc::new(data),
+        data: Segment::whole(&Arc::new(data)),
         data_base: start,
-        cam: Arc::new(cam),
+        cam: Arc::new(cam).handle(),
         tag: g.tag,
         live: g.live,
         port,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use clan_shm::cam::Candidate;
-use clan_shm::eq::CamMap;
+use clan_shm::eq::CamRef;
 use clan_shm::segment::Segment;
 use clan_shm::snoop::{self, Watch};
 use clan_shm::sync::{AtomicU32, AtomicU64};
@@ -33,12 +33,13 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Vec<Candidate>) -> R) -> R {
 /// One aperture's memory and index, and the queue its tripwires report to.
 #[derive(Debug)]
 pub(crate) struct Window {
-    /// Mapping of the data (all of it, or the pages a descriptor covers).
-    pub data: Arc<Segment>,
+    /// Mapping of the data (all of it, or the pages a descriptor covers), held by value:
+    /// an access follows no pointer from the window to the memory.
+    pub data: Segment,
     /// Aperture offset of byte 0 of `data`.
     pub data_base: u64,
-    /// The aperture's index.
-    pub cam: Arc<CamMap>,
+    /// The aperture's index, its view held inline (as `data`).
+    pub cam: CamRef,
     /// The index's tag.
     pub tag: u64,
     /// The revocation word while the export is live.
