@@ -386,6 +386,8 @@ struct TripAlloc {
 pub(crate) struct EqInner {
     pub id: u32,
     pub nic: Weak<NicInner>,
+    /// The NIC's count of open links (`nic.rs`, `LinkTable::open`).
+    pub links_open: Arc<std::sync::atomic::AtomicUsize>,
     pub config: EventQueueConfig,
     pub layout: EqLayout,
     pub port: Arc<EqPort>,
@@ -432,6 +434,7 @@ impl EqInner {
     pub(crate) fn create(
         id: u32,
         nic: Weak<NicInner>,
+        links_open: Arc<std::sync::atomic::AtomicUsize>,
         config: EventQueueConfig,
     ) -> Result<Arc<EqInner>, EventQueueError> {
         let params = params_of(&config)?;
@@ -458,6 +461,7 @@ impl EqInner {
         Ok(Arc::new(EqInner {
             id,
             nic,
+            links_open,
             config,
             layout,
             port,

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, RwLockReadGuard, Weak};
 use std::time::Instant;
 
@@ -77,6 +77,10 @@ pub(crate) struct LinkTable {
     map: Mutex<HashMap<NicAddr, Slot>>,
     cv: Condvar,
     list: RwLock<Vec<Arc<Link>>>,
+    /// How many links `list` holds, readable without its lock (shared with the NIC's event
+    /// queues, `EqInner::links_open`): spin loops ask it before they drive links
+    /// (`NicInner::progress`), so that a NIC without links pays one load for the asking.
+    open: Arc<AtomicUsize>,
 }
 
 impl LinkTable {
@@ -94,7 +98,11 @@ impl LinkTable {
 
     /// A link to `peer` is open.
     pub fn ready_now(&self, peer: NicAddr, link: Arc<Link>) {
-        self.list.write().unwrap_or_else(|e| e.into_inner()).push(link.clone());
+        {
+            let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
+            l.push(link.clone());
+            self.open.store(l.len(), Ordering::Relaxed);
+        }
         self.map().insert(peer, Slot::Ready(link));
         self.cv.notify_all();
     }
@@ -131,12 +139,21 @@ impl LinkTable {
     }
 
     fn remove(&self, link: &Arc<Link>) {
-        self.list.write().unwrap_or_else(|e| e.into_inner()).retain(|l| !Arc::ptr_eq(l, link));
+        {
+            let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
+            l.retain(|l| !Arc::ptr_eq(l, link));
+            self.open.store(l.len(), Ordering::Relaxed);
+        }
         let mut m = self.map();
         if matches!(m.get(&link.peer), Some(Slot::Ready(l)) if Arc::ptr_eq(l, link)) {
             m.remove(&link.peer);
         }
         self.cv.notify_all();
+    }
+
+    /// The count of open links, shared.
+    pub fn open(&self) -> &Arc<AtomicUsize> {
+        &self.open
     }
 
     /// All open links.
@@ -391,6 +408,11 @@ impl NicInner {
 
     /// Process incoming link traffic in this thread (see [`crate::Nic::progress`]).
     pub fn progress(&self) -> bool {
+        // A hint only (Relaxed: it orders nothing): a link that opens meanwhile is driven
+        // by the next call, and by the engine's thread in any case.
+        if self.links.open.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
         let mut did = false;
         for l in self.links.all().iter() {
             did |= l.progress(self);
@@ -1012,7 +1034,7 @@ impl NicInner {
 
     pub fn new_queue(self: &Arc<Self>, config: EventQueueConfig) -> Result<EventQueue, EventQueueError> {
         let id = self.next_queue.fetch_add(1, Ordering::Relaxed);
-        let inner = EqInner::create(id, Arc::downgrade(self), config)?;
+        let inner = EqInner::create(id, Arc::downgrade(self), self.links.open().clone(), config)?;
         self.remember_queue(&inner);
         Ok(EventQueue { inner })
     }
@@ -1105,7 +1127,7 @@ impl Nic {
             imports_granted: AtomicU64::new(0),
             imports_refused: AtomicU64::new(0),
         });
-        let q = EqInner::create(0, Arc::downgrade(&inner), default_config)
+        let q = EqInner::create(0, Arc::downgrade(&inner), inner.links.open().clone(), default_config)
             .map_err(|e| NicError::Config(format!("default event queue: {e}")))?;
         inner.remember_queue(&q);
         let _ = inner.default_queue.set(EventQueue { inner: q });
