@@ -29,9 +29,10 @@ use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueError, QueueLi
 
 use crate::av::Addr;
 
-/// The process's NIC (one for every endpoint), configured from the environment
+/// The process's NIC (one for every endpoint, and the one their event queues must come
+/// from), configured from the environment
 /// ([`nic_config`]).
-pub(crate) fn nic() -> Result<&'static Nic, Error> {
+pub fn nic() -> Result<&'static Nic, Error> {
     static NIC: OnceLock<Result<Nic, String>> = OnceLock::new();
     NIC.get_or_init(|| nic_config(|k| std::env::var(k).ok()).and_then(|c| Nic::open(c).map_err(|e| e.to_string())))
         .as_ref()

@@ -20,7 +20,11 @@
 //! ```
 //!
 //! `seq` is the message's slot sequence number plus one (so a slot's stale contents from the
-//! previous lap never look like a new header).
+//! previous lap never look like a new header). A slot of at most 512 bytes of payload is
+//! written whole and then its `seq` (one transfer, one fence) and says so in its flags
+//! (sealed): the receiver takes it on that one cache line without waiting to see the write
+//! counter (another line) cover it. Longer parts and DMA bodies land after their header; the
+//! counter publishes them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,6 +57,11 @@ fn header_fields(part_len: u64, flags: u32, meta: u64, total: u64) -> [u8; (HEAD
 }
 const MORE: u32 = 1;
 const FIRST: u32 = 2;
+/// The slot was written whole before its sequence word (one transfer: header, body, then
+/// the sequence word, [`clan::Mapping::write_led_then_store_u64`]): a receiver that sees the
+/// sequence word may take the slot without looking at the write counter, one cache line
+/// instead of two. Slots whose header goes first (long parts, DMA) do not carry it.
+const SEALED: u32 = 4;
 /// How long [`MsgSender::send_idling`] waits for room between calls of its `idle`.
 const IDLE_EVERY: Duration = Duration::from_millis(1);
 
@@ -610,7 +619,7 @@ impl MsgSender {
             if n <= SMALL_PART {
                 // The slot in one transfer with one fence: its header fields and body, its
                 // sequence word once they are in place, then the counter.
-                let fields = header_fields(n, flags, meta, total);
+                let fields = header_fields(n, flags | SEALED, meta, total);
                 self.staging.clear();
                 self.staging.extend_from_slice(&fields);
                 for p in pieces {
@@ -690,7 +699,7 @@ impl MsgSender {
             staging.clear();
             for (meta, data) in &msgs[i..i + run] {
                 let n = data.len() as u64;
-                staging.extend_from_slice(&header_fields(n, FIRST, *meta, n));
+                staging.extend_from_slice(&header_fields(n, FIRST | SEALED, *meta, n));
                 staging.extend_from_slice(data);
             }
             let mut parts: Vec<(u64, &[u8])> = Vec::with_capacity(run);
@@ -859,7 +868,10 @@ impl MsgReceiver {
 
     fn written(&self) -> Result<u64, QueueError> {
         let w = self.mine.load_u64(RX_WRITE)?;
-        if w < self.read || w - self.read > self.slots - 1 {
+        // (behind `read` when sealed slots were taken before the counter's store that
+        // covers them was seen: nothing more is published)
+        let w = w.max(self.read);
+        if w - self.read > self.slots - 1 {
             return Err(QueueError::Protocol("the sender's write counter is impossible"));
         }
         Ok(w)
@@ -891,11 +903,30 @@ impl MsgReceiver {
     /// Whether a slot is ready, looking at the sender's counter only once every slot seen
     /// published by its last look has been taken.
     fn has_published(&mut self) -> Result<bool, QueueError> {
-        if self.written_seen > self.read {
-            return Ok(true);
+        Ok(self.next_header()?.is_some())
+    }
+
+    /// The header of the next slot to take (part length, flags, metadata, total length) if
+    /// it is published: sealed ([`SEALED`]: its sequence word, one cache line, says so), or
+    /// covered by the write counter (looked at only when the slot is not sealed).
+    #[inline(always)]
+    fn next_header(&mut self) -> Result<Option<(u64, u32, u64, u64)>, QueueError> {
+        let i = self.read;
+        let h = self.header_of(i)?;
+        match h {
+            Some((_, flags, _, _)) if flags & SEALED != 0 || self.written_seen > i => return Ok(h),
+            None if self.written_seen > i => return Err(QueueError::Protocol("a published slot without its header")),
+            _ => {}
         }
         self.written_seen = self.written()?;
-        Ok(self.written_seen > self.read)
+        if self.written_seen <= i {
+            return Ok(None);
+        }
+        // (its header was looked at before the counter: read again if it was not there)
+        match h {
+            Some(h) => Ok(Some(h)),
+            None => self.header_of(i)?.ok_or(QueueError::Protocol("a published slot without its header")).map(Some),
+        }
     }
 
     fn slot_off(&self, i: u64) -> u64 {
@@ -903,6 +934,7 @@ impl MsgReceiver {
     }
 
     /// Read and check the header of slot `i` (which must be published, unless `landed`).
+    #[inline(always)]
     fn header_of(&self, i: u64) -> Result<Option<(u64, u32, u64, u64)>, QueueError> {
         // SYNC POINT: the Acquire load of the sequence word pairs with the sender's Release
         // store of it, which follows the fields.
@@ -1051,11 +1083,7 @@ impl MsgReceiver {
         if self.partial.is_some() {
             return Err(QueueError::BadConfig("a message begun by recv or try_recv is finished by them"));
         }
-        if !self.has_published()? {
-            return Ok(None);
-        }
-        let (part, flags, m, total) =
-            self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+        let Some((part, flags, m, total)) = self.next_header()? else { return Ok(None) };
         let (meta, total, at) = match self.parting.take() {
             None => {
                 if flags & FIRST == 0 {
@@ -1080,8 +1108,12 @@ impl MsgReceiver {
         if last && at + part != total {
             return Err(QueueError::Protocol("a message shorter than its header says"));
         }
-        buf.clear();
-        buf.resize(part as usize, 0);
+        // (only what grows the buffer is zeroed first: it is reused, and overwritten)
+        if buf.len() > part as usize {
+            buf.truncate(part as usize);
+        } else {
+            buf.resize(part as usize, 0);
+        }
         self.mine.read(self.slot_off(self.read) + HEADER, buf)?;
         self.consume()?;
         if !last {
@@ -1094,9 +1126,7 @@ impl MsgReceiver {
         if self.parting.is_some() {
             return Err(QueueError::BadConfig("a message begun by try_recv_part is finished by it"));
         }
-        while self.has_published()? {
-            let (part, flags, m, total) =
-                self.header_of(self.read)?.ok_or(QueueError::Protocol("a published slot without its header"))?;
+        while let Some((part, flags, m, total)) = self.next_header()? {
             let (meta, total, mut data) = match self.partial.take() {
                 None => {
                     if flags & FIRST == 0 {

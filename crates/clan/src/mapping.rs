@@ -370,9 +370,8 @@ impl Mapping {
     }
 
     /// Write a message led by a word, then the flag that announces it: `src` at `off + 8`,
-    /// the word `lead` at `off` (stored atomically once the message's first piece is in
-    /// place: a reader that sees it sees what precedes it in the message, for example the
-    /// rest of a header), then `v` at the aligned word `word_off`. Within a host one snooped
+    /// the word `lead` at `off` (stored atomically once the whole message is in place: a
+    /// reader that sees it sees all of `src`), then `v` at the aligned word `word_off`. Within a host one snooped
     /// transfer with one fence; across hosts three frames, in order. The message queue's
     /// slot (its sequence word, then its header and body) is written this way.
     ///

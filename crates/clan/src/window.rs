@@ -135,10 +135,14 @@ impl Window {
 
     /// Write a message led by a word: `src` at `abs + 8`, then `lead` (Release) at `abs`,
     /// then `v` (Release) at `word_abs`, snooped as one transfer of `[abs, abs+8+len)` with
-    /// one fence. The lead word is stored at the end of the transfer's first piece (the whole
-    /// message when no tripwire splits it), so a reader that sees it sees the bytes of that
-    /// piece: a tripwire whose watched part ends at a header fires with the header and its
-    /// lead in place, before the rest of the body.
+    /// one fence. The lead word is stored once the whole body is in place (in the transfer's
+    /// last piece), so a reader that sees it sees the whole message: the message queue's
+    /// receiver takes a slot on its sequence word alone, one cache line, without the
+    /// counter's. A tripwire that splits the transfer before the body's end (one watching a
+    /// header) fires before the lead is there; its waiter looks, finds nothing, and arms it
+    /// again, and the Dekker argument of [`snoop::transfer_then_store`] (every store, the
+    /// lead's included, before the fence; the look at the armed states after it) fires it
+    /// again or lets the look see the lead.
     pub fn write_led_then_store_u64(
         &self,
         abs: u64,
@@ -167,9 +171,10 @@ impl Window {
                             let at = (from - body) as usize;
                             self.data.write(self.rel(from), &src[at..at + (end - from) as usize]).map_err(seg_err)?;
                         }
-                        if o == abs {
+                        if end == body + src.len() as u64 {
                             // SYNC POINT: pairs with the reader's Acquire load of the lead
-                            // word: the piece's bytes above are visible with it.
+                            // word: the whole body (this piece and those before) is visible
+                            // with it.
                             lead_word.store(lead, Ordering::Release);
                         }
                         Ok(())
@@ -222,9 +227,10 @@ impl Window {
                                     .write(self.rel(from), &body[at..at + (to - from) as usize])
                                     .map_err(seg_err)?;
                             }
-                            if start >= o {
+                            if b1 > o && b1 <= end {
                                 // SYNC POINT: pairs with the reader's Acquire load of this
-                                // message's lead word: its bytes in this piece are visible.
+                                // message's lead word: its whole body is visible with it (it
+                                // ends in this piece; exactly one piece holds its end).
                                 self.data
                                     .view::<AtomicU64>(self.rel(start))
                                     .map_err(seg_err)?

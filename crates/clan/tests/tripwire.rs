@@ -235,3 +235,44 @@ fn one_million_tripwires() {
     assert_eq!(tws[999].count(), 0);
     assert_eq!(tws[1008].count(), 0);
 }
+
+/// A message led by a word (the message queue's sealed slot) is whole once its lead word is
+/// seen, even when tripwires on its header split the transfer into pieces: the lead is
+/// stored with the last piece, not the first.
+#[test]
+fn a_led_message_is_whole_once_its_lead_is_seen_even_split_by_tripwires() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let _wd = Watchdog::new("led message whole", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = Arc::new(ep.export(8192).unwrap());
+    let m = ep.import(&ap.descriptor()).unwrap();
+    // Persistent tripwires inside the header: the transfer is cut at 16 and at 32.
+    let _t1 = ap.tripwire(TripwireConfig::writes(8..16)).unwrap();
+    let _t2 = ap.tripwire(TripwireConfig::writes(16..32)).unwrap();
+    const N: u64 = 2000;
+    let acked = Arc::new(AtomicU64::new(0));
+    let reader = {
+        let (ap, acked) = (ap.clone(), acked.clone());
+        std::thread::spawn(move || {
+            let mut body = vec![0u8; 4000];
+            for k in 1..=N {
+                while ap.load_u64(0).unwrap() != k {
+                    std::hint::spin_loop();
+                }
+                ap.read(8, &mut body).unwrap();
+                let bad = body.iter().position(|&b| b != k as u8);
+                assert_eq!(bad, None, "message {k}: lead seen before its body");
+                acked.store(k, Ordering::Release);
+            }
+        })
+    };
+    for k in 1..=N {
+        m.write_led_then_store_u64(0, k, &vec![k as u8; 4000], 4096 + 8, k).unwrap();
+        while acked.load(Ordering::Acquire) != k {
+            assert!(!reader.is_finished(), "the reader stopped");
+            std::thread::yield_now();
+        }
+    }
+    reader.join().unwrap();
+}

@@ -1,0 +1,131 @@
+//! The provider's core without libfabric: what a small tagged message costs through
+//! `clan_fi::rdm` (the layer under `fi_tsend`/`fi_cq_read`), to tell the provider's own cost
+//! from libfabric's and MPI's.
+//!
+//! ```text
+//! cargo run --release -p clan-fi --example rdm_pingpong [ITERS] [solo]
+//! ```
+//!
+//! Prints the round trip between two endpoints on two threads pinned to CPUs 0 and 1 (p10,
+//! p50, p90), one message sent and received on one thread (warm caches, no other core), an
+//! empty poll, and a send into a ring with room. `solo`: only the one-thread figure.
+use clan_fi::rdm::{Land, Landed, Posted, Rdm};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Count(Arc<AtomicUsize>);
+impl Land for Count {
+    fn part(&self, _p: &Posted, _at: usize, _data: &[u8]) {}
+    fn done(&self, _p: Posted, _m: Landed<'_>, _len: usize) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn pin(cpu: usize) {
+    // SAFETY: a zeroed `cpu_set_t` is a valid empty set; `CPU_SET` and `sched_setaffinity`
+    // get a valid pointer to it and its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn posted() -> Posted {
+    Posted { buf: 0, len: 8, context: 1, tagged: true, tag: 7, ignore: 0, from: None, completion: true }
+}
+
+fn main() {
+    let iters: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(200_000);
+    let q = clan_fi::rdm::nic().unwrap().event_queue(clan::EventQueueConfig::default()).unwrap();
+    let a = Arc::new(Rdm::open(&q).unwrap());
+    let b = Arc::new(Rdm::open(&q).unwrap());
+    let (ca, cb) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    a.set_land(Box::new(Count(ca.clone())));
+    b.set_land(Box::new(Count(cb.clone())));
+    let (aa, ba) = (a.addr(), b.addr());
+    let data = [0u8; 8];
+    if std::env::args().nth(2).as_deref() == Some("solo") {
+        pin(0);
+        let s0 = std::time::Instant::now();
+        for i in 0..iters {
+            assert!(b.post(posted()).is_none());
+            a.send(ba, &data, true, 7, Some(3)).unwrap();
+            while cb.load(Ordering::Acquire) <= i {
+                b.progress();
+            }
+        }
+        println!("solo {:.1} ns", s0.elapsed().as_nanos() as f64 / iters as f64);
+        return;
+    }
+    let peer = {
+        let b = b.clone();
+        let cb = cb.clone();
+        std::thread::spawn(move || {
+            pin(1);
+            for i in 0..iters + 1000 {
+                assert!(b.post(posted()).is_none());
+                while cb.load(Ordering::Acquire) <= i {
+                    b.progress();
+                }
+                b.send(aa, &data, true, 7, Some(3)).unwrap();
+            }
+        })
+    };
+    pin(0);
+    let mut t = Vec::with_capacity(iters);
+    for i in 0..iters + 1000 {
+        let s = std::time::Instant::now();
+        assert!(a.post(posted()).is_none());
+        a.send(ba, &data, true, 7, Some(3)).unwrap();
+        while ca.load(Ordering::Acquire) <= i {
+            a.progress();
+        }
+        if i >= 1000 {
+            t.push(s.elapsed().as_nanos() as u64);
+        }
+    }
+    peer.join().unwrap();
+    // One message sent and received on this thread (warm caches, no other core).
+    let base = cb.load(Ordering::Acquire);
+    let n = 1_000_000;
+    let s0 = std::time::Instant::now();
+    for i in 0..n {
+        assert!(b.post(posted()).is_none());
+        a.send(ba, &data, true, 7, Some(3)).unwrap();
+        while cb.load(Ordering::Acquire) <= base + i {
+            b.progress();
+        }
+    }
+    println!("one message, one thread {:.1} ns", s0.elapsed().as_nanos() as f64 / n as f64);
+    // Idle poll cost.
+    let n = 1_000_000;
+    let s0 = std::time::Instant::now();
+    for _ in 0..n {
+        a.progress();
+    }
+    println!("idle progress {:.1} ns", s0.elapsed().as_nanos() as f64 / n as f64);
+    // Send cost (20 in a row into a ring of 31, then drained by b).
+    let mut tot = 0u128;
+    let mut cnt = 0u128;
+    for _ in 0..20000 {
+        let s0 = std::time::Instant::now();
+        for _ in 0..20 {
+            a.send(ba, &data, true, 9, None).unwrap();
+        }
+        tot += s0.elapsed().as_nanos();
+        cnt += 20;
+        b.progress();
+        let mut st = b.progress();
+        st.clear();
+    }
+    println!("send {:.1} ns", tot as f64 / cnt as f64);
+    t.sort();
+    println!(
+        "rdm rtt p50 {} ns p10 {} p90 {} (one way p50 {})",
+        t[t.len() / 2],
+        t[t.len() / 10],
+        t[t.len() * 9 / 10],
+        t[t.len() / 2] / 2
+    );
+}
