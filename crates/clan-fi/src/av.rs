@@ -2,14 +2,20 @@
 //! clan endpoint address as text, NUL-padded to [`ADDR_LEN`] bytes) into the small integer
 //! (`fi_addr_t`) the data calls take. Safe Rust; `ffi` passes raw bytes in and out.
 
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::sync::{LazyLock, Mutex, RwLock};
 
 /// Bytes of an address: a clan endpoint address as text, NUL-padded.
 pub const ADDR_LEN: usize = 64;
 
-/// One address, validated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Addr([u8; ADDR_LEN]);
+/// One address, validated and interned: a handle of one word (copied, compared and hashed
+/// as such on the data path, where a receive directed to a source and a send to a peer look
+/// their peer up), its bytes kept once for the process ([`Addr::bytes`]). The bytes of
+/// every address the process has seen stay for its lifetime: what the application inserts
+/// in address vectors, and what its peers' senders announce (one per connection made to it).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Addr(u32);
 
 /// Why an address was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -19,6 +25,15 @@ pub enum AddrError {
     #[error("not a clan endpoint address")]
     Malformed,
 }
+
+/// The process's addresses: bytes to handle, and handle to bytes.
+#[derive(Default)]
+struct Interned {
+    ids: HashMap<[u8; ADDR_LEN], u32, BuildHasherDefault<rustc_hash::FxHasher>>,
+    all: Vec<&'static [u8; ADDR_LEN]>,
+}
+
+static INTERNED: LazyLock<RwLock<Interned>> = LazyLock::new(RwLock::default);
 
 impl Addr {
     /// From the bytes an application passes (exactly [`ADDR_LEN`], text then NULs).
@@ -30,7 +45,7 @@ impl Addr {
         }
         let text = std::str::from_utf8(&raw[..end]).map_err(|_| AddrError::Malformed)?;
         text.parse::<clan::EndpointAddr>().map_err(|_| AddrError::Malformed)?;
-        Ok(Addr(raw))
+        Ok(Addr::intern(raw))
     }
 
     /// Of a clan endpoint address.
@@ -39,21 +54,44 @@ impl Addr {
         let mut raw = [0u8; ADDR_LEN];
         let n = text.len().min(ADDR_LEN);
         raw[..n].copy_from_slice(&text.as_bytes()[..n]);
-        Addr(raw)
+        Addr::intern(raw)
     }
 
-    pub fn bytes(&self) -> &[u8; ADDR_LEN] {
-        &self.0
+    fn intern(raw: [u8; ADDR_LEN]) -> Addr {
+        if let Some(&i) = INTERNED.read().unwrap_or_else(|p| p.into_inner()).ids.get(&raw) {
+            return Addr(i);
+        }
+        let mut t = INTERNED.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(&i) = t.ids.get(&raw) {
+            return Addr(i);
+        }
+        let i = u32::try_from(t.all.len()).unwrap_or(u32::MAX);
+        // (kept for the process's lifetime: handles are never reused, so they never dangle)
+        t.all.push(Box::leak(Box::new(raw)));
+        t.ids.insert(raw, i);
+        Addr(i)
+    }
+
+    pub fn bytes(&self) -> &'static [u8; ADDR_LEN] {
+        // (every handle was made by `intern`, which pushed its bytes first)
+        INTERNED.read().unwrap_or_else(|p| p.into_inner()).all.get(self.0 as usize).copied().unwrap_or(&[0; ADDR_LEN])
     }
 
     /// The text (without the padding).
-    pub fn text(&self) -> &str {
-        let end = self.0.iter().position(|&c| c == 0).unwrap_or(ADDR_LEN);
-        std::str::from_utf8(&self.0[..end]).unwrap_or("")
+    pub fn text(&self) -> &'static str {
+        let b = self.bytes();
+        let end = b.iter().position(|&c| c == 0).unwrap_or(ADDR_LEN);
+        std::str::from_utf8(&b[..end]).unwrap_or("")
     }
 
     pub fn endpoint(&self) -> Option<clan::EndpointAddr> {
         self.text().parse().ok()
+    }
+}
+
+impl std::fmt::Debug for Addr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Addr({})", self.text())
     }
 }
 
@@ -104,6 +142,7 @@ mod tests {
         assert_eq!(a.endpoint(), Some(ep.addr()));
         assert_eq!(Addr::from_bytes(&[0u8; 10]), Err(AddrError::Length));
         assert_eq!(Addr::from_bytes(&[b'x'; ADDR_LEN]), Err(AddrError::Malformed));
+        assert_eq!(Addr::of(ep.addr()), a, "one handle per address");
         let mut trailing = *a.bytes();
         trailing[ADDR_LEN - 1] = b'z';
         assert_eq!(Addr::from_bytes(&trailing), Err(AddrError::Malformed));

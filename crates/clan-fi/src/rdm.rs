@@ -296,8 +296,8 @@ struct Rx {
     ready: Option<Tripwire>,
 }
 
-/// An address's bytes as a map key.
-type Key = [u8; crate::av::ADDR_LEN];
+/// An address as a map key (its handle: hashed and compared as one word).
+type Key = Addr;
 
 /// Maps keyed by address on the data path: a fast hash (the keys are addresses the
 /// application put in its address vector, or that our own senders announced; a peer that
@@ -466,7 +466,7 @@ impl Rdm {
     }
 
     fn send_frame(&self, to: Addr, flags: u64, tag: u64, word2: u64, parts: &[&[u8]]) -> Result<(), Error> {
-        let existing = self.lock().senders.get(to.bytes()).cloned();
+        let existing = self.lock().senders.get(&to).cloned();
         let tx = match existing {
             Some(tx) => tx,
             None => {
@@ -481,7 +481,7 @@ impl Rdm {
                 hello.extend_from_slice(self.me.bytes());
                 tx.send(0, &hello)?;
                 let tx = Tx { tx };
-                self.lock().senders.entry(*to.bytes()).or_insert_with(|| Arc::new(Mutex::new(tx))).clone()
+                self.lock().senders.entry(to).or_insert_with(|| Arc::new(Mutex::new(tx))).clone()
             }
         };
         // Only this peer's sender is held while it waits for room (never the receive side).
@@ -506,7 +506,7 @@ impl Rdm {
             Ok(()) => Ok(()),
             Err(e) => {
                 // A broken connection is made again by the next send.
-                self.lock().senders.remove(to.bytes());
+                self.lock().senders.remove(&to);
                 Err(match e {
                     QueueError::Disconnected | QueueError::Access(_) => Error::PeerGone,
                     e => Error::Queue(e),
@@ -523,7 +523,7 @@ impl Rdm {
             let a = s.unexpected.remove(i)?;
             return Some(Done::Received(p, a));
         }
-        if !s.gone.is_empty() && p.from.is_some_and(|f| s.gone.contains(f.bytes())) {
+        if !s.gone.is_empty() && p.from.is_some_and(|f| s.gone.contains(&f)) {
             return Some(Done::Failed(p));
         }
         s.posted.push_back(p);
@@ -564,10 +564,10 @@ impl Rdm {
     pub fn is_gone(&self, peer: Addr) -> bool {
         let tx = {
             let s = self.lock();
-            if s.gone.contains(peer.bytes()) {
+            if s.gone.contains(&peer) {
                 return true;
             }
-            s.senders.get(peer.bytes()).cloned()
+            s.senders.get(&peer).cloned()
         };
         // (never the sender's lock while holding the state's: a send holds its sender's and
         // takes the state's while it waits; a sender busy sending is found out by its send)
@@ -677,8 +677,8 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) {
                 posted.push_front(p);
             }
             if let Some(f) = r.from {
-                gone.insert(*f.bytes());
-                senders.remove(f.bytes());
+                gone.insert(f);
+                senders.remove(&f);
             }
         } else {
             i += 1;
@@ -690,13 +690,13 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) {
     // A peer that connected again is back.
     for r in receivers.iter() {
         if let Some(f) = r.from {
-            gone.remove(f.bytes());
+            gone.remove(&f);
         }
     }
     // Receives directed to a peer that went away can never complete.
     let mut k = 0;
     while k < posted.len() {
-        if posted[k].from.is_some_and(|f| gone.contains(f.bytes())) {
+        if posted[k].from.is_some_and(|f| gone.contains(&f)) {
             if let Some(p) = posted.remove(k) {
                 done.push(Done::Failed(p));
             }

@@ -352,6 +352,8 @@ pub struct MsgSender {
     slots: u64,
     slot: u64,
     write: u64,
+    /// Where slot `write` is (kept as `write` moves: no division per message).
+    write_at: u64,
     space: Tripwire,
     spin: Duration,
     dma_threshold: u64,
@@ -390,6 +392,7 @@ impl MsgSender {
             mine: s.mine,
             peer: s.peer,
             write: 0,
+            write_at: RING,
             space,
             spin: cfg.spin,
             dma_threshold: cfg.dma_threshold,
@@ -446,8 +449,20 @@ impl MsgSender {
         Ok(())
     }
 
+    #[inline]
     fn slot_off(&self, i: u64) -> u64 {
-        RING + (i % self.slots) * self.slot
+        if i == self.write { self.write_at } else { RING + (i % self.slots) * self.slot }
+    }
+
+    /// Move `write` to `w` (and where its slot is).
+    #[inline]
+    fn set_write(&mut self, w: u64) {
+        self.write_at = if w == self.write + 1 && self.write_at + self.slot < RING + self.slots * self.slot {
+            self.write_at + self.slot
+        } else {
+            RING + (w % self.slots) * self.slot
+        };
+        self.write = w;
     }
 
     /// Wait until the last DMA chain has run, before a message sent by PIO publishes its
@@ -625,13 +640,13 @@ impl MsgSender {
                 for p in pieces {
                     self.staging.extend_from_slice(p);
                 }
-                self.write += 1;
+                self.set_write(self.write + 1);
                 self.peer.get()?.write_led_then_store_u64(at, self.write, &self.staging, RX_WRITE, self.write)?;
             } else {
                 // Header, then body, then the counter: a receiver watching the header wakes
                 // while the body is still on its way.
                 self.write_header(at, n, flags, meta, total)?;
-                self.write += 1;
+                self.set_write(self.write + 1);
                 let peer = self.peer.get()?;
                 let mut off = at + HEADER;
                 for (i, p) in pieces.iter().enumerate() {
@@ -717,7 +732,7 @@ impl MsgSender {
             drop(parts);
             self.staging = staging;
             sent?;
-            self.write = end;
+            self.set_write(end);
             i += run;
         }
         Ok(())
@@ -768,11 +783,11 @@ impl MsgSender {
         if len <= self.dma_threshold {
             self.settle_dma(None)?;
             self.peer.get()?.write_from(at + HEADER, src, off, len)?;
-            self.write += 1;
+            self.set_write(self.write + 1);
             self.peer.get()?.store_u64(RX_WRITE, self.write)?;
             return Ok(None);
         }
-        self.write += 1;
+        self.set_write(self.write + 1);
         // The counter's value, staged in our own memory for the DMA engine to read (one word
         // per slot: it stays untouched until this slot is reused, i.e. long after).
         let staged = RING + (self.write % self.slots) * 8;
@@ -827,6 +842,8 @@ pub struct MsgReceiver {
     slots: u64,
     slot: u64,
     read: u64,
+    /// Where slot `read` is (kept as `read` moves: no division per message).
+    read_at: u64,
     /// The `read` last mirrored into the sender.
     published: u64,
     /// The sender's counter as last loaded (every slot below it is published).
@@ -857,6 +874,7 @@ impl MsgReceiver {
             slots: cfg.slots,
             slot: cfg.slot_size,
             read: 0,
+            read_at: RING,
             published: 0,
             written_seen: 0,
             data: std::sync::OnceLock::new(),
@@ -929,8 +947,9 @@ impl MsgReceiver {
         }
     }
 
+    #[inline]
     fn slot_off(&self, i: u64) -> u64 {
-        RING + (i % self.slots) * self.slot
+        if i == self.read { self.read_at } else { RING + (i % self.slots) * self.slot }
     }
 
     /// Read and check the header of slot `i` (which must be published, unless `landed`).
@@ -966,6 +985,10 @@ impl MsgReceiver {
 
     fn consume(&mut self) -> Result<(), QueueError> {
         self.read += 1;
+        self.read_at += self.slot;
+        if self.read_at == RING + self.slots * self.slot {
+            self.read_at = RING;
+        }
         // Mirror read_i into the sender, lazily: every quarter of the slots. A sender waits
         // for a slot only when it saw `slots - 1` in use past the mirrored position; a
         // receiver that consumes them has consumed a quarter, so it has published before it

@@ -352,12 +352,14 @@ impl Aperture {
     }
 
     /// Copy `src` into the aperture at `off` (a local store: fires no tripwire).
+    #[inline]
     pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
         check_range(off, src.len() as u64, self.len)?;
         self.seg().write(off as usize, src).map_err(|_| AccessError::NotWritable)
     }
 
     /// Copy from the aperture at `off` into `dst` (a local load).
+    #[inline]
     pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
         check_range(off, dst.len() as u64, self.len)?;
         self.seg().read(off as usize, dst).map_err(|_| AccessError::NotReadable)
@@ -381,6 +383,7 @@ impl Aperture {
         self.seg().fill(off as usize, len as usize, byte).map_err(|_| AccessError::NotWritable)
     }
 
+    #[inline]
     fn word<T: segment::Shared>(&self, off: u64, size: u64) -> Result<&T, AccessError> {
         check_range(off, size, self.len)?;
         check_align(off, size)?;
@@ -401,22 +404,26 @@ impl Aperture {
     /// assert_eq!(ap.load_u64(3), Err(AccessError::Misaligned { offset: 3, align: 8 }));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
+    #[inline]
     pub fn load_u64(&self, off: u64) -> Result<u64, AccessError> {
         Ok(self.word::<AtomicU64>(off, 8)?.load(Ordering::Acquire))
     }
 
     /// Atomic store (Release) of the aligned word at `off`.
+    #[inline]
     pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {
         self.word::<AtomicU64>(off, 8)?.store(v, Ordering::Release);
         Ok(())
     }
 
     /// Atomic load (Acquire) of the aligned 32-bit word at `off`.
+    #[inline]
     pub fn load_u32(&self, off: u64) -> Result<u32, AccessError> {
         Ok(self.word::<AtomicU32>(off, 4)?.load(Ordering::Acquire))
     }
 
     /// Atomic store (Release) of the aligned 32-bit word at `off`.
+    #[inline]
     pub fn store_u32(&self, off: u64, v: u32) -> Result<(), AccessError> {
         self.word::<AtomicU32>(off, 4)?.store(v, Ordering::Release);
         Ok(())
