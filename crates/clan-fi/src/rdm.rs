@@ -188,7 +188,7 @@ pub trait Land: Send + Sync {
     fn part(&self, p: &Posted, at: usize, data: &[u8]);
     /// The message for `p` is whole: `len` bytes in all, its header in `m` (whose `data` is
     /// empty: its bytes came by `part`).
-    fn done(&self, p: Posted, m: Landed<'_>, len: usize);
+    fn done(&self, p: &Posted, m: Landed<'_>, len: usize);
 }
 
 impl Posted {
@@ -466,7 +466,37 @@ impl Rdm {
     }
 
     fn send_frame(&self, to: Addr, flags: u64, tag: u64, word2: u64, parts: &[&[u8]]) -> Result<(), Error> {
-        let existing = self.lock().senders.get(&to).cloned();
+        let mut head = [0u8; HEADER];
+        head[..8].copy_from_slice(&flags.to_le_bytes());
+        head[8..16].copy_from_slice(&tag.to_le_bytes());
+        head[16..].copy_from_slice(&word2.to_le_bytes());
+        // The header, then the parts, as one message (no copy of them put together).
+        let mut all: [&[u8]; 5] = [&[]; 5];
+        all[0] = &head;
+        for (slot, p) in all[1..].iter_mut().zip(parts) {
+            *slot = p;
+        }
+        let all = &all[..1 + parts.len().min(4)];
+        // The short path: a small message to a peer we are connected to, with room in its
+        // ring now. Its sender is only tried (a send waiting for room holds it, and takes
+        // the state's lock while it waits), and the state's lock is held for a send that
+        // does not wait.
+        let existing = {
+            let s = self.lock();
+            let tx = s.senders.get(&to);
+            let sent = match tx.map(|t| t.try_lock()) {
+                Some(Ok(mut t)) => t.tx.try_send_small(0, all),
+                _ => Ok(false),
+            };
+            match sent {
+                Ok(true) => return Ok(()),
+                Ok(false) => tx.cloned(),
+                Err(e) => {
+                    drop(s);
+                    return Err(self.broken(to, e));
+                }
+            }
+        };
         let tx = match existing {
             Some(tx) => tx,
             None => {
@@ -487,31 +517,20 @@ impl Rdm {
         // Only this peer's sender is held while it waits for room (never the receive side).
         // While it waits, what others send us is taken in: the peer may be waiting for room
         // in our rings to finish a send to us before it reads ours.
-        let mut head = [0u8; HEADER];
-        head[..8].copy_from_slice(&flags.to_le_bytes());
-        head[8..16].copy_from_slice(&tag.to_le_bytes());
-        head[16..].copy_from_slice(&word2.to_le_bytes());
-        // The header, then the parts, as one message (no copy of them put together).
-        let mut all: [&[u8]; 5] = [&[]; 5];
-        all[0] = &head;
-        for (slot, p) in all[1..].iter_mut().zip(parts) {
-            *slot = p;
-        }
-        let all = &all[..1 + parts.len().min(4)];
         let r = tx.lock().unwrap_or_else(|p| p.into_inner()).tx.send_vectored_idling(0, all, &mut || {
             let mut s = self.lock();
             take_in(&mut s, self.land.get().map(|l| &**l));
         });
-        match r {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // A broken connection is made again by the next send.
-                self.lock().senders.remove(&to);
-                Err(match e {
-                    QueueError::Disconnected | QueueError::Access(_) => Error::PeerGone,
-                    e => Error::Queue(e),
-                })
-            }
+        r.map_err(|e| self.broken(to, e))
+    }
+
+    /// A send to `to` failed with `e`: the connection is dropped (the next send makes it
+    /// again), and the error said as the provider's.
+    fn broken(&self, to: Addr, e: QueueError) -> Error {
+        self.lock().senders.remove(&to);
+        match e {
+            QueueError::Disconnected | QueueError::Access(_) => Error::PeerGone,
+            e => Error::Queue(e),
         }
     }
 
@@ -657,7 +676,7 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) {
                         Some(Assembly::Landing { p, tagged, tag, cq_data, from }) => {
                             if let Some(land) = land {
                                 let m = Landed { data: &[], tagged, tag, cq_data, from };
-                                land.done(p, m, part.total as usize - HEADER);
+                                land.done(&p, m, part.total as usize - HEADER);
                             }
                         }
                         Some(Assembly::Own(v)) => whole(&v, &mut r.from, land, posted, unexpected, done),
@@ -718,17 +737,25 @@ fn whole(
 ) {
     match parse(data, from) {
         Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
-            Some(k) => {
-                if let Some(p) = posted.remove(k) {
-                    match land {
-                        Some(land) => {
-                            land.part(&p, 0, a.data);
-                            land.done(p, Landed { data: &[], ..a }, a.data.len());
-                        }
-                        None => done.push(Done::Received(p, a.to_arrival())),
+            Some(k) => match land {
+                Some(land) => {
+                    // (landed from where it is posted, then taken off: the receive is not
+                    // moved on the way)
+                    let p = &posted[k];
+                    land.part(p, 0, a.data);
+                    land.done(p, Landed { data: &[], ..a }, a.data.len());
+                    if k == 0 {
+                        posted.pop_front();
+                    } else {
+                        posted.remove(k);
                     }
                 }
-            }
+                None => {
+                    if let Some(p) = posted.remove(k) {
+                        done.push(Done::Received(p, a.to_arrival()));
+                    }
+                }
+            },
             None => unexpected.push_back(a.to_arrival()),
         },
         Some(Incoming::Done(d)) => done.push(d),
@@ -954,7 +981,7 @@ mod tests {
             assert!(p.context > 0);
             b.extend_from_slice(data);
         }
-        fn done(&self, p: Posted, m: Landed<'_>, len: usize) {
+        fn done(&self, p: &Posted, m: Landed<'_>, len: usize) {
             let b = std::mem::take(&mut *self.1.lock().unwrap());
             assert_eq!(b.len(), len);
             self.0.lock().unwrap().push((p.context, b, m.tag, m.from));

@@ -563,6 +563,44 @@ impl MsgSender {
         self.send_inner(meta, parts, None, None)
     }
 
+    /// Send a small message now if it can go at once: at most one slot's payload and 512
+    /// bytes, the ring with room, no DMA in flight. `Ok(false)`: nothing was sent (send it
+    /// with [`MsgSender::send_vectored`], which waits). The short path of a sender of small
+    /// messages that never waits: the slot is put together on the stack and written in one
+    /// transfer, as `send_vectored` writes it.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// assert!(tx.try_send_small(7, &[b"head ", b"and body"])?);
+    /// assert!(!tx.try_send_small(8, &[&[0u8; 600]])?, "too long for the short path");
+    /// let m = rx.recv(Some(Duration::from_secs(5)))?;
+    /// assert_eq!((m.meta, &m.data[..]), (7, &b"head and body"[..]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn try_send_small(&mut self, meta: u64, parts: &[&[u8]]) -> Result<bool, QueueError> {
+        let n: usize = parts.iter().map(|p| p.len()).sum();
+        if n as u64 > self.slot_payload().min(SMALL_PART) || self.dma.is_some() || !self.has_room()? {
+            return Ok(false);
+        }
+        // (put together in the reused staging buffer: nothing to allocate or clear)
+        self.staging.clear();
+        self.staging.extend_from_slice(&header_fields(n as u64, FIRST | SEALED, meta, n as u64));
+        for p in parts {
+            self.staging.extend_from_slice(p);
+        }
+        let off = self.slot_off(self.write);
+        self.set_write(self.write + 1);
+        self.peer.get()?.write_led_then_store_u64(off, self.write, &self.staging, RX_WRITE, self.write)?;
+        Ok(true)
+    }
+
     /// [`MsgSender::send_vectored`] that calls `idle` while it waits for room, as
     /// [`MsgSender::send_idling`] does.
     pub fn send_vectored_idling(

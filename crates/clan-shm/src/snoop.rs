@@ -123,6 +123,7 @@ pub fn transfer_piece<E>(
 /// Step 2 of [`transfer`]: move `[off, off+len)` of a write ending at `write_end` with `mover`,
 /// stopping where each watched tripwire's part of the write completes to fire it. Leaves
 /// the candidates it looked at in `scratch` (the re-lookup fires only what is new).
+#[inline]
 #[allow(clippy::too_many_arguments)]
 fn move_firing<E>(
     access: Access,
@@ -168,6 +169,7 @@ fn move_firing<E>(
 
 /// Fire every candidate of `watch` over `[off, end)` whose watched part of a write ending at
 /// `write_end` is complete (the data is in place and the caller has fenced).
+#[inline]
 fn fire_complete(
     access: Access,
     watch: &Watch<'_>,
@@ -229,6 +231,7 @@ fn recheck(
 
 /// While the index keeps changing (bounded), collect again and fire what is new. The caller
 /// has fenced since its data stores.
+#[inline]
 #[allow(clippy::too_many_arguments)]
 fn redo(
     access: Access,
@@ -268,6 +271,7 @@ fn redo(
 ///
 /// The Dekker argument is unchanged: every store of the transfer (data and flag) comes
 /// before the fence, every look at the index and at the armed states after it.
+#[inline]
 #[allow(clippy::too_many_arguments)]
 pub fn transfer_then_store<E>(
     watch: &Watch<'_>,

@@ -134,6 +134,7 @@ impl Mapping {
         self.inner.via.is_remote()
     }
 
+    #[inline]
     fn check_live(&self) -> Result<(), AccessError> {
         self.inner.via.check_live()
     }
@@ -182,6 +183,7 @@ impl Mapping {
     }
 
     /// Atomic store (Release) of the aligned word at `off`.
+    #[inline]
     pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {
         check_align(off, 8)?;
         let abs = self.check(off, 8, Rights::WRITE)?;
@@ -386,6 +388,7 @@ impl Mapping {
     /// assert_eq!((ap.load_u64(0)?, ap.load_u64(64)?, &body), (1, 5, b"slot body"));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
+    #[inline]
     pub fn write_led_then_store_u64(
         &self,
         off: u64,

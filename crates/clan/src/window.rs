@@ -143,6 +143,7 @@ impl Window {
     /// again, and the Dekker argument of [`snoop::transfer_then_store`] (every store, the
     /// lead's included, before the fence; the look at the armed states after it) fires it
     /// again or lets the look see the lead.
+    #[inline]
     pub fn write_led_then_store_u64(
         &self,
         abs: u64,

@@ -1627,7 +1627,7 @@ impl EpObj {
     /// Copy arrival `a` into the buffer of receive `p`, and complete it.
     fn complete_recv(&self, p: crate::rdm::Posted, a: crate::rdm::Landed<'_>) {
         self.land_part(&p, 0, a.data);
-        self.land_done(p, a, a.data.len());
+        self.land_done(&p, a, a.data.len());
     }
 
     /// Copy bytes `at..at + data.len()` of a message into the buffer of receive `p` (what
@@ -1645,7 +1645,7 @@ impl EpObj {
     /// Complete receive `p` with a message of `len` bytes whose header is `a` (its bytes are
     /// in place): truncated if `len` is over the receive's length. (Also called by `rdm`, as
     /// `land_part` is.)
-    fn land_done(&self, p: crate::rdm::Posted, a: crate::rdm::Landed<'_>, len: usize) {
+    fn land_done(&self, p: &crate::rdm::Posted, a: crate::rdm::Landed<'_>, len: usize) {
         let n = len.min(p.len);
         let mut flags = (FI_RECV as u64) | if a.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
         if a.cq_data.is_some() {
@@ -1742,7 +1742,7 @@ impl crate::rdm::Land for LandIn {
         self.ep().land_part(p, at, data);
     }
 
-    fn done(&self, p: crate::rdm::Posted, m: crate::rdm::Landed<'_>, len: usize) {
+    fn done(&self, p: &crate::rdm::Posted, m: crate::rdm::Landed<'_>, len: usize) {
         self.ep().land_done(p, m, len);
     }
 }
