@@ -964,24 +964,23 @@ impl MsgReceiver {
 
     /// The header of the next slot to take (part length, flags, metadata, total length) if
     /// it is published: sealed ([`SEALED`]: its sequence word, one cache line, says so), or
-    /// covered by the write counter (looked at only when the slot is not sealed).
+    /// covered by the write counter (looked at only when the slot has its sequence word but
+    /// is not sealed).
     #[inline(always)]
     fn next_header(&mut self) -> Result<Option<(u64, u32, u64, u64)>, QueueError> {
         let i = self.read;
         let h = self.header_of(i)?;
         match h {
-            Some((_, flags, _, _)) if flags & SEALED != 0 || self.written_seen > i => return Ok(h),
-            None if self.written_seen > i => return Err(QueueError::Protocol("a published slot without its header")),
-            _ => {}
-        }
-        self.written_seen = self.written()?;
-        if self.written_seen <= i {
-            return Ok(None);
-        }
-        // (its header was looked at before the counter: read again if it was not there)
-        match h {
-            Some(h) => Ok(Some(h)),
-            None => self.header_of(i)?.ok_or(QueueError::Protocol("a published slot without its header")).map(Some),
+            Some((_, flags, _, _)) if flags & SEALED != 0 || self.written_seen > i => Ok(h),
+            None if self.written_seen > i => Err(QueueError::Protocol("a published slot without its header")),
+            // Every sender writes a slot's sequence word before the counter that covers it:
+            // with no sequence word there is nothing to publish, and the counter's line is
+            // left alone (a receiver polling it would take it from the sender storing it).
+            None => Ok(None),
+            Some(_) => {
+                self.written_seen = self.written()?;
+                Ok(if self.written_seen > i { h } else { None })
+            }
         }
     }
 
