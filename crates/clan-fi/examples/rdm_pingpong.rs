@@ -8,7 +8,9 @@
 //!
 //! Prints the round trip between two endpoints on two threads pinned to CPUs 0 and 1 (p10,
 //! p50, p90), one message sent and received on one thread (warm caches, no other core), an
-//! empty poll, and a send into a ring with room. `solo`: only the one-thread figure.
+//! empty poll, and a send into a ring with room; and, on the peer's side, how long the poll
+//! that finds a message takes and how long its reply's send takes. `solo`: only the
+//! one-thread figure. `PAUSE=1`: both sides pause (`spin_loop`) between empty polls.
 use clan_fi::rdm::{Land, Landed, Posted, Rdm};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -45,6 +47,7 @@ fn main() {
     b.set_land(Box::new(Count(cb.clone())));
     let (aa, ba) = (a.addr(), b.addr());
     let data = [0u8; 8];
+    let pause = std::env::var_os("PAUSE").is_some();
     if std::env::args().nth(2).as_deref() == Some("solo") {
         pin(0);
         let s0 = std::time::Instant::now();
@@ -63,13 +66,35 @@ fn main() {
         let cb = cb.clone();
         std::thread::spawn(move || {
             pin(1);
+            let (mut t_found, mut t_send) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
             for i in 0..iters + 1000 {
                 assert!(b.post(posted()).is_none());
-                while cb.load(Ordering::Acquire) <= i {
+                let mut t0;
+                loop {
+                    t0 = std::time::Instant::now();
                     b.progress();
+                    if cb.load(Ordering::Acquire) > i {
+                        break;
+                    }
+                    if pause {
+                        std::hint::spin_loop();
+                    }
                 }
+                let t1 = std::time::Instant::now();
                 b.send(aa, &data, true, 7, Some(3)).unwrap();
+                let t2 = std::time::Instant::now();
+                if i >= 1000 {
+                    t_found.push((t1 - t0).as_nanos() as u64);
+                    t_send.push((t2 - t1).as_nanos() as u64);
+                }
             }
+            t_found.sort();
+            t_send.sort();
+            println!(
+                "peer: the poll that finds a message p50 {} ns, its reply's send p50 {} ns (clock reads included)",
+                t_found[t_found.len() / 2],
+                t_send[t_send.len() / 2]
+            );
         })
     };
     pin(0);
@@ -80,6 +105,9 @@ fn main() {
         a.send(ba, &data, true, 7, Some(3)).unwrap();
         while ca.load(Ordering::Acquire) <= i {
             a.progress();
+            if pause {
+                std::hint::spin_loop();
+            }
         }
         if i >= 1000 {
             t.push(s.elapsed().as_nanos() as u64);

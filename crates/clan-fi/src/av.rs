@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::sync::{LazyLock, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex, OnceLock, RwLock};
 
 /// Bytes of an address: a clan endpoint address as text, NUL-padded.
 pub const ADDR_LEN: usize = 64;
@@ -96,32 +97,68 @@ impl std::fmt::Debug for Addr {
 }
 
 /// The table. Indices are handed out in order and never reused (a removed one stays empty),
-/// as `FI_AV_TABLE` promises.
-#[derive(Debug, Default)]
+/// as `FI_AV_TABLE` promises. Its entries live in segments that double in size (segment `k`
+/// holds `64 << k`), made as the table grows and never moved: a lookup, which every send of
+/// the application makes, is two loads and takes no lock; inserts and removals take one.
+#[derive(Debug)]
 pub struct Table {
-    entries: Mutex<Vec<Option<Addr>>>,
+    /// Entry: 0 when empty, else the address's handle plus one.
+    segments: [OnceLock<Box<[AtomicU64]>>; SEGMENTS],
+    /// Indices handed out.
+    next: Mutex<u64>,
+}
+
+/// Segments of a table: `64 * (2^32 - 1)` entries in all.
+const SEGMENTS: usize = 32;
+
+impl Default for Table {
+    fn default() -> Table {
+        Table { segments: std::array::from_fn(|_| OnceLock::new()), next: Mutex::new(0) }
+    }
+}
+
+/// Which segment index `i` is in, and where in it.
+fn locate(i: u64) -> Option<(usize, usize)> {
+    let j = (i / 64).checked_add(1)?;
+    let k = 63 - j.leading_zeros() as usize;
+    (k < SEGMENTS).then(|| (k, (i - 64 * ((1u64 << k) - 1)) as usize))
 }
 
 impl Table {
-    pub fn insert(&self, a: Addr) -> u64 {
-        let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        e.push(Some(a));
-        (e.len() - 1) as u64
+    fn slot(&self, i: u64) -> Option<&AtomicU64> {
+        let (k, at) = locate(i)?;
+        self.segments[k].get()?.get(at)
+    }
+
+    /// Add `a`; its index (`None`: the table is full).
+    pub fn insert(&self, a: Addr) -> Option<u64> {
+        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        let i = *next;
+        let (k, at) = locate(i)?;
+        let seg = self.segments[k].get_or_init(|| (0..64usize << k).map(|_| AtomicU64::new(0)).collect());
+        // SYNC POINT: pairs with the Acquire load in `lookup` (another thread may send to
+        // the index as soon as it is handed out).
+        seg.get(at)?.store(u64::from(a.0) + 1, Ordering::Release);
+        *next += 1;
+        Some(i)
     }
 
     pub fn lookup(&self, i: u64) -> Option<Addr> {
-        let e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        usize::try_from(i).ok().and_then(|i| e.get(i).copied().flatten())
+        // SYNC POINT: pairs with the Release store in `insert`.
+        match self.slot(i)?.load(Ordering::Acquire) {
+            0 => None,
+            v => u32::try_from(v - 1).ok().map(Addr),
+        }
     }
 
     /// False if `i` held nothing.
     pub fn remove(&self, i: u64) -> bool {
-        let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        usize::try_from(i).ok().and_then(|i| e.get_mut(i)).and_then(Option::take).is_some()
+        let _next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        self.slot(i).is_some_and(|e| e.swap(0, Ordering::AcqRel) != 0)
     }
 
     pub fn len(&self) -> usize {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner()).len()
+        *self.next.lock().unwrap_or_else(|p| p.into_inner()) as usize
     }
 
     pub fn is_empty(&self) -> bool {
@@ -148,11 +185,22 @@ mod tests {
         assert_eq!(Addr::from_bytes(&trailing), Err(AddrError::Malformed));
 
         let t = Table::default();
-        let (i, j) = (t.insert(a), t.insert(a));
+        let (i, j) = (t.insert(a).unwrap(), t.insert(a).unwrap());
         assert_eq!((i, j), (0, 1));
         assert_eq!(t.lookup(1), Some(a));
         assert!(t.remove(0) && !t.remove(0) && !t.remove(99));
         assert_eq!(t.lookup(0), None);
-        assert_eq!(t.insert(a), 2, "indices are not reused");
+        assert_eq!(t.insert(a), Some(2), "indices are not reused");
+        // Across segments (64, then 128, 256 …): every index finds its own address.
+        let b = Addr::of(nic.endpoint().unwrap().addr());
+        for k in 3..1000u64 {
+            assert_eq!(t.insert(if k % 2 == 0 { a } else { b }), Some(k));
+        }
+        for k in 3..1000u64 {
+            assert_eq!(t.lookup(k), Some(if k % 2 == 0 { a } else { b }), "index {k}");
+        }
+        assert_eq!((t.lookup(1000), t.lookup(u64::MAX)), (None, None));
+        assert_eq!(t.len(), 1000);
+        assert_eq!(locate(64 * ((1 << 32) - 1)), None, "past the last segment");
     }
 }

@@ -129,6 +129,16 @@ fn config() -> QueueConfig {
     QueueConfig { slots: 31, slot_size: 16384, spin: Duration::ZERO, ..QueueConfig::default() }
 }
 
+/// A message's header: flags, then two words (their meaning depends on the flags).
+#[inline]
+fn header(flags: u64, w1: u64, w2: u64) -> [u8; HEADER] {
+    let mut head = [0u8; HEADER];
+    head[..8].copy_from_slice(&flags.to_le_bytes());
+    head[8..16].copy_from_slice(&w1.to_le_bytes());
+    head[16..].copy_from_slice(&w2.to_le_bytes());
+    head
+}
+
 /// A receive the application posted (its buffer as an address: `ffi` writes into it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Posted {
@@ -425,7 +435,12 @@ impl Rdm {
             return Err(Error::TooLong(MAX_MSG));
         }
         let flags = if tagged { F_TAGGED } else { 0 } | if cq_data.is_some() { F_DATA } else { 0 };
-        self.send_frame(to, flags, tag, cq_data.unwrap_or(0), &[data])
+        let head = header(flags, tag, cq_data.unwrap_or(0));
+        let all: [&[u8]; 2] = [&head, data];
+        match self.send_now(to, &all) {
+            Some(r) => r,
+            None => self.send_waiting(to, &all),
+        }
     }
 
     /// Ask `to` to write `data` at `addr` of its registration `key` (request `id`: its
@@ -466,10 +481,7 @@ impl Rdm {
     }
 
     fn send_frame(&self, to: Addr, flags: u64, tag: u64, word2: u64, parts: &[&[u8]]) -> Result<(), Error> {
-        let mut head = [0u8; HEADER];
-        head[..8].copy_from_slice(&flags.to_le_bytes());
-        head[8..16].copy_from_slice(&tag.to_le_bytes());
-        head[16..].copy_from_slice(&word2.to_le_bytes());
+        let head = header(flags, tag, word2);
         // The header, then the parts, as one message (no copy of them put together).
         let mut all: [&[u8]; 5] = [&[]; 5];
         all[0] = &head;
@@ -477,26 +489,37 @@ impl Rdm {
             *slot = p;
         }
         let all = &all[..1 + parts.len().min(4)];
-        // The short path: a small message to a peer we are connected to, with room in its
-        // ring now. Its sender is only tried (a send waiting for room holds it, and takes
-        // the state's lock while it waits), and the state's lock is held for a send that
-        // does not wait.
-        let existing = {
-            let s = self.lock();
-            let tx = s.senders.get(&to);
-            let sent = match tx.map(|t| t.try_lock()) {
-                Some(Ok(mut t)) => t.tx.try_send_small(0, all),
-                _ => Ok(false),
-            };
-            match sent {
-                Ok(true) => return Ok(()),
-                Ok(false) => tx.cloned(),
-                Err(e) => {
-                    drop(s);
-                    return Err(self.broken(to, e));
-                }
-            }
+        match self.send_now(to, all) {
+            Some(r) => r,
+            None => self.send_waiting(to, all),
+        }
+    }
+
+    /// The short path: a small message to a peer we are connected to, with room in its ring
+    /// now (`None`: none of that; nothing was sent). Its sender is only tried (a send waiting
+    /// for room holds it, and takes the state's lock while it waits), and the state's lock
+    /// is held for a send that does not wait.
+    #[inline]
+    fn send_now(&self, to: Addr, all: &[&[u8]]) -> Option<Result<(), Error>> {
+        let s = self.lock();
+        let sent = match s.senders.get(&to).map(|t| t.try_lock()) {
+            Some(Ok(mut t)) => t.tx.try_send_small(0, all),
+            _ => Ok(false),
         };
+        match sent {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(e) => {
+                drop(s);
+                Some(Err(self.broken(to, e)))
+            }
+        }
+    }
+
+    /// The long path: connect first if need be, and wait for room.
+    #[inline(never)]
+    fn send_waiting(&self, to: Addr, all: &[&[u8]]) -> Result<(), Error> {
+        let existing = self.lock().senders.get(&to).cloned();
         let tx = match existing {
             Some(tx) => tx,
             None => {

@@ -650,12 +650,12 @@ unsafe extern "C" fn av_insert(
         // SAFETY: the caller passes `count` addresses of the provider's address length.
         let bytes =
             unsafe { std::slice::from_raw_parts(addr.cast::<u8>().add(i * crate::av::ADDR_LEN), crate::av::ADDR_LEN) };
-        let out = match crate::av::Addr::from_bytes(bytes) {
-            Ok(a) => {
+        let out = match crate::av::Addr::from_bytes(bytes).ok().and_then(|a| av.table.insert(a)) {
+            Some(i) => {
                 done += 1;
-                av.table.insert(a)
+                i
             }
-            Err(_) => FI_ADDR_NOTAVAIL,
+            None => FI_ADDR_NOTAVAIL,
         };
         if !fi_addr.is_null() {
             // SAFETY: the caller's array of `count` entries.
