@@ -478,7 +478,7 @@ fn fabric_programs_against_their_baselines() {
     let skipped = v["skipped"].as_array().expect("skipped");
     if std::env::var_os("CI").is_some() {
         assert!(skipped.is_empty(), "CI installs libfabric-bin and Open MPI: {skipped:?}");
-        assert_eq!(rows.len(), 9, "{v}");
+        assert_eq!(rows.len(), 10, "{v}");
     }
     for (i, _) in rows.iter().enumerate() {
         positive(&v, &[&format!("/rows/{i}/clan"), &format!("/rows/{i}/baseline"), &format!("/rows/{i}/ratio")]);

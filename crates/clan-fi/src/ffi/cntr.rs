@@ -122,7 +122,8 @@ unsafe extern "C" fn cntr_read(c: *mut fid_cntr) -> u64 {
     let n = c.cntr.read();
     let seen = n.wrapping_add(c.cntr.read_err().rotate_left(32));
     if c.last.swap(seen, std::sync::atomic::Ordering::Relaxed) == seen {
-        c.polls.empty();
+        // (a counter's reads never sleep: only a completion queue's do)
+        c.polls.empty(false);
     } else {
         c.polls.found();
     }

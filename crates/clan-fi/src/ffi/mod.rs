@@ -801,6 +801,17 @@ impl CqObj {
         (!self.arms || prepare_eps(&self.eps())) && !self.cq.has_any() && !self.cq.is_signaled()
     }
 
+    /// Sleep on the queue for at most `d`, unless something is there to progress or read
+    /// (what arrives meanwhile wakes it, as in [`CqObj::wait`]). A signal is left for the
+    /// blocking read it is meant for.
+    fn nap(&self, d: std::time::Duration) {
+        self.cq.sleeping(|| {
+            if self.prepare_wait() {
+                let _ = self.queue.wait(Some(d));
+            }
+        });
+    }
+
     /// Wait until a completion (or an error completion) is there, `end` passes, or the
     /// queue is signalled. Progress is made on the way; the thread sleeps on the event
     /// queue in between (it never spins).
@@ -843,27 +854,90 @@ impl CqObj {
 /// share that CPU (a process bound to one core); without it they would wait for the
 /// scheduler to take the CPU from the poller, a few milliseconds for each step of a
 /// hand-shake. A reply that comes while the loop is busy is not delayed by it.
+///
+/// A completion queue polled for longer than [`idle_after`] without finding anything (a
+/// rank of an MPI program waiting for a peer that computes) stops spinning: its reads sleep
+/// on the queue (bounded by [`NAP`] each, woken by what arrives), so an application that
+/// polls waits the way one that blocks does. Nothing changes for an application that finds
+/// something more often than that.
 #[derive(Debug, Default)]
-struct Polls(std::sync::atomic::AtomicU32);
+struct Polls {
+    /// Empty reads in a row.
+    n: std::sync::atomic::AtomicU32,
+    /// When this run of empty reads was first seen at a yield ([`clock`]; 0: not yet).
+    since: std::sync::atomic::AtomicU64,
+    /// Idle for [`idle_after`] already: every empty read sleeps (until one finds something).
+    napping: std::sync::atomic::AtomicBool,
+}
+
+/// How long a read of an idle completion queue sleeps at most (then the application polls
+/// again: a wake-up that went to another thread costs no more than this).
+const NAP: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// How long a completion queue is polled without finding anything before its reads sleep:
+/// `CLAN_FI_IDLE_US` (microseconds; `off`: never), default 1000 µs.
+fn idle_after() -> Option<u64> {
+    static IDLE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *IDLE.get_or_init(|| idle_from(std::env::var("CLAN_FI_IDLE_US").ok().as_deref()))
+}
+
+/// [`idle_after`] from the variable's value (in nanoseconds).
+fn idle_from(v: Option<&str>) -> Option<u64> {
+    match v.map(str::trim) {
+        None | Some("") => Some(1_000_000),
+        Some("off") => None,
+        Some(us) => Some(us.parse::<u64>().map_or(1_000_000, |us| us.saturating_mul(1000))),
+    }
+}
+
+/// Nanoseconds since the provider first looked (never 0).
+fn clock() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64 + 1
+}
 
 impl Polls {
     const EVERY: u32 = 256;
 
-    /// A read found nothing.
-    fn empty(&self) {
+    /// A read found nothing; `true` (only when the reader `may_sleep`): the queue has been
+    /// idle for [`idle_after`], and the reader should sleep on it instead of polling on.
+    fn empty(&self, may_sleep: bool) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
         // (a load and a store, not an atomic add: a count lost to a racing poller only
         // moves the next yield, and a locked instruction in every poll costs more)
-        let n = self.0.load(std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
-        self.0.store(n, std::sync::atomic::Ordering::Relaxed);
-        if n % Self::EVERY == 0 {
-            std::thread::yield_now();
+        if may_sleep && self.napping.load(Relaxed) {
+            return true;
         }
+        let n = self.n.load(Relaxed).wrapping_add(1);
+        self.n.store(n, Relaxed);
+        if n % Self::EVERY != 0 {
+            return false;
+        }
+        let now = clock();
+        match self.since.load(Relaxed) {
+            0 => self.since.store(now, Relaxed),
+            since => {
+                if may_sleep && idle_after().is_some_and(|idle| now.saturating_sub(since) >= idle) {
+                    self.napping.store(true, Relaxed);
+                    return true;
+                }
+            }
+        }
+        std::thread::yield_now();
+        false
     }
 
     /// A read found something.
     fn found(&self) {
-        if self.0.load(std::sync::atomic::Ordering::Relaxed) != 0 {
-            self.0.store(0, std::sync::atomic::Ordering::Relaxed);
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.n.load(Relaxed) != 0 {
+            self.n.store(0, Relaxed);
+        }
+        if self.since.load(Relaxed) != 0 {
+            self.since.store(0, Relaxed);
+        }
+        if self.napping.load(Relaxed) {
+            self.napping.store(false, Relaxed);
         }
     }
 }
@@ -1066,12 +1140,21 @@ unsafe extern "C" fn cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) ->
     }
     q.progress();
     // SAFETY: the caller's buffer of `count` entries.
-    let n = unsafe { read_entries(q, buf, count) };
+    let mut n = unsafe { read_entries(q, buf, count) };
     if n == -(FI_EAGAIN as isize) {
-        q.polls.empty();
-    } else {
-        q.polls.found();
+        if !q.polls.empty(true) {
+            return n;
+        }
+        // Idle for long: sleep until something comes (or a nap passes), then look again.
+        q.nap(NAP);
+        q.progress();
+        // SAFETY: as above.
+        n = unsafe { read_entries(q, buf, count) };
+        if n == -(FI_EAGAIN as isize) {
+            return n;
+        }
     }
+    q.polls.found();
     n
 }
 
@@ -2260,4 +2343,36 @@ unsafe extern "C" fn tagged_sendmsg(ep: *mut fid_ep, msg: *const fi_msg_tagged, 
     // (FI_INJECT: no completion; a send completes when it returns, whatever was asked)
     let ctx = (flags & FI_INJECT as u64 == 0).then_some(m.context);
     ep.send(buf, len, m.addr, Some(m.tag), data, ctx, ep.wants_completion(false, Some(flags)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_time_from_the_environment() {
+        assert_eq!(idle_from(None), Some(1_000_000), "1 ms by default");
+        assert_eq!(idle_from(Some("250")), Some(250_000));
+        assert_eq!(idle_from(Some(" off ")), None, "never");
+        assert_eq!(idle_from(Some("soon")), Some(1_000_000), "garbage: the default");
+    }
+
+    #[test]
+    fn polls_yield_then_nap_once_idle_and_stop_at_a_find() {
+        // (the process's idle time is 1 ms unless CLAN_FI_IDLE_US says otherwise)
+        let Some(idle) = idle_after() else { return };
+        let p = Polls::default();
+        let counter_never = Polls::default();
+        let start = std::time::Instant::now();
+        let mut napped = false;
+        while start.elapsed() < std::time::Duration::from_secs(10) && !napped {
+            napped = p.empty(true);
+            assert!(!counter_never.empty(false), "a counter's reads never nap");
+        }
+        assert!(napped, "idle for {idle} ns, yet no nap");
+        assert!(start.elapsed().as_nanos() as u64 >= idle, "napped before the idle time");
+        assert!(p.empty(true), "idle: every empty read naps");
+        p.found();
+        assert!(!p.empty(true), "a read that found something ends the naps");
+    }
 }

@@ -2,11 +2,49 @@
  * at run time). Usage: mpi_pingpong SIZE ITERS. Rank 0 prints
  *   size SIZE iters ITERS one_way_us_p50 X one_way_us_mean Y mbit_s Z
  * where one way is half a round trip (p50 over rounds of 100 round trips), and mbit_s is
- * SIZE over the mean one-way time. */
+ * SIZE over the mean one-way time.
+ *
+ * mpi_pingpong idle SECONDS: after a first exchange, rank 1 sleeps SECONDS before it sends
+ * one message, which rank 0 waits for in MPI_Recv; rank 0 prints
+ *   waited_ms W cpu_ms C value V
+ * the wall and CPU time of its process over that wait (a rank that blocks uses little CPU;
+ * one that spins, all of it), and the value received (42). */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static double ms(clockid_t c)
+{
+	struct timespec t;
+	clock_gettime(c, &t);
+	return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+static int idle(double secs)
+{
+	int rank, v = 0;
+	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+	/* A first exchange: the connections are made. */
+	if (rank == 0) {
+		MPI_Send(&v, 1, MPI_INT, 1, 1, MPI_COMM_WORLD);
+		MPI_Recv(&v, 1, MPI_INT, 1, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+		double w0 = ms(CLOCK_MONOTONIC), c0 = ms(CLOCK_PROCESS_CPUTIME_ID);
+		MPI_Recv(&v, 1, MPI_INT, 1, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+		double w1 = ms(CLOCK_MONOTONIC), c1 = ms(CLOCK_PROCESS_CPUTIME_ID);
+		printf("waited_ms %.1f cpu_ms %.1f value %d\n", w1 - w0, c1 - c0, v);
+	} else if (rank == 1) {
+		MPI_Recv(&v, 1, MPI_INT, 0, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+		MPI_Send(&v, 1, MPI_INT, 0, 1, MPI_COMM_WORLD);
+		usleep((useconds_t)(secs * 1e6));
+		v = 42;
+		MPI_Send(&v, 1, MPI_INT, 0, 2, MPI_COMM_WORLD);
+	}
+	MPI_Finalize();
+	return 0;
+}
 
 static int cmp(const void *a, const void *b)
 {
@@ -18,6 +56,8 @@ int main(int argc, char **argv)
 {
 	int rank;
 	MPI_Init(&argc, &argv);
+	if (argc > 2 && strcmp(argv[1], "idle") == 0)
+		return idle(atof(argv[2]));
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	size_t size = argc > 1 ? strtoul(argv[1], NULL, 10) : 8;
 	int iters = argc > 2 ? atoi(argv[2]) : 10000;
