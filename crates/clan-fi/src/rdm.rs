@@ -357,6 +357,9 @@ struct Shared {
     listener: QueueListener,
     state: Mutex<State>,
     closed: std::sync::atomic::AtomicBool,
+    /// Parts taken in so far (read without the lock: whether progress is being made, by a
+    /// reader deciding that it is idle).
+    taken: std::sync::atomic::AtomicU64,
     /// Where receivers report (the domain's queue).
     queue: EventQueue,
 }
@@ -403,6 +406,7 @@ impl Rdm {
             listener,
             state: Mutex::new(State::default()),
             closed: std::sync::atomic::AtomicBool::new(false),
+            taken: std::sync::atomic::AtomicU64::new(0),
             queue: queue.clone(),
         });
         let s2 = shared.clone();
@@ -542,7 +546,7 @@ impl Rdm {
         // in our rings to finish a send to us before it reads ours.
         let r = tx.lock().unwrap_or_else(|p| p.into_inner()).tx.send_vectored_idling(0, all, &mut || {
             let mut s = self.lock();
-            take_in(&mut s, self.land.get().map(|l| &**l));
+            self.take_in(&mut s);
         });
         r.map_err(|e| self.broken(to, e))
     }
@@ -593,11 +597,27 @@ impl Rdm {
         s.receivers.iter().all(|r| r.rx.pending().is_ok_and(|n| n == 0) && r.rx.is_connected())
     }
 
+    /// [`take_in`], counted in [`Rdm::activity`].
+    fn take_in(&self, s: &mut State) {
+        let n = take_in(s, self.land.get().map(|l| &**l));
+        if n > 0 {
+            use std::sync::atomic::Ordering::Relaxed;
+            // (under the state's lock: one writer at a time)
+            self.shared.taken.store(self.shared.taken.load(Relaxed).wrapping_add(n), Relaxed);
+        }
+    }
+
+    /// Parts of messages taken in so far: a count that moves while anything arrives, even
+    /// the middle of a long message, which completes nothing yet.
+    pub fn activity(&self) -> u64 {
+        self.shared.taken.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Take in what arrived; the receives it completes (and those directed to peers that
     /// went away, which fail), and the remote memory requests and answers that came.
     pub fn progress(&self) -> Vec<Done> {
         let mut s = self.lock();
-        take_in(&mut s, self.land.get().map(|l| &**l));
+        self.take_in(&mut s);
         std::mem::take(&mut s.done)
     }
 
@@ -620,7 +640,7 @@ impl Rdm {
     /// taken aside for the receive that names the same context ([`Rdm::claimed`]).
     pub fn peek(&self, p: &Posted, claim: bool) -> Option<Peeked> {
         let mut s = self.lock();
-        take_in(&mut s, self.land.get().map(|l| &**l));
+        self.take_in(&mut s);
         let i = s.unexpected.iter().position(|a| p.matches(&a.landed()))?;
         let a = &s.unexpected[i];
         let found = Peeked { len: a.data.len(), tag: a.tag, cq_data: a.cq_data };
@@ -647,9 +667,11 @@ impl Rdm {
 /// Take in what arrived into `s`: messages match posted receives (or wait as unexpected),
 /// remote memory requests and answers are handed on, and receives directed to peers that
 /// went away fail; what finished goes to `s.done`, in the order it came. Allocates nothing
-/// when nothing came (the cost of a completion queue polled in a loop).
-fn take_in(s: &mut State, land: Option<&dyn Land>) {
+/// when nothing came (the cost of a completion queue polled in a loop). Returns how many
+/// parts it took.
+fn take_in(s: &mut State, land: Option<&dyn Land>) -> u64 {
     let State { senders, receivers, posted, unexpected, gone, done, .. } = s;
+    let mut taken = 0;
     let mut i = 0;
     while i < receivers.len() {
         let r = &mut receivers[i];
@@ -660,7 +682,10 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) {
             // (never waiting: a message's parts come as its sender, which may be waiting
             // for us in turn, writes them; the parts taken wait in the receiver)
             let part = match r.rx.try_recv_part(&mut r.buf) {
-                Ok(Some(part)) => part,
+                Ok(Some(part)) => {
+                    taken += 1;
+                    part
+                }
                 Ok(None) => break !alive,
                 Err(_) => break true,
             };
@@ -727,7 +752,7 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) {
         }
     }
     if gone.is_empty() {
-        return;
+        return taken;
     }
     // A peer that connected again is back.
     for r in receivers.iter() {
@@ -746,6 +771,7 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) {
             k += 1;
         }
     }
+    taken
 }
 
 /// A whole message `data` of the sender whose hello said `from`: to a posted receive it

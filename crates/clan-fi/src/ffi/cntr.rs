@@ -123,7 +123,7 @@ unsafe extern "C" fn cntr_read(c: *mut fid_cntr) -> u64 {
     let seen = n.wrapping_add(c.cntr.read_err().rotate_left(32));
     if c.last.swap(seen, std::sync::atomic::Ordering::Relaxed) == seen {
         // (a counter's reads never sleep: only a completion queue's do)
-        c.polls.empty(false);
+        c.polls.empty(false, 0);
     } else {
         c.polls.found();
     }

@@ -788,9 +788,9 @@ impl CqObj {
         self.eps.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Progress of every endpoint bound here.
-    fn progress(&self) {
-        progress_eps(&self.eps());
+    /// Progress of every endpoint bound here; their [`crate::rdm::Rdm::activity`], summed.
+    fn progress(&self) -> u64 {
+        progress_eps(&self.eps())
     }
 
     /// Before sleeping on the queue: forget the events already there, arm every bound
@@ -868,6 +868,9 @@ struct Polls {
     since: std::sync::atomic::AtomicU64,
     /// Idle for [`idle_after`] already: every empty read sleeps (until one finds something).
     napping: std::sync::atomic::AtomicBool,
+    /// The progress count last seen: a read whose progress took anything in (the parts of
+    /// a long message, which complete nothing yet) is not idle.
+    activity: std::sync::atomic::AtomicU64,
 }
 
 /// How long a read of an idle completion queue sleeps at most (then the application polls
@@ -899,10 +902,17 @@ fn clock() -> u64 {
 impl Polls {
     const EVERY: u32 = 256;
 
-    /// A read found nothing; `true` (only when the reader `may_sleep`): the queue has been
-    /// idle for [`idle_after`], and the reader should sleep on it instead of polling on.
-    fn empty(&self, may_sleep: bool) -> bool {
+    /// A read found nothing, its progress counting `activity` (see [`Polls::activity`]);
+    /// `true` (only when the reader `may_sleep`): the queue has been idle for
+    /// [`idle_after`], and the reader should sleep on it instead of polling on.
+    fn empty(&self, may_sleep: bool, activity: u64) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
+        if self.activity.load(Relaxed) != activity {
+            // (something was taken in: busy, not idle)
+            self.activity.store(activity, Relaxed);
+            self.found();
+            return false;
+        }
         // (a load and a store, not an atomic add: a count lost to a racing poller only
         // moves the next yield, and a locked instruction in every poll costs more)
         if may_sleep && self.napping.load(Relaxed) {
@@ -944,14 +954,17 @@ impl Polls {
 
 /// Progress of the endpoints `eps` (addresses of `EpObj`s bound to a queue or counter; the
 /// caller holds the list's lock).
-fn progress_eps(eps: &[usize]) {
+fn progress_eps(eps: &[usize]) -> u64 {
+    let mut activity = 0u64;
     for &ep in eps {
         // SAFETY: an endpoint removes itself from the lists it is on before it is freed, and
         // the caller holds the list's lock (so the endpoint is not freed while it runs).
         if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
             ep.progress();
+            activity = activity.wrapping_add(ep.rdm.activity());
         }
     }
+    activity
 }
 
 /// Arm the receivers of the endpoints `eps` and look again: `true` when nothing has
@@ -1138,11 +1151,11 @@ unsafe extern "C" fn cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) ->
     if count > 0 && buf.is_null() {
         return err(FI_EINVAL) as isize;
     }
-    q.progress();
+    let activity = q.progress();
     // SAFETY: the caller's buffer of `count` entries.
     let mut n = unsafe { read_entries(q, buf, count) };
     if n == -(FI_EAGAIN as isize) {
-        if !q.polls.empty(true) {
+        if !q.polls.empty(true, activity) {
             return n;
         }
         // Idle for long: sleep until something comes (or a nap passes), then look again.
@@ -2366,13 +2379,16 @@ mod tests {
         let start = std::time::Instant::now();
         let mut napped = false;
         while start.elapsed() < std::time::Duration::from_secs(10) && !napped {
-            napped = p.empty(true);
-            assert!(!counter_never.empty(false), "a counter's reads never nap");
+            napped = p.empty(true, 7);
+            assert!(!counter_never.empty(false, 0), "a counter's reads never nap");
         }
         assert!(napped, "idle for {idle} ns, yet no nap");
         assert!(start.elapsed().as_nanos() as u64 >= idle, "napped before the idle time");
-        assert!(p.empty(true), "idle: every empty read naps");
+        assert!(p.empty(true, 7), "idle: every empty read naps");
         p.found();
-        assert!(!p.empty(true), "a read that found something ends the naps");
+        assert!(!p.empty(true, 7), "a read that found something ends the naps");
+        while !p.empty(true, 7) {}
+        assert!(!p.empty(true, 8), "progress taking anything in ends the naps");
+        assert!(!p.empty(true, 8), "and starts the idle time again");
     }
 }
