@@ -55,21 +55,25 @@ pub(crate) fn wait_sliced(
         // time counts from there, and ends at the deadline if that comes first.
         let mut until = None;
         let mut n = 0u32;
+        // Bytes that come over a link: this thread applies them (every 8th poll, so a wait
+        // on shared memory alone pays little for it), and the NIC's engine is not woken for
+        // them meanwhile (it would take this thread's CPU).
+        let links = tw.spin_links();
         loop {
             std::hint::spin_loop();
             if ready() {
                 return Ok(());
             }
             n = n.wrapping_add(1);
-            // Bytes that come over a link: apply them in this thread (every 8th poll, so a
-            // wait on shared memory alone pays little for it).
-            if n % 8 == 0 && tw.drive_links() && ready() {
+            if n % 8 == 0 && links.drive() && ready() {
                 return Ok(());
             }
             if n % 64 == 0 {
                 let now = Instant::now();
                 let end = until.get_or_insert_with(|| deadline.map_or(now + spin, |d| d.min(now + spin)));
                 if now >= *end {
+                    // The engine serves the links again while this thread sleeps.
+                    links.sleep();
                     break;
                 }
             }

@@ -63,6 +63,13 @@ const MAX_PARKED: usize = 1024;
 const MAX_OUT_QUEUE: usize = 4096;
 /// How often a connect to a host peer whose listener's backlog is full is retried.
 const RETRY: Duration = Duration::from_millis(5);
+/// While links are parked (left to spinning threads: `progress::Spinners`), how often the
+/// engine first looks whether the spinning has stopped: links are listened to again after a
+/// whole period in which no spin began. The period doubles while spins go on, up to
+/// [`PARK_CHECK_MAX`] (each look takes the CPU from a spinner). Threads that go to sleep
+/// unpark at once; this bounds the wait of a thread that neither spins nor sleeps.
+const PARK_CHECK: Duration = Duration::from_micros(200);
+const PARK_CHECK_MAX: Duration = Duration::from_millis(5);
 
 /// Server-side state of one host connection.
 #[derive(Debug)]
@@ -182,6 +189,11 @@ impl Engine {
                 outs: HashMap::new(),
                 parked: HashMap::new(),
                 setups: 0,
+                parked_links: HashSet::new(),
+                park_mark: 0,
+                park_check: Instant::now(),
+                park_period: PARK_CHECK,
+                unpark_asked: false,
             }
             .run()
         })?;
@@ -215,6 +227,16 @@ struct Run {
     parked: HashMap<NicAddr, VecDeque<Parked>>,
     /// Link set-ups in progress.
     setups: usize,
+    /// Links whose incoming traffic is left to the application threads spinning on it
+    /// (registered for writability only), while they spin.
+    parked_links: HashSet<Token>,
+    /// The count of spins begun at the last look (`progress::Spinners::idle`).
+    park_mark: u64,
+    /// When to look next, and the period.
+    park_check: Instant,
+    park_period: Duration,
+    /// A spinner went to sleep, or stopped while others sleep (`Cmd::Unpark`).
+    unpark_asked: bool,
 }
 
 fn random16() -> [u8; 16] {
@@ -302,6 +324,7 @@ impl Run {
             let Some(nic) = self.nic.upgrade() else { break };
             let now = Instant::now();
             let next = self.timers(&nic, now, &mut more);
+            let next = if self.parked_links.is_empty() { next } else { next.min(self.park_check) };
             let timeout = if !more.is_empty() || busy_until.is_some_and(|b| b > now) {
                 Some(Duration::ZERO)
             } else {
@@ -338,6 +361,7 @@ impl Run {
                     }
                 }
             }
+            self.check_parked(&nic, &mut more);
             // Busy polling: keep looking at the links for a while after activity.
             if let Progress::BusyPoll(d) = nic.config.progress {
                 for (t, e) in &self.entries {
@@ -544,6 +568,9 @@ impl Run {
             }
             Some(Entry::Link(l)) => {
                 let _ = self.poll.registry().deregister(&mut SourceFd(&l.sock.as_raw_fd()));
+                if self.parked_links.remove(&t) && self.parked_links.is_empty() {
+                    nic.spinners.unparked();
+                }
                 nic.link_closed(&l);
             }
             Some(Entry::Out(o)) => {
@@ -573,7 +600,66 @@ impl Run {
                         self.open_out(nic, x);
                     }
                 }
+                Cmd::Unpark => self.unpark_asked = true,
             }
+        }
+    }
+
+    /// A link is readable while a thread may be spinning on it: leave its traffic to the
+    /// spinner (stop listening for it) if one is; whether the link is parked.
+    fn park(&mut self, nic: &Arc<NicInner>, t: Token, l: &Link) -> bool {
+        if nic.config.progress != Progress::Engine {
+            return false;
+        }
+        if !nic.spinners.try_park() {
+            if self.parked_links.is_empty() {
+                nic.spinners.unparked();
+            }
+            return false;
+        }
+        if self.parked_links.contains(&t) {
+            return true;
+        }
+        if self.poll.registry().reregister(&mut SourceFd(&l.sock.as_raw_fd()), t, Interest::WRITABLE).is_err() {
+            if self.parked_links.is_empty() {
+                nic.spinners.unparked();
+            }
+            return false;
+        }
+        if self.parked_links.is_empty() {
+            self.park_mark = nic.spinners.idle().1;
+            self.park_period = PARK_CHECK;
+            self.park_check = Instant::now() + PARK_CHECK;
+        }
+        self.parked_links.insert(t);
+        nic.spinners.parked_one();
+        true
+    }
+
+    /// Listen to the parked links again if their spinners have stopped: a whole period
+    /// without a spin begun, or a spinner gone to sleep (or stopped while others sleep)
+    /// with none left.
+    fn check_parked(&mut self, nic: &Arc<NicInner>, more: &mut Vec<Token>) {
+        let asked = std::mem::take(&mut self.unpark_asked);
+        if self.parked_links.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let (idle, mark) = nic.spinners.idle();
+        let due = now >= self.park_check;
+        if idle && (asked || (due && mark == self.park_mark)) {
+            nic.spinners.unparked();
+            for t in std::mem::take(&mut self.parked_links) {
+                let Some(Entry::Link(l)) = self.entries.get(&t) else { continue };
+                let fd = l.sock.as_raw_fd();
+                let _ = self.poll.registry().reregister(&mut SourceFd(&fd), t, Interest::READABLE | Interest::WRITABLE);
+                // What arrived meanwhile (re-registering reports it too, but not at once).
+                more.push(t);
+            }
+        } else if due {
+            self.park_mark = mark;
+            self.park_period = (self.park_period * 2).min(PARK_CHECK_MAX);
+            self.park_check = now + self.park_period;
         }
     }
 
@@ -942,7 +1028,9 @@ impl Run {
             l.try_flush();
             more |= l.take_resume();
         }
-        more |= readable && !nic.manual_progress() && l.engine_receive(nic, BUDGET);
+        if readable && !nic.manual_progress() && !self.park(nic, t, &l) {
+            more |= l.engine_receive(nic, BUDGET);
+        }
         if l.is_closed() {
             self.drop_entry(nic, t, "link closed");
             return false;

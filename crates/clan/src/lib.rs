@@ -108,6 +108,7 @@ pub use event_queue::{Event, EventQueue, EventQueueStats, MAX_PRODUCERS};
 pub use mapping::{Mapping, PendingRead};
 pub use nic::{Nic, NicStats, fd_limit};
 pub use pool::MAX_POOLED;
+pub use progress::LinkSpin;
 pub use tripset::Tripset;
 pub use tripwire::{Access, Actions, Tripwire, TripwireConfig, TripwireId};
 
@@ -130,6 +131,7 @@ const _: () = {
     send_sync::<EndpointAddr>();
     send_sync::<NicAddr>();
     send_sync::<Aperture>();
+    send_sync::<LinkSpin>();
     send_sync::<RawRegion<'static>>();
     send_sync::<AdmissionLimits>();
     send_sync::<DmaConfig>();

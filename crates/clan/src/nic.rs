@@ -59,6 +59,9 @@ pub(crate) enum Cmd {
     Connect(NicAddr),
     /// Watch the liveness of this NIC of the host (we import from it).
     Watch(NicAddr),
+    /// A thread that spun on the links goes to sleep: listen to parked links again
+    /// (`progress::Spinners`).
+    Unpark,
 }
 
 /// How long a failed dial is remembered (for the waiters of that dial).
@@ -222,6 +225,9 @@ pub struct NicStats {
     pub pools: u64,
     /// Chunks in those pools: each is two memfds and two mappings, shared by its apertures.
     pub pool_chunks: u64,
+    /// Times the engine left a link's incoming traffic to the threads spinning on it
+    /// ([`crate::LinkSpin`]) instead of receiving it itself.
+    pub link_parks: u64,
 }
 
 pub(crate) struct NicInner {
@@ -237,6 +243,8 @@ pub(crate) struct NicInner {
     queues: Mutex<HashMap<u32, Weak<EqInner>>>,
     peers: Mutex<HashMap<NicAddr, Arc<PeerConn>>>,
     pub links: LinkTable,
+    /// Threads spinning on the links' traffic (the engine leaves it to them meanwhile).
+    pub spinners: crate::progress::Spinners,
     pub conns: crate::conn::ConnRegistry,
     /// Out-of-band messages for the engine to send (from contexts that must not wait).
     outbox: Mutex<Vec<(EndpointAddr, EndpointAddr, [u8; OOB_PAYLOAD])>>,
@@ -1113,6 +1121,7 @@ impl Nic {
             queues: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             links: LinkTable::default(),
+            spinners: Default::default(),
             conns: Default::default(),
             outbox: Mutex::new(Vec::new()),
             cmds: Mutex::new(Vec::new()),
@@ -1281,6 +1290,7 @@ impl Nic {
             cached_bytes: lock(&i.cache).bytes,
             pools: i.pools.counts().0,
             pool_chunks: i.pools.counts().1,
+            link_parks: i.spinners.parks(),
             links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
             endpoints: i
                 .endpoints

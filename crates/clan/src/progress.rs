@@ -13,11 +13,12 @@
 //! ([`crate::Progress::Manual`]): then nobody else would.
 
 use std::os::fd::BorrowedFd;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::lock;
-use crate::nic::NicInner;
+use crate::nic::{Cmd, NicInner};
 
 /// How long a waiter driving links with no descriptor of its own to sleep on naps between
 /// looks (firings by other processes of the host are seen within this).
@@ -106,6 +107,185 @@ pub(crate) fn wait<T>(
         if let Some(t) = poll() {
             return Some(t);
         }
+    }
+}
+
+/// The application threads that spin on bytes coming over a NIC's links and apply them
+/// themselves ([`LinkSpin`]).
+///
+/// While one spins, the engine ([`crate::Progress::Engine`]) stops listening for the links'
+/// incoming traffic (it *parks* them: `engine.rs`). Woken for every frame, the engine's
+/// thread, which runs on the process's CPUs, would take the CPU from the very thread that is
+/// about to apply the frame, and a context switch costs more than the whole receive. The
+/// engine listens again once no spin has begun for a while (`engine.rs::PARK_CHECK`), or at
+/// once when a spinner goes to sleep ([`LinkSpin::sleep`]): a thread that sleeps relies on
+/// the engine.
+#[derive(Debug, Default)]
+pub(crate) struct Spinners {
+    /// Threads spinning now.
+    count: AtomicU32,
+    /// Spins begun so far: the engine looks whether any began since its last look.
+    begun: AtomicU64,
+    /// Threads asleep in a wait that relies on the engine ([`Sleeper`]).
+    sleepers: AtomicU32,
+    /// The engine has parked links.
+    parked: AtomicBool,
+    /// Links parked so far (`NicStats::link_parks`).
+    parks: AtomicU64,
+}
+
+impl Spinners {
+    fn begin(&self) {
+        // SeqCst: see `try_park`.
+        self.count.fetch_add(1, Ordering::SeqCst);
+        // A count only (Relaxed: it orders nothing; the engine compares two values of it).
+        self.begun.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A spin ends; true if the engine must be told to listen again: links are parked, and
+    /// the spinner is going to sleep, or was the last and others sleep.
+    fn end(&self, sleeping: bool) -> bool {
+        // SeqCst, with the loads below, against the engine's store of `parked` and load of
+        // `count` in `try_park` (a Dekker pair: either the engine sees this spin ended and
+        // does not park, or this sees the links parked and unparks them), and against
+        // `Sleeper::enter` (either the sleeper sees no spinner left, or this sees it).
+        let left = self.count.fetch_sub(1, Ordering::SeqCst) - 1;
+        (sleeping || (left == 0 && self.sleepers.load(Ordering::SeqCst) > 0)) && self.parked.load(Ordering::SeqCst)
+    }
+
+    /// The engine, about to park a link: true if a thread spins (park it), false if none
+    /// does (receive as usual; the caller calls [`Spinners::unparked`] if it has no other
+    /// link parked).
+    pub(crate) fn try_park(&self) -> bool {
+        // SeqCst: the other half of the pair in `end`.
+        self.parked.store(true, Ordering::SeqCst);
+        self.count.load(Ordering::SeqCst) > 0
+    }
+
+    /// The engine parked a link (counted).
+    pub(crate) fn parked_one(&self) {
+        // A statistic (Relaxed: it orders nothing).
+        self.parks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Links parked so far.
+    pub(crate) fn parks(&self) -> u64 {
+        self.parks.load(Ordering::Relaxed)
+    }
+
+    /// The engine listens to all its links again.
+    pub(crate) fn unparked(&self) {
+        // SeqCst: a spinner that ends after this needs no unpark (see `end`).
+        self.parked.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether no thread spins now; and the count of spins begun (to compare with the
+    /// value of the engine's last look).
+    pub(crate) fn idle(&self) -> (bool, u64) {
+        (self.count.load(Ordering::SeqCst) == 0, self.begun.load(Ordering::Relaxed))
+    }
+}
+
+/// A thread asleep in a wait that relies on the engine to apply what comes over links (a
+/// tripwire's or an event queue's, with [`crate::Progress::Engine`]): links parked for
+/// spinners are listened to again when the last spinner stops, or at once if none spins.
+pub(crate) struct Sleeper(Option<Arc<NicInner>>);
+
+impl Sleeper {
+    /// About to sleep on a queue of `nic` (`links_open`: its count of links, a hint).
+    pub(crate) fn enter(nic: &std::sync::Weak<NicInner>, links_open: &std::sync::atomic::AtomicUsize) -> Sleeper {
+        // A hint (Relaxed): a NIC without links has nothing parked.
+        if links_open.load(Ordering::Relaxed) == 0 {
+            return Sleeper(None);
+        }
+        let Some(n) = nic.upgrade().filter(|n| n.config.progress == crate::config::Progress::Engine) else {
+            return Sleeper(None);
+        };
+        let sp = &n.spinners;
+        // SeqCst: the other half of the pair in `Spinners::end`.
+        sp.sleepers.fetch_add(1, Ordering::SeqCst);
+        if sp.count.load(Ordering::SeqCst) == 0 && sp.parked.load(Ordering::SeqCst) {
+            n.command(Cmd::Unpark);
+        }
+        Sleeper(Some(n))
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        if let Some(n) = &self.0 {
+            // Relaxed: a sleeper counted a little longer only costs a spurious unpark.
+            n.spinners.sleepers.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A thread's spin on bytes that come over links ([`crate::Tripwire::spin_links`]).
+///
+/// The thread applies them itself with [`LinkSpin::drive`], rather than waiting for the
+/// engine's thread to be scheduled. While it spins, the engine is not woken for them: on a
+/// machine with few CPUs it would take the CPU from the spinner. Dropping the spin ends it
+/// (the engine listens again once no thread has spun for a fraction of a millisecond);
+/// [`LinkSpin::sleep`] ends it before the thread sleeps, and the engine listens at once.
+///
+/// ```
+/// # let nic = clan::Nic::open_default()?;
+/// # let ep = nic.endpoint()?;
+/// # let ap = ep.export(4096)?;
+/// let tw = ap.tripwire(clan::TripwireConfig::writes(0..8))?;
+/// let spin = tw.spin_links();
+/// for _ in 0..100 {
+///     if ap.load_u64(0)? != 0 {
+///         break;
+///     }
+///     spin.drive(); // no link here: one load
+/// }
+/// spin.sleep(); // about to block on the tripwire
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct LinkSpin {
+    nic: Option<Arc<NicInner>>,
+    /// Counted in the NIC's [`Spinners`] (engine progress): ends once.
+    counted: bool,
+}
+
+impl LinkSpin {
+    /// A spin on `nic`'s links (None: no link to drive).
+    pub(crate) fn begin(nic: Option<Arc<NicInner>>) -> LinkSpin {
+        let counted = nic.as_ref().is_some_and(|n| n.config.progress == crate::config::Progress::Engine);
+        if let (true, Some(n)) = (counted, &nic) {
+            n.spinners.begin();
+        }
+        LinkSpin { nic, counted }
+    }
+
+    /// Process the links' incoming traffic in this thread (what [`crate::Nic::progress`]
+    /// does); whether there was any.
+    pub fn drive(&self) -> bool {
+        self.nic.as_ref().is_some_and(|n| n.progress())
+    }
+
+    /// End the spin before sleeping: the engine listens to the links again at once.
+    pub fn sleep(mut self) {
+        self.end(true);
+    }
+
+    fn end(&mut self, sleeping: bool) {
+        if !std::mem::replace(&mut self.counted, false) {
+            return;
+        }
+        if let Some(n) = &self.nic {
+            if n.spinners.end(sleeping) {
+                n.command(Cmd::Unpark);
+            }
+        }
+    }
+}
+
+impl Drop for LinkSpin {
+    fn drop(&mut self) {
+        self.end(false);
     }
 }
 

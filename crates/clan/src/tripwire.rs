@@ -599,6 +599,17 @@ impl Tripwire {
         eq.nic.upgrade().is_some_and(|n| n.progress())
     }
 
+    /// Begin a spin on the bytes that come over this tripwire's NIC's links: the spinning
+    /// thread applies them itself ([`crate::LinkSpin::drive`]), and the NIC's engine thread
+    /// is not woken for them meanwhile. Costs one load when the NIC has no link.
+    pub fn spin_links(&self) -> crate::LinkSpin {
+        let eq = &self.owner.eq;
+        // A hint (Relaxed, as in `drive_links`): a link that opens during the spin is
+        // served by the engine.
+        let nic = if eq.links_open.load(std::sync::atomic::Ordering::Relaxed) == 0 { None } else { eq.nic.upgrade() };
+        crate::LinkSpin::begin(nic)
+    }
+
     /// Block until it fires (if it already fired since the last `arm`, `wait` or
     /// `take_fired`, return at once). Spins for the queue's spin time first
     /// ([`crate::EventQueueConfig::spin`]).
@@ -653,6 +664,7 @@ impl Tripwire {
                 return;
             }
             let until = nap.map(|n| Instant::now() + n);
+            let _asleep = progress::Sleeper::enter(&eq.nic, &eq.links_open);
             eq.wait_word(&e.seq, &e.waiters, until, || e.seq.load(Ordering::Acquire) != seen);
         };
         // Sleep in slices to look at the exporter, if there is one to look at.

@@ -254,3 +254,67 @@ fn read_tripwires_fire_across_a_link_with_busy_polling() {
     m.read(4096, &mut buf[..8]).unwrap();
     fired(3);
 }
+
+/// A thread that spins on a link with the engine's progress takes the link's traffic over
+/// (`Tripwire::spin_links`): the engine parks the link rather than be woken for it, and
+/// listens again when the spinning stops, whether the thread then sleeps in a wait (at once)
+/// or neither spins nor sleeps (the engine's periodic look). Nothing that arrives is ever
+/// left unapplied.
+#[test]
+fn a_spinning_thread_takes_the_link_over_and_gives_it_back() {
+    let _wd = Watchdog::new("link parking", Duration::from_secs(120));
+    let (a, b) = (nic(), nic());
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let ap = ea.export(8192).unwrap();
+    let tw = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
+    let m = eb.import(&ap.descriptor()).unwrap();
+    assert!(m.is_remote());
+    let mut round = 0u64;
+    // Spin until the engine has left the link to this thread; every round arrives meanwhile.
+    let spin_until_parked = |round: &mut u64| {
+        let parks = a.stats().link_parks;
+        let spin = tw.spin_links();
+        let start = std::time::Instant::now();
+        loop {
+            *round += 1;
+            m.write_then_store_u64(64, &round.to_le_bytes(), 0, *round).unwrap();
+            while ap.load_u64(0).unwrap() != *round {
+                spin.drive();
+                assert!(start.elapsed() < Duration::from_secs(60), "round {round}: nothing applied");
+            }
+            let mut body = [0u8; 8];
+            ap.read(64, &mut body).unwrap();
+            assert_eq!(u64::from_le_bytes(body), *round);
+            if a.stats().link_parks > parks {
+                return spin;
+            }
+        }
+    };
+    // 1. The spinner stops and the thread sleeps in a tripwire wait: the engine applies.
+    drop(spin_until_parked(&mut round));
+    tw.arm().unwrap();
+    round += 1;
+    m.store_u64(0, round).unwrap();
+    while ap.load_u64(0).unwrap() != round {
+        tw.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("the engine applied it");
+    }
+    // 2. The spinner says it goes to sleep; the thread then only looks now and then.
+    spin_until_parked(&mut round).sleep();
+    round += 1;
+    m.store_u64(0, round).unwrap();
+    let start = std::time::Instant::now();
+    while ap.load_u64(0).unwrap() != round {
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(start.elapsed() < Duration::from_secs(60), "nothing applied after the spinner slept");
+    }
+    // 3. The spinner just stops (the thread computes): the engine's periodic look.
+    drop(spin_until_parked(&mut round));
+    round += 1;
+    m.store_u64(0, round).unwrap();
+    let start = std::time::Instant::now();
+    while ap.load_u64(0).unwrap() != round {
+        std::hint::spin_loop();
+        assert!(start.elapsed() < Duration::from_secs(60), "nothing applied after the spinner stopped");
+    }
+    assert!(a.stats().link_parks >= 3);
+}
