@@ -567,9 +567,12 @@ impl Run {
                 }
             }
             Some(Entry::Link(l)) => {
-                let _ = self.poll.registry().deregister(&mut SourceFd(&l.sock.as_raw_fd()));
-                if self.parked_links.remove(&t) && self.parked_links.is_empty() {
-                    nic.spinners.unparked();
+                if self.parked_links.remove(&t) {
+                    if self.parked_links.is_empty() {
+                        nic.spinners.unparked();
+                    }
+                } else {
+                    let _ = self.poll.registry().deregister(&mut SourceFd(&l.sock.as_raw_fd()));
                 }
                 nic.link_closed(&l);
             }
@@ -620,7 +623,9 @@ impl Run {
         if self.parked_links.contains(&t) {
             return true;
         }
-        if self.poll.registry().reregister(&mut SourceFd(&l.sock.as_raw_fd()), t, Interest::WRITABLE).is_err() {
+        // Out of the epoll set altogether: a socket in it costs every delivery a callback
+        // into epoll, even for events nobody waits for (the spinner flushes what it queues).
+        if self.poll.registry().deregister(&mut SourceFd(&l.sock.as_raw_fd())).is_err() {
             if self.parked_links.is_empty() {
                 nic.spinners.unparked();
             }
@@ -652,7 +657,10 @@ impl Run {
             for t in std::mem::take(&mut self.parked_links) {
                 let Some(Entry::Link(l)) = self.entries.get(&t) else { continue };
                 let fd = l.sock.as_raw_fd();
-                let _ = self.poll.registry().reregister(&mut SourceFd(&fd), t, Interest::READABLE | Interest::WRITABLE);
+                let r = self.poll.registry().register(&mut SourceFd(&fd), t, Interest::READABLE | Interest::WRITABLE);
+                if r.is_err() {
+                    l.close(Status::Other, "could not register the link again");
+                }
                 // What arrived meanwhile (re-registering reports it too, but not at once).
                 more.push(t);
             }

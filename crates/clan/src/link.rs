@@ -179,6 +179,13 @@ pub(crate) struct Rx {
     /// The last burst was large: the next one probably is too, so read its header alone
     /// (a few bytes) and let its payload go straight into place.
     bulk: bool,
+    /// The export record last looked up, with its aperture, for the frames of one receive
+    /// call (cleared at its end, and when the peer unimports): the bursts of one transfer
+    /// (a body and the word behind it) go to one import, and pay one lookup.
+    access: Option<(u64, Arc<ExportRec>, Arc<ApertureInner>)>,
+    /// Bursts and bytes applied in this receive call, counted into the link state at its
+    /// end (one lock, not two per burst).
+    applied: (u64, u64),
 }
 
 impl std::fmt::Debug for Rx {
@@ -263,6 +270,8 @@ impl Link {
                 bad: 0,
                 scratch: Vec::new(),
                 bulk: false,
+                access: None,
+                applied: (0, 0),
             }),
             closed: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
@@ -493,6 +502,11 @@ impl Link {
                     // `SMALL_FRAME` bytes costs less than the kernel's iovec handling (measured
                     // with `clan bench latency --transport tcp`). Larger payloads are sent
                     // vectored, straight from the caller's memory.
+                    // The frame is all head (gathered bursts): one plain send.
+                    Payload::Bytes(_) if len == 0 => {
+                        rustix::net::send(&self.sock, &head[done..], rustix::net::SendFlags::NOSIGNAL)
+                            .map_err(std::io::Error::from)
+                    }
                     Payload::Bytes(d) if done == 0 && head.len() + len <= SMALL_FRAME => {
                         let mut b = [0u8; SMALL_FRAME];
                         b[..head.len()].copy_from_slice(head);
@@ -635,15 +649,18 @@ impl Link {
                 st.on_write_sent(d.len() as u64);
             }
         }
-        let mut buf = [0u8; GATHER];
-        let mut at = 0usize;
-        for (to, d) in parts {
-            buf[at..at + frame::WRITE_HEADER].copy_from_slice(&frame::write_header(to, d.len()));
-            at += frame::WRITE_HEADER;
-            buf[at..at + d.len()].copy_from_slice(d);
-            at += d.len();
+        // Gathered in this thread's buffer (a stack array would be zeroed on every send).
+        thread_local! {
+            static GATHERED: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(GATHER));
         }
-        self.send_blocking(nic, &buf[..at], Payload::Bytes(&[]), 0, Instant::now() + self.timeout)?;
+        GATHERED.with_borrow_mut(|buf| {
+            buf.clear();
+            for (to, d) in parts {
+                buf.extend_from_slice(&frame::write_header(to, d.len()));
+                buf.extend_from_slice(d);
+            }
+            self.send_blocking(nic, buf, Payload::Bytes(&[]), 0, Instant::now() + self.timeout)
+        })?;
         self.stats.bursts_out.fetch_add(parts.len() as u64, Ordering::Relaxed);
         self.stats.bytes_out.fetch_add(payload as u64, Ordering::Relaxed);
         Ok(())
@@ -865,7 +882,6 @@ impl Link {
                     rx.tail += n;
                     taken += n;
                     did = true;
-                    lock(&self.state).on_heard(Instant::now());
                     if n < end - tail {
                         // A short read: the socket is drained for now. Process what came and
                         // stop, rather than pay one more system call to hear EAGAIN (new data
@@ -881,8 +897,19 @@ impl Link {
                 }
             }
         }
+        rx.access = None;
         if did {
-            if let Some(a) = lock(&self.state).poll_ack(false) {
+            let (bursts, bytes) = std::mem::take(&mut rx.applied);
+            let ack = {
+                let mut st = lock(&self.state);
+                st.on_heard(Instant::now());
+                for _ in 0..bursts {
+                    st.on_write_applied(true, 0);
+                }
+                st.on_write_applied(false, bytes);
+                st.poll_ack(false)
+            };
+            if let Some(a) = ack {
                 self.send_control(&Frame::Ack(a));
             }
         }
@@ -902,9 +929,8 @@ impl Link {
             return Ok(0);
         }
         rx.dec.consume_payload(n as u64).map_err(|e| std::io::Error::other(e.to_string()))?;
-        lock(&self.state).on_write_applied(false, n as u64);
+        rx.applied.1 += n as u64;
         self.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
-        lock(&self.state).on_heard(Instant::now());
         if n as u64 == remaining {
             rx.burst = None;
         }
@@ -944,6 +970,28 @@ impl Link {
     /// Validate an access through import `key` before anything is touched.
     fn check_access(&self, to: &Target, len: u64, need: Rights) -> Result<Arc<ApertureInner>, Status> {
         let rec = lock(&self.exports).get(&to.key).cloned().ok_or(Status::BadKey)?;
+        let ap = rec.ap.upgrade().ok_or(Status::Revoked)?;
+        Self::check_record(&rec, &ap, to, len, need)?;
+        Ok(ap)
+    }
+
+    /// [`Link::check_access`] for a write burst, through the receive call's cache.
+    fn check_write(&self, rx: &mut Rx, to: &Target, len: u64) -> Result<Arc<ApertureInner>, Status> {
+        if let Some((key, rec, ap)) = &rx.access {
+            if *key == to.key {
+                Self::check_record(rec, ap, to, len, Rights::WRITE)?;
+                return Ok(ap.clone());
+            }
+        }
+        let rec = lock(&self.exports).get(&to.key).cloned().ok_or(Status::BadKey)?;
+        let ap = rec.ap.upgrade().ok_or(Status::Revoked)?;
+        Self::check_record(&rec, &ap, to, len, Rights::WRITE)?;
+        rx.access = Some((to.key, rec, ap.clone()));
+        Ok(ap)
+    }
+
+    /// Whether `rec` (of live `ap`) allows an access of `len` bytes at `to` with `need`.
+    fn check_record(rec: &ExportRec, ap: &ApertureInner, to: &Target, len: u64, need: Rights) -> Result<(), Status> {
         if rec.aperture != to.aperture || rec.generation != to.generation {
             return Err(Status::BadKey);
         }
@@ -954,11 +1002,10 @@ impl Link {
         if to.offset < rec.lo || end > rec.hi {
             return Err(Status::OutOfBounds);
         }
-        let ap = rec.ap.upgrade().ok_or(Status::Revoked)?;
         if ap.window.check_live().is_err() {
             return Err(Status::Revoked);
         }
-        Ok(ap)
+        Ok(())
     }
 
     fn handle(&self, nic: &NicInner, rx: &mut Rx, item: OwnedItem, data_at: usize) -> Result<(), clan_wire::WireError> {
@@ -966,8 +1013,8 @@ impl Link {
             OwnedItem::WriteBegin { to, len } => {
                 rx.bulk = len >= BULK;
                 self.stats.bursts_in.fetch_add(1, Ordering::Relaxed);
-                lock(&self.state).on_write_applied(true, 0);
-                let ap = match self.check_access(&to, len, Rights::WRITE) {
+                rx.applied.0 += 1;
+                let ap = match self.check_write(rx, &to, len) {
                     Ok(ap) => Some(ap),
                     Err(status) => {
                         self.refuse(rx, status, to.key, to.offset);
@@ -998,7 +1045,7 @@ impl Link {
                         let _ = ap.window.write_piece(to.offset, data, ctx.end, &mut rx.scratch);
                     }
                 }
-                lock(&self.state).on_write_applied(false, len as u64);
+                rx.applied.1 += len as u64;
                 self.stats.bytes_in.fetch_add(len as u64, Ordering::Relaxed);
                 if last {
                     rx.burst = None;
@@ -1121,6 +1168,7 @@ impl Link {
                     }
                 }
                 SmallOwned::Unimport { key } => {
+                    rx.access = None;
                     lock(&self.exports).remove(&key);
                 }
                 SmallOwned::Ack(a) => {
