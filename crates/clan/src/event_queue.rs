@@ -790,7 +790,6 @@ impl EventQueue {
             let seen = words.wake.load(Ordering::Acquire);
             // The ports are armed by the sleep itself (as the leader).
             if i.arm_own(ARM_FUTEX) {
-                let _asleep = progress::Sleeper::enter(&i.nic, &i.links_open);
                 i.sleep(&words.wake, seen, nap);
             }
         };

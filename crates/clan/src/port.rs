@@ -47,6 +47,9 @@ const PUMP_BATCH: usize = 256;
 /// Most ports a sleeper waits on with one `futex_waitv` (with its own word and the epoch);
 /// a queue with more sleeps through its epoll descriptor (`crate::wake`).
 pub(crate) const WAITV_PORTS: usize = clan_shm::futex::WAIT_ANY_MAX - 2;
+/// Links a queue's sleeper drives itself at most (`EqInner::link_driver`): beyond, the
+/// engine alone serves them while threads sleep.
+const DRIVEN_LINKS: usize = 16;
 
 /// The geometry of a port of a queue whose rings hold `ring_cap` events.
 pub(crate) fn port_layout(ring_cap: u32) -> EqLayout {
@@ -404,6 +407,23 @@ impl EqInner {
         quiet
     }
 
+    /// The NIC and its links, if a sleeper of this queue should drive them: engine progress
+    /// (manual progress has its own way, `progress::sleep_on_links`; a busy-polling engine
+    /// needs no help) and a few links at most (each is one more descriptor in the sleep).
+    fn link_driver(&self) -> Option<(Arc<crate::nic::NicInner>, Vec<Arc<crate::link::Link>>)> {
+        // A hint (Relaxed): a link opened meanwhile is served by the engine.
+        let open = self.links_open.load(Ordering::Relaxed);
+        if open == 0 || open > DRIVEN_LINKS {
+            return None;
+        }
+        let nic = self.nic.upgrade().filter(|n| n.config.progress == crate::config::Progress::Engine)?;
+        let links: Vec<Arc<crate::link::Link>> = nic.links.all().iter().filter(|l| !l.is_closed()).cloned().collect();
+        if links.is_empty() || links.len() > DRIVEN_LINKS {
+            return None;
+        }
+        Some((nic, links))
+    }
+
     /// Sleep while `word` holds `expected` (at most `timeout`), woken by this process's
     /// firings and posts (on `word`) and by the ports. The caller registered as a waiter on
     /// `word` and re-checks (pumping) afterwards. Up to [`WAITV_PORTS`] ports, one
@@ -417,10 +437,16 @@ impl EqInner {
         } else {
             self.ports.list.read().unwrap_or_else(|e| e.into_inner()).clone()
         };
-        if ports.len() > WAITV_PORTS {
-            self.sleepers.sleep(word, expected, timeout, || self.arm_ports(ring::ARM_FD), |id| self.drain(id));
+        let asleep = || crate::progress::Sleeper::enter(&self.nic, &self.links_open);
+        // A sleeper that can drive the NIC's links sleeps on their sockets too (as the leader).
+        let driver = self.link_driver();
+        if ports.len() > WAITV_PORTS || driver.is_some() {
+            let driving = driver.as_ref().map(|(nic, links)| crate::wake::Driving { nic, links });
+            let arm = || self.arm_ports(ring::ARM_FD);
+            self.sleepers.sleep(word, expected, timeout, arm, |id| self.drain(id), driving, asleep);
             return;
         }
+        let _asleep = asleep();
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(ports.len() + 2);
         words.push((word, expected));
         words.push((&self.ports.epoch, epoch));

@@ -135,7 +135,7 @@ pub(crate) struct Spinners {
 }
 
 impl Spinners {
-    fn begin(&self) {
+    pub(crate) fn begin(&self) {
         // SeqCst: see `try_park`.
         self.count.fetch_add(1, Ordering::SeqCst);
         // A count only (Relaxed: it orders nothing; the engine compares two values of it).
@@ -144,7 +144,7 @@ impl Spinners {
 
     /// A spin ends; true if the engine must be told to listen again: links are parked, and
     /// the spinner is going to sleep, or was the last and others sleep.
-    fn end(&self, sleeping: bool) -> bool {
+    pub(crate) fn end(&self, sleeping: bool) -> bool {
         // SeqCst, with the loads below, against the engine's store of `parked` and load of
         // `count` in `try_park` (a Dekker pair: either the engine sees this spin ended and
         // does not park, or this sees the links parked and unparks them), and against

@@ -664,7 +664,6 @@ impl Tripwire {
                 return;
             }
             let until = nap.map(|n| Instant::now() + n);
-            let _asleep = progress::Sleeper::enter(&eq.nic, &eq.links_open);
             eq.wait_word(&e.seq, &e.waiters, until, || e.seq.load(Ordering::Acquire) != seen);
         };
         // Sleep in slices to look at the exporter, if there is one to look at.

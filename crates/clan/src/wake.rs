@@ -46,6 +46,15 @@ use rustix::event::epoll;
 
 /// epoll data of the queue's own eventfd and of the leader's (ports use their ids, never 0).
 pub(crate) const OWN: u64 = 0;
+/// epoll data of a link's socket: this bit and the link's id.
+const LINK: u64 = 1 << 63;
+
+/// A leader that sleeps on its NIC's link sockets too, and applies what arrives on them
+/// (`EqInner::link_driver`): the NIC, its links, and how to count a sleeper otherwise.
+pub(crate) struct Driving<'a> {
+    pub nic: &'a crate::nic::NicInner,
+    pub links: &'a [Arc<crate::link::Link>],
+}
 
 /// The sleepers of one queue.
 pub(crate) struct Sleepers {
@@ -62,6 +71,8 @@ pub(crate) struct Sleepers {
     api: OwnedFd,
     /// The queue's own eventfd.
     pub notify: Arc<EventFd>,
+    /// Link sockets in `epoll` (a driving leader's): id and link, removed once closed.
+    links: std::sync::Mutex<Vec<(u64, std::sync::Weak<crate::link::Link>)>>,
 }
 
 impl std::fmt::Debug for Sleepers {
@@ -89,7 +100,33 @@ impl Sleepers {
             kick,
             api,
             notify,
+            links: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// Make `epoll`'s link sockets those of `links` (level-triggered readability). False if
+    /// one could not be added (the caller sleeps without driving).
+    fn sync_links(&self, links: &[Arc<crate::link::Link>]) -> bool {
+        let mut have = crate::lock(&self.links);
+        if have.len() == links.len() && have.iter().zip(links).all(|((id, _), l)| *id == l.id) {
+            return true;
+        }
+        for (id, w) in have.drain(..) {
+            if let Some(l) = w.upgrade().filter(|l| !links.iter().any(|n| n.id == id) || l.is_closed()) {
+                // Still open (the link lives): out of the set. A dropped link's descriptor
+                // was closed, which took it out.
+                let _ = epoll::delete(&self.epoll, l.sock.as_fd());
+            }
+        }
+        for l in links {
+            let r =
+                epoll::add(&self.epoll, l.sock.as_fd(), epoll::EventData::new_u64(LINK | l.id), epoll::EventFlags::IN);
+            if r.is_err() && r != Err(rustix::io::Errno::EXIST) {
+                return false;
+            }
+            have.push((l.id, Arc::downgrade(l)));
+        }
+        true
     }
 
     /// The queue's descriptor: readable when the queue's eventfd or a port's is.
@@ -135,6 +172,14 @@ impl Sleepers {
     /// armed the ports and said whether they are all empty; `drained` is told which
     /// eventfds were readable), as a follower otherwise. May return early; the caller
     /// re-checks (and pumps).
+    ///
+    /// With `driving`, the leader also sleeps on the NIC's link sockets, counted as a thread
+    /// that drives them (the engine parks them meanwhile, `progress::Spinners`), and applies
+    /// what arrives on them itself when they wake it: one wake-up for a byte from another
+    /// host instead of two (the engine's, then this thread's). Nothing is missed if the
+    /// engine or another thread applies those bytes meanwhile: their firing kicks the leader
+    /// like any local firing. A sleeper that does not drive is counted by `asleep`.
+    #[allow(clippy::too_many_arguments)]
     pub fn sleep(
         &self,
         word: &AtomicU32,
@@ -142,8 +187,16 @@ impl Sleepers {
         timeout: Option<Duration>,
         arm_ports: impl FnOnce() -> bool,
         mut drained: impl FnMut(u64),
+        driving: Option<Driving<'_>>,
+        asleep: impl FnOnce() -> crate::progress::Sleeper,
     ) {
         if self.leader.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            let driving = driving.filter(|d| self.sync_links(d.links));
+            let _asleep = if driving.is_none() { Some(asleep()) } else { None };
+            if let Some(d) = &driving {
+                d.nic.spinners.begin();
+            }
+            let mut link_ready = false;
             self.leader_sleeping.store(1, Ordering::Relaxed);
             let quiet = arm_ports();
             // Dekker with `kick`'s "word changed, fence, load leader_sleeping".
@@ -161,12 +214,21 @@ impl Sleepers {
                             OWN => {
                                 self.kick.drain();
                             }
+                            id if id & LINK != 0 => link_ready = true,
                             id => drained(id),
                         }
                     }
                 }
             }
             self.leader_sleeping.store(0, Ordering::Relaxed);
+            if let Some(d) = &driving {
+                if link_ready {
+                    d.nic.progress();
+                }
+                if d.nic.spinners.end(false) {
+                    d.nic.command(crate::nic::Cmd::Unpark);
+                }
+            }
             // SYNC POINT: pairs with the followers' Acquire load of `leader`.
             self.leader.store(false, Ordering::Release);
             // Dekker with the followers' "followers += 1, fence, read bell, load leader".
@@ -175,6 +237,7 @@ impl Sleepers {
                 self.ring();
             }
         } else {
+            let _asleep = asleep();
             self.followers.fetch_add(1, Ordering::AcqRel);
             fence(Ordering::SeqCst);
             let bell = self.bell.load(Ordering::Acquire);

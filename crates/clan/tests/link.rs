@@ -257,8 +257,9 @@ fn read_tripwires_fire_across_a_link_with_busy_polling() {
 
 /// A thread that spins on a link with the engine's progress takes the link's traffic over
 /// (`Tripwire::spin_links`): the engine parks the link rather than be woken for it, and
-/// listens again when the spinning stops, whether the thread then sleeps in a wait (at once)
-/// or neither spins nor sleeps (the engine's periodic look). Nothing that arrives is ever
+/// listens again when the spinning stops: at once when the spinner goes to sleep, else after
+/// its periodic look (a thread that neither spins nor sleeps in a wait must still get what
+/// arrives). A thread asleep in a wait drives the link itself. Nothing that arrives is ever
 /// left unapplied.
 #[test]
 fn a_spinning_thread_takes_the_link_over_and_gives_it_back() {
@@ -270,7 +271,7 @@ fn a_spinning_thread_takes_the_link_over_and_gives_it_back() {
     let m = eb.import(&ap.descriptor()).unwrap();
     assert!(m.is_remote());
     let mut round = 0u64;
-    // Spin until the engine has left the link to this thread; every round arrives meanwhile.
+    // Spin until the engine parks the link; every round arrives meanwhile.
     let spin_until_parked = |round: &mut u64| {
         let parks = a.stats().link_parks;
         let spin = tw.spin_links();
@@ -288,33 +289,71 @@ fn a_spinning_thread_takes_the_link_over_and_gives_it_back() {
             if a.stats().link_parks > parks {
                 return spin;
             }
+            assert!(start.elapsed() < Duration::from_secs(60), "the engine never parked the link");
         }
     };
-    // 1. The spinner stops and the thread sleeps in a tripwire wait: the engine applies.
+    // Arrives while this thread only looks at memory now and then.
+    let arrives_unattended = |round: &mut u64| {
+        *round += 1;
+        m.store_u64(0, *round).unwrap();
+        let start = std::time::Instant::now();
+        while ap.load_u64(0).unwrap() != *round {
+            std::thread::sleep(Duration::from_micros(100));
+            assert!(start.elapsed() < Duration::from_secs(60), "round {round}: nothing applied");
+        }
+    };
+    // 1. The spinner just stops (the thread computes): the engine's periodic look.
     drop(spin_until_parked(&mut round));
-    tw.arm().unwrap();
-    round += 1;
-    m.store_u64(0, round).unwrap();
-    while ap.load_u64(0).unwrap() != round {
-        tw.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("the engine applied it");
-    }
-    // 2. The spinner says it goes to sleep; the thread then only looks now and then.
+    arrives_unattended(&mut round);
+    // 2. Parked again (so it had listened again), and the spinner says it goes to sleep.
     spin_until_parked(&mut round).sleep();
-    round += 1;
-    m.store_u64(0, round).unwrap();
-    let start = std::time::Instant::now();
-    while ap.load_u64(0).unwrap() != round {
-        std::thread::sleep(Duration::from_millis(1));
-        assert!(start.elapsed() < Duration::from_secs(60), "nothing applied after the spinner slept");
-    }
-    // 3. The spinner just stops (the thread computes): the engine's periodic look.
+    arrives_unattended(&mut round);
+    // 3. A thread asleep in a wait (no spinning) gets what arrives, over and over.
     drop(spin_until_parked(&mut round));
-    round += 1;
-    m.store_u64(0, round).unwrap();
-    let start = std::time::Instant::now();
-    while ap.load_u64(0).unwrap() != round {
-        std::hint::spin_loop();
-        assert!(start.elapsed() < Duration::from_secs(60), "nothing applied after the spinner stopped");
+    for _ in 0..50 {
+        tw.arm().unwrap();
+        round += 1;
+        m.store_u64(0, round).unwrap();
+        while ap.load_u64(0).unwrap() != round {
+            tw.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("applied");
+        }
     }
+    arrives_unattended(&mut round);
     assert!(a.stats().link_parks >= 3);
 }
+
+/// Two threads asleep on one queue (one sleeps on the link's socket and applies what comes,
+/// the other on its own word): each is woken for its own word, whichever comes first.
+#[test]
+fn threads_asleep_on_one_queue_are_woken_for_what_comes_over_a_link() {
+    let _wd = Watchdog::new("link sleepers", Duration::from_secs(120));
+    let (a, b) = (nic(), nic());
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let ap = std::sync::Arc::new(ea.export(8192).unwrap());
+    let m = eb.import(&ap.descriptor()).unwrap();
+    let rounds = 40u64;
+    let waiter = |at: u64| {
+        let ap = ap.clone();
+        std::thread::spawn(move || {
+            let tw = ap.tripwire(TripwireConfig::writes(at..at + 8)).unwrap();
+            for r in 1..=rounds {
+                tw.arm().unwrap();
+                while ap.load_u64(at).unwrap() < r {
+                    tw.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("woken");
+                }
+            }
+        })
+    };
+    let (w0, w1) = (waiter(0), waiter(1024));
+    for r in 1..=rounds {
+        // Both asleep (most of the time), then one word, then the other, in turns.
+        std::thread::sleep(Duration::from_millis(2));
+        let (first, second) = if r % 2 == 0 { (0, 1024) } else { (1024, 0) };
+        m.store_u64(first, r).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+        m.store_u64(second, r).unwrap();
+    }
+    w0.join().unwrap();
+    w1.join().unwrap();
+}
+
