@@ -33,7 +33,7 @@
 
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -204,6 +204,9 @@ pub(crate) struct Link {
     state: Mutex<LinkState>,
     tx: Mutex<()>,
     overflow: Mutex<Vec<u8>>,
+    /// Bytes in `overflow`, readable without its lock (a hint: set under the lock whenever
+    /// it changes).
+    overflow_len: AtomicUsize,
     rx: Mutex<Rx>,
     closed: AtomicBool,
     reason: Mutex<String>,
@@ -261,6 +264,7 @@ impl Link {
             state: Mutex::new(state),
             tx: Mutex::new(()),
             overflow: Mutex::new(Vec::new()),
+            overflow_len: AtomicUsize::new(0),
             rx: Mutex::new(Rx {
                 dec: Decoder::new(),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
@@ -357,24 +361,34 @@ impl Link {
 
     /// Queue a control frame and flush what can be flushed without blocking.
     pub fn send_control(&self, f: &Frame<'_>) {
-        f.encode(&mut lock(&self.overflow));
+        {
+            let mut q = lock(&self.overflow);
+            f.encode(&mut q);
+            self.overflow_len.store(q.len(), Ordering::Relaxed);
+        }
         self.try_flush();
     }
 
     /// Queue raw frame bytes (e.g. a read response) and flush without blocking.
     fn send_control_bytes(&self, b: &[u8]) {
-        lock(&self.overflow).extend_from_slice(b);
+        {
+            let mut q = lock(&self.overflow);
+            q.extend_from_slice(b);
+            self.overflow_len.store(q.len(), Ordering::Relaxed);
+        }
         self.try_flush();
     }
 
-    /// Whether control frames are queued (a cheap check: the lock is not contended).
+    /// Whether control frames are queued (no lock: a thread that queues one flushes it
+    /// itself, or finds the sender busy, which flushes after its send).
     fn has_queued(&self) -> bool {
-        !lock(&self.overflow).is_empty()
+        self.queued() != 0
     }
 
     /// Bytes of frames queued for the peer.
     pub fn queued(&self) -> usize {
-        lock(&self.overflow).len()
+        // A hint (Relaxed: the bytes themselves are reached through the lock).
+        self.overflow_len.load(Ordering::Relaxed)
     }
 
     /// Queue a frame the engine sends on its own behalf (an out-of-band message of the
@@ -428,12 +442,16 @@ impl Link {
     }
 
     fn flush_overflow_nonblocking(&self) -> bool {
+        if !self.has_queued() {
+            return true;
+        }
         let mut q = lock(&self.overflow);
         while !q.is_empty() {
             match (&self.sock).write(&q) {
                 Ok(0) => return false,
                 Ok(n) => {
                     q.drain(..n);
+                    self.overflow_len.store(q.len(), Ordering::Relaxed);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -784,7 +802,9 @@ impl Link {
             Ok(mut rx) => {
                 let did = self.receive(nic, &mut rx, usize::MAX);
                 drop(rx);
-                if did || self.has_queued() {
+                // What the receive answered (acknowledgements, pongs) was sent then, unless
+                // the sender was busy: then it is queued.
+                if self.has_queued() {
                     self.try_flush();
                 }
                 did

@@ -356,4 +356,3 @@ fn threads_asleep_on_one_queue_are_woken_for_what_comes_over_a_link() {
     w0.join().unwrap();
     w1.join().unwrap();
 }
-
