@@ -65,6 +65,9 @@ pub const MAX_READ: u32 = 1 << 20;
 /// Frames up to this size (header and payload) are copied into one buffer and sent with one
 /// system call rather than vectored.
 const SMALL_FRAME: usize = 128;
+/// Bytes of incoming traffic an application thread processes per [`Link::progress`] (the
+/// engine's budget per turn too).
+pub(crate) const PROGRESS_BUDGET: usize = 1 << 20;
 /// Most bytes of write bursts [`Link::send_writes`] gathers into one send.
 pub(crate) const GATHER: usize = 4096;
 
@@ -792,15 +795,16 @@ impl Link {
 
     // ---- receiving ----------------------------------------------------------------------
 
-    /// Process what has arrived, if no other thread is doing it. Returns whether anything
-    /// was processed.
+    /// Process what has arrived, if no other thread is doing it, [`PROGRESS_BUDGET`] bytes
+    /// at most (a peer that floods the link cannot keep a waiting thread from its deadline:
+    /// the thread looks again). Returns whether anything was processed.
     pub fn progress(&self, nic: &NicInner) -> bool {
         if self.is_closed() {
             return false;
         }
         match self.rx.try_lock() {
             Ok(mut rx) => {
-                let did = self.receive(nic, &mut rx, usize::MAX);
+                let did = self.receive(nic, &mut rx, PROGRESS_BUDGET);
                 drop(rx);
                 // What the receive answered (acknowledgements, pongs) was sent then, unless
                 // the sender was busy: then it is queued.
