@@ -70,6 +70,9 @@ const SMALL_FRAME: usize = 128;
 pub(crate) const PROGRESS_BUDGET: usize = 1 << 20;
 /// Most bytes of write bursts [`Link::send_writes`] gathers into one send.
 pub(crate) const GATHER: usize = 4096;
+/// The largest first part [`Link::send_writes`] sends in one system call with small parts
+/// behind it (larger ones go burst by burst, each with its own wait for the window).
+const BIG_FIRST: usize = 1 << 20;
 
 /// The longest a thread waiting for a reply sleeps before it looks again (deadlines, a
 /// closed link).
@@ -646,13 +649,18 @@ impl Link {
     }
 
     /// Send several write bursts as one: each `(to, data)` becomes its own burst, applied by
-    /// the exporter in this order, and all go out in one system call (one TCP segment) when
-    /// together they are at most [`GATHER`] bytes; larger sets go burst by burst. The
-    /// exporter cannot tell the difference: this only saves system calls and segments.
+    /// the exporter in this order, and all go out in one system call (one TCP segment when
+    /// they are small): gathered when together they are at most [`GATHER`] bytes, or as the
+    /// first part's header and bytes (up to [`BIG_FIRST`], sent from where they are) followed
+    /// by the rest gathered (a transfer and the word that publishes it); larger sets go burst
+    /// by burst. The exporter cannot tell the difference: this only saves system calls.
     pub fn send_writes(&self, nic: &NicInner, parts: &[(Target, &[u8])]) -> Result<(), LinkError> {
         let payload: usize = parts.iter().map(|(_, d)| d.len()).sum();
         let total = payload + parts.len() * frame::WRITE_HEADER;
-        if parts.len() < 2 || total > GATHER {
+        let big_first = parts.split_first().filter(|((_, first), rest)| {
+            first.len() <= BIG_FIRST && rest.iter().map(|(_, d)| d.len() + frame::WRITE_HEADER).sum::<usize>() <= GATHER
+        });
+        if parts.len() < 2 || (total > GATHER && big_first.is_none()) {
             for (to, d) in parts {
                 self.send_write(nic, *to, Payload::Bytes(d), d.len())?;
             }
@@ -674,16 +682,80 @@ impl Link {
         thread_local! {
             static GATHERED: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(GATHER));
         }
+        let deadline = Instant::now() + self.timeout;
         GATHERED.with_borrow_mut(|buf| {
             buf.clear();
-            for (to, d) in parts {
-                buf.extend_from_slice(&frame::write_header(to, d.len()));
-                buf.extend_from_slice(d);
+            match big_first.filter(|_| total > GATHER) {
+                Some(((to, first), rest)) => {
+                    for (to, d) in rest {
+                        buf.extend_from_slice(&frame::write_header(to, d.len()));
+                        buf.extend_from_slice(d);
+                    }
+                    let head = frame::write_header(to, first.len());
+                    self.send_slices_blocking(nic, &[&head, first, buf], deadline)
+                }
+                None => {
+                    for (to, d) in parts {
+                        buf.extend_from_slice(&frame::write_header(to, d.len()));
+                        buf.extend_from_slice(d);
+                    }
+                    self.send_blocking(nic, buf, Payload::Bytes(&[]), 0, deadline)
+                }
             }
-            self.send_blocking(nic, buf, Payload::Bytes(&[]), 0, Instant::now() + self.timeout)
         })?;
         self.stats.bursts_out.fetch_add(parts.len() as u64, Ordering::Relaxed);
         self.stats.bytes_out.fetch_add(payload as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Send the concatenation of `slices` (whole frames), blocking until `deadline`, with
+    /// as few system calls as the socket allows.
+    fn send_slices_blocking(&self, nic: &NicInner, slices: &[&[u8]], deadline: Instant) -> Result<(), LinkError> {
+        if self.is_closed() {
+            return Err(self.down());
+        }
+        let _tx = lock(&self.tx);
+        // Queued control frames first (frames never interleave: they are whole).
+        while !self.flush_overflow_nonblocking() {
+            if self.is_closed() {
+                return Err(self.down());
+            }
+            self.wait_writable(nic, deadline)?;
+        }
+        let total: usize = slices.iter().map(|s| s.len()).sum();
+        let mut done = 0usize;
+        while done < total {
+            let mut skip = done;
+            let iov: Vec<IoSlice<'_>> = slices
+                .iter()
+                .filter_map(|s| {
+                    if skip >= s.len() {
+                        skip -= s.len();
+                        return None;
+                    }
+                    let rest = &s[skip..];
+                    skip = 0;
+                    Some(IoSlice::new(rest))
+                })
+                .collect();
+            match (&self.sock).write_vectored(&iov) {
+                Ok(0) => {
+                    self.close(Status::Other, "connection closed while sending");
+                    return Err(self.down());
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable(nic, deadline)?,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.close(Status::Other, format!("send failed: {e}"));
+                    return Err(self.down());
+                }
+            }
+        }
+        // Control frames queued while we were sending.
+        if self.has_queued() {
+            self.flush_overflow_nonblocking();
+        }
         Ok(())
     }
 
