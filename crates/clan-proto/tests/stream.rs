@@ -251,17 +251,65 @@ fn a_dead_peer_is_an_error_not_a_hang() {
     }
 }
 
+/// The same over a TCP link with nothing spinning: the reader sleeps on the link's socket
+/// (it drives the link itself while the engine leaves it alone), and the peer's death
+/// still ends its read with an error, promptly, whoever finds the link closed.
+#[test]
+fn a_dead_peer_over_a_link_is_an_error_for_a_blocked_reader() {
+    let _wd = Watchdog::new("stream peer death over a link", Duration::from_secs(120));
+    for round in 0..3 {
+        let mut peer = util::Peer::spawn("child", "server", &[("STREAM_LINK", "1".into())]);
+        let addr: clan::EndpointAddr = peer.expect("address").parse().unwrap();
+        let nic = Nic::open(blocking_link_nic()).unwrap();
+        let cfg = StreamConfig { spin: Duration::ZERO, ..StreamConfig::default() };
+        let mut c = Stream::connect_with(&nic, addr, &cfg).unwrap();
+        for _ in 0..20 {
+            c.write_all(b"ping").unwrap();
+            let mut b = [0u8; 4];
+            c.read_exact(&mut b).unwrap();
+            assert_eq!(&b, b"pong", "round {round}");
+        }
+        // Blocked in the read (asleep) when the peer dies, or about to be.
+        let reader = std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let e = c.read(&mut [0u8; 4]).unwrap_err();
+            (e.kind(), start.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(20 * round));
+        peer.kill();
+        let (kind, took) = reader.join().unwrap();
+        assert_eq!(kind, std::io::ErrorKind::ConnectionReset, "round {round}");
+        assert!(took < Duration::from_secs(30), "round {round}: {took:?}");
+    }
+}
+
+/// A NIC that reaches the other processes of this host over TCP links and never spins.
+fn blocking_link_nic() -> clan::NicConfig {
+    let d = clan::NicConfig::default();
+    clan::NicConfig {
+        local_transport: clan::LocalTransport::Link,
+        default_queue: clan::EventQueueConfig { spin: Duration::ZERO, ..d.default_queue.clone() },
+        ..d
+    }
+}
+
 #[test]
 fn child() {
     let Some(role) = util::role() else { return };
     assert_eq!(role, "server");
-    let nic = Nic::open_default().unwrap();
-    let l = Listener::bind(&nic).unwrap();
+    let link = std::env::var("STREAM_LINK").is_ok();
+    let nic = if link { Nic::open(blocking_link_nic()).unwrap() } else { Nic::open_default().unwrap() };
+    let cfg =
+        if link { StreamConfig { spin: Duration::ZERO, ..StreamConfig::default() } } else { StreamConfig::default() };
+    let l = Listener::bind_with(&nic, None, cfg).unwrap();
     util::say(l.local_addr());
     let (mut s, _) = l.accept().unwrap();
     let mut b = [0u8; 4];
-    s.read_exact(&mut b).unwrap();
-    s.write_all(b"pong").unwrap();
+    let pings = if link { 20 } else { 1 };
+    for _ in 0..pings {
+        s.read_exact(&mut b).unwrap();
+        s.write_all(b"pong").unwrap();
+    }
     loop {
         std::thread::sleep(Duration::from_secs(1));
     }

@@ -422,8 +422,18 @@ impl NicInner {
             return false;
         }
         let mut did = false;
+        let mut closed = false;
         for l in self.links.all().iter() {
             did |= l.progress(self);
+            closed |= l.is_closed();
+        }
+        if closed {
+            // A link this thread found closed (or one the engine has not removed yet): the
+            // engine tells its connections at once, rather than at its next timer (it does
+            // not listen to a parked link's socket).
+            if let Some(w) = self.waker.get() {
+                let _ = w.wake();
+            }
         }
         did
     }
