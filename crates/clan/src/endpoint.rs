@@ -606,7 +606,9 @@ pub(crate) fn oob_peer_error(to: EndpointAddr, e: crate::peer::PeerError) -> Oob
     match e {
         crate::peer::PeerError::Unreachable => OobError::Unreachable(to.nic),
         crate::peer::PeerError::Timeout => OobError::Timeout,
-        crate::peer::PeerError::Protocol(d) => OobError::Protocol { peer: to.nic, detail: d },
+        crate::peer::PeerError::Protocol(d) | crate::peer::PeerError::Closed(d) => {
+            OobError::Protocol { peer: to.nic, detail: d }
+        }
         crate::peer::PeerError::Io(e) => OobError::Protocol { peer: to.nic, detail: e.to_string() },
     }
 }

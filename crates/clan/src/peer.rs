@@ -43,6 +43,8 @@ pub(crate) enum PeerError {
     Timeout,
     /// The peer answered nonsense, or the connection broke.
     Protocol(String),
+    /// The peer closed or reset the connection (it went away, or is closing).
+    Closed(String),
     /// A system call failed.
     Io(std::io::Error),
 }
@@ -180,6 +182,14 @@ impl PeerConn {
         PeerError::Protocol(why.into())
     }
 
+    /// [`Peer::break_with`] for a connection the peer closed or reset.
+    fn closed_with(&self, why: String) -> PeerError {
+        match self.break_with(why) {
+            PeerError::Protocol(d) => PeerError::Closed(d),
+            other => other,
+        }
+    }
+
     /// Whether the engine was asked to watch this peer (the first caller gets `false`).
     pub fn take_watch(&self) -> bool {
         self.watched.swap(true, Ordering::AcqRel)
@@ -249,6 +259,15 @@ impl PeerConn {
                     return Err(self.break_with(format!("hello refused: {code:?} {detail}")));
                 }
                 Ok((other, _)) => return Err(self.break_with(format!("unexpected answer to hello: {other:?}"))),
+                // Its listener took our connection and the NIC then closed it unanswered: it is
+                // going away (or already gone). Again, within our time: once its listener is
+                // gone, the connect says so (`Unreachable`).
+                Err(PeerError::Closed(detail)) => {
+                    if Instant::now() + Duration::from_millis(5) >= deadline {
+                        return Err(PeerError::Closed(detail));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -270,7 +289,7 @@ impl PeerConn {
                 }
                 Err(e) => {
                     lock(&chan.mail).waiting.remove(&id);
-                    return Err(self.break_with(format!("sending to {}: {e}", self.addr)));
+                    return Err(self.closed_with(format!("sending to {}: {e}", self.addr)));
                 }
             }
         }
@@ -344,10 +363,10 @@ impl PeerConn {
                 Ok(g) => g,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(self.break_with(format!("receiving from {}: {e}", self.addr))),
+                Err(e) => return Err(self.closed_with(format!("receiving from {}: {e}", self.addr))),
             };
             if got.len == 0 && got.fds.is_empty() {
-                return Err(self.break_with(format!("{} closed the connection", self.addr)));
+                return Err(self.closed_with(format!("{} closed the connection", self.addr)));
             }
             if got.truncated {
                 return Err(self.break_with("reply or its descriptors truncated (out of file descriptors?)"));
@@ -410,7 +429,7 @@ pub(crate) fn peer_error(peer: NicAddr, e: PeerError, timeout: Duration) -> Impo
     match e {
         PeerError::Unreachable => ImportError::Unreachable(peer),
         PeerError::Timeout => ImportError::Timeout { peer, timeout },
-        PeerError::Protocol(d) => ImportError::Protocol { peer, detail: d },
+        PeerError::Protocol(d) | PeerError::Closed(d) => ImportError::Protocol { peer, detail: d },
         PeerError::Io(source) => ImportError::Io { context: "talking to the exporting NIC", source },
     }
 }
