@@ -38,6 +38,7 @@
 pub mod cam;
 pub mod doorbell;
 pub mod eq;
+pub mod handoff;
 pub mod ring;
 pub mod snoop;
 pub mod sync;

@@ -564,3 +564,53 @@ fn write_then_store_vs_arm() {
         });
     }
 }
+
+/// The engine parks a link while a thread drives; the driver then stops to sleep. Either
+/// the engine did not park (it saw the driver gone) or the driver asks for the links back:
+/// a sleeping thread is never left with parked links.
+#[test]
+fn handoff_park_vs_driver_going_to_sleep() {
+    use clan_shm::handoff::Handoff;
+    model(|| {
+        let h = Arc::new(Handoff::default());
+        h.begin();
+        let asked = Arc::new(AtomicU32::new(0));
+        let (h2, a2) = (h.clone(), asked.clone());
+        let driver = thread::spawn(move || {
+            if h2.end(true) {
+                a2.store(1, Ordering::Relaxed);
+            }
+        });
+        let parked = h.try_park();
+        if !parked {
+            h.unparked();
+        }
+        driver.join().unwrap();
+        assert!(!parked || asked.load(Ordering::Relaxed) == 1, "links parked and nobody asked for them back");
+    });
+}
+
+/// Links are parked for a driver; a thread that relies on the engine goes to sleep while
+/// the driver stops (not to sleep). One of them asks for the links back.
+#[test]
+fn handoff_last_driver_vs_sleeper() {
+    use clan_shm::handoff::Handoff;
+    model(|| {
+        let h = Arc::new(Handoff::default());
+        h.begin();
+        assert!(h.try_park(), "a driver is there: the engine parks");
+        let asked = Arc::new(AtomicU32::new(0));
+        let (h2, a2) = (h.clone(), asked.clone());
+        let driver = thread::spawn(move || {
+            if h2.end(false) {
+                a2.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        if h.sleep_begin() {
+            asked.fetch_add(1, Ordering::Relaxed);
+        }
+        driver.join().unwrap();
+        assert!(asked.load(Ordering::Relaxed) >= 1, "a sleeper relies on parked links with no driver left");
+        h.sleep_end();
+    });
+}

@@ -63,7 +63,7 @@ const MAX_PARKED: usize = 1024;
 const MAX_OUT_QUEUE: usize = 4096;
 /// How often a connect to a host peer whose listener's backlog is full is retried.
 const RETRY: Duration = Duration::from_millis(5);
-/// While links are parked (left to spinning threads: `progress::Spinners`), how often the
+/// While links are parked (left to spinning threads: `clan_shm::handoff`), how often the
 /// engine first looks whether the spinning has stopped: links are listened to again after a
 /// whole period in which no spin began. The period doubles while spins go on, up to
 /// [`PARK_CHECK_MAX`] (each look takes the CPU from a spinner). Threads that go to sleep
@@ -230,7 +230,7 @@ struct Run {
     /// Links whose incoming traffic is left to the application threads spinning on it
     /// (registered for writability only), while they spin.
     parked_links: HashSet<Token>,
-    /// The count of spins begun at the last look (`progress::Spinners::idle`).
+    /// The count of spins begun at the last look (`clan_shm::handoff::Handoff::idle`).
     park_mark: u64,
     /// When to look next, and the period.
     park_check: Instant,

@@ -60,7 +60,7 @@ pub(crate) enum Cmd {
     /// Watch the liveness of this NIC of the host (we import from it).
     Watch(NicAddr),
     /// A thread that spun on the links goes to sleep: listen to parked links again
-    /// (`progress::Spinners`).
+    /// (`clan_shm::handoff`).
     Unpark,
 }
 
@@ -244,7 +244,7 @@ pub(crate) struct NicInner {
     peers: Mutex<HashMap<NicAddr, Arc<PeerConn>>>,
     pub links: LinkTable,
     /// Threads spinning on the links' traffic (the engine leaves it to them meanwhile).
-    pub spinners: crate::progress::Spinners,
+    pub spinners: clan_shm::handoff::Handoff,
     pub conns: crate::conn::ConnRegistry,
     /// Out-of-band messages for the engine to send (from contexts that must not wait).
     outbox: Mutex<Vec<(EndpointAddr, EndpointAddr, [u8; OOB_PAYLOAD])>>,

@@ -13,7 +13,7 @@
 //! ([`crate::Progress::Manual`]): then nobody else would.
 
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -110,82 +110,6 @@ pub(crate) fn wait<T>(
     }
 }
 
-/// The application threads that spin on bytes coming over a NIC's links and apply them
-/// themselves ([`LinkSpin`]).
-///
-/// While one spins, the engine ([`crate::Progress::Engine`]) stops listening for the links'
-/// incoming traffic (it *parks* them: `engine.rs`). Woken for every frame, the engine's
-/// thread, which runs on the process's CPUs, would take the CPU from the very thread that is
-/// about to apply the frame, and a context switch costs more than the whole receive. The
-/// engine listens again once no spin has begun for a while (`engine.rs::PARK_CHECK`), or at
-/// once when a spinner goes to sleep ([`LinkSpin::sleep`]): a thread that sleeps relies on
-/// the engine.
-#[derive(Debug, Default)]
-pub(crate) struct Spinners {
-    /// Threads spinning now.
-    count: AtomicU32,
-    /// Spins begun so far: the engine looks whether any began since its last look.
-    begun: AtomicU64,
-    /// Threads asleep in a wait that relies on the engine ([`Sleeper`]).
-    sleepers: AtomicU32,
-    /// The engine has parked links.
-    parked: AtomicBool,
-    /// Links parked so far (`NicStats::link_parks`).
-    parks: AtomicU64,
-}
-
-impl Spinners {
-    pub(crate) fn begin(&self) {
-        // SeqCst: see `try_park`.
-        self.count.fetch_add(1, Ordering::SeqCst);
-        // A count only (Relaxed: it orders nothing; the engine compares two values of it).
-        self.begun.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A spin ends; true if the engine must be told to listen again: links are parked, and
-    /// the spinner is going to sleep, or was the last and others sleep.
-    pub(crate) fn end(&self, sleeping: bool) -> bool {
-        // SeqCst, with the loads below, against the engine's store of `parked` and load of
-        // `count` in `try_park` (a Dekker pair: either the engine sees this spin ended and
-        // does not park, or this sees the links parked and unparks them), and against
-        // `Sleeper::enter` (either the sleeper sees no spinner left, or this sees it).
-        let left = self.count.fetch_sub(1, Ordering::SeqCst) - 1;
-        (sleeping || (left == 0 && self.sleepers.load(Ordering::SeqCst) > 0)) && self.parked.load(Ordering::SeqCst)
-    }
-
-    /// The engine, about to park a link: true if a thread spins (park it), false if none
-    /// does (receive as usual; the caller calls [`Spinners::unparked`] if it has no other
-    /// link parked).
-    pub(crate) fn try_park(&self) -> bool {
-        // SeqCst: the other half of the pair in `end`.
-        self.parked.store(true, Ordering::SeqCst);
-        self.count.load(Ordering::SeqCst) > 0
-    }
-
-    /// The engine parked a link (counted).
-    pub(crate) fn parked_one(&self) {
-        // A statistic (Relaxed: it orders nothing).
-        self.parks.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Links parked so far.
-    pub(crate) fn parks(&self) -> u64 {
-        self.parks.load(Ordering::Relaxed)
-    }
-
-    /// The engine listens to all its links again.
-    pub(crate) fn unparked(&self) {
-        // SeqCst: a spinner that ends after this needs no unpark (see `end`).
-        self.parked.store(false, Ordering::SeqCst);
-    }
-
-    /// Whether no thread spins now; and the count of spins begun (to compare with the
-    /// value of the engine's last look).
-    pub(crate) fn idle(&self) -> (bool, u64) {
-        (self.count.load(Ordering::SeqCst) == 0, self.begun.load(Ordering::Relaxed))
-    }
-}
-
 /// A thread asleep in a wait that relies on the engine to apply what comes over links (a
 /// tripwire's or an event queue's, with [`crate::Progress::Engine`]): links parked for
 /// spinners are listened to again when the last spinner stops, or at once if none spins.
@@ -201,10 +125,7 @@ impl Sleeper {
         let Some(n) = nic.upgrade().filter(|n| n.config.progress == crate::config::Progress::Engine) else {
             return Sleeper(None);
         };
-        let sp = &n.spinners;
-        // SeqCst: the other half of the pair in `Spinners::end`.
-        sp.sleepers.fetch_add(1, Ordering::SeqCst);
-        if sp.count.load(Ordering::SeqCst) == 0 && sp.parked.load(Ordering::SeqCst) {
+        if n.spinners.sleep_begin() {
             n.command(Cmd::Unpark);
         }
         Sleeper(Some(n))
@@ -214,8 +135,7 @@ impl Sleeper {
 impl Drop for Sleeper {
     fn drop(&mut self) {
         if let Some(n) = &self.0 {
-            // Relaxed: a sleeper counted a little longer only costs a spurious unpark.
-            n.spinners.sleepers.fetch_sub(1, Ordering::Relaxed);
+            n.spinners.sleep_end();
         }
     }
 }
@@ -246,7 +166,7 @@ impl Drop for Sleeper {
 #[derive(Debug)]
 pub struct LinkSpin {
     nic: Option<Arc<NicInner>>,
-    /// Counted in the NIC's [`Spinners`] (engine progress): ends once.
+    /// Counted in the NIC's `clan_shm::handoff::Handoff` (engine progress): ends once.
     counted: bool,
 }
 

@@ -174,7 +174,7 @@ impl Sleepers {
     /// re-checks (and pumps).
     ///
     /// With `driving`, the leader also sleeps on the NIC's link sockets, counted as a thread
-    /// that drives them (the engine parks them meanwhile, `progress::Spinners`), and applies
+    /// that drives them (the engine parks them meanwhile, `clan_shm::handoff`), and applies
     /// what arrives on them itself when they wake it: one wake-up for a byte from another
     /// host instead of two (the engine's, then this thread's). Nothing is missed if the
     /// engine or another thread applies those bytes meanwhile: their firing kicks the leader
