@@ -285,6 +285,8 @@ fn server_benchmark() {
     // One in flight: the raw shared-memory ping-pong of the same run, and the ratio to it.
     positive(&v, &["raw_shm_rtt_p50_ns", "raw_shm_rtt_p99_ns", "raw_shm_ratio"]);
     assert!(v["raw_shm_target_met"].is_boolean());
+    // And over as many slots as endpoints (the floor at that scale).
+    positive(&v, &["raw_slots_rtt_p50_ns", "raw_slots_rtt_p99_ns", "raw_slots_ratio"]);
     // What the connections hold, from /proc: at least a descriptor each, some memory.
     positive(
         &v,
@@ -314,6 +316,7 @@ fn server_benchmark() {
     ]);
     server_both_ways(&v);
     assert!(v["raw_shm_ratio"].is_null(), "no ping-pong to compare with four in flight");
+    assert!(v["raw_slots_ratio"].is_null(), "no ping-pong over slots with four in flight");
 }
 
 #[test]

@@ -257,8 +257,10 @@ fn side(sync: SyncMode, size: usize) -> Result<Side> {
 
 fn clan_pingpong(sync: SyncMode, size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
     let me = side(sync, size)?;
-    let mut peer =
-        PeerProc::spawn(Role::LatClan, &PeerArgs { sync, size, iters: total, cpu: cpu_peer, place: String::new() })?;
+    let mut peer = PeerProc::spawn(
+        Role::LatClan,
+        &PeerArgs { sync, size, iters: total, cpu: cpu_peer, place: String::new(), slots: 1 },
+    )?;
     let theirs = me.ep.import(&peer.recv()?.parse()?)?;
     peer.send(me.ap.descriptor())?;
     if peer.recv()? != "ready" {
@@ -292,7 +294,7 @@ pub fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<
     let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
     let mut peer = PeerProc::spawn(
         Role::LatRaw,
-        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path },
+        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path, slots: 1 },
     )?;
     if peer.recv()? != "ready" {
         return Err("peer not ready".into());
@@ -315,6 +317,76 @@ pub fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<
     Ok(s)
 }
 
+/// The raw ping-pong over `slots` request/reply pairs, each a page of its own (as a
+/// connection's flag and small message are), the client choosing a slot at random for each
+/// round trip and naming it in a mailbox word the server polls (as clan's server learns the
+/// connection from its event queue). What a round trip costs when each one touches memory
+/// that `slots - 1` others left cold: the floor of a server's round trip at that many
+/// endpoints on this machine (its caches and TLB).
+///
+/// Layout: page 0 the mailbox (`round << 32 | slot`), then per slot its request page and its
+/// reply page, each led by its word (the round) with the payload behind it.
+pub fn raw_shm_slots(size: usize, slots: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
+    let region = clan_shm::segment::page_align(size.max(64));
+    let slots = slots.clamp(1, u32::MAX as usize);
+    let bytes = region * (1 + 2 * slots);
+    let memfd = clan_shm::memfd::Memfd::create("clan-bench-raw-slots", bytes as u64)?;
+    let seg = Segment::map(&memfd, 0, bytes, Access::ReadWrite)?;
+    let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
+    let mut peer = PeerProc::spawn(
+        Role::LatRawSlots,
+        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path, slots },
+    )?;
+    if peer.recv()? != "ready" {
+        return Err("peer not ready".into());
+    }
+    // Every page in place first (the peer's too: it faults them in before it says ready), so
+    // that no round trip pays a page fault.
+    seg.write(0, &vec![0u8; bytes])?;
+    let payload = vec![0x5au8; size - 8];
+    let mailbox = seg.view::<AtomicU64>(0)?;
+    let mut reply = vec![0u8; size - 8];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut s = Samples::new();
+    for i in 1..=total {
+        // xorshift: a slot at random, the same sequence every run.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let k = (x % slots as u64) as usize;
+        let (req, rep) = (region * (1 + 2 * k), region * (2 + 2 * k));
+        let t0 = Instant::now();
+        if size > 8 {
+            seg.write(req + 8, &payload)?;
+        }
+        seg.view::<AtomicU64>(req)?.store(i, std::sync::atomic::Ordering::Release);
+        mailbox.store((i << 32) | k as u64, std::sync::atomic::Ordering::Release);
+        spin_until(seg.view::<AtomicU64>(rep)?, i)?;
+        if size > 8 {
+            seg.read(rep + 8, &mut reply)?;
+        }
+        if i > warmup {
+            s.record(t0.elapsed());
+        }
+    }
+    peer.finish()?;
+    Ok(s)
+}
+
+/// Spin until the mailbox names round `v` (in its high 32 bits).
+fn spin_until_round(w: &AtomicU64, v: u64) -> Result<()> {
+    let start = Instant::now();
+    let mut n = 0u32;
+    while w.load(std::sync::atomic::Ordering::Acquire) >> 32 != v & 0xffff_ffff {
+        std::hint::spin_loop();
+        n = n.wrapping_add(1);
+        if n % 4096 == 0 && start.elapsed() > LIMIT {
+            return Err("peer stopped asking".into());
+        }
+    }
+    Ok(())
+}
+
 fn spin_until(w: &AtomicU64, v: u64) -> Result<()> {
     let start = Instant::now();
     let mut n = 0u32;
@@ -335,7 +407,7 @@ pub fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Sam
     let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
     let peer = PeerProc::spawn(
         Role::LatUnix,
-        &PeerArgs { sync: SyncMode::Block, size, iters: total, cpu: cpu_peer, place: name.clone() },
+        &PeerArgs { sync: SyncMode::Block, size, iters: total, cpu: cpu_peer, place: name.clone(), slots: 1 },
     )?;
     let (mut sock, _) = listener.accept()?;
     sock.set_read_timeout(Some(LIMIT))?;
@@ -374,11 +446,14 @@ pub struct PeerArgs {
     cpu: usize,
     /// Where to meet: the shared memfd's path (raw), the socket's abstract name (Unix).
     place: String,
+    /// Request/reply slots of the raw ping-pong over many ([`raw_shm_slots`]).
+    #[serde(default)]
+    slots: usize,
 }
 
 /// The peer side of the latency benchmarks.
 pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
-    let PeerArgs { sync, size, iters, cpu, place } = a;
+    let PeerArgs { sync, size, iters, cpu, place, slots } = a;
     sys::pin(cpu);
     match role {
         Role::LatClan => {
@@ -411,6 +486,37 @@ pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
                     seg.write(8, &payload)?;
                 }
                 theirs.store(i, std::sync::atomic::Ordering::Release);
+            }
+        }
+        Role::LatRawSlots => {
+            let f = std::fs::OpenOptions::new().read(true).write(true).open(&place)?;
+            let region = clan_shm::segment::page_align(size.max(64));
+            let slots = slots.max(1);
+            let bytes = region * (1 + 2 * slots);
+            let seg = Segment::map(&f, 0, bytes, Access::ReadWrite)?;
+            // Every page mapped here, writable, before the first round trip.
+            seg.write(0, &vec![0u8; bytes])?;
+            let mailbox = seg.view::<AtomicU64>(0)?;
+            let payload = vec![0xa5u8; size - 8];
+            let mut request = vec![0u8; size - 8];
+            Link::say("ready");
+            for i in 1..=iters {
+                spin_until_round(mailbox, i)?;
+                let k = (mailbox.load(std::sync::atomic::Ordering::Acquire) & 0xffff_ffff) as usize;
+                if k >= slots {
+                    return Err(format!("slot {k} out of range").into());
+                }
+                let (req, rep) = (region * (1 + 2 * k), region * (2 + 2 * k));
+                // The request word was stored before the mailbox: it holds the round.
+                if seg.view::<AtomicU64>(req)?.load(std::sync::atomic::Ordering::Acquire) != i {
+                    return Err("request word out of step".into());
+                }
+                if size > 8 {
+                    // The server reads the request in place, as clan's server does.
+                    seg.read(req + 8, &mut request)?;
+                    seg.write(rep + 8, &payload)?;
+                }
+                seg.view::<AtomicU64>(rep)?.store(i, std::sync::atomic::Ordering::Release);
             }
         }
         Role::LatUnix => {

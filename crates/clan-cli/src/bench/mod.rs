@@ -34,6 +34,8 @@ pub enum Role {
     LatClan,
     /// `bench latency`: the raw shared-memory ping-pong's other side.
     LatRaw,
+    /// The raw ping-pong's peer over many slots chosen at random.
+    LatRawSlots,
     /// `bench latency`: the Unix-socket ping-pong's other side.
     LatUnix,
     /// `bench bandwidth`: the receiving process.
@@ -188,7 +190,7 @@ pub fn peer_main(role: Role, args: &str) -> Result<()> {
         R::ConnServer => connect::peer(args_of(args)?),
         R::GrantsPeer => grants::peer(args_of(args)?),
         R::TokEcho => asyncio::peer(args_of(args)?),
-        R::LatClan | R::LatRaw | R::LatUnix => latency::peer(role, args_of(args)?),
+        R::LatClan | R::LatRaw | R::LatRawSlots | R::LatUnix => latency::peer(role, args_of(args)?),
         R::BwClan => bandwidth::peer(args_of(args)?),
     }
 }

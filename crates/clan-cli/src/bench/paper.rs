@@ -417,6 +417,29 @@ fn fig_server(p: Profile) -> Result<Figure> {
     rows.extend(rtt_rows(&format!("busy RTT, {} endpoints", last.endpoints), last));
     rows.push(raw_row(first));
     rows.push(raw_row(last));
+    // How the round trip grows with the endpoints, against how the raw ping-pong grows when
+    // it touches as many slots (a page each) at random: the machine's own floor at that scale.
+    if last.endpoints > first.endpoints {
+        let growth = super::report::ratio(spin_rtt(last) as f64, spin_rtt(first) as f64);
+        // (both raw figures from the last run, alternating in its rounds)
+        let floor = last
+            .raw_slots_rtt_p50_ns
+            .zip(last.raw_shm_rtt_p50_ns)
+            .map(|(n, one)| super::report::ratio(n as f64, one as f64));
+        rows.push((
+            format!("busy RTT growth, both spinning: {} endpoints / {} (p50)", last.endpoints, first.endpoints),
+            format!("{growth:.2}×"),
+            match (floor, last.raw_slots_rtt_p50_ns) {
+                (Some(f), Some(n)) => format!(
+                    "{f:.2}× (shm-raw over {} slots a page each, at random, {}, against one slot; same run)",
+                    last.endpoints,
+                    nsu(n)
+                ),
+                _ => "—".into(),
+            },
+            format!("{} (≤ 1.15×: {})", r2(growth), if growth <= 1.15 { "met" } else { "not met" }),
+        ));
+    }
     rows.extend(rtt_rows("idle RTT, 1 endpoint", idle));
     rows.push((
         "idle RTT, 1 endpoint, clan as the paper runs it (polls 15 µs, then sleeps; p50)".into(),

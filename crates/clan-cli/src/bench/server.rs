@@ -184,6 +184,12 @@ pub struct ServerReport {
     pub raw_shm_ratio: Option<f64>,
     pub raw_shm_target: String,
     pub raw_shm_target_met: Option<bool>,
+    /// The raw ping-pong over as many slots as endpoints, a page each, chosen at random (one
+    /// in flight only): the floor of a round trip that touches cold memory as often.
+    pub raw_slots_rtt_p50_ns: Option<u64>,
+    pub raw_slots_rtt_p99_ns: Option<u64>,
+    /// clan's spinning RTT p50 / the raw ping-pong's over as many slots.
+    pub raw_slots_ratio: Option<f64>,
     pub setup_s: f64,
     /// Descriptors, mappings and resident memory of both processes with every connection up.
     pub footprint_clan: Footprint,
@@ -288,7 +294,7 @@ pub fn run(a: &ServerArgs) -> Result<()> {
     bar.inc(1);
     let footprint_clan = Footprint::of_both(clan.peer.pid());
     let (mut clan_spin, mut clan_block, mut clan_policy) = (Run::default(), Run::default(), Run::default());
-    let mut raw: Option<Samples> = None;
+    let (mut raw, mut raw_slots): (Option<Samples>, Option<Samples>) = (None, None);
     for _ in 0..a.rounds.max(1) {
         bar.set_message("clan, both sides spinning");
         clan_spin.merge(&clan.measure(a, Sync::Spin)?);
@@ -297,6 +303,11 @@ pub fn run(a: &ServerArgs) -> Result<()> {
             // The clan server sleeps meanwhile (parked).
             bar.set_message("raw shared-memory ping-pong");
             raw.get_or_insert_with(Samples::new).merge(&super::latency::raw_shm(a.size, n + warm, warm, 1)?);
+            if a.endpoints > 1 {
+                bar.set_message(format!("raw shared-memory ping-pong over {} slots", a.endpoints));
+                let slots = super::latency::raw_shm_slots(a.size, a.endpoints, n + warm, warm, 1)?;
+                raw_slots.get_or_insert_with(Samples::new).merge(&slots);
+            }
             bar.inc(1);
         }
         bar.set_message("clan, both sides blocking");
@@ -381,6 +392,9 @@ pub fn run(a: &ServerArgs) -> Result<()> {
              (one request in flight)"
         ),
         raw_shm_target_met: raw_ratio.map(|r| r <= TARGET_RAW_SHM),
+        raw_slots_rtt_p50_ns: raw_slots.as_ref().map(|s| s.p(0.5)),
+        raw_slots_rtt_p99_ns: raw_slots.as_ref().map(|s| s.p(0.99)),
+        raw_slots_ratio: raw_slots.as_ref().map(|s| ratio(clan_spin.rtt.p(0.5) as f64, s.p(0.5) as f64)),
         setup_s: setup.as_secs_f64(),
         footprint_clan,
         footprint_tcp,
@@ -389,7 +403,8 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         placement: format!(
             "client pinned to CPU {}, server process (one thread) to CPU 1 ({} CPUs); requests on connections chosen \
              at random, {} in flight{}; clan: RPC over its event loop; baseline: mio (epoll) TCP server over \
-             loopback; raw shm: the latency benchmark's ping-pong over a shared memfd, same CPUs; {} rounds, each \
+             loopback; raw shm: the latency benchmark's ping-pong over a shared memfd, same CPUs (with more than one \
+             endpoint, also over as many slots as endpoints, chosen as the client chooses its connections); {} rounds, each \
              system's ways alternating (clan spinning with the raw ping-pong)",
             pinned.map_or("-".into(), |c| c.to_string()),
             sys::machine().cpus,
@@ -442,6 +457,9 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         if let (Some(p50), Some(p99)) = (r.raw_shm_rtt_p50_ns, r.raw_shm_rtt_p99_ns) {
             println!("{:<22} {:>10} {:>10} {:>10}", "raw shm ping-pong", ns(p50), "", ns(p99));
         }
+        if let (Some(p50), Some(p99)) = (r.raw_slots_rtt_p50_ns, r.raw_slots_rtt_p99_ns) {
+            println!("{:<22} {:>10} {:>10} {:>10}", format!("raw shm, {} slots", r.endpoints), ns(p50), "", ns(p99));
+        }
         let (c, t) = (&r.per_endpoint_clan, &r.per_endpoint_tcp);
         println!(
             "per endpoint (client and server together, fixed costs included): clan {:.1} fds, {:.1} mappings, \
@@ -460,6 +478,13 @@ pub fn run(a: &ServerArgs) -> Result<()> {
                 "RTT clan spinning / raw shm ping-pong: {x:.2}; target {}: {}",
                 r.raw_shm_target,
                 if met { "met" } else { "not met" }
+            );
+        }
+        if let Some(x) = r.raw_slots_ratio {
+            println!(
+                "RTT clan spinning / raw shm ping-pong over {} slots (a page each, chosen at random, a mailbox word \
+                 naming the slot): {x:.2}",
+                r.endpoints
             );
         }
     });
