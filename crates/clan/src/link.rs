@@ -185,18 +185,44 @@ pub(crate) struct Rx {
     /// The last burst was large: the next one probably is too, so read its header alone
     /// (a few bytes) and let its payload go straight into place.
     bulk: bool,
-    /// The export record last looked up, with its aperture, for the frames of one receive
-    /// call (cleared at its end, and when the peer unimports): the bursts of one transfer
-    /// (a body and the word behind it) go to one import, and pay one lookup.
-    access: Option<(u64, Arc<ExportRec>, Arc<ApertureInner>)>,
-    /// Bursts and bytes applied in this receive call, counted into the link state at its
-    /// end (one lock, not two per burst).
+    /// The export record last looked up, by key (forgotten when the peer unimports it): the
+    /// bursts of one transfer (a body and the word behind it), and usually the transfers
+    /// that follow, go to one import and pay no look-up. It holds the record only: its
+    /// aperture is reached through the record's weak reference, burst by burst, so an
+    /// aperture unexported meanwhile is refused and not kept alive.
+    access: Option<(u64, Arc<ExportRec>)>,
+    /// Bursts and bytes applied in this receive call, counted into the statistics at its
+    /// end (one update, not two per burst).
     applied: (u64, u64),
+    /// Bursts and bytes applied and not yet counted into the link state: they are, under its
+    /// lock, once they are worth an acknowledgement ([`Link::ack_every`]), so a receive call
+    /// that applies a small transfer takes no lock for it.
+    unacked: (u64, u64),
 }
 
 impl std::fmt::Debug for Rx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rx").field("buffered", &(self.tail - self.head)).finish_non_exhaustive()
+    }
+}
+
+/// When a blocking send gives up: at a given instant, or the link's timeout after the send
+/// first has to wait (a send that never waits, the common case, reads no clock).
+#[derive(Debug, Clone, Copy)]
+enum SendBy {
+    At(Instant),
+    After(Duration),
+}
+
+impl SendBy {
+    /// The deadline, fixed from now on.
+    fn instant(&mut self) -> Instant {
+        let at = match *self {
+            SendBy::At(t) => t,
+            SendBy::After(d) => Instant::now() + d,
+        };
+        *self = SendBy::At(at);
+        at
     }
 }
 
@@ -230,6 +256,12 @@ pub(crate) struct Link {
     pub max_imports: usize,
     /// Its end was reported (`NicInner::link_closed`).
     gone: AtomicBool,
+    /// Applied bytes that earn the peer an acknowledgement (a quarter of the credit we grant:
+    /// [`LinkState::poll_ack`]'s threshold).
+    ack_every: u64,
+    /// Something arrived since the timer last looked: the timer turns it into the time the
+    /// peer was last heard from ([`Link::handle_timeout`]), so receiving reads no clock.
+    heard: AtomicBool,
 }
 
 impl std::fmt::Debug for Link {
@@ -262,6 +294,7 @@ impl Link {
         max_imports: usize,
     ) -> Link {
         let max_queued = state.config().max_queued;
+        let ack_every = (state.config().credit / 4).max(1);
         Link {
             peer,
             id,
@@ -282,6 +315,7 @@ impl Link {
                 bulk: false,
                 access: None,
                 applied: (0, 0),
+                unacked: (0, 0),
             }),
             closed: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
@@ -295,6 +329,8 @@ impl Link {
             rx_paused: AtomicBool::new(false),
             max_imports,
             gone: AtomicBool::new(false),
+            ack_every,
+            heard: AtomicBool::new(false),
         }
     }
 
@@ -472,8 +508,9 @@ impl Link {
     }
 
     /// Wait until the socket can take more bytes, receiving meanwhile.
-    fn wait_writable(&self, nic: &NicInner, deadline: Instant) -> Result<(), LinkError> {
+    fn wait_writable(&self, nic: &NicInner, by: &mut SendBy) -> Result<(), LinkError> {
         use rustix::event::{PollFd, PollFlags, poll};
+        let deadline = by.instant();
         loop {
             if self.is_closed() {
                 return Err(self.down());
@@ -505,7 +542,7 @@ impl Link {
         head: &[u8],
         payload: &Payload<'_>,
         len: usize,
-        deadline: Instant,
+        by: &mut SendBy,
     ) -> Result<(), LinkError> {
         // Queued control frames first (frames never interleave: they are whole).
         loop {
@@ -515,7 +552,7 @@ impl Link {
             if self.is_closed() {
                 return Err(self.down());
             }
-            self.wait_writable(nic, deadline)?;
+            self.wait_writable(nic, by)?;
         }
         let total = head.len() + len;
         let mut done = 0usize;
@@ -557,7 +594,7 @@ impl Link {
                     return Err(self.down());
                 }
                 Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable(nic, deadline)?,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable(nic, by)?,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     self.close(Status::Other, format!("send failed: {e}"));
@@ -575,13 +612,13 @@ impl Link {
         head: &[u8],
         payload: Payload<'_>,
         len: usize,
-        deadline: Instant,
+        mut by: SendBy,
     ) -> Result<(), LinkError> {
         if self.is_closed() {
             return Err(self.down());
         }
         let _tx = lock(&self.tx);
-        self.write_all_locked(nic, head, &payload, len, deadline)?;
+        self.write_all_locked(nic, head, &payload, len, &mut by)?;
         // Control frames queued while we were sending.
         if self.has_queued() {
             self.flush_overflow_nonblocking();
@@ -598,7 +635,7 @@ impl Link {
     pub fn send_frame_until(&self, nic: &NicInner, f: &Frame<'_>, deadline: Instant) -> Result<(), LinkError> {
         let mut b = Vec::with_capacity(128);
         f.encode(&mut b);
-        self.send_blocking(nic, &b, Payload::Bytes(&[]), 0, deadline)
+        self.send_blocking(nic, &b, Payload::Bytes(&[]), 0, SendBy::At(deadline))
     }
 
     /// Wait for room in the window for `bytes`.
@@ -640,7 +677,7 @@ impl Link {
                 Payload::Bytes(d) => Payload::Bytes(&d[done..done + n]),
                 Payload::Seg(s, off) => Payload::Seg(s, off + done),
             };
-            self.send_blocking(nic, &head, p, n, Instant::now() + self.timeout)?;
+            self.send_blocking(nic, &head, p, n, SendBy::After(self.timeout))?;
             self.stats.bursts_out.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
             done += n;
@@ -682,7 +719,7 @@ impl Link {
         thread_local! {
             static GATHERED: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(GATHER));
         }
-        let deadline = Instant::now() + self.timeout;
+        let by = SendBy::After(self.timeout);
         GATHERED.with_borrow_mut(|buf| {
             buf.clear();
             match big_first.filter(|_| total > GATHER) {
@@ -692,14 +729,14 @@ impl Link {
                         buf.extend_from_slice(d);
                     }
                     let head = frame::write_header(to, first.len());
-                    self.send_slices_blocking(nic, &[&head, first, buf], deadline)
+                    self.send_slices_blocking(nic, &[&head, first, buf], by)
                 }
                 None => {
                     for (to, d) in parts {
                         buf.extend_from_slice(&frame::write_header(to, d.len()));
                         buf.extend_from_slice(d);
                     }
-                    self.send_blocking(nic, buf, Payload::Bytes(&[]), 0, deadline)
+                    self.send_blocking(nic, buf, Payload::Bytes(&[]), 0, by)
                 }
             }
         })?;
@@ -710,7 +747,7 @@ impl Link {
 
     /// Send the concatenation of `slices` (whole frames), blocking until `deadline`, with
     /// as few system calls as the socket allows.
-    fn send_slices_blocking(&self, nic: &NicInner, slices: &[&[u8]], deadline: Instant) -> Result<(), LinkError> {
+    fn send_slices_blocking(&self, nic: &NicInner, slices: &[&[u8]], mut by: SendBy) -> Result<(), LinkError> {
         if self.is_closed() {
             return Err(self.down());
         }
@@ -720,7 +757,7 @@ impl Link {
             if self.is_closed() {
                 return Err(self.down());
             }
-            self.wait_writable(nic, deadline)?;
+            self.wait_writable(nic, &mut by)?;
         }
         let total: usize = slices.iter().map(|s| s.len()).sum();
         let mut done = 0usize;
@@ -744,7 +781,7 @@ impl Link {
                     return Err(self.down());
                 }
                 Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable(nic, deadline)?,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable(nic, &mut by)?,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     self.close(Status::Other, format!("send failed: {e}"));
@@ -993,20 +1030,30 @@ impl Link {
                 }
             }
         }
-        rx.access = None;
         if did {
             let (bursts, bytes) = std::mem::take(&mut rx.applied);
-            let ack = {
-                let mut st = lock(&self.state);
-                st.on_heard(Instant::now());
-                for _ in 0..bursts {
-                    st.on_write_applied(true, 0);
+            // Only the holder of `rx` writes these two (Relaxed: statistics, ordering
+            // nothing): a load and a store, no locked add.
+            let st = &self.stats;
+            st.bursts_in.store(st.bursts_in.load(Ordering::Relaxed) + bursts, Ordering::Relaxed);
+            st.bytes_in.store(st.bytes_in.load(Ordering::Relaxed) + bytes, Ordering::Relaxed);
+            // Relaxed: a hint for the timer, which only needs to see it eventually.
+            self.heard.store(true, Ordering::Relaxed);
+            rx.unacked.0 += bursts;
+            rx.unacked.1 += bytes;
+            if rx.unacked.1 >= self.ack_every {
+                let (bursts, bytes) = std::mem::take(&mut rx.unacked);
+                let ack = {
+                    let mut st = lock(&self.state);
+                    for _ in 0..bursts {
+                        st.on_write_applied(true, 0);
+                    }
+                    st.on_write_applied(false, bytes);
+                    st.poll_ack(false)
+                };
+                if let Some(a) = ack {
+                    self.send_control(&Frame::Ack(a));
                 }
-                st.on_write_applied(false, bytes);
-                st.poll_ack(false)
-            };
-            if let Some(a) = ack {
-                self.send_control(&Frame::Ack(a));
             }
         }
         did
@@ -1026,7 +1073,6 @@ impl Link {
         }
         rx.dec.consume_payload(n as u64).map_err(|e| std::io::Error::other(e.to_string()))?;
         rx.applied.1 += n as u64;
-        self.stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
         if n as u64 == remaining {
             rx.burst = None;
         }
@@ -1038,6 +1084,9 @@ impl Link {
             if self.queued() > self.max_queued {
                 return Ok(());
             }
+            if rx.dec.at_boundary() && self.apply_transfer(rx) {
+                continue;
+            }
             let (item, used) = {
                 let Some((item, used)) = rx.dec.next(&rx.buf[rx.head..rx.tail])? else { break };
                 (owned_item(item), used)
@@ -1047,6 +1096,67 @@ impl Link {
             self.handle(nic, rx, item, data_at)?;
         }
         Ok(())
+    }
+
+    /// The common small transfer, whole in the buffer: a body and the word that publishes it
+    /// (a stream's bytes and its counter), or a body, its lead word and the word (a
+    /// message-queue slot), all to one import. Applied as the exporter's own write of that
+    /// shape is (`Window::write_then_store_u64`, `Window::write_led_then_store_u64`): one
+    /// snooped transfer with one fence, where burst by burst would take one for each. The
+    /// memory and the tripwires end as burst by burst: the bursts land in order, each word
+    /// with one atomic store, and every tripwire over them fires once they are in place.
+    /// Anything else (a burst not whole yet, a refusal to send) is left to the burst-by-burst
+    /// path. Returns whether the bursts were applied.
+    fn apply_transfer(&self, rx: &mut Rx) -> bool {
+        let mut dec = rx.dec.clone();
+        let buf = &rx.buf[rx.head..rx.tail];
+        let Some(body) = WholeBurst::decode(&mut dec, buf, 0) else { return false };
+        // A body of word size is one atomic store on its own: not this shape.
+        if body.is_word() || body.len == 0 {
+            return false;
+        }
+        let Some(w1) = WholeBurst::decode(&mut dec, buf, body.end) else { return false };
+        if w1.to.key != body.to.key || !w1.is_u64() {
+            return false;
+        }
+        let mut after_lead = dec.clone();
+        let w2 = WholeBurst::decode(&mut after_lead, buf, w1.end).filter(|w2| {
+            w2.to.key == body.to.key && w2.is_u64() && w1.to.offset.checked_add(8) == Some(body.to.offset)
+        });
+        let ap = match self.check_write(rx, &body.to, body.len as u64) {
+            Ok(ap) => ap,
+            Err(_) => return false,
+        };
+        let Some((_, rec)) = &rx.access else { return false };
+        let words_ok = Self::check_record(rec, &ap, &w1.to, 8, Rights::WRITE).is_ok()
+            && w2.as_ref().is_none_or(|w2| Self::check_record(rec, &ap, &w2.to, 8, Rights::WRITE).is_ok());
+        if !words_ok {
+            return false;
+        }
+        let at = rx.head;
+        let data = &rx.buf[at + body.data..at + body.data + body.len];
+        let v1 = w1.word(&rx.buf[at..]);
+        let used = match &w2 {
+            // Checked above (the bounds and rights of all three): failures here are races
+            // with an unexport, as for the burst-by-burst path.
+            None => {
+                let _ = ap.window.write_then_store_u64(body.to.offset, data, w1.to.offset, v1);
+                w1.end
+            }
+            Some(w2) => {
+                let v2 = w2.word(&rx.buf[at..]);
+                let _ = ap.window.write_led_then_store_u64(w1.to.offset, v1, data, w2.to.offset, v2);
+                dec = after_lead;
+                w2.end
+            }
+        };
+        let bursts = if w2.is_some() { 3 } else { 2 };
+        rx.applied.0 += bursts;
+        rx.applied.1 += body.len as u64 + 8 * (bursts - 1);
+        rx.dec = dec;
+        rx.head += used;
+        rx.bulk = false;
+        true
     }
 
     fn refuse(&self, rx: &mut Rx, status: Status, key: u64, offset: u64) {
@@ -1071,18 +1181,15 @@ impl Link {
         Ok(ap)
     }
 
-    /// [`Link::check_access`] for a write burst, through the receive call's cache.
+    /// [`Link::check_access`] for a write burst, through the record cached in `rx.access`.
     fn check_write(&self, rx: &mut Rx, to: &Target, len: u64) -> Result<Arc<ApertureInner>, Status> {
-        if let Some((key, rec, ap)) = &rx.access {
-            if *key == to.key {
-                Self::check_record(rec, ap, to, len, Rights::WRITE)?;
-                return Ok(ap.clone());
-            }
+        if !matches!(&rx.access, Some((key, _)) if *key == to.key) {
+            let rec = lock(&self.exports).get(&to.key).cloned().ok_or(Status::BadKey)?;
+            rx.access = Some((to.key, rec));
         }
-        let rec = lock(&self.exports).get(&to.key).cloned().ok_or(Status::BadKey)?;
+        let Some((_, rec)) = &rx.access else { return Err(Status::BadKey) };
         let ap = rec.ap.upgrade().ok_or(Status::Revoked)?;
-        Self::check_record(&rec, &ap, to, len, Rights::WRITE)?;
-        rx.access = Some((to.key, rec, ap.clone()));
+        Self::check_record(rec, &ap, to, len, Rights::WRITE)?;
         Ok(ap)
     }
 
@@ -1108,7 +1215,6 @@ impl Link {
         match item {
             OwnedItem::WriteBegin { to, len } => {
                 rx.bulk = len >= BULK;
-                self.stats.bursts_in.fetch_add(1, Ordering::Relaxed);
                 rx.applied.0 += 1;
                 let ap = match self.check_write(rx, &to, len) {
                     Ok(ap) => Some(ap),
@@ -1142,7 +1248,6 @@ impl Link {
                     }
                 }
                 rx.applied.1 += len as u64;
-                self.stats.bytes_in.fetch_add(len as u64, Ordering::Relaxed);
                 if last {
                     rx.burst = None;
                 }
@@ -1341,7 +1446,15 @@ impl Link {
 
     /// Keepalive: called by the engine with the time.
     pub fn handle_timeout(&self, now: Instant) -> Instant {
-        let t = lock(&self.state).handle_timeout(now);
+        let t = {
+            let mut st = lock(&self.state);
+            // Heard since the last look: as of now (at most one timer period late, which
+            // moves keepalive and death by as much; receiving reads no clock for it).
+            if self.heard.swap(false, Ordering::Relaxed) {
+                st.on_heard(now);
+            }
+            st.handle_timeout(now)
+        };
         match t {
             Timeout::None => {}
             Timeout::Ping(token) => self.send_control(&Frame::Ping { token }),
@@ -1355,6 +1468,50 @@ impl Link {
 
     pub fn next_id(&self) -> u64 {
         lock(&self.waits).id()
+    }
+}
+
+/// A write burst decoded whole from a receive buffer, by position.
+#[derive(Debug, Clone, Copy)]
+struct WholeBurst {
+    to: Target,
+    /// Where its bytes start, and how many.
+    data: usize,
+    len: usize,
+    /// Where the next item starts.
+    end: usize,
+}
+
+impl WholeBurst {
+    /// The burst at `buf[from..]`, if `dec` (at a frame boundary) decodes one there whose
+    /// bytes are all in `buf`.
+    fn decode(dec: &mut Decoder, buf: &[u8], from: usize) -> Option<WholeBurst> {
+        let rest = buf.get(from..)?;
+        let Ok(Some((Item::WriteBegin { to, len }, u1))) = dec.next(rest) else { return None };
+        if len == 0 {
+            return None;
+        }
+        let Ok(Some((Item::WriteData { data, last: true, .. }, u2))) = dec.next(rest.get(u1..)?) else { return None };
+        if data.len() as u64 != len {
+            return None;
+        }
+        Some(WholeBurst { to, data: from + u1 + u2 - data.len(), len: data.len(), end: from + u1 + u2 })
+    }
+
+    /// Whether the burst-by-burst path stores it as one atomic word.
+    fn is_word(&self) -> bool {
+        (self.len == 8 || self.len == 4) && self.to.offset % self.len as u64 == 0
+    }
+
+    fn is_u64(&self) -> bool {
+        self.len == 8 && self.to.offset % 8 == 0
+    }
+
+    /// Its bytes as a word (`buf` is what `decode` was given).
+    fn word(&self, buf: &[u8]) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&buf[self.data..self.data + 8]);
+        u64::from_le_bytes(b)
     }
 }
 

@@ -175,6 +175,70 @@ fn a_spinning_waiter_drives_the_link_itself() {
     assert!(!ltw.drive_links());
 }
 
+/// The shapes the protocols send on every small write, a body and the word behind it (a
+/// stream) and a body, its lead word and the word (a message-queue slot), come over a link as
+/// separate bursts and are applied together, as the exporter's own write of that shape: the
+/// memory ends as burst by burst, a tripwire inside the body and one on each word fire, and
+/// a transfer to an aperture unexported meanwhile is refused as a lone burst is.
+#[test]
+fn a_body_and_its_words_land_together_with_their_tripwires() {
+    let _wd = Watchdog::new("bodies and words over a link", Duration::from_secs(60));
+    let a = Nic::open(NicConfig {
+        local_transport: LocalTransport::Link,
+        progress: Progress::Manual,
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let b = nic();
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let ap = ea.export(8192).unwrap();
+    let in_body = ap.tripwire(TripwireConfig::writes(100..110).event(1)).unwrap();
+    let flag = ap.tripwire(TripwireConfig::writes(0..8).event(2)).unwrap();
+    let lead = ap.tripwire(TripwireConfig::writes(4096..4104).event(3)).unwrap();
+    let m = eb.import(&ap.descriptor()).unwrap();
+    let spin_until = |what: &str, done: &dyn Fn() -> bool| {
+        let start = std::time::Instant::now();
+        while !done() {
+            flag.drive_links();
+            assert!(start.elapsed() < Duration::from_secs(30), "{what}: nothing applied");
+        }
+    };
+    for round in 1..=40u64 {
+        for tw in [&in_body, &flag, &lead] {
+            tw.arm().unwrap();
+        }
+        let body: Vec<u8> = (0..64 + round as usize).map(|i| (i as u64 * 7 + round) as u8).collect();
+        m.write_then_store_u64(64, &body, 0, round).unwrap();
+        spin_until("body and word", &|| ap.load_u64(0).unwrap() == round);
+        let mut got = vec![0u8; body.len()];
+        ap.read(64, &mut got).unwrap();
+        assert_eq!(got, body, "round {round}: the body is whole once its word is there");
+        // A slot: lead word at 4096, body from 4104, then the word at 8.
+        m.write_led_then_store_u64(4096, round << 8, &body, 8, round).unwrap();
+        spin_until("slot", &|| ap.load_u64(8).unwrap() == round);
+        assert_eq!(ap.load_u64(4096).unwrap(), round << 8, "round {round}: the lead is there");
+        ap.read(4104, &mut got).unwrap();
+        assert_eq!(got, body, "round {round}: the slot's body is whole");
+        for tw in [&in_body, &flag, &lead] {
+            assert!(tw.take_fired(), "round {round}: a tripwire over what came did not fire");
+        }
+    }
+    // Refused once the aperture is gone, then stale, as a lone burst is.
+    let other = ea.export(4096).unwrap();
+    let m2 = eb.import(&other.descriptor()).unwrap();
+    m2.write_then_store_u64(64, b"first", 0, 1).unwrap();
+    spin_until("first", &|| other.load_u64(0).unwrap() == 1);
+    drop(other);
+    let _ = m2.write_then_store_u64(64, b"second", 0, 2);
+    let start = std::time::Instant::now();
+    while m2.write_then_store_u64(64, b"third", 0, 3) != Err(AccessError::Revoked) {
+        flag.drive_links();
+        assert!(start.elapsed() < Duration::from_secs(30), "the refusal never came back");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!m2.is_live());
+}
+
 /// Read tripwires across a link: the exporter's read tripwire fires when a remote importer
 /// reads the watched bytes (they left through the exporter's NIC) — a PIO read and a DMA
 /// read alike — and not when a read misses them. Both NICs busy-poll their links, and the

@@ -86,9 +86,22 @@ impl LinkTarget {
     /// Write bursts in order, gathered into one send when small ([`Link::send_writes`]).
     fn send_all(&self, parts: &[(u64, &[u8])]) -> Result<(), AccessError> {
         // An empty burst is no burst (as `send` sends nothing for it).
-        let targets: Vec<(Target, &[u8])> =
-            parts.iter().filter(|(_, d)| !d.is_empty()).map(|(abs, d)| (self.to(*abs), *d)).collect();
-        self.link.send_writes(&self.nic, &targets).map_err(link_error)
+        let bursts = parts.iter().filter(|(_, d)| !d.is_empty()).map(|(abs, d)| (self.to(*abs), *d));
+        // A transfer and its word (and a lead word) are a few bursts: listed on the stack,
+        // with no allocation on the path of every small write.
+        const FEW: usize = 4;
+        if parts.len() <= FEW {
+            let mut few = [(self.to(0), &[][..]); FEW];
+            let mut n = 0;
+            for b in bursts {
+                few[n] = b;
+                n += 1;
+            }
+            self.link.send_writes(&self.nic, &few[..n]).map_err(link_error)
+        } else {
+            let targets: Vec<(Target, &[u8])> = bursts.collect();
+            self.link.send_writes(&self.nic, &targets).map_err(link_error)
+        }
     }
 }
 
