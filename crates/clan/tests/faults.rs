@@ -222,6 +222,84 @@ fn hostile_peer_is_refused_and_disconnected() {
     assert_eq!(ap.load_u64(0).unwrap(), 77);
 }
 
+/// A small transfer and its words come as separate bursts and an exporter applies them
+/// together when they are whole in its buffer: a hostile peer that puts a word outside its
+/// grant (or misaligned, or under another key) behind a legitimate body gets the body
+/// applied and the word refused, exactly as burst by burst, and nothing lands outside the
+/// grant.
+#[test]
+fn a_body_with_a_bad_word_behind_it_is_checked_burst_by_burst() {
+    let _wd = Watchdog::new("hostile transfers", Duration::from_secs(120));
+    let nic = Nic::open(config()).unwrap();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(16384).unwrap();
+    let granted = ap.descriptor().derive(4096, 4096, Rights::READ_WRITE).unwrap();
+    let mut raw = Raw::connect(&nic);
+    let bytes = granted.to_bytes();
+    raw.send(&Frame::Import(Import {
+        id: 1,
+        importer_nic: "127.0.0.1:9".parse().unwrap(),
+        importer_port: 1,
+        desc: &bytes,
+    }));
+    let Frame::ImportReply(r) = decode_small(&raw.expect(frame::kind::IMPORT_REPLY)) else { unreachable!() };
+    assert_eq!(r.status, Status::Ok);
+    let t = |offset: u64| Target { aperture: ap.id(), generation: ap.generation(), key: r.key, offset };
+    // Each case: the bursts in one send (so the exporter finds them whole together), the
+    // refusals expected (status, offset), in order.
+    type Bursts = Vec<(Target, Vec<u8>)>;
+    let cases: Vec<(Bursts, Vec<(Status, u64)>)> = vec![
+        // A good body and its word: applied together, nothing refused.
+        (vec![(t(4160), vec![0x11; 40]), (t(4096), 1u64.to_le_bytes().to_vec())], vec![]),
+        // The word past the grant.
+        (vec![(t(4224), vec![0x22; 40]), (t(8192), 2u64.to_le_bytes().to_vec())], vec![(Status::OutOfBounds, 8192)]),
+        // The word before it.
+        (vec![(t(4288), vec![0x33; 40]), (t(4088), 3u64.to_le_bytes().to_vec())], vec![(Status::OutOfBounds, 4088)]),
+        // The word under a forged key.
+        (
+            vec![(t(4352), vec![0x44; 40]), (Target { key: r.key ^ 1, ..t(4104) }, 4u64.to_le_bytes().to_vec())],
+            vec![(Status::BadKey, 4104)],
+        ),
+        // A slot: lead, body, word, with the word past the grant.
+        (
+            vec![
+                (t(4424), vec![0x55; 40]),
+                (t(4416), 5u64.to_le_bytes().to_vec()),
+                (t(12288), 5u64.to_le_bytes().to_vec()),
+            ],
+            vec![(Status::OutOfBounds, 12288)],
+        ),
+        // The body past the grant, its word inside: the body refused, the word applied.
+        (vec![(t(8180), vec![0x66; 40]), (t(4112), 6u64.to_le_bytes().to_vec())], vec![(Status::OutOfBounds, 8180)]),
+    ];
+    for (k, (bursts, refusals)) in cases.iter().enumerate() {
+        let mut b = Vec::new();
+        for (to, data) in bursts {
+            frame::encode_write(to, data, &mut b);
+        }
+        raw.send_raw(&b);
+        for (status, offset) in refusals {
+            let Frame::Refused(x) = decode_small(&raw.expect(frame::kind::REFUSED)) else { unreachable!() };
+            assert_eq!((x.status, x.offset), (*status, *offset), "case {k}");
+        }
+    }
+    // Everything above was applied by now: a ping is answered after it.
+    raw.send(&Frame::Ping { token: 9 });
+    raw.expect(frame::kind::PONG);
+    let mut all = vec![0u8; 16384];
+    ap.read(0, &mut all).unwrap();
+    let word = |at: usize| u64::from_le_bytes(all[at..at + 8].try_into().unwrap());
+    assert_eq!((word(4096), word(4416), word(4112)), (1, 5, 6), "the good words landed");
+    for (at, byte) in [(4160usize, 0x11u8), (4224, 0x22), (4288, 0x33), (4352, 0x44), (4424, 0x55)] {
+        assert!(all[at..at + 40].iter().all(|&x| x == byte), "the body at {at} landed whole");
+    }
+    assert_eq!(word(4104), 0, "nothing under a forged key");
+    assert!(
+        all[..4096].iter().all(|&x| x == 0) && all[8192..].iter().all(|&x| x == 0),
+        "nothing written outside the grant"
+    );
+}
+
 /// The exporter checks rights itself: a hostile peer holding a read-only grant that sends
 /// write frames anyway (a burst, a word store, a notification), or one holding a write-only
 /// grant that asks for a read, is refused with `NoRights` and changes nothing: not a byte,
