@@ -347,7 +347,7 @@ fn ring_pages(slots: u64, slot: u64) -> impl Iterator<Item = (u64, u64)> {
 pub struct MsgSender {
     ep: Arc<Endpoint>,
     conn: clan::Connection,
-    mine: Arc<Aperture>,
+    mine: Aperture,
     peer: Arc<crate::side::PeerSide>,
     slots: u64,
     slot: u64,
@@ -875,7 +875,7 @@ impl MsgSender {
 pub struct MsgReceiver {
     _ep: Arc<Endpoint>,
     conn: clan::Connection,
-    mine: Arc<Aperture>,
+    mine: Aperture,
     peer: Arc<crate::side::PeerSide>,
     slots: u64,
     slot: u64,

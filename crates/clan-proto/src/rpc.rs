@@ -426,7 +426,7 @@ impl ChannelSender {
     ) -> Result<(), RpcError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let want = self.p.seq;
-        let mine = self.p.sides.mine.clone();
+        let mine = &self.p.sides.mine;
         let conn = &self.p.sides.conn;
         wait_check(
             &self.tx_ready,

@@ -507,8 +507,10 @@ impl Stream {
     }
 
     fn from_sides(s: side::Sides, cfg: &StreamConfig, queue: Option<EventQueue>) -> Result<Stream, PipeError> {
-        let tx = PipeTx::new(s.mine.clone(), s.peer.clone(), s.peer_cap, s.peer_post_cap, cfg.spin)?;
-        let rx = PipeRx::new(s.mine.clone(), s.peer.clone(), cfg.ring, cfg.post_area, cfg.spin)?;
+        // (the two halves share our side)
+        let mine = Arc::new(s.mine);
+        let tx = PipeTx::new(mine.clone(), s.peer.clone(), s.peer_cap, s.peer_post_cap, cfg.spin)?;
+        let rx = PipeRx::new(mine.clone(), s.peer.clone(), cfg.ring, cfg.post_area, cfg.spin)?;
         Ok(Stream {
             inner: Arc::new(Inner {
                 tx: Mutex::new(tx),
@@ -516,7 +518,7 @@ impl Stream {
                 local: s.ep.addr(),
                 peer: s.conn.peer(),
                 conn: s.conn,
-                side: s.mine,
+                side: mine,
                 ep: s.ep,
                 nonblocking: AtomicBool::new(false),
                 read_shut: AtomicBool::new(false),
