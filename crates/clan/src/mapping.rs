@@ -17,7 +17,7 @@
 //! Across hosts (`crate::transport::link`) writes become bursts on the link, sent from the caller's
 //! memory, and `barrier` waits until the exporter has applied every earlier write.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use clan_shm::cam::CamLayout;
@@ -31,6 +31,7 @@ use crate::error::{AccessError, TripwireError};
 use crate::event_queue::EqInner;
 use crate::transport::{ReadStart, Transport, Via};
 use crate::tripwire::{Tripwire, TripwireConfig, WatchOwner};
+use crate::window::Window;
 use crate::window::{check_align, check_range, with_scratch};
 
 /// What keeps the exporter's side alive, dropped after the window (so memory is unmapped
@@ -80,27 +81,57 @@ pub(crate) struct MappingInner {
 /// ```
 #[derive(Clone)]
 pub struct Mapping {
+    // Field order: the aliases in `hot` drop before the record (and its unimport).
+    hot: Hot,
     pub(crate) inner: Arc<MappingInner>,
 }
+
+/// What every access reads, held in the handle as well as in its record: at thousands of
+/// mappings each pointer followed is a cache miss, and an access through a handle held by
+/// value (a connection's) follows none before the exporter's memory and index. The range
+/// and rights never change; the window (memory mapped in this process) is an alias of the
+/// record's, `None` across hosts.
+struct Hot {
+    off: u64,
+    len: u64,
+    rights: Rights,
+    window: Option<Window>,
+}
+
+impl Clone for Hot {
+    fn clone(&self) -> Hot {
+        Hot { off: self.off, len: self.len, rights: self.rights, window: self.window.as_ref().and_then(Window::alias) }
+    }
+}
+
+/// Whether any mapping of this process has outgoing tripwires ([`Mapping::tripwire`]):
+/// until one has, an access does not look at its mapping's record for them.
+static OUTGOING_SET: AtomicBool = AtomicBool::new(false);
 
 impl Mapping {
     /// A new import of `desc` by endpoint `ep`, reaching the memory through `via`; `keep`
     /// holds what releases the import when the last clone drops (after `via`).
     pub(crate) fn new(ep: &EndpointInner, desc: &Descriptor, via: Via, keep: Keep) -> Mapping {
-        Mapping {
-            inner: Arc::new(MappingInner {
-                via,
-                desc: desc.clone(),
-                off: desc.offset(),
-                len: desc.len(),
-                rights: desc.rights(),
-                importer_eq: ep.queue.inner.clone(),
-                importer_port: ep.addr.port,
-                outgoing: OnceLock::new(),
-                serial: ep.nic.next_serial(),
-                _keep: keep,
-            }),
-        }
+        Mapping::from_inner(Arc::new(MappingInner {
+            via,
+            desc: desc.clone(),
+            off: desc.offset(),
+            len: desc.len(),
+            rights: desc.rights(),
+            importer_eq: ep.queue.inner.clone(),
+            importer_port: ep.addr.port,
+            outgoing: OnceLock::new(),
+            serial: ep.nic.next_serial(),
+            _keep: keep,
+        }))
+    }
+
+    fn from_inner(inner: Arc<MappingInner>) -> Mapping {
+        let window = match &inner.via {
+            Via::Mapped(w) => w.alias(),
+            Via::Link(_) => None,
+        };
+        Mapping { hot: Hot { off: inner.off, len: inner.len, rights: inner.rights, window }, inner }
     }
 
     /// Length of the mapped range.
@@ -136,19 +167,22 @@ impl Mapping {
 
     #[inline]
     fn check_live(&self) -> Result<(), AccessError> {
-        self.inner.via.check_live()
+        match &self.hot.window {
+            Some(w) => w.check_live(),
+            None => self.inner.via.check_live(),
+        }
     }
 
     #[inline]
     fn check(&self, off: u64, len: u64, need: Rights) -> Result<u64, AccessError> {
-        let i = &self.inner;
-        let r = if !i.rights.contains(need) {
+        let h = &self.hot;
+        let r = if !h.rights.contains(need) {
             Err(if need == Rights::WRITE { AccessError::NotWritable } else { AccessError::NotReadable })
         } else {
-            check_range(off, len, i.len).and_then(|()| self.check_live())
+            check_range(off, len, h.len).and_then(|()| self.check_live())
         };
         match r {
-            Ok(()) => Ok(i.off + off),
+            Ok(()) => Ok(h.off + off),
             Err(e) => Err(self.refused(e, off, len)),
         }
     }
@@ -161,15 +195,22 @@ impl Mapping {
 
     #[inline]
     fn outgoing(&self, access: Access, off: u64, len: u64) {
-        if let Some(o) = self.inner.outgoing.get() {
-            o.fire_range(access, off, len);
+        // SYNC POINT: pairs with the Release store in `Mapping::tripwire`: a tripwire made
+        // before this access (in its happens-before) is seen.
+        if OUTGOING_SET.load(Ordering::Acquire) {
+            if let Some(o) = self.inner.outgoing.get() {
+                o.fire_range(access, off, len);
+            }
         }
     }
 
     /// Write `src` at `off` (programmed I/O).
     pub fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
-        self.inner.via.write(abs, src)?;
+        match &self.hot.window {
+            Some(w) => Transport::write(w, abs, src)?,
+            None => self.inner.via.write(abs, src)?,
+        }
         self.outgoing(Access::Write, off, src.len() as u64);
         Ok(())
     }
@@ -187,7 +228,10 @@ impl Mapping {
     pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {
         check_align(off, 8)?;
         let abs = self.check(off, 8, Rights::WRITE)?;
-        self.inner.via.store_u64(abs, v)?;
+        match &self.hot.window {
+            Some(w) => Transport::store_u64(w, abs, v)?,
+            None => self.inner.via.store_u64(abs, v)?,
+        }
         self.outgoing(Access::Write, off, 8);
         Ok(())
     }
@@ -365,7 +409,10 @@ impl Mapping {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
         check_align(word_off, 8)?;
         let wabs = self.check(word_off, 8, Rights::WRITE)?;
-        self.inner.via.write_then_store_u64(abs, src, wabs, v)?;
+        match &self.hot.window {
+            Some(w) => Transport::write_then_store_u64(w, abs, src, wabs, v)?,
+            None => self.inner.via.write_then_store_u64(abs, src, wabs, v)?,
+        }
         self.outgoing(Access::Write, off, src.len() as u64);
         self.outgoing(Access::Write, word_off, 8);
         Ok(())
@@ -406,7 +453,10 @@ impl Mapping {
         let abs = self.check(off, len, Rights::WRITE)?;
         check_align(word_off, 8)?;
         let wabs = self.check(word_off, 8, Rights::WRITE)?;
-        self.inner.via.write_led_then_store_u64(abs, lead, src, wabs, v)?;
+        match &self.hot.window {
+            Some(w) => Transport::write_led_then_store_u64(w, abs, lead, src, wabs, v)?,
+            None => self.inner.via.write_led_then_store_u64(abs, lead, src, wabs, v)?,
+        }
         self.outgoing(Access::Write, off, len);
         self.outgoing(Access::Write, word_off, 8);
         Ok(())
@@ -451,7 +501,10 @@ impl Mapping {
         let abs = self.check(off, len, Rights::WRITE)?;
         check_align(word_off, 8)?;
         let wabs = self.check(word_off, 8, Rights::WRITE)?;
-        self.inner.via.write_led_run_then_store_u64(abs, stride, msgs, wabs, v)?;
+        match &self.hot.window {
+            Some(w) => Transport::write_led_run_then_store_u64(w, abs, stride, msgs, wabs, v)?,
+            None => self.inner.via.write_led_run_then_store_u64(abs, stride, msgs, wabs, v)?,
+        }
         self.outgoing(Access::Write, off, len);
         self.outgoing(Access::Write, word_off, 8);
         Ok(())
@@ -615,10 +668,12 @@ impl Mapping {
                 let m = Arc::downgrade(&self.inner);
                 o.alive = Some(Box::new(move || {
                     m.upgrade()
-                        .is_some_and(|m| !matches!(Mapping { inner: m }.check_live(), Err(AccessError::Disconnected)))
+                        .is_some_and(|m| !matches!(Mapping::from_inner(m).check_live(), Err(AccessError::Disconnected)))
                 }));
                 let o = Arc::new(o);
                 let _ = i.outgoing.set(o);
+                // SYNC POINT: pairs with the Acquire load in `Mapping::outgoing`.
+                OUTGOING_SET.store(true, Ordering::Release);
                 i.outgoing.get().cloned().ok_or(TripwireError::Stale)?
             }
         };

@@ -84,6 +84,21 @@ impl Window {
         }
     }
 
+    /// Another handle on this window, for a handle that holds its hot state by value
+    /// (`crate::Mapping`): `None` if its memory is a mapping of its own, which has one owner.
+    pub fn alias(&self) -> Option<Window> {
+        Some(Window {
+            data: self.data.alias()?,
+            data_base: self.data_base,
+            cam: self.cam.clone(),
+            tag: self.tag,
+            live: self.live,
+            port: self.port.clone(),
+            claim: self.claim,
+            peer_alive: self.peer_alive.clone(),
+        })
+    }
+
     #[inline]
     fn rel(&self, abs: u64) -> usize {
         (abs - self.data_base) as usize
