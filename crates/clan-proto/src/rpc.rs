@@ -918,12 +918,18 @@ impl RpcServer {
         // When the queue was first found drained since the last event (the clock is read
         // only then, not per event).
         let mut idle_since = None;
+        // Empty polls in a row (the clock is read at the first and every
+        // `server::CLOCK_EVERY`th, not at each).
+        let mut empty = 0u32;
         loop {
             let Some(ev) = next.take() else {
                 // Drained: poll for a while before going back to sleep.
-                if idle_since.get_or_insert_with(Instant::now).elapsed() >= self.cfg.spin {
+                if empty % crate::server::CLOCK_EVERY == 0
+                    && idle_since.get_or_insert_with(Instant::now).elapsed() >= self.cfg.spin
+                {
                     break;
                 }
+                empty = empty.wrapping_add(1);
                 std::hint::spin_loop();
                 next = self.queue.try_take();
                 continue;
@@ -931,6 +937,7 @@ impl RpcServer {
             served += self.handle_event(ev, handler)?;
             next = self.queue.try_take();
             idle_since = None;
+            empty = 0;
         }
         Ok(served)
     }

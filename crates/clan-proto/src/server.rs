@@ -34,6 +34,10 @@ use std::time::{Duration, Instant};
 use clan::{Event, EventQueue};
 use mio::{Events, Interest, Poll, Token};
 
+/// A spinning poll of drained queues reads the clock (for its time limit) once every this
+/// many empty polls, and at the first.
+pub(crate) const CLOCK_EVERY: u32 = 32;
+
 type QueueHandler = Box<dyn FnMut(Event)>;
 type FdHandler = Box<dyn FnMut(&mio::event::Event)>;
 
@@ -147,6 +151,10 @@ impl EventLoop {
         // When the queues were first found drained since the last event (the clock is read
         // only then, not per round that handled events).
         let mut idle_since = None;
+        // Empty polls in a row: the clock is read at the first and then every
+        // `CLOCK_EVERY`th (a clock read costs more than a poll, and every poll of a drained
+        // queue delays the next event by its length).
+        let mut empty = 0u32;
         loop {
             let mut got = false;
             for (q, h) in self.queues.values_mut() {
@@ -158,11 +166,14 @@ impl EventLoop {
             }
             if got {
                 idle_since = None;
-            } else if idle_since.get_or_insert_with(Instant::now).elapsed() >= self.poll_for {
-                return n;
-            } else {
-                std::hint::spin_loop();
+                empty = 0;
+                continue;
             }
+            if empty % CLOCK_EVERY == 0 && idle_since.get_or_insert_with(Instant::now).elapsed() >= self.poll_for {
+                return n;
+            }
+            empty = empty.wrapping_add(1);
+            std::hint::spin_loop();
         }
     }
 
