@@ -15,6 +15,12 @@
 //! - `wide_head` (in the header): the list of wide tripwires;
 //! - `entries`: the tripwire entries ([`TripEntry`]), `cap` of them.
 //!
+//! In memory: the header's hot words ([`CamHeader`]: revocation, epoch, `wide_head`), the
+//! wide bits, the watch bits, the heads, what identifies the index ([`CamMeta`]: read once
+//! by an importer), then the entries ([`CamLayout`]). An access reads the header first; for
+//! an aperture of up to 8 KiB, what it reads next for its first lines is in the same cache
+//! line.
+//!
 //! ## Cost of matching a write of `len` bytes at `off`
 //!
 //! - `⌈len/4096⌉ + ⌈len/262144⌉ + 2` word loads when nothing near is watched (the common case);
@@ -45,45 +51,38 @@ pub const LINE_SHIFT: u32 = 6;
 pub const PAGE_SHIFT: u32 = 12;
 /// A tripwire spanning at most this many lines is narrow.
 pub const NARROW_LINES: u64 = 4;
-/// Header magic.
-pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM3");
+/// Magic word of an index (its [`CamMeta`]).
+pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM4");
 /// Alignment of the entries within an index (a cache line: a small index keeps its header,
 /// bits, list heads and first entries in one page).
 const ENTRY_ALIGN: usize = 64;
 
-/// Header of an index, 64 bytes.
+/// The hot words of an index, 24 bytes at its start: what every access through a mapping
+/// reads. The index's bits and first list heads follow in the same cache line, and what is
+/// read only once, at import, is further on ([`CamMeta`]): a write into a small aperture
+/// whose tripwires watch its first lines looks at one line of the index, not two (at
+/// thousands of apertures each line looked at is a cache miss).
 #[repr(C)]
 #[derive(Debug)]
 pub struct CamHeader {
-    /// [`CAM_MAGIC`] once initialised.
-    pub magic: AtomicU64,
     /// Revocation word: `generation << 1 | 1` while the aperture is exported, anything else
     /// once it is revoked. Every access through a mapping compares it first.
     pub state: AtomicU64,
     /// Bumped by every change of the index.
     pub epoch: AtomicU64,
-    /// Watched length in bytes.
-    pub len: AtomicU64,
-    /// Tag every entry of this index carries (aperture id and generation).
-    pub tag: AtomicU64,
     /// First wide entry, as `index + 1`.
     pub wide_head: AtomicU32,
     _r: AtomicU32,
-    _pad: [AtomicU64; 2],
 }
 
 impl CamHeader {
     /// A zeroed header.
     pub fn new() -> CamHeader {
         CamHeader {
-            magic: AtomicU64::new(0),
             state: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
-            len: AtomicU64::new(0),
-            tag: AtomicU64::new(0),
             wide_head: AtomicU32::new(0),
             _r: AtomicU32::new(0),
-            _pad: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
@@ -94,13 +93,32 @@ impl Default for CamHeader {
     }
 }
 
-impl CamHeader {
+/// What identifies an index, read once by an importer ([`CamMeta::check`]): after the list
+/// heads, at [`CamLayout::meta_off`].
+#[repr(C)]
+#[derive(Debug)]
+pub struct CamMeta {
+    /// [`CAM_MAGIC`] once initialised.
+    pub magic: AtomicU64,
+    /// Watched length in bytes.
+    pub len: AtomicU64,
+    /// Tag every entry of this index carries (aperture id and generation).
+    pub tag: AtomicU64,
+}
+
+impl CamMeta {
+    /// A zeroed one.
+    pub fn new() -> CamMeta {
+        CamMeta { magic: AtomicU64::new(0), len: AtomicU64::new(0), tag: AtomicU64::new(0) }
+    }
+
     /// Check an index another process laid out (an importer's first look at it): its magic
     /// word is [`CAM_MAGIC`] and it watches `len` bytes, the length the import was told.
     /// Memory written by another process is untrusted: anything else is refused.
     pub fn check(&self, len: u64) -> Result<(), String> {
-        // SYNC POINT: the exporter initialised the header before handing over the memfd
-        // (its Release store of `state` in `init`, and the fd passing itself, order it).
+        // SYNC POINT: the exporter initialised the index before handing over the memfd
+        // (its Release store of the header's `state` after these, and the fd passing
+        // itself, order it).
         let magic = self.magic.load(Ordering::Acquire);
         if magic != CAM_MAGIC {
             return Err(format!("not a clan aperture index (magic {magic:#018x})"));
@@ -113,12 +131,25 @@ impl CamHeader {
     }
 }
 
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<CamHeader>() == 24 && std::mem::size_of::<CamMeta>() == 24);
+
+impl Default for CamMeta {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The revocation word of a live export of generation `generation`.
 pub fn live_state(generation: u32) -> u64 {
     (u64::from(generation) << 1) | 1
 }
 
-/// Sizes and offsets of an index for `len` watched bytes.
+/// Sizes and offsets of an index for `len` watched bytes: the header, the wide bits, the
+/// watch bits, the list heads, the [`CamMeta`], then the entries. For an aperture of up to
+/// 256 KiB the first cache line holds the header, all its wide bits and the watch bits of
+/// its first 16 KiB; for one of up to 8 KiB (a connection's side) also the list heads of its
+/// first four lines, where the protocols' flags are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CamLayout {
     /// Watched bytes.
@@ -135,7 +166,9 @@ pub struct CamLayout {
     pub wide_words: usize,
     /// Offset of the list heads.
     pub heads_off: usize,
-    /// Offset of the entries (a page boundary: untouched pages of them cost nothing).
+    /// Offset of the [`CamMeta`].
+    pub meta_off: usize,
+    /// Offset of the entries (a cache line boundary).
     pub entries_off: usize,
     /// Number of entries.
     pub cap: u32,
@@ -148,14 +181,27 @@ impl CamLayout {
     pub fn new(len: u64, cap: u32) -> CamLayout {
         let nlines = len.div_ceil(1 << LINE_SHIFT).max(1);
         let npages = len.div_ceil(1 << PAGE_SHIFT).max(1);
-        let watch_off = std::mem::size_of::<CamHeader>();
-        let watch_words = nlines.div_ceil(64) as usize;
-        let wide_off = watch_off + watch_words * 8;
+        let wide_off = std::mem::size_of::<CamHeader>();
         let wide_words = npages.div_ceil(64) as usize;
-        let heads_off = wide_off + wide_words * 8;
-        let entries_off = (heads_off + nlines as usize * 4).div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+        let watch_off = wide_off + wide_words * 8;
+        let watch_words = nlines.div_ceil(64) as usize;
+        let heads_off = watch_off + watch_words * 8;
+        let meta_off = (heads_off + nlines as usize * 4).div_ceil(8) * 8;
+        let entries_off = (meta_off + std::mem::size_of::<CamMeta>()).div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
         let size = entries_off + cap as usize * std::mem::size_of::<TripEntry>();
-        CamLayout { len, nlines, watch_off, watch_words, wide_off, wide_words, heads_off, entries_off, cap, size }
+        CamLayout {
+            len,
+            nlines,
+            watch_off,
+            watch_words,
+            wide_off,
+            wide_words,
+            heads_off,
+            meta_off,
+            entries_off,
+            cap,
+            size,
+        }
     }
 
     /// The default number of entries for `len` watched bytes: eight per line (at least
@@ -184,6 +230,8 @@ pub struct Candidate {
 pub struct CamView<'a> {
     /// Header.
     pub header: &'a CamHeader,
+    /// Identity.
+    pub meta: &'a CamMeta,
     /// Watch bits, one per line.
     pub watch: &'a [AtomicU64],
     /// Wide bits, one per page.

@@ -238,6 +238,7 @@ impl std::fmt::Debug for CamModel {
 /// A heap-allocated index, for tests, loom models and mapping-side (outgoing) tripwires.
 pub struct CamModel {
     header: crate::cam::CamHeader,
+    meta: crate::cam::CamMeta,
     watch: Vec<AtomicU64>,
     wide: Vec<AtomicU64>,
     heads: Vec<AtomicU32>,
@@ -251,6 +252,7 @@ impl CamModel {
         let l = crate::cam::CamLayout::new(len, cap);
         CamModel {
             header: crate::cam::CamHeader::new(),
+            meta: crate::cam::CamMeta::new(),
             watch: (0..l.watch_words).map(|_| AtomicU64::new(0)).collect(),
             wide: (0..l.wide_words).map(|_| AtomicU64::new(0)).collect(),
             heads: (0..l.nlines).map(|_| AtomicU32::new(0)).collect(),
@@ -263,6 +265,7 @@ impl CamModel {
     pub fn view(&self) -> crate::cam::CamView<'_> {
         crate::cam::CamView {
             header: &self.header,
+            meta: &self.meta,
             watch: &self.watch,
             wide: &self.wide,
             heads: &self.heads,
@@ -363,6 +366,7 @@ mod mapped {
                 let s: &Segment = &seg;
                 CamView {
                     header: s.view(offset)?,
+                    meta: s.view(offset + layout.meta_off)?,
                     watch: s.slice(offset + layout.watch_off, layout.watch_words)?,
                     wide: s.slice(offset + layout.wide_off, layout.wide_words)?,
                     heads: s.slice(offset + layout.heads_off, layout.nlines as usize)?,

@@ -46,6 +46,8 @@ unsafe impl Shared for crate::trip::TripCell {}
 unsafe impl Shared for crate::eq::EqHeader {}
 // SAFETY: as above.
 unsafe impl Shared for crate::cam::CamHeader {}
+// SAFETY: as above.
+unsafe impl Shared for crate::cam::CamMeta {}
 
 /// How a segment is mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

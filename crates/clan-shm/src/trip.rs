@@ -141,7 +141,7 @@ pub struct TripEntry {
     pub start: AtomicU64,
     /// One past the last watched byte.
     pub end: AtomicU64,
-    /// Identity of the index the entry belongs to (see [`crate::cam::CamHeader::tag`]).
+    /// Identity of the index the entry belongs to (see [`crate::cam::CamMeta::tag`]).
     pub tag: AtomicU64,
     /// Next entry on the same index list, as `index + 1`; 0 ends the list.
     pub next: AtomicU32,

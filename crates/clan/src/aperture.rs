@@ -179,11 +179,11 @@ impl ApertureMem {
 
     /// Initialise the index header for a new export.
     pub fn init(&self, generation: u32, tag: u64) {
-        let h = self.cam.view().header;
-        h.len.store(self.cap, Ordering::Relaxed);
-        h.tag.store(tag, Ordering::Relaxed);
+        let (h, m) = (self.cam.view().header, self.cam.view().meta);
+        m.len.store(self.cap, Ordering::Relaxed);
+        m.tag.store(tag, Ordering::Relaxed);
         h.wide_head.store(0, Ordering::Relaxed);
-        h.magic.store(CAM_MAGIC, Ordering::Relaxed);
+        m.magic.store(CAM_MAGIC, Ordering::Relaxed);
         // SYNC POINT: pairs with the importers' Acquire check of `state` (`Window::check_live`).
         h.state.store(live_state(generation), Ordering::Release);
     }

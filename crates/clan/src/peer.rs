@@ -558,7 +558,7 @@ pub(crate) fn finish_import(
     }
     .map_err(|e| fd_err(e, "mapping the aperture index"))?;
     let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap, g.slots).map_err(|e| protocol(desc.nic(), e.to_string()))?;
-    cam.view().header.check(g.cap).map_err(|e| protocol(desc.nic(), e))?;
+    cam.view().meta.check(g.cap).map_err(|e| protocol(desc.nic(), e))?;
     // The mappings keep the memory; the descriptors are no longer needed.
     drop((memfd, index_fd));
     let window = Window {
