@@ -72,11 +72,6 @@ fn chunk(cap: u64) -> u64 {
     (cap / 2).max(1024)
 }
 
-/// Bytes of a side aperture with a ring of `cap` and a post area of `post_cap` bytes.
-pub(crate) fn side_len(cap: u64, post_cap: u64) -> u64 {
-    RING + cap + post_cap
-}
-
 /// A broken protocol, a dead peer, or an access failure.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PipeError {

@@ -308,7 +308,7 @@ impl QueueListener {
 
     fn accept_on(&self, queue: Option<&EventQueue>, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
         let req = self.ep.accept(timeout).map_err(SetupError::from)?;
-        let g = Geometry { cap: self.cfg.slots * self.cfg.slot_size, post_cap: 0, slot: self.cfg.slot_size };
+        let g = Geometry { slot: self.cfg.slot_size, ..Geometry::bytes(self.cfg.slots * self.cfg.slot_size, 0) };
         let s = side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout)?;
         MsgReceiver::new(s, &self.cfg)
     }
@@ -373,13 +373,7 @@ impl MsgSender {
         cfg.check()?;
         // Our side holds the counter mirrored by the receiver, and one staging word per slot
         // (the source of the counter updates that DMA chains write).
-        let s = side::connect(
-            nic,
-            None,
-            to,
-            Geometry { cap: cfg.slots.max(2) * 8, post_cap: 0, slot: 0 },
-            cfg.connect_timeout,
-        )?;
+        let s = side::connect(nic, None, to, Geometry::bytes(cfg.slots.max(2) * 8, 0), cfg.connect_timeout)?;
         if s.peer_slot == 0 || s.peer_slot <= HEADER {
             return Err(QueueError::Protocol("the peer is not a message queue"));
         }

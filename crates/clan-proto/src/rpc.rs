@@ -356,8 +356,13 @@ impl RpcListener {
     /// Accept a channel sender: the receiving end.
     pub fn accept_channel(&self, timeout: Option<Duration>) -> Result<ChannelReceiver, RpcError> {
         let req = self.ep.accept(timeout).map_err(SetupError::from)?;
-        let s =
-            side::accept(&self.nic, None, req, Geometry::bytes(self.cfg.max_msg.max(2), 0), self.cfg.connect_timeout)?;
+        let s = side::accept(
+            &self.nic,
+            None,
+            req,
+            Geometry::message(self.cfg.max_msg.max(2), MSG),
+            self.cfg.connect_timeout,
+        )?;
         Ok(ChannelReceiver { p: Party::new(s, self.cfg.spin, None)? })
     }
 }
@@ -391,7 +396,7 @@ impl ChannelSender {
     /// Connect to a receiver listening at `to` (anything that names endpoints:
     /// [`clan::ToEndpointAddrs`]).
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
-        let s = side::connect(nic, None, to, Geometry::bytes(2, 0), cfg.connect_timeout)?;
+        let s = side::connect(nic, None, to, Geometry::message(2, MSG), cfg.connect_timeout)?;
         let tx_ready = wait_tripwire(&s.mine, CTL_READ..CTL_READ + 8)?;
         Ok(ChannelSender { p: Party::new(s, cfg.spin, None)?, tx_ready })
     }
@@ -538,7 +543,7 @@ impl RpcClient {
     /// Connect to the server at `to` (anything that names endpoints:
     /// [`clan::ToEndpointAddrs`]); `cfg.max_msg` is the largest reply we accept.
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
-        let s = side::connect(nic, None, to, Geometry::bytes(cfg.max_msg.max(2), 0), cfg.connect_timeout)?;
+        let s = side::connect(nic, None, to, Geometry::message(cfg.max_msg.max(2), MSG), cfg.connect_timeout)?;
         Ok(RpcClient { p: Party::new(s, cfg.spin, None)?, pending: false })
     }
 
@@ -831,7 +836,7 @@ impl RpcServer {
                 &self.nic,
                 Some(&self.queue),
                 req,
-                Geometry::bytes(self.cfg.max_msg.max(2), 0),
+                Geometry::message(self.cfg.max_msg.max(2), MSG),
                 self.cfg.connect_timeout,
             )?;
             let id = match self.free.pop() {

@@ -94,11 +94,25 @@ pub(crate) struct Geometry {
     pub cap: u64,
     pub post_cap: u64,
     pub slot: u64,
+    /// Where the ring starts ([`pipe::RING`] for byte rings and queues, `rpc::MSG` for a
+    /// message buffer): the protocol's, the same on both sides (not sent).
+    pub base: u64,
 }
 
 impl Geometry {
     pub fn bytes(cap: u64, post_cap: u64) -> Geometry {
-        Geometry { cap, post_cap, slot: 0 }
+        Geometry { cap, post_cap, slot: 0, base: pipe::RING }
+    }
+
+    /// A buffer of `cap` bytes at `base`, after the control words of the first page (a
+    /// side smaller than a page is carved from its pool with others in one page).
+    pub fn message(cap: u64, base: u64) -> Geometry {
+        Geometry { cap, post_cap: 0, slot: 0, base }
+    }
+
+    /// Bytes of a side of this geometry.
+    pub fn side_len(&self) -> u64 {
+        self.base + self.cap + self.post_cap
     }
 
     /// As private data of the connect hand-shake.
@@ -110,8 +124,9 @@ impl Geometry {
         b
     }
 
-    /// The peer's geometry, checked against what its descriptor grants (`len` bytes).
-    fn decode(b: &[u8], len: u64) -> Result<Geometry, SetupError> {
+    /// The peer's geometry, checked against what its descriptor grants (`len` bytes); its
+    /// ring starts at `base`, as ours.
+    fn decode(b: &[u8], len: u64, base: u64) -> Result<Geometry, SetupError> {
         if b.len() != 32 {
             return Err(SetupError::BadPeer("not a clan-proto peer (no geometry)"));
         }
@@ -119,8 +134,8 @@ impl Geometry {
         if w(0) != MAGIC {
             return Err(SetupError::BadPeer("no magic"));
         }
-        let g = Geometry { cap: w(1), post_cap: w(2), slot: w(3) };
-        if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING || pipe::side_len(g.cap, g.post_cap) > len {
+        let g = Geometry { cap: w(1), post_cap: w(2), slot: w(3), base };
+        if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING || g.side_len() > len {
             return Err(SetupError::BadPeer("sizes do not fit its aperture"));
         }
         if g.slot != 0 && (g.slot > g.cap || g.cap % g.slot != 0) {
@@ -204,7 +219,7 @@ fn export_side(ep: &Endpoint, g: Geometry, peer: clan::NicAddr) -> Result<Apertu
     if !(2..=MAX_RING).contains(&g.cap) || g.post_cap > MAX_RING {
         return Err(SetupError::BadConfig("ring between 2 bytes and 1 GiB, post area at most 1 GiB"));
     }
-    Ok(ep.export_with(pipe::side_len(g.cap, g.post_cap), clan::ExportConfig::for_peer(peer))?)
+    Ok(ep.export_with(g.side_len(), clan::ExportConfig::for_peer(peer))?)
 }
 
 /// Connect from a fresh endpoint of `nic` to the listening endpoint `to`, within `timeout`
@@ -231,7 +246,7 @@ fn connect_one(
     let ep = Arc::new(endpoint(nic, queue)?);
     let mine = export_side(&ep, g, to.nic)?;
     let conn = ep.connect_with_data(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
-    let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len())?;
+    let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len(), g.base)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let m = ep.import_timeout(conn.peer_descriptor(), left)?;
     let peer = Arc::new(PeerSide {
@@ -255,7 +270,7 @@ pub(crate) fn accept(
     g: Geometry,
     timeout: Duration,
 ) -> Result<Sides, SetupError> {
-    let pg = match Geometry::decode(req.data(), req.descriptor().len()) {
+    let pg = match Geometry::decode(req.data(), req.descriptor().len(), g.base) {
         Ok(pg) => pg,
         Err(e) => {
             let ep = nic.endpoint()?;

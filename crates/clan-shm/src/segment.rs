@@ -133,16 +133,17 @@ impl Segment {
         Ok(Segment { ptr: NonNull::new(ptr.cast()).expect("mmap returned null"), len, access, parent: None })
     }
 
-    /// `len` bytes of `parent` at `offset` (page-aligned) as a segment of their own: every
-    /// access is checked against the part, and the mapping stays mapped while the part lives.
-    /// How several apertures carved from one memfd share one mapping.
+    /// `len` bytes of `parent` at `offset` (a multiple of [`PART_ALIGN`]) as a segment of
+    /// their own: every access is checked against the part, and the mapping stays mapped
+    /// while the part lives. How several apertures carved from one memfd share one mapping
+    /// (small ones several to a page).
     pub fn sub(parent: &std::sync::Arc<Segment>, offset: usize, len: usize) -> Result<Segment, SegmentError> {
         if len == 0 {
             return Err(SegmentError::OutOfBounds { offset, len, size: parent.len });
         }
         parent.check(offset, len)?;
-        if offset % page_size() != 0 {
-            return Err(SegmentError::Misaligned { offset, align: page_size() });
+        if offset % PART_ALIGN != 0 {
+            return Err(SegmentError::Misaligned { offset, align: PART_ALIGN });
         }
         // SAFETY: `offset + len <= parent.len` (checked), so the pointer stays inside the
         // parent's live mapping, which the part keeps alive through its `Arc`.
@@ -437,6 +438,10 @@ impl<'a> RawRegion<'a> {
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
     }
 }
+
+/// Alignment of a part of a mapping ([`Segment::sub`]): a cache line, so that a part's words
+/// are aligned for atomics and no two parts share a line.
+pub const PART_ALIGN: usize = 64;
 
 /// The system page size.
 pub fn page_size() -> usize {

@@ -1,4 +1,5 @@
-//! Apertures: page-aligned regions of memory an endpoint exports.
+//! Apertures: regions of memory an endpoint exports (page-aligned, but for the small ones
+//! carved from a pool).
 //!
 //! Each aperture is two sealed memfds, both `0600` (`clan_shm::memfd`): its data (a page
 //! multiple), and its tripwire index (`clan_shm::cam`: the lists and the entries) that every
@@ -49,9 +50,20 @@ pub const MAX_APERTURE: u64 = 1 << 40;
 /// Most tripwire entries of one aperture's index.
 pub const MAX_SLOTS: u32 = 1 << 20;
 
-/// The size of the index memfd of an aperture of capacity `cap` with `slots` entries.
+/// The length of the index of an aperture of capacity `cap` with `slots` entries (a whole
+/// number of cache lines: a pool carves indexes several to a page).
 pub(crate) fn index_len(cap: u64, slots: u32) -> u64 {
-    segment::page_align(CamLayout::new(cap, slots).size) as u64
+    (CamLayout::new(cap, slots).size as u64).next_multiple_of(crate::pool::PART_ALIGN)
+}
+
+/// Tripwire entries of a pooled aperture smaller than a page.
+pub const SMALL_POOLED_SLOTS: u32 = 8;
+
+/// The capacity of a pooled aperture of `len` bytes: under a page, a whole number of cache
+/// lines (carved several to a page); else whole pages.
+pub(crate) fn pooled_cap(len: u64) -> u64 {
+    let page = segment::page_size() as u64;
+    if len < page { len.next_multiple_of(crate::pool::PART_ALIGN) } else { len.next_multiple_of(page) }
 }
 
 /// Where an aperture's memory lives.
@@ -63,12 +75,16 @@ pub(crate) enum Backing {
     Pooled(Slice),
 }
 
-/// Tripwire entries of a pooled aperture's index: at least 32, and as many more as fill the
-/// index's last page. Pooled apertures are connection buffers with a few tripwires each: a
-/// one-page aperture's index is then one page (58 entries) instead of sixteen (1024), and a
-/// chunk holds 256 of them instead of 16.
+/// Tripwire entries of a pooled aperture's index. Pooled apertures are connection buffers
+/// with a few tripwires each. One smaller than a page (an RPC party's buffer) gets
+/// [`SMALL_POOLED_SLOTS`]: with its data it is then a few cache lines, many to a page. A
+/// larger one gets at least 32, and as many more as fill its index's last page: a one-page
+/// aperture's index is one page (58 entries) instead of sixteen (1024).
 fn pooled_slots(cap: u64) -> u32 {
     const MIN: u32 = 32;
+    if cap < segment::page_size() as u64 {
+        return SMALL_POOLED_SLOTS;
+    }
     let l = CamLayout::new(cap, MIN);
     let room = (segment::page_align(l.size) - l.entries_off) / std::mem::size_of::<clan_shm::trip::TripEntry>();
     (room as u32).clamp(MIN, MAX_SLOTS)
@@ -80,7 +96,8 @@ pub(crate) struct ApertureMem {
     pub backing: Backing,
     pub seg: Arc<Segment>,
     pub cam: Arc<CamMap>,
-    /// Data capacity (a page multiple).
+    /// Data capacity (a page multiple; a pooled aperture under a page: a cache line
+    /// multiple, [`pooled_cap`]).
     pub cap: u64,
     /// Tripwire entries of the index.
     pub slots: u32,
@@ -117,8 +134,10 @@ impl ApertureMem {
         })
     }
 
-    /// Memory carved from `pool` (zero-filled), if the aperture is small enough to be pooled.
-    pub fn pooled(pool: &Arc<Pool>, cap: u64) -> Result<Option<ApertureMem>, ExportError> {
+    /// Memory carved from `pool` (zero-filled) for an aperture of `len` bytes, if it is small
+    /// enough to be pooled.
+    pub fn pooled(pool: &Arc<Pool>, len: u64) -> Result<Option<ApertureMem>, ExportError> {
+        let cap = pooled_cap(len);
         let slots = pooled_slots(cap);
         let index_len = index_len(cap, slots);
         if cap > crate::pool::MAX_POOLED || index_len > crate::pool::CHUNK_INDEX / 8 {

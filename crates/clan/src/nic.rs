@@ -712,7 +712,7 @@ impl NicInner {
         let pooled = match cfg.pooled_for {
             Some(peer) => {
                 policy.nics.push(peer);
-                ApertureMem::pooled(&self.pools.for_peer(peer), cap)?.map(Arc::new)
+                ApertureMem::pooled(&self.pools.for_peer(peer), len)?.map(Arc::new)
             }
             None => None,
         };

@@ -539,18 +539,21 @@ pub(crate) fn finish_import(
     let index_fd =
         Memfd::adopt(index_fd, index_end).map_err(|e| protocol(desc.nic(), format!("aperture index memfd: {e}")))?;
     let page = segment::page_size() as u64;
-    let start = desc.offset() / page * page;
-    let end = (desc.offset() + desc.len()).div_ceil(page) * page;
     let access = if g.read_only { SegAccess::ReadOnly } else { SegAccess::ReadWrite };
     // A pool's chunk (a memfd larger than the aperture, granted read-write) is mapped once
-    // per process and shared by every aperture of it we import; an aperture of its own is
-    // mapped alone, its granted pages only.
-    let data = if !g.read_only && memfd.len() > g.cap {
-        chunk_part(nic, &memfd, SegAccess::ReadWrite, g.data_offset + start, end - start)
+    // per process and shared by every aperture of it we import, each a part of that mapping
+    // (small ones several to a page: their granted lines); an aperture of its own is mapped
+    // alone, its granted pages only.
+    let (data, start) = if !g.read_only && memfd.len() > g.cap {
+        let start = desc.offset() / crate::pool::PART_ALIGN * crate::pool::PART_ALIGN;
+        let end = (desc.offset() + desc.len()).next_multiple_of(crate::pool::PART_ALIGN).min(g.cap);
+        (chunk_part(nic, &memfd, SegAccess::ReadWrite, g.data_offset + start, end - start), start)
     } else {
-        Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access)
-    }
-    .map_err(|e| fd_err(e, "mapping the aperture"))?;
+        let start = desc.offset() / page * page;
+        let end = (desc.offset() + desc.len()).div_ceil(page) * page;
+        (Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access), start)
+    };
+    let data = data.map_err(|e| fd_err(e, "mapping the aperture"))?;
     let cam_seg = if index_fd.len() > index_len {
         chunk_part(nic, &index_fd, SegAccess::ReadOnly, g.index_offset, index_len)
     } else {
@@ -616,18 +619,18 @@ fn chunk_part(
 }
 
 fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {
-    let page = segment::page_size() as u64;
     if g.aperture_len != desc.aperture_len() {
         return Err("aperture length differs from the descriptor's".into());
     }
-    if g.cap % page != 0 || g.cap < g.aperture_len || g.cap > crate::aperture::MAX_APERTURE {
+    let part = crate::pool::PART_ALIGN;
+    if g.cap % part != 0 || g.cap < g.aperture_len || g.cap > crate::aperture::MAX_APERTURE {
         return Err("bad aperture capacity".into());
     }
     if g.slots == 0 || g.slots > crate::aperture::MAX_SLOTS {
         return Err("bad index geometry".into());
     }
-    if g.data_offset % page != 0 || g.index_offset % page != 0 {
-        return Err("the aperture's offsets in its memfds are not page-aligned".into());
+    if g.data_offset % part != 0 || g.index_offset % part != 0 {
+        return Err("the aperture's offsets in its memfds are not aligned to a cache line".into());
     }
     if g.read_only == desc.rights().contains(Rights::WRITE) {
         return Err("granted access does not match the descriptor's rights".into());

@@ -6,7 +6,8 @@
 //! one peer NIC ([`crate::ExportConfig::for_peer`]; every connection side of `clan-proto`)
 //! are carved instead from *chunks*: one data memfd of [`CHUNK_DATA`] bytes and one index
 //! memfd of [`CHUNK_INDEX`] bytes, each mapped once by the exporter and shared by every
-//! aperture of the pool that fits in them (a few hundred small ones). The importer maps only
+//! aperture of the pool that fits in them (hundreds of page-sized ones, thousands of smaller
+//! ones, which are carved on cache lines several to a page: [`PART_ALIGN`]). The importer maps only
 //! its aperture's pages of the chunk and keeps no descriptor, as for any import.
 //!
 //! # Protection
@@ -37,6 +38,9 @@ use std::sync::{Arc, Mutex};
 
 use clan_shm::memfd::Memfd;
 use clan_shm::segment::{Access as SegAccess, Segment};
+
+/// Granularity of what a pool carves (a cache line).
+pub const PART_ALIGN: u64 = clan_shm::segment::PART_ALIGN as u64;
 use clan_wire::grant::Refusal;
 
 use crate::addr::NicAddr;
@@ -81,13 +85,13 @@ impl Chunk {
 pub(crate) struct Slice {
     pub pool: Arc<Pool>,
     pub chunk: Arc<Chunk>,
-    /// Where the data starts in the chunk's data memfd (a page multiple).
+    /// Where the data starts in the chunk's data memfd (a multiple of [`PART_ALIGN`]).
     pub data_off: u64,
-    /// Where the index starts in the chunk's index memfd (a page multiple).
+    /// Where the index starts in the chunk's index memfd (a multiple of [`PART_ALIGN`]).
     pub index_off: u64,
-    /// The index's length (a page multiple).
+    /// The index's length (a multiple of [`PART_ALIGN`]).
     pub index_len: u64,
-    /// The data's length (a page multiple).
+    /// The data's length (a multiple of [`PART_ALIGN`]).
     pub cap: u64,
 }
 
@@ -129,10 +133,13 @@ impl Pool {
         Pool { peer, state: Mutex::new(PoolState::default()) }
     }
 
-    /// Carve `cap` bytes of data (a page multiple, at most [`MAX_POOLED`]) and `index_len`
-    /// bytes of index (a page multiple): zero-filled.
+    /// Carve `cap` bytes of data (at most [`MAX_POOLED`]) and `index_len` bytes of index,
+    /// both multiples of [`PART_ALIGN`]: zero-filled. Small apertures are carved several to
+    /// a page: a peer that uses thousands of them at random then touches as few pages (TLB
+    /// entries) and cache lines as their sizes allow.
     pub fn carve(self: &Arc<Pool>, cap: u64, index_len: u64) -> Result<Slice, ExportError> {
         debug_assert!(cap <= MAX_POOLED && index_len <= CHUNK_INDEX);
+        debug_assert!(cap % PART_ALIGN == 0 && index_len % PART_ALIGN == 0);
         let mut s = lock(&self.state);
         let slice =
             |chunk, data_off, index_off| Slice { pool: self.clone(), chunk, data_off, index_off, index_len, cap };
@@ -277,5 +284,29 @@ mod tests {
         drop(d);
         assert!(chunk.upgrade().is_none(), "a pool whose apertures are all gone holds no memfd");
         assert_eq!(pools.counts().1, 0);
+    }
+
+    #[test]
+    fn small_slices_are_carved_on_cache_lines_several_to_a_page() {
+        let pools = Pools::default();
+        let p = pools.for_peer(NicAddr::localhost(8));
+        let s: Vec<Slice> = (0..8).map(|_| p.carve(320, 640).unwrap()).collect();
+        for (i, x) in s.iter().enumerate() {
+            assert_eq!((x.data_off, x.index_off), (i as u64 * 320, i as u64 * 640), "packed, in order");
+            assert_eq!(x.data_off % PART_ALIGN + x.index_off % PART_ALIGN, 0);
+        }
+        // Given back, zeroed, and its lines only: the neighbours keep their bytes.
+        s[1].chunk.data_seg.write(320, &[7; 320]).unwrap();
+        s[2].chunk.data_seg.write(640, &[9; 8]).unwrap();
+        let mut s = s;
+        drop(s.remove(1));
+        let again = p.carve(320, 640).unwrap();
+        assert_eq!(again.data_off, 320, "reused");
+        let mut b = [1u8; 320];
+        again.chunk.data_seg.read(320, &mut b).unwrap();
+        assert_eq!(b, [0; 320], "zeroed");
+        let mut n = [0u8; 8];
+        again.chunk.data_seg.read(640, &mut n).unwrap();
+        assert_eq!(n, [9; 8], "the next slice's bytes are untouched");
     }
 }

@@ -78,6 +78,22 @@ fn child() {
             say(format!("fds {} maps {}", count_fds() - fds, count_maps() - maps));
             let _ = hear();
         }
+        "fill_small" => {
+            // Each aperture (200 bytes, several to a page): its word, then its bytes up to its
+            // end, then one byte past it (refused).
+            say(nic.addr());
+            let ds: Vec<Descriptor> = hear().unwrap().split(' ').map(|d| d.parse().unwrap()).collect();
+            let ms: Vec<_> = ds.iter().map(|d| ep.import(d).unwrap()).collect();
+            let mut past = Vec::new();
+            for (i, m) in ms.iter().enumerate() {
+                m.write(8, &[(i % 251) as u8 + 1; 192]).unwrap();
+                m.store_u64(0, i as u64 + 1).unwrap();
+                past.push(format!("{:?}", m.write(200, b"x")));
+            }
+            past.dedup();
+            say(past.join(";"));
+            let _ = hear();
+        }
         "try_import" => {
             let d: Descriptor = hear().unwrap().parse().unwrap();
             match ep.import(&d) {
@@ -285,6 +301,36 @@ fn apertures_for_one_peer_share_their_memfds() {
     drop((first, again));
     assert_eq!(nic.stats().pool_chunks, 0);
     assert!(count_fds() <= before - 4, "the chunks' memfds are closed");
+}
+
+/// Pooled apertures smaller than a page are carved several to a page (on cache lines), each
+/// with an index of its own a few lines long: 300 of 200 bytes take a few pages of data.
+/// Another process reaches each one's bytes and no more: its writes up to each end land there
+/// and nowhere else, one past the end is refused, and each one's tripwire fires.
+#[test]
+fn small_pooled_apertures_share_pages_and_keep_to_their_bytes() {
+    let _wd = Watchdog::new("small pooled apertures", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let mut c = Peer::spawn(ENTRY, "fill_small", &[]);
+    let peer: clan::NicAddr = c.expect("nic").parse().unwrap();
+    let aps: Vec<_> = (0..300).map(|_| ep.export_with(200, ExportConfig::for_peer(peer)).unwrap()).collect();
+    assert!(aps.iter().all(|a| a.len() == 200));
+    assert_eq!(nic.stats().pool_chunks, 1, "300 small apertures fit one chunk");
+    let tws: Vec<_> = aps.iter().map(|a| a.tripwire(TripwireConfig::writes(0..8)).unwrap()).collect();
+    let list: Vec<String> = aps.iter().map(|a| a.descriptor().to_string()).collect();
+    c.send(&list.join(" "));
+    let past = c.expect("past");
+    assert!(past.starts_with("Err(OutOfBounds") && !past.contains(';'), "a write past the end: {past}");
+    for (i, (a, t)) in aps.iter().zip(&tws).enumerate() {
+        t.wait(Some(Duration::from_secs(20))).unwrap();
+        assert_eq!(a.load_u64(0).unwrap(), i as u64 + 1, "aperture {i} got another's word");
+        let mut body = [0u8; 192];
+        a.read(8, &mut body).unwrap();
+        assert!(body.iter().all(|&b| b == (i % 251) as u8 + 1), "aperture {i} got another's bytes");
+    }
+    c.send("bye");
+    c.wait_ok();
 }
 
 fn try_import(desc: &Descriptor) -> String {
