@@ -16,10 +16,11 @@
 //! - `entries`: the tripwire entries ([`TripEntry`]), `cap` of them.
 //!
 //! In memory: the header's hot words ([`CamHeader`]: revocation, epoch, `wide_head`), the
-//! wide bits, the watch bits, the heads, what identifies the index ([`CamMeta`]: read once
-//! by an importer), then the entries ([`CamLayout`]). An access reads the header first; for
-//! an aperture of up to 8 KiB, what it reads next for its first lines is in the same cache
-//! line.
+//! wide bits, the watch bits, the heads, the entries, then what identifies the index
+//! ([`CamMeta`]: read once by an importer; [`CamLayout`]). An access reads the header first;
+//! for an aperture of up to 8 KiB, what it reads next for its first lines is in the same
+//! cache line, and for one of up to 384 bytes (an RPC party's buffer for small messages) the
+//! first entries are in the next line (fetched with it: caches fetch lines in aligned pairs).
 //!
 //! ## Cost of matching a write of `len` bytes at `off`
 //!
@@ -93,8 +94,8 @@ impl Default for CamHeader {
     }
 }
 
-/// What identifies an index, read once by an importer ([`CamMeta::check`]): after the list
-/// heads, at [`CamLayout::meta_off`].
+/// What identifies an index, read once by an importer ([`CamMeta::check`]): after the
+/// entries, at [`CamLayout::meta_off`].
 #[repr(C)]
 #[derive(Debug)]
 pub struct CamMeta {
@@ -146,7 +147,8 @@ pub fn live_state(generation: u32) -> u64 {
 }
 
 /// Sizes and offsets of an index for `len` watched bytes: the header, the wide bits, the
-/// watch bits, the list heads, the [`CamMeta`], then the entries. For an aperture of up to
+/// watch bits, the list heads, the entries (from a cache line boundary), then the
+/// [`CamMeta`]. For an aperture of up to
 /// 256 KiB the first cache line holds the header, all its wide bits and the watch bits of
 /// its first 16 KiB; for one of up to 8 KiB (a connection's side) also the list heads of its
 /// first four lines, where the protocols' flags are.
@@ -186,9 +188,9 @@ impl CamLayout {
         let watch_off = wide_off + wide_words * 8;
         let watch_words = nlines.div_ceil(64) as usize;
         let heads_off = watch_off + watch_words * 8;
-        let meta_off = (heads_off + nlines as usize * 4).div_ceil(8) * 8;
-        let entries_off = (meta_off + std::mem::size_of::<CamMeta>()).div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
-        let size = entries_off + cap as usize * std::mem::size_of::<TripEntry>();
+        let entries_off = (heads_off + nlines as usize * 4).div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+        let meta_off = entries_off + cap as usize * std::mem::size_of::<TripEntry>();
+        let size = meta_off + std::mem::size_of::<CamMeta>();
         CamLayout {
             len,
             nlines,

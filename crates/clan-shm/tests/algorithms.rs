@@ -324,20 +324,23 @@ proptest! {
 
 /// What an access reads first of an index is in its first cache line: the header's hot
 /// words, the wide bits and the first watch bits (up to 256 KiB watched), and for a
-/// connection's side (up to 8 KiB) the heads of its first lines; what identifies the index
-/// comes after the heads, and the entries start on a line of their own.
+/// connection's side (up to 8 KiB) the heads of its first lines; the entries start on a line
+/// of their own (for a small buffer the next one), and what identifies the index comes last.
 #[test]
 fn a_small_index_keeps_what_an_access_reads_first_in_one_line() {
-    for len in [64u64, 4096, 8192, 65536, 256 << 10] {
+    for len in [64u64, 256, 384, 4096, 8192, 65536, 256 << 10] {
         let l = cam::CamLayout::new(len, 32);
         assert_eq!(l.wide_off, std::mem::size_of::<cam::CamHeader>(), "{len}");
         assert!(l.wide_off + l.wide_words * 8 <= 64, "all wide bits in line 0 ({len})");
         assert!(l.watch_off + 8 <= 64, "the first watch word in line 0 ({len})");
         assert!(l.heads_off >= l.watch_off + l.watch_words * 8);
-        assert!(l.meta_off >= l.heads_off + l.nlines as usize * 4 && l.meta_off % 8 == 0);
-        assert!(l.entries_off >= l.meta_off + 24 && l.entries_off % 64 == 0);
+        assert!(l.entries_off >= l.heads_off + l.nlines as usize * 4 && l.entries_off % 64 == 0);
+        assert!(l.meta_off == l.entries_off + 32 * 64 && l.size == l.meta_off + 24);
         if len <= 8192 {
             assert!(l.heads_off + 4 * 4 <= 64, "the heads of the first four lines in line 0 ({len})");
+        }
+        if len <= 384 {
+            assert_eq!(l.entries_off, 64, "the first entries in line 1 ({len})");
         }
     }
 }
