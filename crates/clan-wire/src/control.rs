@@ -114,9 +114,10 @@ pub struct ImportGrant {
     pub import_id: u64,
     /// Length of the whole aperture.
     pub aperture_len: u64,
-    /// Data capacity (page multiple).
+    /// Data capacity (a page multiple; a multiple of 64 for an aperture under a page carved
+    /// from a pool).
     pub cap: u64,
-    /// Where the aperture's data starts in the data memfd (a page multiple: 0 unless the
+    /// Where the aperture's data starts in the data memfd (a multiple of 64: 0 unless the
     /// aperture is carved from a pool of memory shared with the importer's NIC).
     pub data_offset: u64,
     /// Where the aperture's index starts in the index memfd (likewise).

@@ -640,3 +640,46 @@ fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(cap: u64, data_offset: u64, index_offset: u64) -> ImportGrant {
+        ImportGrant {
+            import_id: 1,
+            aperture_len: 200,
+            cap,
+            data_offset,
+            index_offset,
+            slots: 8,
+            eq_id: 0,
+            port: 0,
+            ring_cap: 64,
+            tag: 0,
+            live: 1,
+            read_only: false,
+        }
+    }
+
+    /// A grant is what an exporter says of the memory it hands over: untrusted. A small
+    /// pooled aperture's grant has cache-line offsets and capacity; anything not on a cache
+    /// line, or smaller than the descriptor's aperture, is refused before anything is mapped.
+    #[test]
+    fn a_grant_is_checked_against_the_descriptor_and_cache_line_alignment() {
+        let d = Descriptor::root(crate::addr::NicAddr::localhost(9), 3, 1, 200, &[7; 32]);
+        assert_eq!(check_grant(&d, &grant(256, 4096 + 320, 640)), Ok(()), "a small pooled aperture");
+        assert_eq!(check_grant(&d, &grant(4096, 0, 0)), Ok(()), "an aperture of its own");
+        for (g, why) in [
+            (grant(200, 0, 0), "a capacity off a cache line"),
+            (grant(192, 0, 0), "a capacity smaller than the aperture"),
+            (grant(256, 32, 0), "a data offset off a cache line"),
+            (grant(256, 0, 8), "an index offset off a cache line"),
+            (ImportGrant { aperture_len: 100, ..grant(256, 0, 0) }, "another aperture length"),
+            (ImportGrant { slots: 0, ..grant(256, 0, 0) }, "an index without entries"),
+            (ImportGrant { read_only: true, ..grant(256, 0, 0) }, "rights other than the descriptor's"),
+        ] {
+            assert!(check_grant(&d, &g).is_err(), "{why} is refused");
+        }
+    }
+}
