@@ -259,7 +259,7 @@ fn clan_pingpong(sync: SyncMode, size: usize, total: u64, warmup: u64, cpu_peer:
     let me = side(sync, size)?;
     let mut peer = PeerProc::spawn(
         Role::LatClan,
-        &PeerArgs { sync, size, iters: total, cpu: cpu_peer, place: String::new(), slots: 1 },
+        &PeerArgs { sync, size, iters: total, cpu: cpu_peer, place: String::new(), slots: 1, packed: false },
     )?;
     let theirs = me.ep.import(&peer.recv()?.parse()?)?;
     peer.send(me.ap.descriptor())?;
@@ -294,7 +294,7 @@ pub fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<
     let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
     let mut peer = PeerProc::spawn(
         Role::LatRaw,
-        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path, slots: 1 },
+        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path, slots: 1, packed: false },
     )?;
     if peer.recv()? != "ready" {
         return Err("peer not ready".into());
@@ -324,10 +324,19 @@ pub fn raw_shm(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<
 /// that `slots - 1` others left cold: the floor of a server's round trip at that many
 /// endpoints on this machine (its caches and TLB).
 ///
-/// Layout: page 0 the mailbox (`round << 32 | slot`), then per slot its request page and its
-/// reply page, each led by its word (the round) with the payload behind it.
-pub fn raw_shm_slots(size: usize, slots: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Samples> {
-    let region = clan_shm::segment::page_align(size.max(64));
+/// Layout: region 0 the mailbox (`round << 32 | slot`), then per slot its request region and
+/// its reply region, each led by its word (the round) with the payload behind it. A region is
+/// a page, or with `packed` the size rounded to a cache line (how clan's pools carve small
+/// connection sides, several to a page): the floor of a layout that touches as few pages.
+pub fn raw_shm_slots(
+    size: usize,
+    slots: usize,
+    packed: bool,
+    total: u64,
+    warmup: u64,
+    cpu_peer: usize,
+) -> Result<Samples> {
+    let region = slot_region(size, packed);
     let slots = slots.clamp(1, u32::MAX as usize);
     let bytes = region * (1 + 2 * slots);
     let memfd = clan_shm::memfd::Memfd::create("clan-bench-raw-slots", bytes as u64)?;
@@ -335,7 +344,7 @@ pub fn raw_shm_slots(size: usize, slots: usize, total: u64, warmup: u64, cpu_pee
     let path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_fd_raw());
     let mut peer = PeerProc::spawn(
         Role::LatRawSlots,
-        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path, slots },
+        &PeerArgs { sync: SyncMode::Spin, size, iters: total, cpu: cpu_peer, place: path, slots, packed },
     )?;
     if peer.recv()? != "ready" {
         return Err("peer not ready".into());
@@ -407,7 +416,15 @@ pub fn unix(size: usize, total: u64, warmup: u64, cpu_peer: usize) -> Result<Sam
     let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
     let peer = PeerProc::spawn(
         Role::LatUnix,
-        &PeerArgs { sync: SyncMode::Block, size, iters: total, cpu: cpu_peer, place: name.clone(), slots: 1 },
+        &PeerArgs {
+            sync: SyncMode::Block,
+            size,
+            iters: total,
+            cpu: cpu_peer,
+            place: name.clone(),
+            slots: 1,
+            packed: false,
+        },
     )?;
     let (mut sock, _) = listener.accept()?;
     sock.set_read_timeout(Some(LIMIT))?;
@@ -449,11 +466,21 @@ pub struct PeerArgs {
     /// Request/reply slots of the raw ping-pong over many ([`raw_shm_slots`]).
     #[serde(default)]
     slots: usize,
+    /// Those slots packed on cache lines instead of a page each.
+    #[serde(default)]
+    packed: bool,
+}
+
+/// Bytes of one request or reply region of the raw ping-pong over many slots: a page each,
+/// or (`packed`) the size rounded to a cache line, as clan's pools carve small connection
+/// sides.
+fn slot_region(size: usize, packed: bool) -> usize {
+    if packed { size.max(64).next_multiple_of(64) } else { clan_shm::segment::page_align(size.max(64)) }
 }
 
 /// The peer side of the latency benchmarks.
 pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
-    let PeerArgs { sync, size, iters, cpu, place, slots } = a;
+    let PeerArgs { sync, size, iters, cpu, place, slots, packed } = a;
     sys::pin(cpu);
     match role {
         Role::LatClan => {
@@ -490,7 +517,7 @@ pub fn peer(role: Role, a: PeerArgs) -> Result<()> {
         }
         Role::LatRawSlots => {
             let f = std::fs::OpenOptions::new().read(true).write(true).open(&place)?;
-            let region = clan_shm::segment::page_align(size.max(64));
+            let region = slot_region(size, packed);
             let slots = slots.max(1);
             let bytes = region * (1 + 2 * slots);
             let seg = Segment::map(&f, 0, bytes, Access::ReadWrite)?;

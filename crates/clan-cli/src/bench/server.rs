@@ -190,6 +190,11 @@ pub struct ServerReport {
     pub raw_slots_rtt_p99_ns: Option<u64>,
     /// clan's spinning RTT p50 / the raw ping-pong's over as many slots.
     pub raw_slots_ratio: Option<f64>,
+    /// The same over slots packed on cache lines (as clan's pools carve small connection
+    /// sides): the floor of a layout that touches as few pages.
+    pub raw_packed_rtt_p50_ns: Option<u64>,
+    pub raw_packed_rtt_p99_ns: Option<u64>,
+    pub raw_packed_ratio: Option<f64>,
     pub setup_s: f64,
     /// Descriptors, mappings and resident memory of both processes with every connection up.
     pub footprint_clan: Footprint,
@@ -294,7 +299,8 @@ pub fn run(a: &ServerArgs) -> Result<()> {
     bar.inc(1);
     let footprint_clan = Footprint::of_both(clan.peer.pid());
     let (mut clan_spin, mut clan_block, mut clan_policy) = (Run::default(), Run::default(), Run::default());
-    let (mut raw, mut raw_slots): (Option<Samples>, Option<Samples>) = (None, None);
+    let (mut raw, mut raw_slots, mut raw_packed): (Option<Samples>, Option<Samples>, Option<Samples>) =
+        (None, None, None);
     for _ in 0..a.rounds.max(1) {
         bar.set_message("clan, both sides spinning");
         clan_spin.merge(&clan.measure(a, Sync::Spin)?);
@@ -305,8 +311,10 @@ pub fn run(a: &ServerArgs) -> Result<()> {
             raw.get_or_insert_with(Samples::new).merge(&super::latency::raw_shm(a.size, n + warm, warm, 1)?);
             if a.endpoints > 1 {
                 bar.set_message(format!("raw shared-memory ping-pong over {} slots", a.endpoints));
-                let slots = super::latency::raw_shm_slots(a.size, a.endpoints, n + warm, warm, 1)?;
+                let slots = super::latency::raw_shm_slots(a.size, a.endpoints, false, n + warm, warm, 1)?;
                 raw_slots.get_or_insert_with(Samples::new).merge(&slots);
+                let packed = super::latency::raw_shm_slots(a.size, a.endpoints, true, n + warm, warm, 1)?;
+                raw_packed.get_or_insert_with(Samples::new).merge(&packed);
             }
             bar.inc(1);
         }
@@ -395,6 +403,9 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         raw_slots_rtt_p50_ns: raw_slots.as_ref().map(|s| s.p(0.5)),
         raw_slots_rtt_p99_ns: raw_slots.as_ref().map(|s| s.p(0.99)),
         raw_slots_ratio: raw_slots.as_ref().map(|s| ratio(clan_spin.rtt.p(0.5) as f64, s.p(0.5) as f64)),
+        raw_packed_rtt_p50_ns: raw_packed.as_ref().map(|s| s.p(0.5)),
+        raw_packed_rtt_p99_ns: raw_packed.as_ref().map(|s| s.p(0.99)),
+        raw_packed_ratio: raw_packed.as_ref().map(|s| ratio(clan_spin.rtt.p(0.5) as f64, s.p(0.5) as f64)),
         setup_s: setup.as_secs_f64(),
         footprint_clan,
         footprint_tcp,
@@ -404,7 +415,8 @@ pub fn run(a: &ServerArgs) -> Result<()> {
             "client pinned to CPU {}, server process (one thread) to CPU 1 ({} CPUs); requests on connections chosen \
              at random, {} in flight{}; clan: RPC over its event loop; baseline: mio (epoll) TCP server over \
              loopback; raw shm: the latency benchmark's ping-pong over a shared memfd, same CPUs (with more than one \
-             endpoint, also over as many slots as endpoints, chosen as the client chooses its connections); {} rounds, each \
+             endpoint, also over as many slots as endpoints, a page each and packed on cache lines, chosen as the client \
+             chooses its connections); {} rounds, each \
              system's ways alternating (clan spinning with the raw ping-pong)",
             pinned.map_or("-".into(), |c| c.to_string()),
             sys::machine().cpus,
@@ -460,6 +472,9 @@ pub fn run(a: &ServerArgs) -> Result<()> {
         if let (Some(p50), Some(p99)) = (r.raw_slots_rtt_p50_ns, r.raw_slots_rtt_p99_ns) {
             println!("{:<22} {:>10} {:>10} {:>10}", format!("raw shm, {} slots", r.endpoints), ns(p50), "", ns(p99));
         }
+        if let (Some(p50), Some(p99)) = (r.raw_packed_rtt_p50_ns, r.raw_packed_rtt_p99_ns) {
+            println!("{:<22} {:>10} {:>10} {:>10}", format!("raw shm, {} packed", r.endpoints), ns(p50), "", ns(p99));
+        }
         let (c, t) = (&r.per_endpoint_clan, &r.per_endpoint_tcp);
         println!(
             "per endpoint (client and server together, fixed costs included): clan {:.1} fds, {:.1} mappings, \
@@ -484,6 +499,13 @@ pub fn run(a: &ServerArgs) -> Result<()> {
             println!(
                 "RTT clan spinning / raw shm ping-pong over {} slots (a page each, chosen at random, a mailbox word \
                  naming the slot): {x:.2}",
+                r.endpoints
+            );
+        }
+        if let Some(x) = r.raw_packed_ratio {
+            println!(
+                "RTT clan spinning / raw shm ping-pong over {} slots packed on cache lines (as clan's pools carve small \
+                 connection sides): {x:.2}",
                 r.endpoints
             );
         }
