@@ -10,7 +10,9 @@
 //! p50, p90), one message sent and received on one thread (warm caches, no other core), an
 //! empty poll, and a send into a ring with room; and, on the peer's side, how long the poll
 //! that finds a message takes and how long its reply's send takes. `solo`: only the
-//! one-thread figure. `PAUSE=1`: both sides pause (`spin_loop`) between empty polls.
+//! one-thread figure. `procs`: the round trip between two processes (the peer forked, each
+//! with its own endpoint, pinned to CPUs 1 and 0), as MPI ranks are. `PAUSE=1`: both sides
+//! pause (`spin_loop`) between empty polls.
 use clan_fi::rdm::{Land, Landed, Posted, Rdm};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,8 +39,70 @@ fn posted() -> Posted {
     Posted { buf: 0, len: 8, context: 1, tagged: true, tag: 7, ignore: 0, from: None, completion: true }
 }
 
+/// The round trip between two processes: the child echoes, the parent times.
+fn procs(iters: usize) {
+    let mut fds = [0i32; 4];
+    // SAFETY: two arrays of two fds each for `pipe`; `fork` in a process with one thread
+    // (nothing opened yet); the child only uses its own objects and exits.
+    let child = unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        assert_eq!(libc::pipe(fds.as_mut_ptr().add(2)), 0);
+        libc::fork()
+    };
+    assert!(child >= 0);
+    // The child writes to pipe 0 and reads pipe 1; the parent the other way.
+    let (rd, wr) = if child == 0 { (fds[2], fds[1]) } else { (fds[0], fds[3]) };
+    let xfer = |mine: &[u8]| -> Vec<u8> {
+        let mut theirs = vec![0u8; mine.len()];
+        // SAFETY: `mine` and `theirs` are valid for their lengths; the fds are the pipes'.
+        unsafe {
+            assert_eq!(libc::write(wr, mine.as_ptr().cast(), mine.len()), mine.len() as isize);
+            assert_eq!(libc::read(rd, theirs.as_mut_ptr().cast(), theirs.len()), theirs.len() as isize);
+        }
+        theirs
+    };
+    pin(if child == 0 { 1 } else { 0 });
+    let q = clan_fi::rdm::nic().unwrap().event_queue(clan::EventQueueConfig::default()).unwrap();
+    let me = Rdm::open(&q).unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    me.set_land(Box::new(Count(count.clone())));
+    let peer = clan_fi::av::Addr::from_bytes(&xfer(me.addr().bytes())).unwrap();
+    let data = [0u8; 8];
+    let mut t = Vec::with_capacity(iters);
+    for i in 0..iters + 1000 {
+        let s = std::time::Instant::now();
+        assert!(me.post(posted()).is_none());
+        if child != 0 {
+            me.send(peer, &data, true, 7, Some(3)).unwrap();
+        }
+        while count.load(Ordering::Acquire) <= i {
+            me.progress();
+        }
+        if child == 0 {
+            me.send(peer, &data, true, 7, Some(3)).unwrap();
+        } else if i >= 1000 {
+            t.push(s.elapsed().as_nanos() as u64);
+        }
+    }
+    xfer(b"x");
+    if child == 0 {
+        std::process::exit(0);
+    }
+    t.sort();
+    println!(
+        "two processes: rdm rtt p50 {} ns p10 {} p90 {} (one way p50 {})",
+        t[t.len() / 2],
+        t[t.len() / 10],
+        t[t.len() * 9 / 10],
+        t[t.len() / 2] / 2
+    );
+}
+
 fn main() {
     let iters: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(200_000);
+    if std::env::args().nth(2).as_deref() == Some("procs") {
+        return procs(iters);
+    }
     let q = clan_fi::rdm::nic().unwrap().event_queue(clan::EventQueueConfig::default()).unwrap();
     let a = Arc::new(Rdm::open(&q).unwrap());
     let b = Arc::new(Rdm::open(&q).unwrap());

@@ -50,8 +50,8 @@ pub struct FabricReport {
 }
 
 const PLACEMENT: &str = "fi_pingpong: server on CPU 1, client on CPU 0 (taskset); MPI: 2 ranks bound to CPUs 0 \
-                         and 1 (--cpu-set 0,1 --bind-to core), oversubscribed: both on CPU 0; the providers \
-                         alternate in rounds; figures are medians over the rounds";
+                         and 1 (--bind-to hwthread --map-by hwthread, checked by the ranks' affinity), oversubscribed: \
+                         both on CPU 0; the providers alternate in rounds; figures are medians over the rounds";
 
 fn have(prog: &str) -> bool {
     Command::new("sh").args(["-c", &format!("command -v {prog}")]).output().is_ok_and(|o| o.status.success())
@@ -160,7 +160,10 @@ fn mpi(
     if oversub {
         c.args(["--cpu-set", "0", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]);
     } else {
-        c.args(["--cpu-set", "0,1", "--bind-to", "core"]);
+        // (not with `--cpu-set 0,1`: Open MPI 4.1 then binds each rank to the whole set, both
+        // CPUs, and says so only with --report-bindings; hardware threads, not cores: one CPU
+        // each also where the CPUs are a core's threads; the ranks' affinity is checked below)
+        c.args(["--bind-to", "hwthread", "--map-by", "hwthread"]);
     }
     if clan {
         c.args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "clan"])
@@ -181,7 +184,21 @@ fn mpi(
         w.position(|x| x == k)?;
         w.next()?.parse().ok()
     };
+    // Where the ranks ran: one CPU each (0 and 1), or both on CPU 0 oversubscribed.
+    let cpus: Vec<u64> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("cpus "))
+        .map(|l| l.split_whitespace().filter_map(|w| u64::from_str_radix(w, 16).ok()).collect())
+        .unwrap_or_default();
+    let one = |m: &u64| m.count_ones() == 1;
+    let placed = cpus.len() == 2 && cpus.iter().all(one) && (cpus[0] == cpus[1]) == oversub;
     match (field("one_way_us_p50"), field("mbit_s")) {
+        (Some(_), Some(_)) if out.status.success() && !placed => Err(format!(
+            "mpirun ({}) did not place the ranks as asked (CPU masks {cpus:x?}, wanted {}): {text}",
+            if clan { "clan" } else { "vader" },
+            if oversub { "both on one CPU" } else { "one CPU each, not the same" }
+        )
+        .into()),
         (Some(l), Some(b)) if out.status.success() => Ok((l, b)),
         _ => Err(format!(
             "mpirun ({}) failed: {text}{}",

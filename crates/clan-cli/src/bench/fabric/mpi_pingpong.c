@@ -1,15 +1,20 @@
 /* clan bench fabric: an MPI ping-pong between ranks 0 and 1 (built with the system's mpicc
  * at run time). Usage: mpi_pingpong SIZE ITERS. Rank 0 prints
  *   size SIZE iters ITERS one_way_us_p50 X one_way_us_mean Y mbit_s Z
- * where one way is half a round trip (p50 over rounds of 100 round trips), and mbit_s is
- * SIZE over the mean one-way time.
+ *   cpus RANK0 RANK1
+ * where one way is half a round trip (p50 over rounds of 100 round trips), mbit_s is SIZE
+ * over the mean one-way time, and cpus are the CPUs each rank may run on (a mask of the
+ * first 64, in hex): what the caller checks its placement by (a binding mpirun was asked
+ * for and silently did not make shows there).
  *
  * mpi_pingpong idle SECONDS: after a first exchange, rank 1 sleeps SECONDS before it sends
  * one message, which rank 0 waits for in MPI_Recv; rank 0 prints
  *   waited_ms W cpu_ms C value V
  * the wall and CPU time of its process over that wait (a rank that blocks uses little CPU;
  * one that spins, all of it), and the value received (42). */
+#define _GNU_SOURCE
 #include <mpi.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +57,19 @@ static int cmp(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
+/* The CPUs this process may run on, as a mask of the first 64. */
+static unsigned long long cpus(void)
+{
+	cpu_set_t set;
+	unsigned long long m = 0;
+	if (sched_getaffinity(0, sizeof set, &set) != 0)
+		return 0;
+	for (int c = 0; c < 64; c++)
+		if (CPU_ISSET(c, &set))
+			m |= 1ULL << c;
+	return m;
+}
+
 int main(int argc, char **argv)
 {
 	int rank;
@@ -89,11 +107,17 @@ int main(int argc, char **argv)
 		t[r] = (MPI_Wtime() - t0) / batch / 2 * 1e6;
 		total += t[r];
 	}
+	unsigned long long mine = cpus(), all[2] = { 0, 0 };
+	int n;
+	MPI_Comm_size(MPI_COMM_WORLD, &n);
+	if (n == 2)
+		MPI_Gather(&mine, 1, MPI_UNSIGNED_LONG_LONG, all, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
 	if (rank == 0) {
 		qsort(t, rounds, sizeof *t, cmp);
 		double mean = total / rounds;
 		printf("size %zu iters %d one_way_us_p50 %.4f one_way_us_mean %.4f mbit_s %.1f\n", size, rounds * batch,
 		       t[rounds / 2], mean, size * 8.0 / mean);
+		printf("cpus %llx %llx\n", all[0], all[1]);
 	}
 	MPI_Finalize();
 	return 0;
