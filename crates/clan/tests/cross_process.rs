@@ -249,6 +249,41 @@ fn import_from_another_process_and_wake_on_its_write() {
     child.wait_ok();
 }
 
+/// A process under valgrind (as users run their programs to find memory errors) opens its
+/// NIC, imports, writes and wakes our tripwire like any other. (It crashed before the
+/// auxiliary vector was read through libc: valgrind hands its guest a vector of its own, and
+/// the one in `/proc/self/auxv` names a vDSO the guest has not mapped.)
+#[test]
+fn a_process_under_valgrind_imports_writes_and_wakes() {
+    let have = std::process::Command::new("valgrind").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !have {
+        assert!(std::env::var_os("CI").is_none(), "CI installs valgrind (.ci/run)");
+        eprintln!("valgrind is not installed: skipped");
+        return;
+    }
+    let _wd = Watchdog::new("import under valgrind", Duration::from_secs(240));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let tw = ap.tripwire(TripwireConfig::writes(0..8).event(42)).unwrap();
+    tw.arm().unwrap();
+    let mut cmd = std::process::Command::new("valgrind");
+    cmd.args(["--tool=none", "-q", "--error-exitcode=97"]).arg(std::env::current_exe().unwrap());
+    let mut child = Peer::spawn_via(cmd, ENTRY, "import_write", &[]);
+    child.send(&ap.descriptor().to_string());
+    // (its word and bytes are written when it says so; a child that crashed says nothing)
+    assert_eq!(child.expect("done"), "done");
+    assert_eq!(ap.load_u64(0).unwrap(), 1);
+    let mut b = [0u8; 20];
+    ap.read(64, &mut b).unwrap();
+    assert_eq!(&b, b"written by the child");
+    match ep.event_queue().wait(Some(Duration::from_secs(60))).unwrap() {
+        Event::Tripwire { cookie: 42, id, .. } => assert_eq!(id, tw.id()),
+        other => panic!("unexpected {other:?}"),
+    }
+    child.wait_ok();
+}
+
 fn count_fds() -> i64 {
     std::fs::read_dir("/proc/self/fd").unwrap().count() as i64
 }
