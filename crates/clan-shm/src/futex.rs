@@ -42,6 +42,10 @@ pub fn wait_any(words: &[(&AtomicU32, u32)], timeout: Option<Duration>) {
         wait(first, first_expected, timeout);
         return;
     }
+    // (a kernel, or valgrind, without `futex_waitv` is asked once, not on every sleep)
+    if NO_WAITV.load(std::sync::atomic::Ordering::Relaxed) {
+        return wait_first(first, first_expected, timeout);
+    }
     let mut w = [Wait::new(); WAIT_ANY_MAX];
     for (slot, (word, expected)) in w.iter_mut().zip(words) {
         slot.val = u64::from(*expected);
@@ -63,10 +67,17 @@ pub fn wait_any(words: &[(&AtomicU32, u32)], timeout: Option<Duration>) {
     if let Err(rustix::io::Errno::NOSYS) =
         futex::waitv(&w[..words.len()], WaitvFlags::empty(), ts.as_ref(), rustix::time::ClockId::Monotonic)
     {
-        wait(
-            first,
-            first_expected,
-            Some(timeout.map_or(Duration::from_millis(1), |t| t.min(Duration::from_millis(1)))),
-        );
+        // (Relaxed: a flag that only saves a system call; a thread that misses it asks again)
+        NO_WAITV.store(true, std::sync::atomic::Ordering::Relaxed);
+        wait_first(first, first_expected, timeout);
     }
+}
+
+/// Whether `futex_waitv` answered `ENOSYS`.
+static NO_WAITV: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// [`wait_any`] without `futex_waitv`: sleep on the first word alone, at most a millisecond
+/// (then the caller looks at the others).
+fn wait_first(first: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+    wait(first, expected, Some(timeout.map_or(Duration::from_millis(1), |t| t.min(Duration::from_millis(1)))));
 }
