@@ -329,6 +329,9 @@ int main(void)
 			/* Refused: the client hears it as an error event. */
 			CHECK(fi_reject(pep, ev.e.info->handle, NULL, 0) == 0, "reject");
 			CHECK(fi_reject(pep, ev.e.info->handle, NULL, 0) == -FI_EINVAL, "a request is answered once");
+			/* Handles that are no request: looked up, never read. */
+			CHECK(fi_reject(pep, (fid_t)(uintptr_t)0x10, NULL, 0) == -FI_EINVAL, "a made-up handle");
+			CHECK(fi_reject(pep, &pep->fid, NULL, 0) == -FI_EINVAL, "another object's handle");
 			fi_freeinfo(ev.e.info);
 			CHECK(fi_eq_sread(ceq, &cev, &ev, sizeof ev, 5000, 0) == -FI_EAVAIL, "an error event");
 			CHECK(fi_eq_readerr(ceq, &eqerr, 0) > 0 && eqerr.err == FI_ECONNREFUSED && eqerr.fid == &cep->fid,

@@ -177,9 +177,9 @@ unsafe extern "C" fn pep_reject(pep: *mut fid_pep, handle: fid_t, p: *const c_vo
         Ok(d) => d,
         Err(e) => return e,
     };
-    // SAFETY: null or a request handle of ours (its class says).
-    let Some(req) = (unsafe { take_request(handle) }) else { return err(FI_EINVAL) };
-    match pep.rdm.cm(req.from, CmKind::Reject, data) {
+    // (any handle: a request of ours is found, anything else refused)
+    let Some(from) = take_request(handle) else { return err(FI_EINVAL) };
+    match pep.rdm.cm(from, CmKind::Reject, data) {
         Ok(()) => 0,
         // (a client that went away needs no answer)
         Err(crate::rdm::Error::PeerGone) => 0,
@@ -188,36 +188,64 @@ unsafe extern "C" fn pep_reject(pep: *mut fid_pep, handle: fid_t, p: *const c_vo
 }
 
 unsafe extern "C" fn connreq_close(f: *mut fid) -> c_int {
-    // SAFETY: null or a request handle of ours.
-    match unsafe { take_request(f) } {
+    match take_request(f) {
         Some(_) => 0,
         None => err(FI_EINVAL),
     }
 }
 
-/// Take (and free) the request behind `handle`.
-unsafe fn take_request(handle: fid_t) -> Option<Box<ConnReq>> {
-    // SAFETY: null, or a `fid`; a request's class is FI_CLASS_CONNREQ and its fid is the
-    // start of a `ConnReq` leaked by `PepObj::progress`.
-    unsafe {
-        if handle.is_null() || (*handle).fclass as u32 != FI_CLASS_CONNREQ {
-            return None;
-        }
-        // (marked taken before it is freed: a second use finds no request)
-        (*handle).fclass = FI_CLASS_UNSPEC as usize;
-        Some(Box::from_raw(handle.cast::<ConnReq>()))
-    }
+/// The connection requests handed out and not yet answered (their handles' addresses), and
+/// the last answered ones, still allocated. A handle is looked up here before anything reads
+/// it: one answered twice, closed after its answer or made up is refused (`FI_EINVAL`), and
+/// never read or freed again; and an answered request's memory is not reused for the next
+/// [`RETIRED`] requests, so a stale handle does not name a newer request meanwhile.
+struct Requests {
+    live: std::collections::BTreeSet<usize>,
+    retired: std::collections::VecDeque<usize>,
 }
 
-/// The client a request handle stands for (the request stays, for `fi_endpoint` to take).
-pub(super) unsafe fn request_peer(handle: fid_t) -> Option<Addr> {
-    // SAFETY: as in `take_request`.
-    unsafe {
-        if handle.is_null() || (*handle).fclass as u32 != FI_CLASS_CONNREQ {
-            return None;
-        }
-        Some((*handle.cast::<ConnReq>()).from)
+/// Answered requests kept allocated (see [`Requests`]).
+const RETIRED: usize = 64;
+
+static REQUESTS: std::sync::Mutex<Requests> = std::sync::Mutex::new(Requests {
+    live: std::collections::BTreeSet::new(),
+    retired: std::collections::VecDeque::new(),
+});
+
+fn requests() -> std::sync::MutexGuard<'static, Requests> {
+    REQUESTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Hand out `req` as a request handle (its `fid`), live until [`take_request`].
+fn give_request(req: Box<ConnReq>) -> *mut fid {
+    let handle = &mut Box::leak(req).fid as *mut fid;
+    requests().live.insert(handle as usize);
+    handle
+}
+
+/// Take the request behind `handle`: who asked. `None` for anything but a live request of
+/// ours (any pointer may be given: nothing is read through one that is not).
+fn take_request(handle: fid_t) -> Option<Addr> {
+    let mut r = requests();
+    if !r.live.remove(&(handle as usize)) {
+        return None;
     }
+    // SAFETY: a live request: the `ConnReq` (its `fid` first) that `give_request` leaked,
+    // freed only once it has left `retired`, under this lock.
+    let from = unsafe {
+        let req = handle.cast::<ConnReq>();
+        (*req).fid.fclass = FI_CLASS_UNSPEC as usize;
+        (*req).from
+    };
+    r.retired.push_back(handle as usize);
+    if r.retired.len() > RETIRED
+        && let Some(old) = r.retired.pop_front()
+    {
+        // SAFETY: leaked by `give_request`, out of `live` and now of `retired`: nothing reads
+        // it again (a handle of it is looked up, not read).
+        drop(unsafe { Box::from_raw(old as *mut ConnReq) });
+    }
+    Some(from)
 }
 
 /// The event bytes of a connection-management event: `fi_eq_cm_entry` (the object, the
@@ -249,7 +277,7 @@ impl PepObj {
                 },
                 from,
             });
-            let handle = &mut Box::leak(req).fid as *mut fid;
+            let handle = give_request(req);
             // SAFETY: `info` was just allocated; its dest_addr (the client) is ours to set,
             // with the C allocator (fi_freeinfo frees it).
             unsafe {
@@ -267,7 +295,7 @@ impl PepObj {
                 // waits for an answer it will not get until it gives up)
                 // SAFETY: ours, just made.
                 unsafe {
-                    drop(take_request(handle));
+                    let _ = take_request(handle);
                     fi_freeinfo(info);
                 }
             }
@@ -443,11 +471,7 @@ pub(super) unsafe extern "C" fn getpeer(ep: *mut fid_ep, addr: *mut c_void, addr
 pub(super) unsafe fn take_handle(info: *const fi_info) -> Option<Addr> {
     // SAFETY: the caller's valid fi_info.
     let h = unsafe { (*info).handle };
-    // SAFETY: null or a `fid`.
-    let peer = unsafe { request_peer(h) }?;
-    // SAFETY: as above.
-    drop(unsafe { take_request(h) });
-    Some(peer)
+    take_request(h)
 }
 
 impl PepObj {
