@@ -860,6 +860,39 @@ fn blocking_sockets_both_sides_over_clan() {
     assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
 }
 
+/// A C program (`tests/run/echo.c`: a server thread with epoll, a client with poll, 64-byte
+/// round trips over loopback TCP) under `clan run` and valgrind's memcheck, `clan` and the
+/// program both traced: its connection goes over clan, every byte comes back, and memcheck
+/// finds no read or write of memory the program or the preloaded library does not own.
+#[test]
+fn a_c_program_over_clan_under_memcheck() {
+    if !have("valgrind") || !have("cc") {
+        return;
+    }
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/run/echo.c");
+    let exe = std::env::temp_dir().join(format!("clan-run-echo-{}", std::process::id()));
+    let cc = Command::new("cc").args(["-O1", "-g", "-o"]).arg(&exe).arg(src).arg("-lpthread").output().unwrap();
+    assert!(cc.status.success(), "building {src}: {}", String::from_utf8_lossy(&cc.stderr));
+    let out = Command::new("timeout")
+        .args(["300", "valgrind", "--trace-children=yes", "--tool=memcheck", "-q", "--error-exitcode=99", CLAN])
+        .args(["run", "--"])
+        .arg(&exe)
+        .arg("200")
+        .env("CLAN_RUN_DEBUG", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&exe);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok 200",
+        "under memcheck ({}): {}\n{err}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(over_clan(&err) >= 1, "the connection went over clan: {err}");
+}
+
 /// Only one side under `clan run`: exactly as without clan (the kernel's connection).
 #[test]
 fn one_side_only_stays_with_the_kernel() {
