@@ -893,6 +893,62 @@ fn a_c_program_over_clan_under_memcheck() {
     assert!(over_clan(&err) >= 1, "the connection went over clan: {err}");
 }
 
+/// The scenarios where the preloaded library does the most with descriptors and memory
+/// (a connection passed with `SCM_RIGHTS`, a server that forks after accepting, an `exec`
+/// with an accelerated socket) run again, this test binary and every process it starts
+/// under memcheck (`--trace-children`): every one passes, and no process's log reports an
+/// error.
+#[test]
+fn preload_scenarios_under_memcheck() {
+    if !have("valgrind") {
+        return;
+    }
+    let logs = std::env::temp_dir().join(format!("clan-run-memcheck-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    for t in [
+        "a_connection_passed_with_scm_rights",
+        "a_server_that_forks_after_accepting",
+        "exec_with_an_accelerated_socket_falls_back_transparently",
+    ] {
+        let out = Command::new("timeout")
+            .args(["600", "valgrind", "--trace-children=yes", "--tool=memcheck", "-q"])
+            .arg(format!("--log-file={}/{t}.%p.log", logs.display()))
+            .arg(&exe)
+            .args([t, "--exact", "--test-threads=1"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{t} under memcheck ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // A log line of an error names it ("Invalid read of size 4", "Conditionally jump …",
+    // "Syscall param … points to unaddressable byte(s)", …); valgrind's own notes about
+    // system calls it does not know are not errors.
+    let mut errors = Vec::new();
+    for f in std::fs::read_dir(&logs).unwrap() {
+        let path = f.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let noted = |l: &&str| {
+            ["unhandled amd64-linux syscall", "You may be able", "README_MISSING", "Nevertheless we", "it at http"]
+                .iter()
+                .any(|n| l.contains(n))
+        };
+        let lines: Vec<&str> =
+            text.lines().filter(|l| !noted(l) && l.trim_start_matches(|c| c != ' ').trim() != "").collect();
+        if !lines.is_empty() {
+            errors.push(format!("{}:\n{}", path.display(), lines.join("\n")));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&logs);
+    assert!(errors.is_empty(), "memcheck reported:\n{}", errors.join("\n\n"));
+}
+
 /// Only one side under `clan run`: exactly as without clan (the kernel's connection).
 #[test]
 fn one_side_only_stays_with_the_kernel() {
