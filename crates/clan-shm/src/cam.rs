@@ -258,7 +258,14 @@ impl std::fmt::Debug for CamView<'_> {
 }
 
 /// Whether any bit in `[lo, hi]` is set.
+#[inline]
 fn any_bit(words: &[AtomicU64], lo: u64, hi: u64) -> bool {
+    if lo / 64 == hi / 64 {
+        // (one word: a range within 64 lines or pages, what nearly every access is)
+        let mask = (!0u64 << (lo % 64)) & (!0u64 >> (63 - hi % 64));
+        // SYNC POINT: as below.
+        return words.get((lo / 64) as usize).is_some_and(|w| w.load(Ordering::Acquire) & mask != 0);
+    }
     let mut w = lo / 64;
     while w <= hi / 64 {
         let Some(word) = words.get(w as usize) else {

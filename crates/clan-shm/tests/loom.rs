@@ -57,6 +57,61 @@ fn add(eq: &EqModel, cam_m: &CamModel, owner: &mut CamOwner, index: u32, start: 
     owner.insert(&cam_m.view(), index, start, end);
 }
 
+/// [`snoop::transfer`], or its quick form as `clan`'s window runs it (the whole transfer
+/// when something near is watched, the rest of it when the index changed).
+fn transfer_either(
+    quick: bool,
+    access: Access,
+    watch: &Watch<'_>,
+    sink: &LoomSink,
+    off: u64,
+    len: u64,
+    mut mover: impl FnMut(u64, u64) -> Result<(), ()>,
+) -> u32 {
+    let mut scratch = Vec::new();
+    if !quick {
+        return snoop::transfer(access, watch, sink, off, len, &mut scratch, mover).unwrap();
+    }
+    match snoop::transfer_quick(watch, off, len, &mut mover).unwrap() {
+        snoop::Quick::Done => 0,
+        snoop::Quick::Finish(seen) => snoop::finish_transfer(access, watch, sink, off, len, seen, &mut scratch),
+        snoop::Quick::Watched => snoop::transfer(access, watch, sink, off, len, &mut scratch, mover).unwrap(),
+    }
+}
+
+/// [`snoop::transfer_then_store`], or its quick form (as [`transfer_either`]).
+#[allow(clippy::too_many_arguments)]
+fn then_store_either(
+    quick: bool,
+    watch: &Watch<'_>,
+    sink: &LoomSink,
+    off: u64,
+    len: u64,
+    word_off: u64,
+    mut mover: impl FnMut(u64, u64) -> Result<(), ()>,
+    store: impl Fn(),
+) -> u32 {
+    let mut scratch = Vec::new();
+    if !quick {
+        return snoop::transfer_then_store(watch, sink, off, len, word_off, 8, &mut scratch, mover, store).unwrap();
+    }
+    match snoop::transfer_then_store_quick(watch, off, len, word_off, 8, &mut mover, &store).unwrap() {
+        snoop::Quick::Done => 0,
+        snoop::Quick::Finish(seen) => snoop::finish_store(watch, sink, off, len, word_off, 8, seen, &mut scratch),
+        snoop::Quick::Watched => {
+            snoop::transfer_then_store(watch, sink, off, len, word_off, 8, &mut scratch, mover, store).unwrap()
+        }
+    }
+}
+
+/// [`snoop::commit`], or its quick form (the whole commit when it cannot settle).
+fn commit_either(quick: bool, access: Access, watch: &Watch<'_>, sink: &LoomSink, off: u64, len: u64) -> u32 {
+    if quick && snoop::commit_quick(watch, off, len) {
+        return 0;
+    }
+    snoop::commit(access, watch, sink, off, len, &mut Vec::new())
+}
+
 /// Two producer processes (rings 0 and 1) and a consumer that sleeps whenever it finds the
 /// queue empty: every event is taken exactly once and the consumer is never left asleep.
 #[test]
@@ -151,7 +206,13 @@ fn once_only_fires_exactly_once() {
 /// write fires it, or the arming side sees the written data (no lost wake-up).
 #[test]
 fn arm_by_insert_vs_write() {
-    model(|| {
+    for quick in [false, true] {
+        arm_by_insert_vs_write_with(quick);
+    }
+}
+
+fn arm_by_insert_vs_write_with(quick: bool) {
+    model(move || {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(256, 4));
         let data = Arc::new(AtomicU64::new(0));
@@ -162,12 +223,10 @@ fn arm_by_insert_vs_write() {
                 let v = eq.view();
                 let cv = cam_m.view();
                 let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
-                let mut scratch = Vec::new();
-                snoop::transfer(Access::Write, &watch, &*sink, 0, 8, &mut scratch, |_, _| {
+                transfer_either(quick, Access::Write, &watch, &sink, 0, 8, |_, _| {
                     data.store(1, Ordering::Relaxed);
-                    Ok::<(), ()>(())
+                    Ok(())
                 })
-                .unwrap()
             })
         };
         let mut owner = CamOwner::new();
@@ -182,7 +241,13 @@ fn arm_by_insert_vs_write() {
 /// Arming an indexed, disarmed tripwire while a write is in flight.
 #[test]
 fn arm_by_enable_vs_write() {
-    model(|| {
+    for quick in [false, true] {
+        arm_by_enable_vs_write_with(quick);
+    }
+}
+
+fn arm_by_enable_vs_write_with(quick: bool) {
+    model(move || {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(256, 4));
         let mut owner = CamOwner::new();
@@ -195,12 +260,10 @@ fn arm_by_enable_vs_write() {
                 let v = eq.view();
                 let cv = cam_m.view();
                 let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
-                let mut scratch = Vec::new();
-                snoop::transfer(Access::Write, &watch, &*sink, 0, 8, &mut scratch, |_, _| {
+                transfer_either(quick, Access::Write, &watch, &sink, 0, 8, |_, _| {
                     data.store(1, Ordering::Relaxed);
-                    Ok::<(), ()>(())
+                    Ok(())
                 })
-                .unwrap()
             })
         };
         assert!(trip::set_armed(&cam_m.view().entries[0], &eq.view().table.cells[0], 0, 1, true));
@@ -349,7 +412,13 @@ fn tripset_link_vs_fire() {
 /// so B (armed before the write) still fires.
 #[test]
 fn relink_under_walker_still_fires() {
-    model(|| {
+    for quick in [false, true] {
+        relink_under_walker_still_fires_with(quick);
+    }
+}
+
+fn relink_under_walker_still_fires_with(quick: bool) {
+    model(move || {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(2048, 4));
         let mut owner = CamOwner::new();
@@ -362,8 +431,7 @@ fn relink_under_walker_still_fires() {
                 let v = eq.view();
                 let cv = cam_m.view();
                 let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
-                let mut scratch = Vec::new();
-                snoop::transfer(Access::Write, &watch, &*sink, 8, 8, &mut scratch, |_, _| Ok::<(), ()>(())).unwrap();
+                transfer_either(quick, Access::Write, &watch, &sink, 8, 8, |_, _| Ok(()));
             })
         };
         let cv = cam_m.view();
@@ -382,7 +450,13 @@ fn relink_under_walker_still_fires() {
 /// A word stored atomically and then committed (one fence) against an insertion.
 #[test]
 fn arm_by_insert_vs_word_store_commit() {
-    model(|| {
+    for quick in [false, true] {
+        arm_by_insert_vs_word_store_commit_with(quick);
+    }
+}
+
+fn arm_by_insert_vs_word_store_commit_with(quick: bool) {
+    model(move || {
         let eq = Arc::new(EqModel::new(tiny()));
         let cam_m = Arc::new(CamModel::new(256, 4));
         let data = Arc::new(AtomicU64::new(0));
@@ -393,9 +467,8 @@ fn arm_by_insert_vs_word_store_commit() {
                 let v = eq.view();
                 let cv = cam_m.view();
                 let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
-                let mut scratch = Vec::new();
                 data.store(1, Ordering::Relaxed);
-                snoop::commit(Access::Write, &watch, &*sink, 0, 8, &mut scratch)
+                commit_either(quick, Access::Write, &watch, &sink, 0, 8)
             })
         };
         let mut owner = CamOwner::new();
@@ -516,7 +589,7 @@ fn doorbell_no_lost_request() {
 /// the store, or the tripwire fires.
 #[test]
 fn write_then_store_vs_arm() {
-    for on_flag in [true, false] {
+    for (on_flag, quick) in [(true, false), (false, false), (true, true), (false, true)] {
         model(move || {
             let eq = Arc::new(EqModel::new(tiny()));
             let cam_m = Arc::new(CamModel::new(256, 4));
@@ -534,22 +607,19 @@ fn write_then_store_vs_arm() {
                     let v = eq.view();
                     let cv = cam_m.view();
                     let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
-                    let mut scratch = Vec::new();
-                    snoop::transfer_then_store(
+                    then_store_either(
+                        quick,
                         &watch,
-                        &*sink,
+                        &sink,
                         0,
                         8,
                         128,
-                        8,
-                        &mut scratch,
                         |_, _| {
                             data.store(1, Ordering::Relaxed);
-                            Ok::<(), ()>(())
+                            Ok(())
                         },
                         || flag.store(1, Ordering::Release),
                     )
-                    .unwrap()
                 })
             };
             let saw = if on_flag {

@@ -112,14 +112,32 @@ impl Window {
 
     /// Write `src` at aperture offset `abs` (in bounds: checked by the caller).
     pub fn write(&self, abs: u64, src: &[u8]) -> Result<u32, AccessError> {
-        let sink = self.port.sink(self.claim);
-        self.with_watch(|w| {
-            with_scratch(|s| {
-                snoop::transfer(Access::Write, w, &sink, abs, src.len() as u64, s, |o, l| {
-                    let from = (o - abs) as usize;
-                    self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
-                })
-            })
+        self.transfer(Access::Write, abs, src.len() as u64, &mut |o, l| {
+            let from = (o - abs) as usize;
+            self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
+        })
+    }
+
+    /// [`snoop::transfer`] of `[abs, abs+len)` by `mover`: its quick form first (no scratch
+    /// list, no sink, when nothing near is watched), the whole of it otherwise.
+    #[inline]
+    fn transfer(
+        &self,
+        access: Access,
+        abs: u64,
+        len: u64,
+        mover: &mut impl FnMut(u64, u64) -> Result<(), AccessError>,
+    ) -> Result<u32, AccessError> {
+        self.with_watch(|w| match snoop::transfer_quick(w, abs, len, mover)? {
+            snoop::Quick::Done => Ok(0),
+            snoop::Quick::Finish(seen) => {
+                let sink = self.port.sink(self.claim);
+                Ok(with_scratch(|s| snoop::finish_transfer(access, w, &sink, abs, len, seen, s)))
+            }
+            snoop::Quick::Watched => {
+                let sink = self.port.sink(self.claim);
+                with_scratch(|s| snoop::transfer(access, w, &sink, abs, len, s, mover))
+            }
         })
     }
 
@@ -127,25 +145,39 @@ impl Window {
     /// transfer with one fence (`snoop::transfer_then_store`).
     pub fn write_then_store_u64(&self, abs: u64, src: &[u8], word_abs: u64, v: u64) -> Result<u32, AccessError> {
         let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
-        let sink = self.port.sink(self.claim);
-        self.with_watch(|w| {
-            with_scratch(|s| {
-                snoop::transfer_then_store(
-                    w,
-                    &sink,
-                    abs,
-                    src.len() as u64,
-                    word_abs,
-                    8,
-                    s,
-                    |o, l| {
-                        let from = (o - abs) as usize;
-                        self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
-                    },
-                    || word.store(v, Ordering::Release),
-                )
-            })
-        })
+        let mut mover = |o: u64, l: u64| {
+            let from = (o - abs) as usize;
+            self.data.write(self.rel(o), &src[from..from + l as usize]).map_err(seg_err)
+        };
+        // SYNC POINT: pairs with the reader's Acquire load of the word.
+        let store = || word.store(v, Ordering::Release);
+        self.with_watch(|w| self.then_store(w, abs, src.len() as u64, word_abs, &mut mover, &store))
+    }
+
+    /// [`snoop::transfer_then_store`] of `[abs, abs+len)` by `mover`, then the word at
+    /// `word_abs` by `store`: its quick form first (no scratch list, no sink, when nothing
+    /// near the data is watched), the whole of it otherwise.
+    #[inline]
+    fn then_store(
+        &self,
+        w: &snoop::Watch<'_>,
+        abs: u64,
+        len: u64,
+        word_abs: u64,
+        mover: &mut impl FnMut(u64, u64) -> Result<(), AccessError>,
+        store: &impl Fn(),
+    ) -> Result<u32, AccessError> {
+        match snoop::transfer_then_store_quick(w, abs, len, word_abs, 8, mover, store)? {
+            snoop::Quick::Done => Ok(0),
+            snoop::Quick::Finish(seen) => {
+                let sink = self.port.sink(self.claim);
+                Ok(with_scratch(|s| snoop::finish_store(w, &sink, abs, len, word_abs, 8, seen, s)))
+            }
+            snoop::Quick::Watched => {
+                let sink = self.port.sink(self.claim);
+                with_scratch(|s| snoop::transfer_then_store(w, &sink, abs, len, word_abs, 8, s, mover, store))
+            }
+        }
     }
 
     /// Write a message led by a word: `src` at `abs + 8`, then `lead` (Release) at `abs`,
@@ -170,36 +202,22 @@ impl Window {
         let lead_word = self.data.view::<AtomicU64>(self.rel(abs)).map_err(seg_err)?;
         let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
         let body = abs + 8;
-        let sink = self.port.sink(self.claim);
-        self.with_watch(|w| {
-            with_scratch(|s| {
-                snoop::transfer_then_store(
-                    w,
-                    &sink,
-                    abs,
-                    8 + src.len() as u64,
-                    word_abs,
-                    8,
-                    s,
-                    |o, l| {
-                        let (from, end) = (o.max(body), o + l);
-                        if end > from {
-                            let at = (from - body) as usize;
-                            self.data.write(self.rel(from), &src[at..at + (end - from) as usize]).map_err(seg_err)?;
-                        }
-                        if end == body + src.len() as u64 {
-                            // SYNC POINT: pairs with the reader's Acquire load of the lead
-                            // word: the whole body (this piece and those before) is visible
-                            // with it.
-                            lead_word.store(lead, Ordering::Release);
-                        }
-                        Ok(())
-                    },
-                    // SYNC POINT: pairs with the reader's Acquire load of the flag word.
-                    || word.store(v, Ordering::Release),
-                )
-            })
-        })
+        let mut mover = |o: u64, l: u64| {
+            let (from, end) = (o.max(body), o + l);
+            if end > from {
+                let at = (from - body) as usize;
+                self.data.write(self.rel(from), &src[at..at + (end - from) as usize]).map_err(seg_err)?;
+            }
+            if end == body + src.len() as u64 {
+                // SYNC POINT: pairs with the reader's Acquire load of the lead word: the
+                // whole body (this piece and those before) is visible with it.
+                lead_word.store(lead, Ordering::Release);
+            }
+            Ok(())
+        };
+        // SYNC POINT: pairs with the reader's Acquire load of the flag word.
+        let store = || word.store(v, Ordering::Release);
+        self.with_watch(|w| self.then_store(w, abs, 8 + src.len() as u64, word_abs, &mut mover, &store))
     }
 
     /// [`Window::write_led_then_store_u64`] for a run of messages `stride` bytes apart: each
@@ -217,76 +235,48 @@ impl Window {
         let Some(last) = msgs.last() else { return Ok(0) };
         let len = (msgs.len() as u64 - 1) * stride + 8 + last.1.len() as u64;
         let word = self.data.view::<AtomicU64>(self.rel(word_abs)).map_err(seg_err)?;
-        let sink = self.port.sink(self.claim);
-        self.with_watch(|w| {
-            with_scratch(|s| {
-                snoop::transfer_then_store(
-                    w,
-                    &sink,
-                    abs,
-                    len,
-                    word_abs,
-                    8,
-                    s,
-                    |o, l| {
-                        let end = o + l;
-                        for (k, (lead, body)) in msgs.iter().enumerate().skip(((o - abs) / stride) as usize) {
-                            let start = abs + k as u64 * stride;
-                            if start >= end {
-                                break;
-                            }
-                            let (b0, b1) = (start + 8, start + 8 + body.len() as u64);
-                            let (from, to) = (o.max(b0), end.min(b1));
-                            if to > from {
-                                let at = (from - b0) as usize;
-                                self.data
-                                    .write(self.rel(from), &body[at..at + (to - from) as usize])
-                                    .map_err(seg_err)?;
-                            }
-                            if b1 > o && b1 <= end {
-                                // SYNC POINT: pairs with the reader's Acquire load of this
-                                // message's lead word: its whole body is visible with it (it
-                                // ends in this piece; exactly one piece holds its end).
-                                self.data
-                                    .view::<AtomicU64>(self.rel(start))
-                                    .map_err(seg_err)?
-                                    .store(*lead, Ordering::Release);
-                            }
-                        }
-                        Ok(())
-                    },
-                    // SYNC POINT: pairs with the reader's Acquire load of the flag word.
-                    || word.store(v, Ordering::Release),
-                )
-            })
-        })
+        let mut mover = |o: u64, l: u64| {
+            let end = o + l;
+            for (k, (lead, body)) in msgs.iter().enumerate().skip(((o - abs) / stride) as usize) {
+                let start = abs + k as u64 * stride;
+                if start >= end {
+                    break;
+                }
+                let (b0, b1) = (start + 8, start + 8 + body.len() as u64);
+                let (from, to) = (o.max(b0), end.min(b1));
+                if to > from {
+                    let at = (from - b0) as usize;
+                    self.data.write(self.rel(from), &body[at..at + (to - from) as usize]).map_err(seg_err)?;
+                }
+                if b1 > o && b1 <= end {
+                    // SYNC POINT: pairs with the reader's Acquire load of this message's lead
+                    // word: its whole body is visible with it (it ends in this piece; exactly
+                    // one piece holds its end).
+                    self.data.view::<AtomicU64>(self.rel(start)).map_err(seg_err)?.store(*lead, Ordering::Release);
+                }
+            }
+            Ok(())
+        };
+        // SYNC POINT: pairs with the reader's Acquire load of the flag word.
+        let store = || word.store(v, Ordering::Release);
+        self.with_watch(|w| self.then_store(w, abs, len, word_abs, &mut mover, &store))
     }
 
     /// Copy `len` bytes of segment `src` at `src_off` to aperture offset `abs`, snooped
     /// like [`Window::write`] (the DMA engine's copy: one pass, no intermediate buffer).
     pub fn write_from(&self, abs: u64, src: &Segment, src_off: u64, len: u64) -> Result<u32, AccessError> {
-        let sink = self.port.sink(self.claim);
-        self.with_watch(|w| {
-            with_scratch(|s| {
-                snoop::transfer(Access::Write, w, &sink, abs, len, s, |o, l| {
-                    let from = src_off + (o - abs);
-                    self.data.copy_from(self.rel(o), src, from as usize, l as usize).map_err(seg_err)
-                })
-            })
+        self.transfer(Access::Write, abs, len, &mut |o, l| {
+            let from = src_off + (o - abs);
+            self.data.copy_from(self.rel(o), src, from as usize, l as usize).map_err(seg_err)
         })
     }
 
     /// Read into `dst` from aperture offset `abs`.
     pub fn read(&self, abs: u64, dst: &mut [u8]) -> Result<u32, AccessError> {
-        let sink = self.port.sink(self.claim);
         let len = dst.len() as u64;
-        self.with_watch(|w| {
-            with_scratch(|s| {
-                snoop::transfer(Access::Read, w, &sink, abs, len, s, |o, l| {
-                    let from = (o - abs) as usize;
-                    self.data.read(self.rel(o), &mut dst[from..from + l as usize]).map_err(seg_err)
-                })
-            })
+        self.transfer(Access::Read, abs, len, &mut |o, l| {
+            let from = (o - abs) as usize;
+            self.data.read(self.rel(o), &mut dst[from..from + l as usize]).map_err(seg_err)
         })
     }
 
@@ -335,8 +325,13 @@ impl Window {
 
     /// Fire the tripwires of `[abs, abs+len)` for `access`, the data being already in place.
     pub fn commit(&self, abs: u64, len: u64, access: Access) -> u32 {
-        let sink = self.port.sink(self.claim);
-        self.with_watch(|w| with_scratch(|s| snoop::commit(access, w, &sink, abs, len, s)))
+        self.with_watch(|w| {
+            if snoop::commit_quick(w, abs, len) {
+                return 0;
+            }
+            let sink = self.port.sink(self.claim);
+            with_scratch(|s| snoop::commit(access, w, &sink, abs, len, s))
+        })
     }
 
     /// Atomic word store (Release), then fire.
