@@ -290,7 +290,7 @@ fn any_bit(words: &[AtomicU64], lo: u64, hi: u64) -> bool {
 
 impl<'a> CamView<'a> {
     /// Cheap test: may any tripwire overlap `[start, end)`?
-    #[inline]
+    #[inline(always)]
     pub fn may_match(&self, start: u64, end: u64) -> bool {
         if start >= end {
             return false;

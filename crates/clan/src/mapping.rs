@@ -187,6 +187,16 @@ impl Mapping {
         }
     }
 
+    /// The second range of an access whose first range [`Mapping::check`] has just passed:
+    /// its bounds only (the rights and the liveness are the first's, of the same moment).
+    #[inline]
+    fn check_more(&self, off: u64, len: u64) -> Result<u64, AccessError> {
+        match check_range(off, len, self.hot.len) {
+            Ok(()) => Ok(self.hot.off + off),
+            Err(e) => Err(self.refused(e, off, len)),
+        }
+    }
+
     #[cold]
     fn refused(&self, e: AccessError, off: u64, len: u64) -> AccessError {
         tracing::debug!(exporter = %self.inner.desc.nic(), aperture = self.inner.desc.aperture(), off, len, "access refused: {e}");
@@ -408,7 +418,7 @@ impl Mapping {
     pub fn write_then_store_u64(&self, off: u64, src: &[u8], word_off: u64, v: u64) -> Result<(), AccessError> {
         let abs = self.check(off, src.len() as u64, Rights::WRITE)?;
         check_align(word_off, 8)?;
-        let wabs = self.check(word_off, 8, Rights::WRITE)?;
+        let wabs = self.check_more(word_off, 8)?;
         match &self.hot.window {
             Some(w) => Transport::write_then_store_u64(w, abs, src, wabs, v)?,
             None => self.inner.via.write_then_store_u64(abs, src, wabs, v)?,
@@ -452,7 +462,7 @@ impl Mapping {
         })?;
         let abs = self.check(off, len, Rights::WRITE)?;
         check_align(word_off, 8)?;
-        let wabs = self.check(word_off, 8, Rights::WRITE)?;
+        let wabs = self.check_more(word_off, 8)?;
         match &self.hot.window {
             Some(w) => Transport::write_led_then_store_u64(w, abs, lead, src, wabs, v)?,
             None => self.inner.via.write_led_then_store_u64(abs, lead, src, wabs, v)?,
@@ -500,7 +510,7 @@ impl Mapping {
             .ok_or(bad)?;
         let abs = self.check(off, len, Rights::WRITE)?;
         check_align(word_off, 8)?;
-        let wabs = self.check(word_off, 8, Rights::WRITE)?;
+        let wabs = self.check_more(word_off, 8)?;
         match &self.hot.window {
             Some(w) => Transport::write_led_run_then_store_u64(w, abs, stride, msgs, wabs, v)?,
             None => self.inner.via.write_led_run_then_store_u64(abs, stride, msgs, wabs, v)?,
