@@ -211,47 +211,26 @@ pub struct ServerReport {
 pub struct Footprint {
     pub fds: u64,
     pub maps: u64,
-    /// Resident memory, huge pages included (the kernel's RSS leaves them out).
     pub rss_kib: u64,
-    /// Of it, on huge pages (`CLAN_HUGE_PAGES`: connection buffers).
-    #[serde(default)]
-    pub huge_kib: u64,
 }
 
 impl Footprint {
     fn of(pid: u32) -> Footprint {
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_or(0, |m| m.lines().count() as u64);
-        // (hugetlb memory mapped, shared or not: `smaps_rollup` counts it apart from RSS)
-        let huge_kib = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).map_or(0, |r| {
-            r.lines()
-                .filter(|l| l.starts_with("Shared_Hugetlb:") || l.starts_with("Private_Hugetlb:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum()
-        });
-        let rss_kib = crate::sys::rss_bytes(pid) / 1024 + huge_kib;
-        Footprint { fds, maps, rss_kib, huge_kib }
+        let rss_kib = crate::sys::rss_bytes(pid) / 1024;
+        Footprint { fds, maps, rss_kib }
     }
 
     fn of_both(server: u32) -> Footprint {
         let (a, b) = (Footprint::of(std::process::id()), Footprint::of(server));
-        Footprint {
-            fds: a.fds + b.fds,
-            maps: a.maps + b.maps,
-            rss_kib: a.rss_kib + b.rss_kib,
-            huge_kib: a.huge_kib + b.huge_kib,
-        }
+        Footprint { fds: a.fds + b.fds, maps: a.maps + b.maps, rss_kib: a.rss_kib + b.rss_kib }
     }
 
     /// Per endpoint: the whole divided by the endpoints (fixed costs included).
     fn per(&self, n: usize) -> PerEndpoint {
         let n = n.max(1) as f64;
-        PerEndpoint {
-            fds: self.fds as f64 / n,
-            maps: self.maps as f64 / n,
-            rss_kib: self.rss_kib as f64 / n,
-            huge_kib: self.huge_kib as f64 / n,
-        }
+        PerEndpoint { fds: self.fds as f64 / n, maps: self.maps as f64 / n, rss_kib: self.rss_kib as f64 / n }
     }
 }
 
@@ -260,8 +239,6 @@ pub struct PerEndpoint {
     pub fds: f64,
     pub maps: f64,
     pub rss_kib: f64,
-    #[serde(default)]
-    pub huge_kib: f64,
 }
 
 /// What client runs measured (merged over rounds).
@@ -499,14 +476,9 @@ pub fn run(a: &ServerArgs) -> Result<()> {
             println!("{:<22} {:>10} {:>10} {:>10}", format!("raw shm, {} packed", r.endpoints), ns(p50), "", ns(p99));
         }
         let (c, t) = (&r.per_endpoint_clan, &r.per_endpoint_tcp);
-        let huge = if c.huge_kib > 0.0 {
-            format!(" ({:.1} KiB of it on huge pages: CLAN_HUGE_PAGES)", c.huge_kib)
-        } else {
-            String::new()
-        };
         println!(
             "per endpoint (client and server together, fixed costs included): clan {:.1} fds, {:.1} mappings, \
-             {:.0} KiB resident{huge}; epoll-tcp {:.1} fds, {:.1} mappings, {:.0} KiB",
+             {:.0} KiB resident; epoll-tcp {:.1} fds, {:.1} mappings, {:.0} KiB",
             c.fds, c.maps, c.rss_kib, t.fds, t.maps, t.rss_kib
         );
         println!("spin : {}", r.spin.how);
