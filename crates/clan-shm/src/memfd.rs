@@ -38,18 +38,6 @@ impl Memfd {
         Ok(Memfd { fd, len })
     }
 
-    /// [`Memfd::create`] backed by 2 MiB huge pages (hugetlbfs: `len` a multiple of 2 MiB).
-    /// Fails, mapping it if not before, when the system has no huge pages to spare
-    /// (`vm.nr_hugepages`): the kernel reserves them all when the memfd is mapped.
-    pub fn create_huge(name: &str, len: u64) -> io::Result<Memfd> {
-        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING | MemfdFlags::HUGETLB | MemfdFlags::HUGE_2MB;
-        let fd = crate::fdfloor::lift(rustix::fs::memfd_create(name, flags)?);
-        rustix::fs::fchmod(&fd, rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR)?;
-        rustix::fs::ftruncate(&fd, len)?;
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        Ok(Memfd { fd, len })
-    }
-
     /// Adopt a memfd received from another process, checking that it is sealed against
     /// resizing and at least `min_len` bytes long.
     pub fn adopt(fd: OwnedFd, min_len: u64) -> io::Result<Memfd> {

@@ -3,8 +3,6 @@
 //! - [`netns::TestNet`]: hosts made of network namespaces joined by veth pairs (and a
 //!   bridge for three or more), with addresses in 10.77.0.0/16; removed on drop, and stale ones
 //!   left by a crashed run are reaped on the next run.
-//! - [`huge::HugePages`]: huge pages reserved for a test (or all taken away), the system's
-//!   setting put back on drop.
 //! - [`fault::FaultProxy`]: a TCP proxy to put in front of a NIC, that can delay traffic,
 //!   fall silent, drop its connections or cut them in the middle of a frame.
 
@@ -12,5 +10,4 @@
 #![warn(missing_docs)]
 
 pub mod fault;
-pub mod huge;
 pub mod netns;

@@ -199,22 +199,6 @@ pub struct NicConfig {
     pub max_link_imports: usize,
     /// Control connections from the processes of this host: per process, per user, in all.
     pub admission: AdmissionLimits,
-    /// Put the pools of connection buffers ([`ExportConfig::for_peer`]) on 2 MiB huge pages,
-    /// when the system has some reserved (`sysctl vm.nr_hugepages`; else ordinary pages, and
-    /// a warning once). A server with thousands of connections then touches a few TLB
-    /// entries for all their buffers instead of one per page. Each pool takes 6 MiB of huge
-    /// pages at a time (4 MiB of buffers, 2 MiB of index), reserved while it has apertures.
-    /// Default: off, or on when `CLAN_HUGE_PAGES` is `1` (or `on`, `yes`, `true`).
-    pub huge_pages: bool,
-}
-
-/// The variable that turns [`NicConfig::huge_pages`] on by default.
-pub const HUGE_PAGES_ENV: &str = "CLAN_HUGE_PAGES";
-
-/// Whether [`HUGE_PAGES_ENV`] asks for huge pages.
-fn huge_pages_from_env() -> bool {
-    std::env::var(HUGE_PAGES_ENV)
-        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true"))
 }
 
 /// The DMA engine of a NIC (a thread started with the first DMA request).
@@ -267,7 +251,6 @@ impl Default for NicConfig {
             dma: DmaConfig::default(),
             max_link_imports: 65536,
             admission: AdmissionLimits::default(),
-            huge_pages: huge_pages_from_env(),
         }
     }
 }
@@ -283,7 +266,6 @@ impl std::fmt::Debug for NicConfig {
             .field("local_transport", &self.local_transport)
             .field("cluster_key", &self.cluster_key.map(|_| "<secret>"))
             .field("routes", &self.routes.len())
-            .field("huge_pages", &self.huge_pages)
             .finish_non_exhaustive()
     }
 }

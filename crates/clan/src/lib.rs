@@ -93,8 +93,8 @@ pub use addr::{AddrParseError, EndpointAddr, NicAddr, ToEndpointAddrs, each_endp
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;
 pub use config::{
-    AdmissionLimits, DEFAULT_SPIN, DmaConfig, EventQueueConfig, ExportConfig, HUGE_PAGES_ENV, ImportPolicy, LinkConfig,
-    LocalTransport, MAX_SPIN, NicConfig, Progress, SPIN_ENV, SpinParseError, default_spin, parse_spin,
+    AdmissionLimits, DEFAULT_SPIN, DmaConfig, EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport,
+    MAX_SPIN, NicConfig, Progress, SPIN_ENV, SpinParseError, default_spin, parse_spin,
 };
 pub use conn::{ConnectError, ConnectRequest, Connection, DEFAULT_CONNECT_TIMEOUT, MAX_PRIVATE_DATA};
 pub use descriptor::{Descriptor, MAX_CAVEATS, Rights};

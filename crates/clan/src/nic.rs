@@ -225,8 +225,6 @@ pub struct NicStats {
     pub pools: u64,
     /// Chunks in those pools: each is two memfds and two mappings, shared by its apertures.
     pub pool_chunks: u64,
-    /// Those of the chunks on huge pages ([`crate::NicConfig::huge_pages`]).
-    pub huge_chunks: u64,
     /// Times the engine left a link's incoming traffic to the threads spinning on it
     /// ([`crate::LinkSpin`]) instead of receiving it itself.
     pub link_parks: u64,
@@ -714,7 +712,7 @@ impl NicInner {
         let pooled = match cfg.pooled_for {
             Some(peer) => {
                 policy.nics.push(peer);
-                ApertureMem::pooled(&self.pools.for_peer(peer, self.config.huge_pages), len)?.map(Arc::new)
+                ApertureMem::pooled(&self.pools.for_peer(peer), len)?.map(Arc::new)
             }
             None => None,
         };
@@ -1302,7 +1300,6 @@ impl Nic {
             cached_bytes: lock(&i.cache).bytes,
             pools: i.pools.counts().0,
             pool_chunks: i.pools.counts().1,
-            huge_chunks: i.pools.counts().2,
             link_parks: i.spinners.parks(),
             links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
             endpoints: i

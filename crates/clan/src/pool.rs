@@ -51,8 +51,6 @@ use crate::lock;
 pub const CHUNK_DATA: u64 = 4 << 20;
 /// Bytes of index per chunk.
 pub const CHUNK_INDEX: u64 = 1 << 20;
-/// Bytes of index per chunk on huge pages (one 2 MiB page).
-pub const CHUNK_INDEX_HUGE: u64 = 2 << 20;
 /// Largest data capacity carved from a pool (larger apertures get memfds of their own).
 pub const MAX_POOLED: u64 = CHUNK_DATA / 8;
 
@@ -63,60 +61,22 @@ pub(crate) struct Chunk {
     pub index: Memfd,
     pub data_seg: Arc<Segment>,
     pub index_seg: Arc<Segment>,
-    /// On 2 MiB huge pages ([`crate::NicConfig::huge_pages`]): a few TLB entries cover the
-    /// connection buffers of thousands of peers' connections, instead of one per page.
-    pub huge: bool,
-    /// Bytes of index ([`CHUNK_INDEX`], or [`CHUNK_INDEX_HUGE`] on huge pages).
-    pub index_len: u64,
 }
 
 impl Chunk {
-    /// A chunk on huge pages if `huge` and the system has them to spare, else on ordinary
-    /// pages.
-    fn create(huge: bool) -> Result<Chunk, ExportError> {
-        if huge {
-            match Chunk::create_with(true) {
-                Ok(c) => return Ok(c),
-                Err(e) => {
-                    static SAID: std::sync::Once = std::sync::Once::new();
-                    SAID.call_once(|| {
-                        tracing::warn!(
-                            "huge pages asked for (CLAN_HUGE_PAGES, NicConfig::huge_pages) but not to be had \
-                             ({e}): pools use ordinary pages (reserve some with `sysctl vm.nr_hugepages`)"
-                        )
-                    });
-                }
-            }
-        }
-        Chunk::create_with(false)
-    }
-
-    fn create_with(huge: bool) -> Result<Chunk, ExportError> {
+    fn create() -> Result<Chunk, ExportError> {
         let fd = |e, what| crate::aperture::fd_or_io(e, what);
-        let make = |name, len| if huge { Memfd::create_huge(name, len) } else { Memfd::create(name, len) };
-        let index_len = if huge { CHUNK_INDEX_HUGE } else { CHUNK_INDEX };
-        let data = make("clan-pool", CHUNK_DATA).map_err(|e| fd(e, "creating a pool's data memfd"))?;
-        let index = make("clan-pool-index", index_len).map_err(|e| fd(e, "creating a pool's index memfd"))?;
+        let data = Memfd::create("clan-pool", CHUNK_DATA).map_err(|e| fd(e, "creating a pool's data memfd"))?;
+        let index =
+            Memfd::create("clan-pool-index", CHUNK_INDEX).map_err(|e| fd(e, "creating a pool's index memfd"))?;
         let map = |m: &Memfd, len: u64, what| {
             Segment::map(m, 0, len as usize, SegAccess::ReadWrite)
                 .map(Arc::new)
                 .map_err(|source| ExportError::Io { context: what, source })
         };
         let data_seg = map(&data, CHUNK_DATA, "mapping a pool's data")?;
-        let index_seg = map(&index, index_len, "mapping a pool's index")?;
-        Ok(Chunk { data, index, data_seg, index_seg, huge, index_len })
-    }
-
-    /// Zero `[data_off, data_off + data_len)` of the data and `[index_off, index_off +
-    /// index_len)` of the index (their pages go back to the system, on ordinary pages).
-    fn zero(&self, data_off: u64, data_len: u64, index_off: u64, index_len: u64) -> bool {
-        if self.huge {
-            // (a hole punched in part of a huge page is not zeroed by every kernel: write)
-            self.data_seg.fill(data_off as usize, data_len as usize, 0).is_ok()
-                && self.index_seg.fill(index_off as usize, index_len as usize, 0).is_ok()
-        } else {
-            self.data.zero(data_off, data_len).is_ok() && self.index.zero(index_off, index_len).is_ok()
-        }
+        let index_seg = map(&index, CHUNK_INDEX, "mapping a pool's index")?;
+        Ok(Chunk { data, index, data_seg, index_seg })
     }
 }
 
@@ -165,14 +125,12 @@ struct PoolState {
 #[derive(Debug)]
 pub(crate) struct Pool {
     pub peer: NicAddr,
-    /// Its chunks go on huge pages when the system has them.
-    huge: bool,
     state: Mutex<PoolState>,
 }
 
 impl Pool {
-    fn new(peer: NicAddr, huge: bool) -> Pool {
-        Pool { peer, huge, state: Mutex::new(PoolState::default()) }
+    fn new(peer: NicAddr) -> Pool {
+        Pool { peer, state: Mutex::new(PoolState::default()) }
     }
 
     /// Carve `cap` bytes of data (at most [`MAX_POOLED`]) and `index_len` bytes of index,
@@ -180,7 +138,7 @@ impl Pool {
     /// a page: a peer that uses thousands of them at random then touches as few pages (TLB
     /// entries) and cache lines as their sizes allow.
     pub fn carve(self: &Arc<Pool>, cap: u64, index_len: u64) -> Result<Slice, ExportError> {
-        debug_assert!(cap <= MAX_POOLED && index_len <= CHUNK_INDEX.min(CHUNK_INDEX_HUGE));
+        debug_assert!(cap <= MAX_POOLED && index_len <= CHUNK_INDEX);
         debug_assert!(cap % PART_ALIGN == 0 && index_len % PART_ALIGN == 0);
         let mut s = lock(&self.state);
         let slice =
@@ -190,10 +148,10 @@ impl Pool {
             return Ok(slice(chunk, d, i));
         }
         let fits = |s: &PoolState| {
-            s.chunks.last().is_some_and(|c| s.data_used + cap <= CHUNK_DATA && s.index_used + index_len <= c.index_len)
+            !s.chunks.is_empty() && s.data_used + cap <= CHUNK_DATA && s.index_used + index_len <= CHUNK_INDEX
         };
         if !fits(&s) {
-            s.chunks.push(Arc::new(Chunk::create(self.huge)?));
+            s.chunks.push(Arc::new(Chunk::create()?));
             s.data_used = 0;
             s.index_used = 0;
         }
@@ -209,7 +167,8 @@ impl Pool {
     /// at most, `nic.rs::releasable`): zeroed, for the pool's next aperture of that size. A
     /// retired pool keeps nothing, and a pool whose last slice this was lets its chunks go.
     fn give_back(&self, s: &Slice) {
-        let zeroed = s.chunk.zero(s.data_off, s.cap, s.index_off, s.index_len);
+        let zeroed =
+            s.chunk.data.zero(s.data_off, s.cap).is_ok() && s.chunk.index.zero(s.index_off, s.index_len).is_ok();
         let mut st = lock(&self.state);
         st.live -= 1;
         if st.live == 0 {
@@ -250,10 +209,6 @@ impl Pool {
         lock(&self.state).chunks.len()
     }
 
-    fn huge_chunks(&self) -> usize {
-        lock(&self.state).chunks.iter().filter(|c| c.huge).count()
-    }
-
     fn is_empty(&self) -> bool {
         lock(&self.state).live == 0
     }
@@ -266,9 +221,8 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
-    /// The pool for `peer` (a new one if it has none, or its last was retired; its chunks on
-    /// huge pages if `huge`).
-    pub fn for_peer(&self, peer: NicAddr, huge: bool) -> Arc<Pool> {
+    /// The pool for `peer` (a new one if it has none, or its last was retired).
+    pub fn for_peer(&self, peer: NicAddr) -> Arc<Pool> {
         let mut m = lock(&self.by_peer);
         if let Some(p) = m.get(&peer) {
             return p.clone();
@@ -276,7 +230,7 @@ impl Pools {
         // Forget the pools of other peers that hold nothing (peers over links are never
         // told gone), so that the table stays as small as the live peers.
         m.retain(|_, p| !p.is_empty());
-        m.entry(peer).or_insert_with(|| Arc::new(Pool::new(peer, huge))).clone()
+        m.entry(peer).or_insert_with(|| Arc::new(Pool::new(peer))).clone()
     }
 
     /// `peer` went away (its NIC closed, its process died): its pool takes no new aperture
@@ -288,11 +242,10 @@ impl Pools {
         }
     }
 
-    /// Pools, chunks (memfd pairs) in them, and those of the chunks on huge pages.
-    pub fn counts(&self) -> (u64, u64, u64) {
+    /// Pools, and chunks (memfd pairs) in them.
+    pub fn counts(&self) -> (u64, u64) {
         let m = lock(&self.by_peer);
-        let chunks = m.values().map(|p| p.chunks() as u64).sum();
-        (m.len() as u64, chunks, m.values().map(|p| p.huge_chunks() as u64).sum())
+        (m.len() as u64, m.values().map(|p| p.chunks() as u64).sum())
     }
 }
 
@@ -304,7 +257,7 @@ mod tests {
     fn a_pool_is_one_process_and_dies_with_its_peer() {
         let pools = Pools::default();
         let peer = NicAddr::localhost(7);
-        let p = pools.for_peer(peer, false);
+        let p = pools.for_peer(peer);
         assert_eq!(p.bind(10, 1000), Ok(()));
         assert_eq!(p.bind(10, 1000), Ok(()), "the bound process again");
         assert_eq!(p.bind(11, 1000), Err(Refusal::DeniedPid), "another process of the same user");
@@ -322,7 +275,7 @@ mod tests {
         pools.retire(peer);
         assert_eq!(p.bind(10, 1000), Err(Refusal::DeniedEndpoint), "a retired pool is granted to nobody");
         drop(c);
-        let q = pools.for_peer(peer, false);
+        let q = pools.for_peer(peer);
         assert!(!Arc::ptr_eq(&p, &q), "a later process on the address gets a new pool");
         assert_eq!(q.bind(99, 1000), Ok(()));
         let d = q.carve(4096, 4096).unwrap();
@@ -334,34 +287,9 @@ mod tests {
     }
 
     #[test]
-    fn slices_given_back_are_zeroed_on_huge_pages_too() {
-        // (on huge pages if the system has some free, else on ordinary ones: each zeroes its
-        // own way, `Chunk::zero`; `cross_process` reserves pages to test the first for sure)
-        let pools = Pools::default();
-        let p = pools.for_peer(NicAddr::localhost(9), true);
-        let a = p.carve(320, 640).unwrap();
-        let b = p.carve(320, 640).unwrap();
-        a.chunk.data_seg.write(a.data_off as usize, &[7; 320]).unwrap();
-        a.chunk.index_seg.write(a.index_off as usize, &[7; 640]).unwrap();
-        b.chunk.data_seg.write(b.data_off as usize, &[9; 8]).unwrap();
-        let (d, i, huge) = (a.data_off, a.index_off, a.chunk.huge);
-        assert_eq!(a.chunk.index_len, if huge { CHUNK_INDEX_HUGE } else { CHUNK_INDEX });
-        drop(a);
-        let c = p.carve(320, 640).unwrap();
-        assert_eq!((c.data_off, c.index_off, c.chunk.huge), (d, i, huge), "reused");
-        let (mut data, mut index) = ([1u8; 320], [1u8; 640]);
-        c.chunk.data_seg.read(d as usize, &mut data).unwrap();
-        c.chunk.index_seg.read(i as usize, &mut index).unwrap();
-        assert!(data.iter().chain(&index).all(|&x| x == 0), "zeroed (huge pages: {huge})");
-        let mut n = [0u8; 8];
-        b.chunk.data_seg.read(b.data_off as usize, &mut n).unwrap();
-        assert_eq!(n, [9; 8], "the next slice's bytes are untouched");
-    }
-
-    #[test]
     fn small_slices_are_carved_on_cache_lines_several_to_a_page() {
         let pools = Pools::default();
-        let p = pools.for_peer(NicAddr::localhost(8), false);
+        let p = pools.for_peer(NicAddr::localhost(8));
         let s: Vec<Slice> = (0..8).map(|_| p.carve(320, 640).unwrap()).collect();
         for (i, x) in s.iter().enumerate() {
             assert_eq!((x.data_off, x.index_off), (i as u64 * 320, i as u64 * 640), "packed, in order");

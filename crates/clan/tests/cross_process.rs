@@ -78,10 +78,9 @@ fn child() {
             say(format!("fds {} maps {}", count_fds() - fds, count_maps() - maps));
             let _ = hear();
         }
-        "fill_small" | "fill_small_pages" => {
+        "fill_small" => {
             // Each aperture (200 bytes, several to a page): its word, then its bytes up to its
-            // end, then one byte past it (refused); with `_pages`, then the page sizes of our
-            // mappings of the pool.
+            // end, then one byte past it (refused).
             say(nic.addr());
             let ds: Vec<Descriptor> = hear().unwrap().split(' ').map(|d| d.parse().unwrap()).collect();
             let ms: Vec<_> = ds.iter().map(|d| ep.import(d).unwrap()).collect();
@@ -93,9 +92,6 @@ fn child() {
             }
             past.dedup();
             say(past.join(";"));
-            if role == "fill_small_pages" {
-                say(pool_page_sizes().join(" "));
-            }
             let _ = hear();
         }
         "try_import" => {
@@ -296,81 +292,6 @@ fn count_fds() -> i64 {
 /// the maps: the allocator and thread stacks come and go with them.)
 fn count_maps() -> i64 {
     std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("/memfd:")).count() as i64
-}
-
-/// The kernel page sizes of this process's mappings of pool memory (`/proc/self/smaps`), in
-/// kB, one per mapping.
-fn pool_page_sizes() -> Vec<String> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut pool = false;
-    let mut sizes = Vec::new();
-    for l in smaps.lines() {
-        if l.split_whitespace().next().is_some_and(|a| a.contains('-') && !a.ends_with(':')) {
-            pool = l.contains("memfd:clan-pool");
-        } else if let Some(v) = l.strip_prefix("KernelPageSize:").filter(|_| pool) {
-            sizes.push(v.split_whitespace().next().unwrap_or("?").to_string());
-        }
-    }
-    sizes
-}
-
-/// With `NicConfig::huge_pages`, pools go on huge pages when the system has some: 300 small
-/// connection buffers for another process take one chunk of 2 MiB pages, which that process
-/// maps as such too, and each buffer still keeps to its bytes. Without huge pages to be had,
-/// the same NIC falls back to ordinary pages and works as before. (Root reserves the pages
-/// for the test and puts the system's setting back; as another user with none free, there is
-/// nothing to test.)
-#[test]
-fn pools_go_on_huge_pages_when_asked_and_there_are_some() {
-    let _wd = Watchdog::new("huge pages", Duration::from_secs(120));
-    let Some(reserved) = clan_testkit::huge::HugePages::reserve(8) else {
-        eprintln!("skipped: no huge pages free and not root to reserve some");
-        return;
-    };
-    let nic = Nic::open(NicConfig { huge_pages: true, ..NicConfig::default() }).unwrap();
-    let ep = nic.endpoint().unwrap();
-    let mut c = Peer::spawn(ENTRY, "fill_small_pages", &[]);
-    let peer: clan::NicAddr = c.expect("nic").parse().unwrap();
-    let aps: Vec<_> = (0..300).map(|_| ep.export_with(200, ExportConfig::for_peer(peer)).unwrap()).collect();
-    let st = nic.stats();
-    assert_eq!((st.pool_chunks, st.huge_chunks), (1, 1), "one chunk, on huge pages");
-    let mine = pool_page_sizes();
-    assert!(mine.len() >= 2 && mine.iter().all(|s| s == "2048"), "our pool mappings' page sizes: {mine:?}");
-    let tws: Vec<_> = aps.iter().map(|a| a.tripwire(TripwireConfig::writes(0..8)).unwrap()).collect();
-    let list: Vec<String> = aps.iter().map(|a| a.descriptor().to_string()).collect();
-    c.send(&list.join(" "));
-    let past = c.expect("past");
-    assert!(past.starts_with("Err(OutOfBounds") && !past.contains(';'), "a write past the end: {past}");
-    let theirs = c.expect("pages");
-    assert!(
-        !theirs.is_empty() && theirs.split(' ').all(|s| s == "2048"),
-        "the importer's pool mappings' page sizes: {theirs}"
-    );
-    for (i, (a, t)) in aps.iter().zip(&tws).enumerate() {
-        t.wait(Some(Duration::from_secs(20))).unwrap();
-        assert_eq!(a.load_u64(0).unwrap(), i as u64 + 1, "aperture {i} got another's word");
-        let mut body = [0u8; 192];
-        a.read(8, &mut body).unwrap();
-        assert!(body.iter().all(|&b| b == (i % 251) as u8 + 1), "aperture {i} got another's bytes");
-    }
-    c.send("bye");
-    c.wait_ok();
-    drop((tws, aps, ep, nic, reserved));
-    // None to be had: ordinary pages, and everything works the same.
-    let Some(_none) = clan_testkit::huge::HugePages::exhaust() else {
-        eprintln!("the fallback to ordinary pages not tested: not root");
-        return;
-    };
-    let nic = Nic::open(NicConfig { huge_pages: true, ..NicConfig::default() }).unwrap();
-    let ep = nic.endpoint().unwrap();
-    let a = ep.export_with(200, ExportConfig::for_peer(clan::NicAddr::localhost(9))).unwrap();
-    let st = nic.stats();
-    assert_eq!((st.pool_chunks, st.huge_chunks), (1, 0), "a chunk on ordinary pages");
-    let sizes = pool_page_sizes();
-    assert!(!sizes.is_empty() && sizes.iter().all(|s| s == "4"), "pool mappings' page sizes: {sizes:?}");
-    assert_eq!(a.load_u64(0).unwrap(), 0, "zeroed");
-    a.store_u64(0, 42).unwrap();
-    assert_eq!(a.load_u64(0).unwrap(), 42);
 }
 
 /// Apertures exported for one peer NIC share memfds and mappings (`ExportConfig::for_peer`):
