@@ -4,7 +4,8 @@
 //! descriptor is the event queue of all its RPC connections. The client process opens N
 //! connections and sends requests on connections chosen at random: one in flight, or K.
 //! `busy`: back to back; `idle`: a pause longer than the server's polling time between
-//! requests, so that a server that sleeps when idle goes to sleep each time.
+//! requests, so that a server that sleeps when idle goes to sleep each time. A round trip is
+//! timed from before the request is sent to its reply taken, as the raw baselines are.
 //!
 //! Baseline in the same run: an epoll (mio) TCP server, one thread, with the same N
 //! connections (loopback), the same request size and the same client pattern.
@@ -628,8 +629,11 @@ fn drive(conns: &mut [impl Conn], a: &ServerArgs, sync: Sync) -> Result<Run> {
                 k = (k + 1) % conns.len();
             }
             busy[k] = true;
+            // (timed from before the send, as the baselines are: the request's cost, cold
+            // lines of a connection chosen at random included, is part of the round trip)
+            let t = Instant::now();
             conns[k].send(&req)?;
-            inflight.push((k, Instant::now()));
+            inflight.push((k, t));
             sent += 1;
         }
         if a.inflight == 1 {
