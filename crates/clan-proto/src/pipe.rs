@@ -16,6 +16,10 @@
 //!   80  CTL_POST_LEN  peer: its length
 //!   96  CTL_LEFT      peer: LEFT bit | its final read position, once it has stopped reading
 //!                     this stream (hand-over: the bytes past it go again by other means)
+//!  104  CTL_ASLEEP    peer: a token (count << 16 | its CPU), new each time it goes to sleep
+//!                     waiting for my data (see "Early wake-up")
+//!  120  CTL_NUDGE     peer: the token I wrote into its side, stored back when it took my
+//!                     data while I slept waiting for its own (my data tripwire watches it)
 //!  128  RX_WRITE      peer (the sender of my incoming data): bytes it has written
 //!  136  RX_FIN        peer: FIN bit | final position, once it has shut down writing
 //!  144  RX_ACK_SEQ    peer: the post it redirected (its seq)
@@ -38,6 +42,21 @@
 //! before the data it covers and before `RX_WRITE` moves past it (writes from one NIC to
 //! another are applied in order). Redirected positions take no ring space.
 //!
+//! ## Early wake-up
+//!
+//! A reader that sleeps for data costs the sender a wake-up, and the data then waits for the
+//! sleeper's CPU to wake (tens of microseconds on a virtual machine's idle CPU). In a
+//! request/response exchange the reply is made right after the request is taken; so, as a
+//! Unix socket does (its reader's wait queue is also its writers', which the peer's read
+//! wakes as it frees what it took), a reader going to sleep leaves a token (`CTL_ASLEEP`) in
+//! the side of the peer it waits for; the peer, when it next takes data from us and finds a
+//! token it has not answered, stores it into our `CTL_NUDGE`, which our data tripwire
+//! watches. Our CPU wakes while the peer makes its reply, not after. Only a hint: a token
+//! missed costs only the early wake-up, a nudge with no reply behind it only a re-check and
+//! a sleep (at most one per sleep). A peer on the same CPU is not nudged (the wake-up would
+//! only take the CPU from the one making the reply), nor one across a link (the nudge would
+//! be one more frame for the reply to wait behind).
+//!
 //! ## Memory written by the other side is untrusted
 //!
 //! Every position read from shared memory is checked against what it can legally be
@@ -49,13 +68,15 @@ use std::time::{Duration, Instant};
 
 use clan::{AccessError, Aperture, Tripwire, TripwireConfig};
 
-use crate::wait::{SLICE, WaitError, wait_check, wait_sliced, wait_tripwire};
+use crate::wait::{SLICE, WaitError, wait_check, wait_check_with, wait_sliced, wait_tripwire};
 
 pub(crate) const CTL_READ: u64 = 0;
 pub(crate) const CTL_POST_SEQ: u64 = 64;
 pub(crate) const CTL_POST_AT: u64 = 72;
 pub(crate) const CTL_POST_LEN: u64 = 80;
 pub(crate) const CTL_LEFT: u64 = 96;
+pub(crate) const CTL_ASLEEP: u64 = 104;
+pub(crate) const CTL_NUDGE: u64 = 120;
 pub(crate) const RX_WRITE: u64 = 128;
 pub(crate) const RX_FIN: u64 = 136;
 pub(crate) const RX_ACK_SEQ: u64 = 144;
@@ -354,6 +375,12 @@ pub(crate) struct PipeRx {
     written_seen: u64,
     /// The read position last mirrored into the sender.
     published: u64,
+    /// The peer's last `CTL_ASLEEP` token answered (nudged, or seen on its own CPU).
+    nudged: u64,
+    /// Sleeps waiting for data (the count in our tokens).
+    sleeps: u64,
+    /// Early wake-ups given to the peer.
+    nudges: u64,
     pub spin: Duration,
 }
 
@@ -365,7 +392,9 @@ impl PipeRx {
         post_cap: u64,
         spin: Duration,
     ) -> Result<PipeRx, PipeError> {
-        let data = wait_tripwire(&mine, RX_WRITE..RX_FIN + 8)?;
+        // From CTL_NUDGE (early wake-ups) to RX_FIN: the words stored when there is something
+        // to read, or about to be.
+        let data = wait_tripwire(&mine, CTL_NUDGE..RX_FIN + 8)?;
         Ok(PipeRx {
             mine,
             peer,
@@ -378,6 +407,9 @@ impl PipeRx {
             landed: 0,
             written_seen: 0,
             published: 0,
+            nudged: 0,
+            sleeps: 0,
+            nudges: 0,
             spin,
         })
     }
@@ -507,7 +539,21 @@ impl PipeRx {
         if self.read - self.published >= self.cap / 4 {
             self.publish_read()?;
         }
+        self.nudge();
         Ok(())
+    }
+
+    /// Early wake-up (module documentation): answer the peer's token, if it sleeps waiting
+    /// for our data on another CPU.
+    fn nudge(&mut self) {
+        if crate::wait::nudge(&self.mine, &mut self.nudged, &self.peer) {
+            self.nudges += 1;
+        }
+    }
+
+    /// Bytes consumed, sleeps waiting for data, early wake-ups given to the peer.
+    pub fn counts(&self) -> (u64, u64, u64) {
+        (self.read, self.sleeps, self.nudges)
     }
 
     /// Mirror read_i into the sender (it polls its own memory for space). A sender that has
@@ -542,9 +588,22 @@ impl PipeRx {
         self.mine.load_u64(RX_TAKEN).is_ok_and(|v| v != 0)
     }
 
-    /// Wait for data or the end of the stream.
-    pub fn wait_data(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
-        wait_check(
+    /// For a read that found nothing and will not wait (non-blocking): if the sender is
+    /// across a link, receive from the NIC's links in this thread once, as a wait's spin
+    /// does, rather than leave the bytes to the engine's thread (woken for them, it would
+    /// take the CPU from this one, which polls). Whether anything came in.
+    pub fn drive_links(&self) -> bool {
+        if !self.peer.imported().is_some_and(|m| m.is_remote()) {
+            return false;
+        }
+        self.data.spin_links().drive()
+    }
+
+    /// Wait for data or the end of the stream. Before sleeping, leaves the sender a token
+    /// asking for an early wake-up (module documentation).
+    pub fn wait_data(&mut self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
+        let slept = std::cell::Cell::new(false);
+        let r = wait_check_with(
             &self.data,
             self.spin,
             deadline,
@@ -552,7 +611,15 @@ impl PipeRx {
             || Ok(self.available()? > 0 || self.at_end()?),
             dead,
             wait_err,
-        )
+            || {
+                slept.set(true);
+                crate::wait::ask_nudge(&self.peer, self.sleeps + 1);
+            },
+        );
+        if slept.get() {
+            self.sleeps += 1;
+        }
+        r
     }
 
     /// Wait until the written position passes `beyond`, or the stream ends.

@@ -33,9 +33,9 @@ use clan::{
 };
 
 use crate::inplace::InPlace;
-use crate::pipe::{CTL_READ, RX_WRITE};
+use crate::pipe::{CTL_NUDGE, CTL_READ, RX_WRITE};
 use crate::side::{self, Geometry, SetupError, Sides};
-use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
+use crate::wait::{SLICE, WaitError, wait_check, wait_check_with, wait_tripwire};
 
 /// What went wrong.
 ///
@@ -253,22 +253,30 @@ struct Party {
     /// The peer's side once imported, held here: a write follows one pointer fewer than
     /// through `sides.peer` (at thousands of connections, one cache miss fewer per call).
     peer: OnceLock<Mapping>,
-    /// Fires when our flag is written.
+    /// Fires when our flag is written (a client's: or its `CTL_NUDGE`).
     flag: Tripwire,
     seq: u64,
     spin: Duration,
+    /// A client's: sleeps waiting for replies, whose tokens ask the server for an early
+    /// wake-up (`crate::pipe`'s documentation); `None` for the other parties.
+    sleeps: Option<std::sync::atomic::AtomicU64>,
+    /// A server connection's: the client's last token answered.
+    answered: u64,
 }
 
 impl Party {
-    fn new(sides: Sides, spin: Duration, event: Option<u64>) -> Result<Party, RpcError> {
-        let cfg = TripwireConfig::writes(RX_WRITE..RX_WRITE + 8);
+    /// `early`: a client, whose waits ask for early wake-ups.
+    fn new(sides: Sides, spin: Duration, event: Option<u64>, early: bool) -> Result<Party, RpcError> {
+        let watched = if early { CTL_NUDGE } else { RX_WRITE };
+        let cfg = TripwireConfig::writes(watched..RX_WRITE + 8);
         let cfg = match event {
             // Event-driven (the server): every flag write posts an event.
             Some(cookie) => cfg.actions(clan::Actions::NONE).event(cookie),
             None => cfg.once().disarmed().actions(clan::Actions::NONE),
         };
         let flag = sides.mine.tripwire(cfg).map_err(|_| AccessError::Revoked)?;
-        Ok(Party { sides, peer: OnceLock::new(), flag, seq: 0, spin })
+        let sleeps = early.then(|| std::sync::atomic::AtomicU64::new(0));
+        Ok(Party { sides, peer: OnceLock::new(), flag, seq: 0, spin, sleeps, answered: 0 })
     }
 
     /// Our flag's sequence number.
@@ -278,7 +286,7 @@ impl Party {
 
     /// Wait for our flag to reach `v`.
     fn wait_flag(&self, v: u64, deadline: Option<Instant>) -> Result<(), RpcError> {
-        wait_check(
+        wait_check_with(
             &self.flag,
             self.spin,
             deadline,
@@ -289,6 +297,12 @@ impl Party {
             },
             || !self.sides.conn.is_alive(),
             wait_err,
+            || {
+                if let Some(n) = &self.sleeps {
+                    // (Relaxed: a count only this party's owner moves)
+                    crate::wait::ask_nudge(&self.sides.peer, n.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1);
+                }
+            },
         )
     }
 
@@ -367,7 +381,7 @@ impl RpcListener {
             Geometry::message(self.cfg.max_msg.max(2), MSG),
             self.cfg.connect_timeout,
         )?;
-        Ok(ChannelReceiver { p: Party::new(s, self.cfg.spin, None)? })
+        Ok(ChannelReceiver { p: Party::new(s, self.cfg.spin, None, false)? })
     }
 }
 
@@ -402,7 +416,7 @@ impl ChannelSender {
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
         let s = side::connect(nic, None, to, Geometry::message(2, MSG), cfg.connect_timeout)?;
         let tx_ready = wait_tripwire(&s.mine, CTL_READ..CTL_READ + 8)?;
-        Ok(ChannelSender { p: Party::new(s, cfg.spin, None)?, tx_ready })
+        Ok(ChannelSender { p: Party::new(s, cfg.spin, None, false)?, tx_ready })
     }
 
     /// Send a message: wait until the receiver has processed the previous one (`tx_ready`),
@@ -548,7 +562,7 @@ impl RpcClient {
     /// [`clan::ToEndpointAddrs`]); `cfg.max_msg` is the largest reply we accept.
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
         let s = side::connect(nic, None, to, Geometry::message(cfg.max_msg.max(2), MSG), cfg.connect_timeout)?;
-        Ok(RpcClient { p: Party::new(s, cfg.spin, None)?, pending: false })
+        Ok(RpcClient { p: Party::new(s, cfg.spin, None, true)?, pending: false })
     }
 
     /// Call: write the request straight into the server's buffer with `fill`, wait for the
@@ -851,7 +865,7 @@ impl RpcServer {
                 }
             };
             self.by_port.insert(s.ep.port(), id);
-            let p = Party::new(s, self.cfg.spin, Some(id))?;
+            let p = Party::new(s, self.cfg.spin, Some(id), false)?;
             let slot = id as usize;
             if self.conns.len() <= slot {
                 self.conns.resize_with(slot + 1, || None);
@@ -888,6 +902,8 @@ impl RpcServer {
             return Ok(false);
         }
         c.p.seq = flag;
+        // A client asleep for the reply is woken now, while the handler makes it.
+        crate::wait::nudge(&c.p.sides.mine, &mut c.p.answered, &c.p.sides.peer);
         let req = c.p.message()?;
         let mut w = c.p.writer()?;
         handler(ConnId(id), req, &mut w);

@@ -181,6 +181,12 @@ impl PeerSide {
         }
     }
 
+    /// The mapping if imported already (never waits).
+    #[inline]
+    pub fn imported(&self) -> Option<&Mapping> {
+        self.map.get()
+    }
+
     #[cold]
     fn import(&self) -> Result<&Mapping, AccessError> {
         let mut pending = lock(&self.importing);

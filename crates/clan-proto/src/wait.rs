@@ -17,6 +17,43 @@ pub(crate) fn wait_tripwire(ap: &Aperture, range: std::ops::Range<u64>) -> Resul
         .map_err(|_| AccessError::Revoked)
 }
 
+/// Early wake-ups (`crate::pipe`'s documentation): the token a waiter leaves in its peer's
+/// `CTL_ASLEEP` before its `n`th sleep (`n` from 1: a token is never 0): `n` and the CPU.
+fn sleep_token(n: u64) -> u64 {
+    n << 16 | cpu()
+}
+
+/// The sleeper's half of an early wake-up: before its `n`th sleep (`n` from 1), leave the
+/// token in the peer's side, if that is imported already and on this host (a nudge across
+/// a link would be one more frame for the reply to wait behind).
+pub(crate) fn ask_nudge(peer: &crate::side::PeerSide, n: u64) {
+    if let Some(m) = peer.imported().filter(|m| !m.is_remote()) {
+        let _ = m.store_u64(crate::pipe::CTL_ASLEEP, sleep_token(n));
+    }
+}
+
+/// The taker's half of an early wake-up: if our side `mine` holds a token that `*answered`
+/// is not, from a sleeper on another CPU than ours, store it into `peer`'s `CTL_NUDGE`
+/// (which its wait's tripwire watches). One local load when there is nothing to answer.
+/// Errors are ignored: a hint, and a failing peer shows on the next real access. Whether
+/// it stored.
+pub(crate) fn nudge(mine: &Aperture, answered: &mut u64, peer: &crate::side::PeerSide) -> bool {
+    let Ok(token) = mine.load_u64(crate::pipe::CTL_ASLEEP) else { return false };
+    if token == *answered {
+        return false;
+    }
+    *answered = token;
+    if token & 0xffff == cpu() {
+        return false;
+    }
+    peer.imported().filter(|m| !m.is_remote()).is_some_and(|m| m.store_u64(crate::pipe::CTL_NUDGE, token).is_ok())
+}
+
+/// The CPU this thread runs on, as a token holds it (16 bits).
+fn cpu() -> u64 {
+    (rustix::thread::sched_getcpu() & 0xffff) as u64
+}
+
 /// Why a wait ended without its condition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WaitError {
@@ -40,9 +77,24 @@ pub(crate) fn wait_sliced(
     spin: Duration,
     deadline: Option<Instant>,
     slice_max: Duration,
+    ready: impl FnMut() -> bool,
+    dead: impl FnMut() -> bool,
+) -> Result<(), WaitError> {
+    wait_sliced_with(tw, spin, deadline, slice_max, ready, dead, || {})
+}
+
+/// [`wait_sliced`], calling `sleeping()` once, before the first sleep (after the spin and
+/// the first re-check): a wait that ends without sleeping never calls it.
+pub(crate) fn wait_sliced_with(
+    tw: &Tripwire,
+    spin: Duration,
+    deadline: Option<Instant>,
+    slice_max: Duration,
     mut ready: impl FnMut() -> bool,
     mut dead: impl FnMut() -> bool,
+    sleeping: impl FnOnce(),
 ) -> Result<(), WaitError> {
+    let mut sleeping = Some(sleeping);
     if ready() {
         return Ok(());
     }
@@ -97,6 +149,9 @@ pub(crate) fn wait_sliced(
             }
             None => slice_max,
         };
+        if let Some(f) = sleeping.take() {
+            f();
+        }
         // Spun above already (or configured not to): sleep at once.
         match tw.wait_spin(Duration::ZERO, Some(slice)) {
             Ok(()) | Err(clan::TripwireError::Timeout) => {}
@@ -116,12 +171,27 @@ pub(crate) fn wait_check<E>(
     spin: Duration,
     deadline: Option<Instant>,
     slice: Duration,
-    mut check: impl FnMut() -> Result<bool, E>,
+    check: impl FnMut() -> Result<bool, E>,
     dead: impl FnMut() -> bool,
     map: impl FnOnce(WaitError) -> E,
 ) -> Result<(), E> {
+    wait_check_with(tw, spin, deadline, slice, check, dead, map, || {})
+}
+
+/// [`wait_check`] with [`wait_sliced_with`]'s `sleeping`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn wait_check_with<E>(
+    tw: &Tripwire,
+    spin: Duration,
+    deadline: Option<Instant>,
+    slice: Duration,
+    mut check: impl FnMut() -> Result<bool, E>,
+    dead: impl FnMut() -> bool,
+    map: impl FnOnce(WaitError) -> E,
+    sleeping: impl FnOnce(),
+) -> Result<(), E> {
     let mut failed = None;
-    let r = wait_sliced(
+    let r = wait_sliced_with(
         tw,
         spin,
         deadline,
@@ -134,6 +204,7 @@ pub(crate) fn wait_check<E>(
             }
         },
         dead,
+        sleeping,
     );
     match failed {
         Some(e) => Err(e),
