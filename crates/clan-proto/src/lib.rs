@@ -107,6 +107,7 @@ const _: () = {
     send_sync::<stream::Listener>();
     send_sync::<stream::Stream>();
     send_sync::<stream::Readiness>();
+    send_sync::<stream::StreamStats>();
     send_sync::<stream::HandOver>();
     send_sync::<stream::TakeOver>();
     send_sync::<vmmc::VmmcError>();
