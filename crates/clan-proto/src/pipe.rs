@@ -16,8 +16,6 @@
 //!   80  CTL_POST_LEN  peer: its length
 //!   96  CTL_LEFT      peer: LEFT bit | its final read position, once it has stopped reading
 //!                     this stream (hand-over: the bytes past it go again by other means)
-//!  104  CTL_ASLEEP    peer: a token (count << 16 | its CPU), new each time it goes to sleep
-//!                     waiting for my data (see "Early wake-up")
 //!  120  CTL_NUDGE     peer: the token I wrote into its side, stored back when it took my
 //!                     data while I slept waiting for its own (my data tripwire watches it)
 //!  128  RX_WRITE      peer (the sender of my incoming data): bytes it has written
@@ -25,6 +23,9 @@
 //!  144  RX_ACK_SEQ    peer: the post it redirected (its seq)
 //!  152  RX_ACK_AT     peer: the position redirection began at
 //!  160  RX_TAKEN      peer: non-zero once it has taken back what we left unread
+//!  168  CTL_ASLEEP    peer: a token (count << 16 | its CPU), new each time it goes to sleep
+//!                     waiting for my data (see "Early wake-up"); on `RX_WRITE`'s line, which
+//!                     a reader loads anyway (no cold line more per read at 10 000 streams)
 //! 4096  ring          incoming data, `cap` bytes
 //! 4096+cap  post area incoming data redirected into a posted buffer, `post_cap` bytes
 //! ```
@@ -75,7 +76,7 @@ pub(crate) const CTL_POST_SEQ: u64 = 64;
 pub(crate) const CTL_POST_AT: u64 = 72;
 pub(crate) const CTL_POST_LEN: u64 = 80;
 pub(crate) const CTL_LEFT: u64 = 96;
-pub(crate) const CTL_ASLEEP: u64 = 104;
+pub(crate) const CTL_ASLEEP: u64 = 168;
 pub(crate) const CTL_NUDGE: u64 = 120;
 pub(crate) const RX_WRITE: u64 = 128;
 pub(crate) const RX_FIN: u64 = 136;

@@ -20,7 +20,10 @@
 //! Layout of each party's buffer (a side aperture): the flag at `RX_WRITE` — the sequence
 //! number of the last message in its high 32 bits, its length in the low 32 — `tx_ready` at
 //! `CTL_READ`, the message at byte 192 (the line after the flag's: caches fetch lines in
-//! aligned pairs). A small message (up to 256 bytes, written in order) is
+//! aligned pairs). A client about to sleep for its reply leaves the server a token at
+//! `CTL_ASLEEP` (on the flag's line, which the server loads anyway), and the server, taking
+//! the request, stores it back into the client's `CTL_NUDGE`, which the client's flag
+//! tripwire also watches: an early wake-up, as `crate::pipe` describes. A small message (up to 256 bytes, written in order) is
 //! gathered and sent with its flag as one snooped transfer (one fence); a larger one goes
 //! straight into the peer's buffer as it is written.
 
