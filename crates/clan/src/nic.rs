@@ -1289,6 +1289,26 @@ impl Nic {
         self.inner.progress()
     }
 
+    /// Begin a spin on this NIC's links: for a thread that polls for data that may come from
+    /// other hosts (a completion queue read in a loop, a non-blocking read), which should
+    /// apply those bytes itself ([`LinkSpin::drive`]) rather than wait for the engine's
+    /// thread to be scheduled, on its own CPU perhaps. While it spins the engine leaves the
+    /// links' traffic to it. One load when no link is open (then `drive` does nothing).
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let spin = nic.spin_links();
+    /// assert!(!spin.drive(), "no link: nothing to apply");
+    /// drop(spin); // the spin ends (the engine listens again, if it had stopped)
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn spin_links(&self) -> crate::LinkSpin {
+        // A hint (Relaxed, as in `NicInner::progress`): a link that opens meanwhile is
+        // served by the engine.
+        let open = self.inner.links.open.load(Ordering::Relaxed) != 0;
+        crate::LinkSpin::begin(open.then(|| self.inner.clone()))
+    }
+
     /// Counters (example at [`NicStats`]).
     pub fn stats(&self) -> NicStats {
         let i = &self.inner;

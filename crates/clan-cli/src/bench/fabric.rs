@@ -3,7 +3,9 @@
 //! over it (`pml cm`, `mtl ofi`, provider clan) against Open MPI's own shared memory
 //! (`pml ob1`, `btl vader,self`), with an MPI ping-pong of ours built with `mpicc` at run time.
 //! Same run, same placement: the two sides on CPUs 1 and 0, and, oversubscribed, both on
-//! CPU 0, where a rank that waits a second for its peer also has its CPU time measured.
+//! CPU 0, where a rank that waits a second for its peer also has its CPU time measured. As
+//! root, `fi_pingpong` also runs between two test hosts (network namespaces joined by a veth
+//! pair), the clan provider over its links against libfabric's tcp provider.
 //! Programs that are not installed are skipped and said so.
 
 use std::path::PathBuf;
@@ -88,26 +90,45 @@ fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// One fi_pingpong run with `prov`: (µs per transfer, MB/s) as it prints them.
-fn fi_pingpong(prov: &str, dir: &std::path::Path, size: u64, iters: u64) -> Result<(f64, f64)> {
+/// The cluster key the two test hosts' NICs share (`CLAN_FI_KEY`).
+const HOSTS_KEY: &str = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2";
+
+/// One fi_pingpong run with `prov`: (µs per transfer, MB/s) as it prints them. With `hosts`,
+/// between its two test hosts (the server on the first, each NIC on its host's address),
+/// else both on this host.
+fn fi_pingpong(
+    prov: &str,
+    dir: &std::path::Path,
+    size: u64,
+    iters: u64,
+    hosts: Option<&clan_testkit::netns::TestNet>,
+) -> Result<(f64, f64)> {
     let port = free_port()?.to_string();
-    let args = |cpu: &str| {
-        let mut c = Command::new("taskset");
+    let server_ip = hosts.map_or_else(|| "127.0.0.1".to_string(), |n| n.host(0).ip.to_string());
+    let args = |cpu: &str, host: usize| {
+        let mut c = match hosts {
+            Some(n) => {
+                let mut c = n.command(host, "taskset");
+                c.env("CLAN_FI_IP", n.host(host).ip.to_string()).env("CLAN_FI_KEY", HOSTS_KEY);
+                c
+            }
+            None => Command::new("taskset"),
+        };
         c.args(["-c", cpu, "timeout", "120", "fi_pingpong", "-p", prov, "-e", "rdm"])
             .args(["-I", &iters.to_string(), "-S", &size.to_string()])
             .env("FI_PROVIDER_PATH", dir)
             .env_remove("FI_PROVIDER");
         c
     };
-    let server = args("1").args(["-B", &port]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn()?;
+    let server = args("1", 0).args(["-B", &port]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn()?;
     // The client again while the server is not listening yet (bounded).
-    let mut out = args("0").args(["-P", &port, "127.0.0.1"]).output()?;
+    let mut out = args("0", 1).args(["-P", &port, &server_ip]).output()?;
     for _ in 0..100 {
         if out.status.success() || !String::from_utf8_lossy(&out.stderr).contains("Connection refused") {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
-        out = args("0").args(["-P", &port, "127.0.0.1"]).output()?;
+        out = args("0", 1).args(["-P", &port, &server_ip]).output()?;
     }
     let s = server.wait_with_output()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -257,8 +278,9 @@ pub fn run(a: &FabricArgs) -> Result<()> {
     let big_iters = (iters / 20).max(100);
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
-    // Steps: fi_pingpong over three providers and MPI over two, each round.
-    let bar = super::report::progress(rounds as u64 * 5, a.json);
+    // Steps: fi_pingpong over three providers and between two hosts, MPI over two, each
+    // round.
+    let bar = super::report::progress(rounds as u64 * 6, a.json);
     let progress = |what: &str| {
         if !a.json {
             bar.suspend(|| eprintln!("clan bench fabric: {what}"));
@@ -275,11 +297,11 @@ pub fn run(a: &FabricArgs) -> Result<()> {
         for r in 0..rounds {
             for (k, p) in provs.iter().enumerate() {
                 progress(&format!("fi_pingpong -p {p}, round {}/{rounds}", r + 1));
-                lat[k].push(fi_pingpong(p, &dir, 64, iters)?.0);
-                bw[k].push(fi_pingpong(p, &dir, 1 << 20, big_iters)?.1);
+                lat[k].push(fi_pingpong(p, &dir, 64, iters, None)?.0);
+                bw[k].push(fi_pingpong(p, &dir, 1 << 20, big_iters, None)?.1);
                 // One iteration: its round trip includes making the connections (two
                 // transfers: twice the time per transfer).
-                first[k].push(2.0 * fi_pingpong(p, &dir, 64, 1)?.0);
+                first[k].push(2.0 * fi_pingpong(p, &dir, 64, 1, None)?.0);
             }
         }
         let lat: Vec<f64> = lat.into_iter().map(median).collect();
@@ -320,6 +342,30 @@ pub fn run(a: &FabricArgs) -> Result<()> {
                 goal: "—",
                 met: true,
             });
+        }
+        // Between two hosts (network namespaces joined by a veth pair; root only): the clan
+        // provider over its TCP links against libfabric's tcp provider.
+        match clan_testkit::netns::TestNet::new(2) {
+            Ok(net) => {
+                let (mut c, mut t) = (Vec::new(), Vec::new());
+                for r in 0..rounds {
+                    progress(&format!("fi_pingpong between two hosts, round {}/{rounds}", r + 1));
+                    c.push(fi_pingpong("clan", &dir, 64, iters, Some(&net))?.0);
+                    t.push(fi_pingpong("tcp", &dir, 64, iters, Some(&net))?.0);
+                }
+                let (c, t) = (median(c), median(t));
+                rows.push(Row {
+                    program: "fi_pingpong",
+                    measure: "RDM 64 B between two hosts (network namespaces, veth), µs per transfer".into(),
+                    clan: c,
+                    baseline: t,
+                    baseline_name: "libfabric tcp provider",
+                    ratio: c / t,
+                    goal: "—",
+                    met: true,
+                });
+            }
+            Err(why) => skipped.push(format!("fi_pingpong between two hosts ({why})")),
         }
     } else {
         skipped.push("fi_pingpong (libfabric-bin not installed)".into());
