@@ -949,6 +949,10 @@ impl RpcServer {
         // Empty polls in a row (the clock is read at the first and every
         // `server::CLOCK_EVERY`th, not at each).
         let mut empty = 0u32;
+        // While it polls, this thread applies what comes from other hosts itself (every
+        // `LINK_EVERY`th empty poll), rather than leave it to the NIC's engine thread,
+        // which would take this thread's CPU for it. One load without links.
+        let links = self.queue.spin_links();
         loop {
             let Some(ev) = next.take() else {
                 // Drained: poll for a while before going back to sleep.
@@ -959,6 +963,9 @@ impl RpcServer {
                 }
                 empty = empty.wrapping_add(1);
                 std::hint::spin_loop();
+                if empty % crate::server::LINK_EVERY == 0 {
+                    links.drive();
+                }
                 next = self.queue.try_take();
                 continue;
             };
@@ -967,6 +974,8 @@ impl RpcServer {
             idle_since = None;
             empty = 0;
         }
+        // Going back to sleep (or elsewhere): the engine listens to the links again.
+        links.sleep();
         Ok(served)
     }
 

@@ -34,6 +34,10 @@ use std::time::{Duration, Instant};
 use clan::{Event, EventQueue};
 use mio::{Events, Interest, Poll, Token};
 
+/// Empty polls between two drives of the links (`LinkSpin::drive`: a receive call each when
+/// links are open) in the polling loops here and in `crate::rpc`.
+pub(crate) const LINK_EVERY: u32 = 8;
+
 /// A spinning poll of drained queues reads the clock (for its time limit) once every this
 /// many empty polls, and at the first.
 pub(crate) const CLOCK_EVERY: u32 = 32;
@@ -155,6 +159,10 @@ impl EventLoop {
         // `CLOCK_EVERY`th (a clock read costs more than a poll, and every poll of a drained
         // queue delays the next event by its length).
         let mut empty = 0u32;
+        // While polling, what comes from other hosts is applied by this thread (every
+        // `LINK_EVERY`th empty poll), not left to the engine thread of the first queue's NIC
+        // (the NIC of nearly every loop), which would take this thread's CPU for it.
+        let mut links = None;
         loop {
             let mut got = false;
             for (q, h) in self.queues.values_mut() {
@@ -170,10 +178,21 @@ impl EventLoop {
                 continue;
             }
             if empty % CLOCK_EVERY == 0 && idle_since.get_or_insert_with(Instant::now).elapsed() >= self.poll_for {
+                if let Some(l) = links {
+                    clan::LinkSpin::sleep(l);
+                }
                 return n;
             }
             empty = empty.wrapping_add(1);
             std::hint::spin_loop();
+            if empty % LINK_EVERY == 0 {
+                if links.is_none() {
+                    links = self.queues.values().next().map(|(q, _)| q.spin_links());
+                }
+                if let Some(l) = &links {
+                    l.drive();
+                }
+            }
         }
     }
 

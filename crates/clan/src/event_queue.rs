@@ -726,6 +726,39 @@ impl EventQueue {
         self.inner.try_take()
     }
 
+    /// Begin a spin on the links of this queue's NIC ([`crate::LinkSpin`]): for a loop that
+    /// polls this queue ([`EventQueue::try_take`]) for events that traffic from other hosts
+    /// may cause, and applies that traffic itself ([`crate::LinkSpin::drive`], every few
+    /// polls) rather than wait for the NIC's engine thread to be scheduled, on its own CPU
+    /// perhaps. One load when the NIC has no link open.
+    ///
+    /// ```
+    /// # let nic = clan::Nic::open_default()?;
+    /// let q = nic.event_queue(clan::EventQueueConfig::default())?;
+    /// let links = q.spin_links();
+    /// let mut polls = 0u32;
+    /// let ev = loop {
+    ///     if let Some(ev) = q.try_take() {
+    ///         break Some(ev);
+    ///     }
+    ///     polls += 1;
+    ///     if polls % 8 == 0 {
+    ///         links.drive(); // no link here: nothing to do
+    ///     }
+    ///     if polls == 1000 {
+    ///         break None;
+    ///     }
+    /// };
+    /// assert!(ev.is_none());
+    /// links.sleep(); // before sleeping on the queue: the engine listens again
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn spin_links(&self) -> crate::LinkSpin {
+        // A hint (Relaxed): a link that opens during the spin is served by the engine.
+        let open = self.inner.links_open.load(Ordering::Relaxed) != 0;
+        crate::LinkSpin::begin(if open { self.inner.nic.upgrade() } else { None })
+    }
+
     /// Take up to `max` events into `out`; returns how many.
     ///
     /// ```

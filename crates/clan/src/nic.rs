@@ -1291,7 +1291,7 @@ impl Nic {
 
     /// Begin a spin on this NIC's links: for a thread that polls for data that may come from
     /// other hosts (a completion queue read in a loop, a non-blocking read), which should
-    /// apply those bytes itself ([`LinkSpin::drive`]) rather than wait for the engine's
+    /// apply those bytes itself ([`crate::LinkSpin::drive`]) rather than wait for the engine's
     /// thread to be scheduled, on its own CPU perhaps. While it spins the engine leaves the
     /// links' traffic to it. One load when no link is open (then `drive` does nothing).
     ///
