@@ -1049,6 +1049,10 @@ impl MsgReceiver {
     /// its last part is taken, `None` until then (the parts taken are kept for the next
     /// call). A message longer than the ring comes in over several calls, as its sender
     /// frees room by them.
+    ///
+    /// A loop that polls this for a sender on another host should apply the link's traffic
+    /// itself every few polls ([`clan::Nic::spin_links`]), as [`MsgReceiver::recv`]'s spin
+    /// does; otherwise the NIC's engine thread does, when it gets a CPU.
     pub fn try_recv(&mut self) -> Result<Option<Message>, QueueError> {
         self.take_parts()
     }

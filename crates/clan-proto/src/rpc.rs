@@ -622,6 +622,9 @@ impl RpcClient {
     }
 
     /// The reply to the call in flight, if it has come (one memory load when it has not).
+    /// A loop that polls this for a server on another host should apply the link's traffic
+    /// itself every few polls ([`clan::Nic::spin_links`]), as [`RpcClient::wait_reply`]'s
+    /// spin does; otherwise the NIC's engine thread does, when it gets a CPU.
     ///
     /// ```
     /// # use std::time::{Duration, Instant};
