@@ -952,10 +952,6 @@ impl RpcServer {
         // Empty polls in a row (the clock is read at the first and every
         // `server::CLOCK_EVERY`th, not at each).
         let mut empty = 0u32;
-        // While it polls, this thread applies what comes from other hosts itself (every
-        // `LINK_EVERY`th empty poll), rather than leave it to the NIC's engine thread,
-        // which would take this thread's CPU for it. One load without links.
-        let links = self.queue.spin_links();
         loop {
             let Some(ev) = next.take() else {
                 // Drained: poll for a while before going back to sleep.
@@ -966,8 +962,13 @@ impl RpcServer {
                 }
                 empty = empty.wrapping_add(1);
                 std::hint::spin_loop();
+                // While it polls, this thread applies what comes from other hosts itself
+                // (every `LINK_EVERY`th empty poll), rather than leave it to the NIC's engine
+                // thread, which would take this thread's CPU for it. The spin is begun and
+                // ended at once: one held across the handlers would keep the engine away
+                // from the links while a handler runs. One load without links.
                 if empty % crate::server::LINK_EVERY == 0 {
-                    links.drive();
+                    self.queue.spin_links().drive();
                 }
                 next = self.queue.try_take();
                 continue;
@@ -977,8 +978,6 @@ impl RpcServer {
             idle_since = None;
             empty = 0;
         }
-        // Going back to sleep (or elsewhere): the engine listens to the links again.
-        links.sleep();
         Ok(served)
     }
 

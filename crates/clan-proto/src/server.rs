@@ -159,10 +159,6 @@ impl EventLoop {
         // `CLOCK_EVERY`th (a clock read costs more than a poll, and every poll of a drained
         // queue delays the next event by its length).
         let mut empty = 0u32;
-        // While polling, what comes from other hosts is applied by this thread (every
-        // `LINK_EVERY`th empty poll), not left to the engine thread of the first queue's NIC
-        // (the NIC of nearly every loop), which would take this thread's CPU for it.
-        let mut links = None;
         loop {
             let mut got = false;
             for (q, h) in self.queues.values_mut() {
@@ -178,19 +174,18 @@ impl EventLoop {
                 continue;
             }
             if empty % CLOCK_EVERY == 0 && idle_since.get_or_insert_with(Instant::now).elapsed() >= self.poll_for {
-                if let Some(l) = links {
-                    clan::LinkSpin::sleep(l);
-                }
                 return n;
             }
             empty = empty.wrapping_add(1);
             std::hint::spin_loop();
+            // While polling, what comes from other hosts is applied by this thread (every
+            // `LINK_EVERY`th empty poll), not left to the engine thread of the first queue's
+            // NIC (the NIC of nearly every loop), which would take this thread's CPU for it.
+            // The spin is begun and ended at once: one held across the handlers would keep
+            // the engine away from the links while a handler runs.
             if empty % LINK_EVERY == 0 {
-                if links.is_none() {
-                    links = self.queues.values().next().map(|(q, _)| q.spin_links());
-                }
-                if let Some(l) = &links {
-                    l.drive();
+                if let Some((q, _)) = self.queues.values().next() {
+                    q.spin_links().drive();
                 }
             }
         }

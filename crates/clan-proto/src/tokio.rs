@@ -229,10 +229,6 @@ impl Reactor {
             // the ring (no eventfd write, no epoll wake-up). After `spin` without an event it
             // arms the queue and sleeps on its descriptor.
             let mut idle_since = std::time::Instant::now();
-            // While it spins, the task applies what comes from other hosts itself (once per
-            // empty look), rather than leave it to the NIC's engine thread, which would take
-            // the runtime's CPU for it. Nothing without links.
-            let mut links: Option<clan::LinkSpin> = None;
             loop {
                 let mut any = false;
                 while let Some(ev) = aq.queue().try_take() {
@@ -247,13 +243,14 @@ impl Reactor {
                     idle_since = std::time::Instant::now();
                     tokio::task::yield_now().await;
                 } else if idle_since.elapsed() < spin {
-                    links.get_or_insert_with(|| aq.queue().spin_links()).drive();
+                    // What came from other hosts is applied here (once per empty look),
+                    // rather than left to the NIC's engine thread, which would take the
+                    // runtime's CPU for it. The spin is begun and ended at once: one held
+                    // across an await would keep the engine away from the links while this
+                    // task is not polled. Nothing without links.
+                    aq.queue().spin_links().drive();
                     tokio::task::yield_now().await;
                 } else {
-                    // Going to sleep: the engine listens to the links again.
-                    if let Some(l) = links.take() {
-                        l.sleep();
-                    }
                     let Ok(ev) = aq.wait().await else { return };
                     let Some(s) = weak.upgrade() else { return };
                     s.dispatch(ev);
