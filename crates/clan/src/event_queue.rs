@@ -801,13 +801,16 @@ impl EventQueue {
     /// second thread in between).
     pub fn wait_spin(&self, spin: Duration, timeout: Option<Duration>) -> Result<Event, EventQueueError> {
         let nic = progress::driver(self.inner.nic.upgrade());
+        let links = progress::SpinLinks::new(&self.inner.nic, &self.inner.links_open, spin);
         let poll = || {
             if let Some(n) = &nic {
                 n.progress();
             }
+            links.poll();
             self.try_take()
         };
         let sleep = |nap: Option<Duration>| {
+            links.sleeping();
             if let Some(n) = &nic {
                 // Sleep on the links and the queue's descriptor together (armed first; not
                 // at all if events are pending).

@@ -110,6 +110,61 @@ pub(crate) fn wait<T>(
     }
 }
 
+/// Polls between two drives of the links in a wait's spin ([`SpinLinks`]): a receive call
+/// each; more often contends with the kernel delivering into the socket, less often leaves
+/// the bytes waiting (measured over a loopback link: every poll and every 32nd both slower).
+pub(crate) const LINK_EVERY: u32 = 8;
+
+/// The spin of a wait on a queue of `nic` (`links_open`: its count of links, a hint) with
+/// engine progress: what comes over links is applied by the spinning thread every
+/// [`LINK_EVERY`]th poll (the engine, woken for it, would take this thread's CPU), and the
+/// spin ends before the first sleep ([`SpinLinks::sleeping`]) or with the wait. Nothing
+/// without links, without a spin, or with manual progress (whose waits drive at every poll
+/// already).
+///
+/// The [`LinkSpin`] begins at the first drive, never before: a spin counted but not driving
+/// would keep the engine away from the links (it leaves them to spinners) with nobody
+/// reading them, and short waits, ended within a few polls, come by the thousand.
+pub(crate) struct SpinLinks {
+    nic: Option<Arc<NicInner>>,
+    spin: std::cell::RefCell<Option<LinkSpin>>,
+    polls: std::cell::Cell<u32>,
+}
+
+impl SpinLinks {
+    pub(crate) fn new(
+        nic: &std::sync::Weak<NicInner>,
+        links_open: &std::sync::atomic::AtomicUsize,
+        spin: Duration,
+    ) -> SpinLinks {
+        // A hint (Relaxed): a link that opens during the spin is served by the engine.
+        let nic = if spin.is_zero() || links_open.load(Ordering::Relaxed) == 0 {
+            None
+        } else {
+            nic.upgrade().filter(|n| n.config.progress == crate::config::Progress::Engine)
+        };
+        SpinLinks { nic, spin: std::cell::RefCell::new(None), polls: std::cell::Cell::new(0) }
+    }
+
+    /// One poll of the spin: every [`LINK_EVERY`]th drives the links (the first of them
+    /// begins the [`LinkSpin`]).
+    pub(crate) fn poll(&self) {
+        let Some(n) = &self.nic else { return };
+        let k = self.polls.get().wrapping_add(1);
+        self.polls.set(k);
+        if k % LINK_EVERY == 0 {
+            self.spin.borrow_mut().get_or_insert_with(|| LinkSpin::begin(Some(n.clone()))).drive();
+        }
+    }
+
+    /// About to sleep: the spin ends, and the engine listens to the links again.
+    pub(crate) fn sleeping(&self) {
+        if let Some(s) = self.spin.borrow_mut().take() {
+            s.sleep();
+        }
+    }
+}
+
 /// A thread asleep in a wait that relies on the engine to apply what comes over links (a
 /// tripwire's or an event queue's, with [`crate::Progress::Engine`]): links parked for
 /// spinners are listened to again when the last spinner stops, or at once if none spins.

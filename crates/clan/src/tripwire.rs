@@ -642,10 +642,12 @@ impl Tripwire {
         // Whether the last poll came after a sleep (only then is the exporter looked at).
         let slept = std::cell::Cell::new(false);
         let eq = &self.owner.eq;
+        let links = progress::SpinLinks::new(&eq.nic, &eq.links_open, spin);
         let poll = || {
             if let Some(n) = &nic {
                 n.progress();
             }
+            links.poll();
             eq.pump();
             if e.seq.load(Ordering::Acquire) != seen {
                 return Some(Ok(()));
@@ -658,6 +660,7 @@ impl Tripwire {
             None
         };
         let sleep = |nap: Option<Duration>| {
+            links.sleeping();
             slept.set(true);
             // Manual progress: drive the links while waiting (see `EventQueue::wait_spin`).
             if nic.as_ref().is_some_and(|n| progress::sleep_on_links(n, None, nap)) {
