@@ -820,9 +820,10 @@ fn whole(
 }
 
 /// Our buffer for a message of `body` bytes after its header, starting with `first` (its
-/// first part, header included).
+/// first part, header included). (Reserved up to 1 MiB ahead: `body` is what the sender
+/// says, and the parts grow the buffer as they come.)
 fn own_start(first: &[u8], body: usize) -> Vec<u8> {
-    let mut v = Vec::with_capacity(HEADER + body);
+    let mut v = Vec::with_capacity(HEADER + body.min(1 << 20));
     v.extend_from_slice(first);
     v
 }

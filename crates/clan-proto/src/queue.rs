@@ -293,7 +293,8 @@ impl QueueListener {
         self.ep.addr()
     }
 
-    /// Accept the next sender: the receiving end of its queue.
+    /// Accept the next sender: the receiving end of its queue. No connection request
+    /// within `timeout` is [`QueueError::Timeout`].
     pub fn accept(&self, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
         self.accept_on(None, timeout)
     }
@@ -307,7 +308,10 @@ impl QueueListener {
     }
 
     fn accept_on(&self, queue: Option<&EventQueue>, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
-        let req = self.ep.accept(timeout).map_err(SetupError::from)?;
+        let req = self.ep.accept(timeout).map_err(|e| match e {
+            clan::ConnectError::NoRequest => QueueError::Timeout,
+            e => SetupError::from(e).into(),
+        })?;
         let g = Geometry { slot: self.cfg.slot_size, ..Geometry::bytes(self.cfg.slots * self.cfg.slot_size, 0) };
         let s = side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout)?;
         MsgReceiver::new(s, &self.cfg)
@@ -412,6 +416,11 @@ impl MsgSender {
         let r = self.mine.load_u64(CTL_READ)?;
         if r > self.write {
             return Err(QueueError::Protocol("the receiver claims to have read more than was written"));
+        }
+        // (a slot is written only when the position last seen leaves room for it: one
+        // further back than that went backwards)
+        if self.write - r > self.slots - 1 {
+            return Err(QueueError::Protocol("the receiver's read position went back"));
         }
         Ok(r)
     }
@@ -1011,7 +1020,19 @@ impl MsgReceiver {
                 self.data.get_or_init(|| t)
             }
         };
-        wait_check(data, self.spin, deadline, SLICE, || Ok(self.pending()? > 0), || !self.conn.is_alive(), wait_err)
+        // Ready when the counter covers the next slot. Its sequence word is written before
+        // the counter: a counter without it is a lie (which would otherwise send `recv`
+        // round between a take that finds nothing and a wait that finds something).
+        let ready = || {
+            if self.pending()? == 0 {
+                return Ok(false);
+            }
+            match self.header_of(self.read)? {
+                Some(_) => Ok(true),
+                None => Err(QueueError::Protocol("a published slot without its header")),
+            }
+        };
+        wait_check(data, self.spin, deadline, SLICE, ready, || !self.conn.is_alive(), wait_err)
     }
 
     fn consume(&mut self) -> Result<(), QueueError> {
@@ -1193,7 +1214,9 @@ impl MsgReceiver {
                     if total > (1 << 32) {
                         return Err(QueueError::Protocol("a message of more than 4 GiB"));
                     }
-                    (m, total, Vec::with_capacity(total as usize))
+                    // (reserved up to 1 MiB ahead: `total` is what the sender says; the
+                    // parts grow the buffer as they come)
+                    (m, total, Vec::with_capacity(total.min(1 << 20) as usize))
                 }
                 Some((meta, total, data)) => {
                     if flags & FIRST != 0 || m != meta {

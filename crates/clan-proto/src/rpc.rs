@@ -374,9 +374,13 @@ impl RpcListener {
         self.ep.addr()
     }
 
-    /// Accept a channel sender: the receiving end.
+    /// Accept a channel sender: the receiving end. No connection request within `timeout`
+    /// is [`RpcError::Timeout`].
     pub fn accept_channel(&self, timeout: Option<Duration>) -> Result<ChannelReceiver, RpcError> {
-        let req = self.ep.accept(timeout).map_err(SetupError::from)?;
+        let req = self.ep.accept(timeout).map_err(|e| match e {
+            clan::ConnectError::NoRequest => RpcError::Timeout,
+            e => SetupError::from(e).into(),
+        })?;
         let s = side::accept(
             &self.nic,
             None,
@@ -789,11 +793,16 @@ pub struct RpcServer {
     open: usize,
     by_port: HashMap<u32, u64>,
     next: u64,
+    /// Clients cut off for breaking the protocol.
+    cut_off: u64,
+    /// Connections held at most (more are refused).
+    max_conns: u32,
 }
 
 impl RpcServer {
     /// Listen on a new endpoint of `nic`, with an event queue of its own sized for
-    /// `max_conns` connections.
+    /// `max_conns` connections. With `max_conns` open, more clients are refused (their
+    /// connects fail with `Refused`) until some go.
     pub fn bind(nic: &Nic, cfg: RpcConfig, max_conns: u32) -> Result<RpcServer, RpcError> {
         let queue = nic.event_queue(EventQueueConfig {
             spin: cfg.spin,
@@ -815,6 +824,8 @@ impl RpcServer {
             open: 0,
             by_port: HashMap::new(),
             next: 1,
+            cut_off: 0,
+            max_conns,
         })
     }
 
@@ -856,13 +867,29 @@ impl RpcServer {
     pub fn accept_pending(&mut self) -> Result<usize, RpcError> {
         let mut n = 0;
         while let Some(req) = self.listener.try_accept() {
-            let s = side::accept(
+            let from = req.from();
+            if self.open >= self.max_conns as usize {
+                tracing::debug!(peer = %from, "refused an RPC connection: {} open already", self.open);
+                let _ = req.refuse(&self.listener);
+                continue;
+            }
+            let s = match side::accept(
                 &self.nic,
                 Some(&self.queue),
                 req,
                 Geometry::message(self.cfg.max_msg.max(2), MSG),
                 self.cfg.connect_timeout,
-            )?;
+            ) {
+                Ok(s) => s,
+                // As with TCP, a client that gives up, dies or misbehaves during the
+                // hand-shake is not the server's error: its request is dropped.
+                Err(e @ (SetupError::BadPeer(_) | SetupError::Connect(_) | SetupError::Import(_))) => {
+                    tracing::debug!(peer = %from, "refused an RPC connection: {e}");
+                    continue;
+                }
+                // This side's own (out of memory or descriptors).
+                Err(e) => return Err(e.into()),
+            };
             let id = match self.free.pop() {
                 Some(id) => id,
                 None => {
@@ -870,8 +897,15 @@ impl RpcServer {
                     self.next - 1
                 }
             };
-            self.by_port.insert(s.ep.port(), id);
-            let p = Party::new(s, self.cfg.spin, Some(id), false)?;
+            let port = s.ep.port();
+            let p = match Party::new(s, self.cfg.spin, Some(id), false) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.free.push(id);
+                    return Err(e);
+                }
+            };
+            self.by_port.insert(port, id);
             let slot = id as usize;
             if self.conns.len() <= slot {
                 self.conns.resize_with(slot + 1, || None);
@@ -890,35 +924,59 @@ impl RpcServer {
         let _ = self.queue.post_user(id);
     }
 
-    fn serve(
-        &mut self,
-        id: u64,
-        handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
-    ) -> Result<bool, RpcError> {
-        let Some(Some(c)) = self.conns.get_mut(id as usize) else { return Ok(false) };
+    /// Answer connection `id`'s request, if it made one. Whatever goes wrong here is that
+    /// connection's alone (its client broke the protocol, or its side cannot be read or
+    /// written any more): the connection is dropped and the server goes on. Returns whether
+    /// a request was answered.
+    fn serve(&mut self, id: u64, handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>)) -> bool {
+        let Some(Some(c)) = self.conns.get_mut(id as usize) else { return false };
         let flag = match c.p.my_flag() {
             Ok(f) => f,
-            Err(_) => return Ok(false),
+            Err(_) => return false,
         };
         if flag != c.p.seq + 1 {
             if flag > c.p.seq + 1 {
                 // A client that runs ahead of the protocol: drop it.
-                self.drop_conn(id);
+                self.cut_off(id, "the client's flag ran ahead");
             }
-            return Ok(false);
+            return false;
         }
         c.p.seq = flag;
         // A client asleep for the reply is woken now, while the handler makes it.
         crate::wait::nudge(&c.p.sides.mine, &mut c.p.answered, &c.p.sides.peer);
-        let req = c.p.message()?;
-        let mut w = c.p.writer()?;
+        let (req, mut w) = match (c.p.message(), c.p.writer()) {
+            (Ok(req), Ok(w)) => (req, w),
+            (Err(RpcError::Protocol(why)), _) => {
+                self.cut_off(id, why);
+                return false;
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                // Its side is gone (the client died, or its memory was revoked).
+                tracing::debug!(conn = id, "dropping an RPC connection: {e}");
+                self.drop_conn(id);
+                return false;
+            }
+        };
         handler(ConnId(id), req, &mut w);
         if w.publish(c.p.seq).is_err() {
             self.drop_conn(id);
-            return Ok(false);
+            return false;
         }
         c.served += 1;
-        Ok(true)
+        true
+    }
+
+    /// Drop a client that broke the protocol, and count it.
+    fn cut_off(&mut self, id: u64, why: &str) {
+        tracing::debug!(conn = id, "cutting off an RPC client that broke the protocol: {why}");
+        self.cut_off += 1;
+        self.drop_conn(id);
+    }
+
+    /// Clients cut off for breaking the protocol: a request flag run ahead, a request
+    /// longer than its buffer. (Each is dropped alone; the server goes on.)
+    pub fn cut_off_clients(&self) -> u64 {
+        self.cut_off
     }
 
     fn drop_conn(&mut self, id: u64) {
@@ -991,7 +1049,7 @@ impl RpcServer {
     ) -> Result<u64, RpcError> {
         let mut served = 0;
         match ev {
-            Event::Tripwire { cookie, .. } | Event::User(cookie) => served += u64::from(self.serve(cookie, handler)?),
+            Event::Tripwire { cookie, .. } | Event::User(cookie) => served += u64::from(self.serve(cookie, handler)),
             Event::Oob { .. } => {
                 self.accept_pending()?;
             }
@@ -1006,7 +1064,7 @@ impl RpcServer {
                 let ids: Vec<u64> =
                     self.conns.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| i as u64).collect();
                 for id in ids {
-                    served += u64::from(self.serve(id, handler)?);
+                    served += u64::from(self.serve(id, handler));
                 }
             }
             _ => {}

@@ -1,0 +1,565 @@
+//! Peers that lie from inside the memory they share with us: a process (an unprivileged uid
+//! when run as root) connects streams, RPC clients and queue senders to a server process as
+//! anyone may, then writes garbage over every shared mapping it holds (what it imported
+//! from the server: the server's rings, control words and event port; and what it exported
+//! itself) while it keeps sending, calling and reading. The lies are aimed at live state:
+//! words that hold something are replaced by their neighbours, far-off values, all ones,
+//! zero or noise.
+//!
+//! The server must take every lie as the typed error of the one connection that told it
+//! (a stream's `InvalidData`, a queue's `Protocol`, an RPC client cut off), never a panic,
+//! never an error of its accept or event loops, never a hang: honest clients in another
+//! process keep every answer right throughout, and once the liar is gone the server's
+//! threads and descriptors come back to where they were.
+
+#[path = "../../clan/tests/util/mod.rs"]
+mod util;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clan::{EndpointAddr, Nic, NicConfig};
+use clan_proto::queue::{MsgSender, QueueConfig, QueueError, QueueListener};
+use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+use clan_proto::stream::{Listener, Stream, StreamConfig};
+use util::{Peer, Watchdog, hear, say};
+
+/// Bound on any one honest operation: only a hang comes near it.
+const HONEST: Duration = Duration::from_secs(20);
+/// What an honest queue message's metadata starts with (the liar never sends it).
+const HONEST_META: u64 = 0xC1A4_0000_0000_0000;
+const HONEST_MASK: u64 = 0xFFFF_0000_0000_0000;
+
+fn stream_cfg() -> StreamConfig {
+    StreamConfig { ring: 16 << 10, connect_timeout: Duration::from_secs(5), ..StreamConfig::default() }
+}
+
+fn queue_cfg() -> QueueConfig {
+    QueueConfig { slots: 16, slot_size: 256, connect_timeout: Duration::from_secs(5), ..QueueConfig::default() }
+}
+
+fn rpc_cfg() -> RpcConfig {
+    RpcConfig { max_msg: 1024, connect_timeout: Duration::from_secs(5), ..RpcConfig::default() }
+}
+
+/// The bytes of honest message `i` of length `n`.
+fn pattern(i: u64, n: usize) -> Vec<u8> {
+    (0..n).map(|k| (k as u64).wrapping_mul(31).wrapping_add(i.wrapping_mul(7)) as u8).collect()
+}
+
+fn count(dir: &str) -> usize {
+    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+}
+
+fn bump(a: &AtomicU64) {
+    a.fetch_add(1, Ordering::Relaxed);
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Rng {
+        let mut b = [0u8; 8];
+        let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+        Rng(u64::from_le_bytes(b) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+// ---- children ---------------------------------------------------------------------------
+
+#[test]
+fn child() {
+    let Some(role) = util::role() else { return };
+    match role.as_str() {
+        "server" => server(),
+        "liar" => liar(),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// What the server saw.
+#[derive(Default)]
+struct Seen {
+    /// Streams ended by `InvalidData` (a protocol violation of the peer).
+    stream_lies: AtomicU64,
+    /// Streams ended by another error.
+    stream_other: AtomicU64,
+    /// Queue receivers ended by `QueueError::Protocol`.
+    queue_lies: AtomicU64,
+    /// Queue receivers ended by another error.
+    queue_other: AtomicU64,
+    /// Honest queue messages whose bytes were right, and wrong.
+    honest_ok: AtomicU64,
+    honest_bad: AtomicU64,
+    /// Requests the RPC server answered.
+    rpc_served: AtomicU64,
+    /// RPC clients it cut off for breaking the protocol.
+    rpc_lies: AtomicU64,
+    /// The first error of a loop that a user's `?` would have ended (accept loops, the RPC
+    /// server's `run_once`).
+    fatal: Mutex<Option<String>>,
+}
+
+impl Seen {
+    fn fatal(&self, what: &str, e: impl std::fmt::Display) {
+        let mut f = self.fatal.lock().unwrap();
+        if f.is_none() {
+            *f = Some(format!("{what}: {e}"));
+        }
+    }
+}
+
+/// The server: a stream echo (a thread per connection), a queue receiver per sender (a
+/// thread each, checking honest messages), and one event-driven RPC server echoing requests.
+/// Answers `stats` on stdin.
+fn server() {
+    let nic = Nic::open(NicConfig { cache_bytes: 0, ..NicConfig::default() }).unwrap();
+    let sl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
+    let ql = QueueListener::bind(&nic, queue_cfg()).unwrap();
+    let mut rpc = RpcServer::bind(&nic, rpc_cfg(), 1024).unwrap();
+    let seen = Arc::new(Seen::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    say(format!("{} {} {}", sl.local_addr(), ql.local_addr(), rpc.local_addr()));
+
+    let s2 = seen.clone();
+    std::thread::spawn(move || {
+        for s in sl.incoming() {
+            let s = match s {
+                Ok(s) => s,
+                Err(e) => return s2.fatal("the stream accept loop", e),
+            };
+            let seen = s2.clone();
+            std::thread::spawn(move || {
+                let mut b = [0u8; 512];
+                loop {
+                    let n = match (&s).read(&mut b) {
+                        Ok(0) => return,
+                        Ok(n) => n,
+                        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => return bump(&seen.stream_lies),
+                        Err(e) => {
+                            eprintln!("server: a stream read ended: {e} ({:?})", e.kind());
+                            return bump(&seen.stream_other);
+                        }
+                    };
+                    match (&s).write_all(&b[..n]) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => return bump(&seen.stream_lies),
+                        Err(e) => {
+                            eprintln!("server: a stream write ended: {e} ({:?})", e.kind());
+                            return bump(&seen.stream_other);
+                        }
+                    }
+                }
+            });
+        }
+    });
+
+    let (s2, st2) = (seen.clone(), stop.clone());
+    std::thread::spawn(move || {
+        while !st2.load(Ordering::Relaxed) {
+            let mut rx = match ql.accept(Some(Duration::from_millis(200))) {
+                Ok(rx) => rx,
+                Err(QueueError::Timeout) => continue,
+                Err(e) => return s2.fatal("the queue accept loop", e),
+            };
+            let seen = s2.clone();
+            std::thread::spawn(move || {
+                loop {
+                    match rx.recv(None) {
+                        Ok(m) if m.meta & HONEST_MASK == HONEST_META => {
+                            let i = m.meta & !HONEST_MASK;
+                            if m.data == pattern(i, m.data.len()) && m.data.len() == (i % 300) as usize {
+                                bump(&seen.honest_ok);
+                            } else {
+                                bump(&seen.honest_bad);
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(QueueError::Disconnected) => return,
+                        Err(QueueError::Protocol(_)) => return bump(&seen.queue_lies),
+                        Err(e) => {
+                            eprintln!("server: a queue receiver ended: {e}");
+                            return bump(&seen.queue_other);
+                        }
+                    }
+                }
+            });
+        }
+    });
+
+    let (s2, st2) = (seen.clone(), stop.clone());
+    std::thread::spawn(move || {
+        while !st2.load(Ordering::Relaxed) {
+            let r = rpc.run_once(Some(Duration::from_millis(100)), &mut |_, req, reply| {
+                let mut b = vec![0u8; req.len() as usize];
+                if req.copy_to(&mut b).is_ok() {
+                    let _ = reply.write(&b);
+                }
+            });
+            match r {
+                Ok(n) => {
+                    s2.rpc_served.fetch_add(n, Ordering::Relaxed);
+                    s2.rpc_lies.store(rpc.cut_off_clients(), Ordering::Relaxed);
+                }
+                Err(e) => return s2.fatal("the RPC server's run_once", e),
+            }
+        }
+    });
+
+    while let Some(line) = hear() {
+        if line == "dump" {
+            // What is left (for the failure message): threads and descriptors.
+            for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+                let p = t.path();
+                let r = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default().trim().to_string();
+                eprintln!(
+                    "server thread {:?}: {} wchan {} syscall {}",
+                    t.file_name(),
+                    r("comm"),
+                    r("wchan"),
+                    r("syscall")
+                );
+            }
+            for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+                eprintln!("server fd {:?} -> {:?}", e.file_name(), std::fs::read_link(e.path()).unwrap_or_default());
+            }
+            if std::env::var_os("CLAN_TEST_GDB").is_some() {
+                let _ = std::process::Command::new("gdb")
+                    .args(["-p", &std::process::id().to_string(), "-batch", "-ex", "thread apply all bt 25"])
+                    .stdout(std::process::Stdio::from(std::io::stderr()))
+                    .status();
+            }
+            say("dumped");
+        } else if line == "stats" {
+            let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let fatal = seen.fatal.lock().unwrap().clone().unwrap_or_else(|| "none".into());
+            say(format!(
+                "stats {} {} {} {} {} {} {} {} {} {} {}",
+                count("/proc/self/task"),
+                count("/proc/self/fd"),
+                l(&seen.stream_lies),
+                l(&seen.stream_other),
+                l(&seen.queue_lies),
+                l(&seen.queue_other),
+                l(&seen.honest_ok),
+                l(&seen.honest_bad),
+                l(&seen.rpc_served),
+                l(&seen.rpc_lies),
+                fatal,
+            ));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+}
+
+/// The shared mappings of this process that it may write: `(start, end, imported)`, where
+/// `imported` is memory another process exported to us (we hold no descriptor of it: an
+/// import keeps only its mapping).
+fn shared_writable() -> Vec<(u64, u64, bool)> {
+    use std::os::unix::fs::MetadataExt;
+    let own: std::collections::HashSet<u64> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.flatten().filter_map(|e| std::fs::metadata(e.path()).ok()).map(|m| m.ino()).collect())
+        .unwrap_or_default();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter(|l| l.contains("memfd:clan-"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() < 5 || !f[1].starts_with("rw") {
+                return None;
+            }
+            let (a, b) = f[0].split_once('-')?;
+            let ino: u64 = f[4].parse().ok()?;
+            Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?, !own.contains(&ino)))
+        })
+        .collect()
+}
+
+/// One round of lies: in every writable shared mapping (most in what the server exported
+/// to us), words that hold something are replaced by a neighbour, a far-off value, all
+/// ones, zero or noise; and some words anywhere. Written through `/proc/self/mem` (as a
+/// debugger would), so that the liar's own code stays safe Rust. Returns the words
+/// written.
+fn lie(mem: &std::fs::File, rng: &mut Rng) -> u64 {
+    let mut written = 0;
+    for (start, end, imported) in shared_writable() {
+        let len = (end - start).min(4 << 20) as usize;
+        let mut img = vec![0u8; len];
+        if mem.read_exact_at(&mut img, start).is_err() {
+            continue;
+        }
+        let live: Vec<usize> =
+            img.chunks_exact(8).enumerate().filter(|(_, w)| w.iter().any(|&b| b != 0)).map(|(i, _)| i * 8).collect();
+        for k in 0..if imported { 400 } else { 40 } {
+            let at = if k % 4 != 3 && !live.is_empty() {
+                live[rng.below(live.len() as u64) as usize]
+            } else {
+                (rng.below(len as u64) as usize) & !7
+            };
+            let v = u64::from_le_bytes(img[at..at + 8].try_into().unwrap());
+            let new = match rng.below(8) {
+                0 => v.wrapping_add(1),
+                1 => v.wrapping_sub(1),
+                2 => v.wrapping_add(1 << rng.below(64)),
+                3 => u64::MAX,
+                4 => 0,
+                5 => v | 1 << 63,
+                6 => v ^ (1 << 32),
+                _ => rng.next(),
+            };
+            if mem.write_all_at(&new.to_le_bytes(), start + at as u64).is_ok() {
+                written += 1;
+            }
+        }
+    }
+    written
+}
+
+/// The liar: connections of every kind to `CLAN_SERVER_ADDRS`, used as the protocols say
+/// (errors ignored, connections made again) while another thread lies in shared memory,
+/// until stdin closes. Reports the words it wrote and the connections it made.
+fn liar() {
+    let addrs: Vec<EndpointAddr> =
+        std::env::var("CLAN_SERVER_ADDRS").unwrap().split(' ').map(|a| a.parse().unwrap()).collect();
+    let (stream_at, queue_at, rpc_at) = (addrs[0], addrs[1], addrs[2]);
+    // A panic anywhere in this process (the library reads what the server wrote, and what
+    // this process scribbled over its own exports, as untrusted) is counted and reported.
+    static PANICS: AtomicU64 = AtomicU64::new(0);
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, Ordering::Relaxed);
+        default(info);
+    }));
+    let nic = Nic::open_default().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let lies = Arc::new(AtomicU64::new(0));
+    let conns = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    {
+        let (stop, lies) = (stop.clone(), lies.clone());
+        threads.push(std::thread::spawn(move || {
+            let mem = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/mem").unwrap();
+            let mut rng = Rng::new();
+            while !stop.load(Ordering::Relaxed) {
+                lies.fetch_add(lie(&mem, &mut rng), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }));
+    }
+    for kind in 0..3 {
+        for _ in 0..3 {
+            let (nic, stop, conns) = (nic.clone(), stop.clone(), conns.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut rng = Rng::new();
+                let short = Some(Duration::from_millis(200));
+                while !stop.load(Ordering::Relaxed) {
+                    match kind {
+                        0 => {
+                            let Ok(s) = Stream::connect_with(&nic, stream_at, &stream_cfg()) else { continue };
+                            bump(&conns);
+                            let _ = s.set_read_timeout(short);
+                            let _ = s.set_write_timeout(short);
+                            for i in 0..200u64 {
+                                let out = pattern(rng.next(), 1 + (i % 400) as usize);
+                                let mut back = [0u8; 512];
+                                if (&s).write_all(&out).is_err() || (&s).read(&mut back).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                        1 => {
+                            let Ok(mut tx) = MsgSender::connect(&nic, queue_at, &queue_cfg()) else { continue };
+                            bump(&conns);
+                            for i in 0..500u64 {
+                                let data = pattern(rng.next(), (i % 700) as usize);
+                                if tx.send_timeout(rng.next() & !HONEST_MASK, &data, short).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                        _ => {
+                            let Ok(mut c) = RpcClient::connect(&nic, rpc_at, &rpc_cfg()) else { continue };
+                            bump(&conns);
+                            let mut reply = Vec::new();
+                            for i in 0..300u64 {
+                                let req = pattern(rng.next(), (i % 900) as usize);
+                                if c.call(&req, &mut reply, short).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    say("lying");
+    while hear().is_some() {}
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    say(format!(
+        "lied {} {} {}",
+        lies.load(Ordering::Relaxed),
+        conns.load(Ordering::Relaxed),
+        PANICS.load(Ordering::Relaxed)
+    ));
+}
+
+// ---- the parent's side ------------------------------------------------------------------
+
+/// The server's `stats`: threads, descriptors, then (stream lies, other stream errors,
+/// queue lies, other queue errors, honest messages right, wrong, RPC requests served, RPC
+/// clients cut off), and the first fatal error ("none").
+struct Stats {
+    threads: usize,
+    fds: usize,
+    v: [u64; 8],
+    fatal: String,
+}
+
+fn stats(server: &mut Peer) -> Stats {
+    server.send("stats");
+    let l = server.expect("stats");
+    let mut it = l.strip_prefix("stats ").unwrap_or_else(|| panic!("not stats: {l}")).splitn(11, ' ');
+    let mut n = || it.next().unwrap().parse::<u64>().unwrap();
+    let (threads, fds) = (n() as usize, n() as usize);
+    let v = [n(), n(), n(), n(), n(), n(), n(), n()];
+    Stats { threads, fds, v, fatal: it.next().unwrap().to_string() }
+}
+
+fn liar_peer(env: &[(&str, String)]) -> Peer {
+    match util::unprivileged() {
+        Some(cmd) => Peer::spawn_via(cmd, "child", "liar", env),
+        None => Peer::spawn("child", "liar", env),
+    }
+}
+
+/// Honest traffic of every kind, from this process, for `time`: every answer must be right.
+/// Returns the honest queue messages sent, or what went wrong.
+fn honest(addrs: &[EndpointAddr], time: Duration, nic: &Nic, sent: &mut u64) -> Result<(), String> {
+    let (stream_at, queue_at, rpc_at) = (addrs[0], addrs[1], addrs[2]);
+    let start = Instant::now();
+    let mut round = 0u64;
+    let e = |what: &'static str| move |e: &dyn std::fmt::Display| format!("{what}: {e}");
+    while start.elapsed() < time || round < 3 {
+        // Fresh connections each round (connects must keep working under the attack).
+        let s = Stream::connect_with(nic, stream_at, &stream_cfg()).map_err(|x| e("a stream connect")(&x))?;
+        s.set_read_timeout(Some(HONEST)).unwrap();
+        let mut tx = MsgSender::connect(nic, queue_at, &queue_cfg()).map_err(|x| e("a queue connect")(&x))?;
+        let mut c = RpcClient::connect(nic, rpc_at, &rpc_cfg()).map_err(|x| e("an RPC connect")(&x))?;
+        let mut reply = Vec::new();
+        for i in 0..100u64 {
+            let k = round * 100 + i;
+            let out = pattern(k, 1 + (k % 500) as usize);
+            (&s).write_all(&out).map_err(|x| e("a stream write")(&x))?;
+            let mut back = vec![0u8; out.len()];
+            (&s).read_exact(&mut back).map_err(|x| e("a stream echo")(&x))?;
+            if back != out {
+                return Err("a stream's echo was changed".into());
+            }
+            let data = pattern(*sent, (*sent % 300) as usize);
+            tx.send_timeout(HONEST_META | *sent, &data, Some(HONEST)).map_err(|x| e("a queue send")(&x))?;
+            *sent += 1;
+            let req = pattern(k ^ 0x55, (k % 1000) as usize);
+            c.call(&req, &mut reply, Some(HONEST)).map_err(|x| e("an RPC call")(&x))?;
+            if reply != req {
+                return Err("an RPC reply was changed".into());
+            }
+        }
+        round += 1;
+    }
+    eprintln!("{round} honest rounds, {sent} queue messages");
+    Ok(())
+}
+
+#[test]
+fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
+    let _wd = Watchdog::new("lying peers", Duration::from_secs(240));
+    let mut server = Peer::spawn("child", "server", &[]);
+    let line = server.expect("addresses");
+    let addrs: Vec<EndpointAddr> = line.split(' ').map(|a| a.parse().unwrap()).collect();
+    let nic = Nic::open_default().unwrap();
+    // One honest round first: every service works, and what the server holds then (with
+    // the honest connections closed again) is the baseline.
+    let mut sent = 0;
+    honest(&addrs, Duration::ZERO, &nic, &mut sent).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = stats(&mut server);
+    assert_eq!(before.fatal, "none");
+
+    let mut liar = liar_peer(&[("CLAN_SERVER_ADDRS", line.clone())]);
+    assert_eq!(liar.expect("lying"), "lying");
+    if let Err(e) = honest(&addrs, Duration::from_secs(4), &nic, &mut sent) {
+        let s = stats(&mut server);
+        panic!(
+            "honest traffic failed under the attack: {e} (the server: fatal {}, streams cut for lies {}, \
+             queues cut for lies {}, RPC requests served {})",
+            s.fatal, s.v[0], s.v[2], s.v[6]
+        );
+    }
+    let report = liar.finish().unwrap_or_default();
+    let lied = report.strip_prefix("lied ").unwrap_or_else(|| panic!("the liar did not report ({report})"));
+    let lied: Vec<u64> = lied.split(' ').map(|x| x.parse().unwrap()).collect();
+    eprintln!("the liar wrote {} words, made {} connections", lied[0], lied[1]);
+    assert_eq!(lied[2], 0, "the liar's own library panicked on what it read (see its output above)");
+    drop(liar);
+
+    // The server noticed lies, on the liar's connections only, and its loops never failed.
+    let t = Instant::now();
+    let after = loop {
+        let s = stats(&mut server);
+        // Every honest message was taken (its receiver thread may still be at it).
+        if s.v[4] + s.v[5] >= sent || t.elapsed() > HONEST {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    eprintln!(
+        "server: streams cut for lies {} (other errors {}), queues cut for lies {} (other {}), honest \
+         messages right {} wrong {}, RPC requests served {}, RPC clients cut off {}",
+        after.v[0], after.v[1], after.v[2], after.v[3], after.v[4], after.v[5], after.v[6], after.v[7]
+    );
+    assert_eq!(after.fatal, "none", "a lying peer made one of the server's loops fail");
+    assert_eq!(after.v[5], 0, "honest queue messages arrived changed");
+    assert_eq!(after.v[4], sent, "honest queue messages were lost");
+    assert!(after.v[0] + after.v[2] + after.v[7] > 0, "the server never noticed a lie: the attack did not reach it");
+
+    // Once the liar is gone, every thread and descriptor it cost the server is given back:
+    // no thread of the server is stuck on what the liar left behind.
+    let t = Instant::now();
+    loop {
+        let s = stats(&mut server);
+        if s.threads <= before.threads && s.fds <= before.fds {
+            break;
+        }
+        if t.elapsed() >= Duration::from_secs(30) {
+            server.send("dump");
+            server.expect("dumped");
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "after the liar went the server holds {} threads and {} descriptors ({} and {} before; \
+             CLAN_TEST_GDB=1 prints the stacks of its threads)",
+            s.threads,
+            s.fds,
+            before.threads,
+            before.fds
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(stats(&mut server).fatal, "none");
+}
