@@ -85,6 +85,7 @@ fn child() {
     match role.as_str() {
         "server" => server(),
         "liar" => liar(),
+        "liar-server" => liar_server(),
         other => panic!("unknown role {other}"),
     }
 }
@@ -264,10 +265,10 @@ fn server() {
     stop.store(true, Ordering::Relaxed);
 }
 
-/// The shared mappings of this process that it may write: `(start, end, imported)`, where
-/// `imported` is memory another process exported to us (we hold no descriptor of it: an
-/// import keeps only its mapping).
-fn shared_writable() -> Vec<(u64, u64, bool)> {
+/// The shared mappings of this process that it may write: `(start, end, imported, port)`,
+/// where `imported` is memory another process exported to us (we hold no descriptor of it:
+/// an import keeps only its mapping) and `port` an event port another process gave us.
+fn shared_writable() -> Vec<(u64, u64, bool, bool)> {
     use std::os::unix::fs::MetadataExt;
     let own: std::collections::HashSet<u64> = std::fs::read_dir("/proc/self/fd")
         .map(|d| d.flatten().filter_map(|e| std::fs::metadata(e.path()).ok()).map(|m| m.ino()).collect())
@@ -282,7 +283,8 @@ fn shared_writable() -> Vec<(u64, u64, bool)> {
             }
             let (a, b) = f[0].split_once('-')?;
             let ino: u64 = f[4].parse().ok()?;
-            Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?, !own.contains(&ino)))
+            let port = l.contains("memfd:clan-port");
+            Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?, !own.contains(&ino), port))
         })
         .collect()
 }
@@ -292,23 +294,30 @@ fn shared_writable() -> Vec<(u64, u64, bool)> {
 /// ones, zero or noise; and some words anywhere. Written through `/proc/self/mem` (as a
 /// debugger would), so that the liar's own code stays safe Rust. Returns the words
 /// written.
-fn lie(mem: &std::fs::File, rng: &mut Rng) -> u64 {
+fn lie(mem: &std::fs::File, rng: &mut Rng, everywhere: bool) -> u64 {
     let mut written = 0;
-    for (start, end, imported) in shared_writable() {
+    for (start, end, imported, port) in shared_writable() {
+        if !everywhere && (!imported || port) {
+            continue;
+        }
         let len = (end - start).min(4 << 20) as usize;
         let mut img = vec![0u8; len];
         if mem.read_exact_at(&mut img, start).is_err() {
             continue;
         }
-        let live: Vec<usize> =
-            img.chunks_exact(8).enumerate().filter(|(_, w)| w.iter().any(|&b| b != 0)).map(|(i, _)| i * 8).collect();
+        let word = |at: usize| u64::from_le_bytes(img[at..at + 8].try_into().unwrap());
+        let live: Vec<usize> = (0..len / 8).map(|i| i * 8).filter(|&at| word(at) != 0).collect();
+        // Words that look like positions, counters and flags (small numbers), rather than
+        // bytes of data: the protocols' state.
+        let counters: Vec<usize> = live.iter().copied().filter(|&at| word(at) < 1 << 48).collect();
         for k in 0..if imported { 400 } else { 40 } {
-            let at = if k % 4 != 3 && !live.is_empty() {
-                live[rng.below(live.len() as u64) as usize]
-            } else {
-                (rng.below(len as u64) as usize) & !7
+            let pick = |v: &Vec<usize>, rng: &mut Rng| v[rng.below(v.len() as u64) as usize];
+            let at = match k % 4 {
+                0 | 1 if !counters.is_empty() => pick(&counters, rng),
+                0..=2 if !live.is_empty() => pick(&live, rng),
+                _ => (rng.below(len as u64) as usize) & !7,
             };
-            let v = u64::from_le_bytes(img[at..at + 8].try_into().unwrap());
+            let v = word(at);
             let new = match rng.below(8) {
                 0 => v.wrapping_add(1),
                 1 => v.wrapping_sub(1),
@@ -336,28 +345,12 @@ fn liar() {
     let (stream_at, queue_at, rpc_at) = (addrs[0], addrs[1], addrs[2]);
     // A panic anywhere in this process (the library reads what the server wrote, and what
     // this process scribbled over its own exports, as untrusted) is counted and reported.
-    static PANICS: AtomicU64 = AtomicU64::new(0);
-    let default = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        PANICS.fetch_add(1, Ordering::Relaxed);
-        default(info);
-    }));
+    let panics = count_panics();
     let nic = Nic::open_default().unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let lies = Arc::new(AtomicU64::new(0));
     let conns = Arc::new(AtomicU64::new(0));
-    let mut threads = Vec::new();
-    {
-        let (stop, lies) = (stop.clone(), lies.clone());
-        threads.push(std::thread::spawn(move || {
-            let mem = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/mem").unwrap();
-            let mut rng = Rng::new();
-            while !stop.load(Ordering::Relaxed) {
-                lies.fetch_add(lie(&mem, &mut rng), Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }));
-    }
+    let mut threads = vec![start_lying(&stop, &lies, true)];
     for kind in 0..3 {
         for _ in 0..3 {
             let (nic, stop, conns) = (nic.clone(), stop.clone(), conns.clone());
@@ -415,8 +408,90 @@ fn liar() {
         "lied {} {} {}",
         lies.load(Ordering::Relaxed),
         conns.load(Ordering::Relaxed),
-        PANICS.load(Ordering::Relaxed)
+        panics.load(Ordering::Relaxed)
     ));
+}
+
+/// Count every panic of this process from now on (and print it as usual).
+fn count_panics() -> &'static AtomicU64 {
+    static PANICS: AtomicU64 = AtomicU64::new(0);
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, Ordering::Relaxed);
+        default(info);
+    }));
+    &PANICS
+}
+
+/// A thread lying in this process's shared memory until `stop`, counting the words: in the
+/// apertures it imported, and with `everywhere` also in what it exported itself and in the
+/// event ports it was given.
+fn start_lying(stop: &Arc<AtomicBool>, lies: &Arc<AtomicU64>, everywhere: bool) -> std::thread::JoinHandle<()> {
+    let (stop, lies) = (stop.clone(), lies.clone());
+    std::thread::spawn(move || {
+        let mem = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/mem").unwrap();
+        let mut rng = Rng::new();
+        while !stop.load(Ordering::Relaxed) {
+            lies.fetch_add(lie(&mem, &mut rng, everywhere), Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    })
+}
+
+/// A lying server: a stream echo, queue receivers and an RPC echo, as `server` has, while
+/// another thread lies in every shared mapping, until stdin closes. Reports the words it
+/// wrote and its panics.
+fn liar_server() {
+    let panics = count_panics();
+    let nic = Nic::open(NicConfig { cache_bytes: 0, ..NicConfig::default() }).unwrap();
+    let sl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
+    let ql = QueueListener::bind(&nic, queue_cfg()).unwrap();
+    let mut rpc = RpcServer::bind(&nic, rpc_cfg(), 1024).unwrap();
+    say(format!("{} {} {}", sl.local_addr(), ql.local_addr(), rpc.local_addr()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let lies = Arc::new(AtomicU64::new(0));
+    // (only in what its clients exported: its own listeners and its ports in their queues
+    // stay sound, so that clients keep connecting and meet the lies; the other test lies
+    // everywhere)
+    let liar = start_lying(&stop, &lies, false);
+    let short = Some(Duration::from_millis(200));
+    std::thread::spawn(move || {
+        for s in sl.incoming().flatten() {
+            std::thread::spawn(move || {
+                let _ = s.set_read_timeout(short);
+                let _ = s.set_write_timeout(short);
+                let mut b = [0u8; 512];
+                while let Ok(n @ 1..) = (&s).read(&mut b) {
+                    if (&s).write_all(&b[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let st = stop.clone();
+    std::thread::spawn(move || {
+        while !st.load(Ordering::Relaxed) {
+            if let Ok(mut rx) = ql.accept(short) {
+                std::thread::spawn(move || while matches!(rx.recv(short), Ok(_) | Err(QueueError::Timeout)) {});
+            }
+        }
+    });
+    let st = stop.clone();
+    std::thread::spawn(move || {
+        while !st.load(Ordering::Relaxed) {
+            let _ = rpc.run_once(short, &mut |_, req, reply| {
+                let mut b = vec![0u8; req.len() as usize];
+                if req.copy_to(&mut b).is_ok() {
+                    let _ = reply.write(&b);
+                }
+            });
+        }
+    });
+    while hear().is_some() {}
+    stop.store(true, Ordering::Relaxed);
+    let _ = liar.join();
+    say(format!("lied {} 0 {}", lies.load(Ordering::Relaxed), panics.load(Ordering::Relaxed)));
 }
 
 // ---- the parent's side ------------------------------------------------------------------
@@ -562,4 +637,140 @@ fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(stats(&mut server).fatal, "none");
+}
+
+/// What honest clients of a lying server saw.
+#[derive(Default, Debug)]
+struct Outcomes {
+    ok: u64,
+    /// Errors that name a protocol violation (`InvalidData`, `Protocol`).
+    lies: u64,
+    /// Other errors (time-outs, the server cutting us off).
+    other: u64,
+    /// The longest single operation.
+    longest: Duration,
+    /// Errors seen, by their text (the first few of each).
+    seen: std::collections::BTreeMap<String, u64>,
+}
+
+impl Outcomes {
+    fn note<T, E: std::fmt::Display>(&mut self, t: Instant, r: Result<T, E>, lie: impl Fn(&E) -> bool) -> bool {
+        self.longest = self.longest.max(t.elapsed());
+        match r {
+            Ok(_) => {
+                self.ok += 1;
+                true
+            }
+            Err(e) => {
+                let text: String = e.to_string().chars().filter(|c| !c.is_ascii_digit()).collect();
+                *self.seen.entry(text).or_default() += 1;
+                if lie(&e) {
+                    self.lies += 1
+                } else {
+                    self.other += 1
+                }
+                false
+            }
+        }
+    }
+}
+
+#[test]
+fn clients_of_a_lying_server_get_errors_not_hangs() {
+    let _wd = Watchdog::new("clients of a lying server", Duration::from_secs(240));
+    let panics = count_panics();
+    let nic = Nic::open(NicConfig { cache_bytes: 0, ..NicConfig::default() }).unwrap();
+    let mut server = match util::unprivileged() {
+        Some(cmd) => Peer::spawn_via(cmd, "child", "liar-server", &[]),
+        None => Peer::spawn("child", "liar-server", &[]),
+    };
+    let line = server.expect("addresses");
+    let addrs: Vec<EndpointAddr> = line.split(' ').map(|a| a.parse().unwrap()).collect();
+    let (threads0, fds0) = (count("/proc/self/task"), count("/proc/self/fd"));
+    let limit = Duration::from_secs(2);
+    let mut out = Outcomes::default();
+    let invalid = |e: &std::io::Error| e.kind() == std::io::ErrorKind::InvalidData;
+    let start = Instant::now();
+    let mut k = 0u64;
+    while start.elapsed() < Duration::from_secs(4) {
+        let t = Instant::now();
+        if let Some(s) = Stream::connect_with(&nic, addrs[0], &stream_cfg())
+            .ok()
+            .filter(|_| out.note(t, Ok::<_, std::io::Error>(()), invalid))
+        {
+            s.set_read_timeout(Some(limit)).unwrap();
+            s.set_write_timeout(Some(limit)).unwrap();
+            for _ in 0..50 {
+                k += 1;
+                let msg = pattern(k, 1 + (k % 400) as usize);
+                let mut back = vec![0u8; msg.len()];
+                let t = Instant::now();
+                let r = (&s).write_all(&msg).and_then(|()| (&s).read_exact(&mut back));
+                if !out.note(t, r, invalid) {
+                    break;
+                }
+            }
+        }
+        let t = Instant::now();
+        let tx = MsgSender::connect(&nic, addrs[1], &queue_cfg());
+        if let Ok(mut tx) = tx {
+            for _ in 0..100 {
+                k += 1;
+                let t = Instant::now();
+                let r = tx.send_timeout(k, &pattern(k, (k % 600) as usize), Some(limit));
+                if !out.note(t, r, |e| matches!(e, QueueError::Protocol(_))) {
+                    break;
+                }
+            }
+        } else if let Err(e) = tx {
+            out.note(t, Err::<(), _>(format!("a queue connect: {e}")), |_| false);
+        }
+        let t = Instant::now();
+        let c = RpcClient::connect(&nic, addrs[2], &rpc_cfg());
+        if let Ok(mut c) = c {
+            let mut reply = Vec::new();
+            for _ in 0..50 {
+                k += 1;
+                let t = Instant::now();
+                let r = c.call(&pattern(k, (k % 900) as usize), &mut reply, Some(limit));
+                if !out.note(t, r, |e| matches!(e, clan_proto::rpc::RpcError::Protocol(_))) {
+                    break;
+                }
+            }
+        } else if let Err(e) = c {
+            out.note(t, Err::<(), _>(format!("an RPC connect: {e}")), |_| false);
+        }
+    }
+    eprintln!("honest clients of a lying server: {out:?}");
+    let report = server.finish().unwrap_or_default();
+    let lied: Vec<u64> = report
+        .strip_prefix("lied ")
+        .unwrap_or_else(|| panic!("the lying server did not report ({report})"))
+        .split(' ')
+        .map(|x| x.parse().unwrap())
+        .collect();
+    eprintln!("the lying server wrote {} words", lied[0]);
+    drop(server);
+    assert_eq!(lied[2], 0, "the lying server's own library panicked (see its output above)");
+    assert_eq!(panics.load(Ordering::Relaxed), 0, "the library panicked on what a lying server wrote");
+    // A bound no time-out comes near (each is 2 s; connects 5 s): only a hang does.
+    assert!(out.longest < Duration::from_secs(20), "an operation took {:?}", out.longest);
+    assert!(out.ok > 0, "nothing worked, even before the lies");
+    assert!(out.lies > 0, "no client noticed a lie: the attack did not reach them");
+    // Our NIC still serves everyone else: an honest server, every kind of connection.
+    let mut honest_server = Peer::spawn("child", "server", &[]);
+    let addrs: Vec<EndpointAddr> = honest_server.expect("addresses").split(' ').map(|a| a.parse().unwrap()).collect();
+    honest(&addrs, Duration::ZERO, &nic, &mut 0).expect("our NIC, after the lying server, with an honest one");
+    drop(honest_server);
+    // The servers are gone: what our NIC held of their connections is given back.
+    let t = Instant::now();
+    while count("/proc/self/task") > threads0 || count("/proc/self/fd") > fds0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "after the lying server went we hold {} threads and {} descriptors ({threads0} and {fds0} before)",
+            count("/proc/self/task"),
+            count("/proc/self/fd")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
