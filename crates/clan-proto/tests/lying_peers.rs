@@ -45,6 +45,37 @@ fn rpc_cfg() -> RpcConfig {
     RpcConfig { max_msg: 1024, connect_timeout: Duration::from_secs(5), ..RpcConfig::default() }
 }
 
+/// The size of the messages of the posting echo.
+const POSTED: usize = 256;
+
+/// The posting echo of one stream: post a buffer for the next [`POSTED`] bytes (the sender
+/// redirects them straight into it), take it when complete, send it back.
+fn posting_echo(s: &Stream) -> std::io::Result<()> {
+    loop {
+        s.post_recv(POSTED as u64)?;
+        let data = s.recv_posted(|_, d| d.to_vec())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        (&*s).write_all(&data)?;
+    }
+}
+
+/// Accept on `l` forever, each stream served by `serve` in a thread of its own, its end
+/// (`Ok`: the peer closed) given to `ended`.
+fn serve_streams(
+    l: Listener,
+    serve: fn(&Stream) -> std::io::Result<()>,
+    ended: impl Fn(std::io::Result<()>) + Send + Sync + Clone + 'static,
+) {
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten() {
+            let ended = ended.clone();
+            std::thread::spawn(move || ended(serve(&s)));
+        }
+    });
+}
+
 /// The bytes of honest message `i` of length `n`.
 fn pattern(i: u64, n: usize) -> Vec<u8> {
     (0..n).map(|k| (k as u64).wrapping_mul(31).wrapping_add(i.wrapping_mul(7)) as u8).collect()
@@ -130,9 +161,19 @@ fn server() {
     let sl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
     let ql = QueueListener::bind(&nic, queue_cfg()).unwrap();
     let mut rpc = RpcServer::bind(&nic, rpc_cfg(), 1024).unwrap();
+    let pl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
     let seen = Arc::new(Seen::default());
     let stop = Arc::new(AtomicBool::new(false));
-    say(format!("{} {} {}", sl.local_addr(), ql.local_addr(), rpc.local_addr()));
+    say(format!("{} {} {} {}", sl.local_addr(), ql.local_addr(), rpc.local_addr(), pl.local_addr()));
+    let s2 = seen.clone();
+    serve_streams(pl, posting_echo, move |r| match r {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => bump(&s2.stream_lies),
+        Err(e) => {
+            eprintln!("server: a posting stream ended: {e} ({:?})", e.kind());
+            bump(&s2.stream_other);
+        }
+    });
 
     let s2 = seen.clone();
     std::thread::spawn(move || {
@@ -342,7 +383,7 @@ fn lie(mem: &std::fs::File, rng: &mut Rng, everywhere: bool) -> u64 {
 fn liar() {
     let addrs: Vec<EndpointAddr> =
         std::env::var("CLAN_SERVER_ADDRS").unwrap().split(' ').map(|a| a.parse().unwrap()).collect();
-    let (stream_at, queue_at, rpc_at) = (addrs[0], addrs[1], addrs[2]);
+    let (stream_at, queue_at, rpc_at, posting_at) = (addrs[0], addrs[1], addrs[2], addrs[3]);
     // A panic anywhere in this process (the library reads what the server wrote, and what
     // this process scribbled over its own exports, as untrusted) is counted and reported.
     let panics = count_panics();
@@ -351,7 +392,7 @@ fn liar() {
     let lies = Arc::new(AtomicU64::new(0));
     let conns = Arc::new(AtomicU64::new(0));
     let mut threads = vec![start_lying(&stop, &lies, true)];
-    for kind in 0..3 {
+    for kind in 0..4 {
         for _ in 0..3 {
             let (nic, stop, conns) = (nic.clone(), stop.clone(), conns.clone());
             threads.push(std::thread::spawn(move || {
@@ -378,6 +419,19 @@ fn liar() {
                             for i in 0..500u64 {
                                 let data = pattern(rng.next(), (i % 700) as usize);
                                 if tx.send_timeout(rng.next() & !HONEST_MASK, &data, short).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                        3 => {
+                            let Ok(s) = Stream::connect_with(&nic, posting_at, &stream_cfg()) else { continue };
+                            bump(&conns);
+                            let _ = s.set_read_timeout(short);
+                            let _ = s.set_write_timeout(short);
+                            let mut back = [0u8; POSTED];
+                            for _ in 0..200u64 {
+                                let out = pattern(rng.next(), POSTED);
+                                if (&s).write_all(&out).is_err() || (&s).read_exact(&mut back).is_err() {
                                     break;
                                 }
                             }
@@ -447,7 +501,17 @@ fn liar_server() {
     let sl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
     let ql = QueueListener::bind(&nic, queue_cfg()).unwrap();
     let mut rpc = RpcServer::bind(&nic, rpc_cfg(), 1024).unwrap();
-    say(format!("{} {} {}", sl.local_addr(), ql.local_addr(), rpc.local_addr()));
+    let pl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
+    say(format!("{} {} {} {}", sl.local_addr(), ql.local_addr(), rpc.local_addr(), pl.local_addr()));
+    serve_streams(
+        pl,
+        |s| {
+            s.set_read_timeout(Some(Duration::from_millis(200)))?;
+            s.set_write_timeout(Some(Duration::from_millis(200)))?;
+            posting_echo(s)
+        },
+        |_| {},
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let lies = Arc::new(AtomicU64::new(0));
     // (only in what its clients exported: its own listeners and its ports in their queues
@@ -526,7 +590,7 @@ fn liar_peer(env: &[(&str, String)]) -> Peer {
 /// Honest traffic of every kind, from this process, for `time`: every answer must be right.
 /// Returns the honest queue messages sent, or what went wrong.
 fn honest(addrs: &[EndpointAddr], time: Duration, nic: &Nic, sent: &mut u64) -> Result<(), String> {
-    let (stream_at, queue_at, rpc_at) = (addrs[0], addrs[1], addrs[2]);
+    let (stream_at, queue_at, rpc_at, posting_at) = (addrs[0], addrs[1], addrs[2], addrs[3]);
     let start = Instant::now();
     let mut round = 0u64;
     let e = |what: &'static str| move |e: &dyn std::fmt::Display| format!("{what}: {e}");
@@ -536,6 +600,8 @@ fn honest(addrs: &[EndpointAddr], time: Duration, nic: &Nic, sent: &mut u64) -> 
         s.set_read_timeout(Some(HONEST)).unwrap();
         let mut tx = MsgSender::connect(nic, queue_at, &queue_cfg()).map_err(|x| e("a queue connect")(&x))?;
         let mut c = RpcClient::connect(nic, rpc_at, &rpc_cfg()).map_err(|x| e("an RPC connect")(&x))?;
+        let p = Stream::connect_with(nic, posting_at, &stream_cfg()).map_err(|x| e("a posting stream connect")(&x))?;
+        p.set_read_timeout(Some(HONEST)).unwrap();
         let mut reply = Vec::new();
         for i in 0..100u64 {
             let k = round * 100 + i;
@@ -553,6 +619,13 @@ fn honest(addrs: &[EndpointAddr], time: Duration, nic: &Nic, sent: &mut u64) -> 
             c.call(&req, &mut reply, Some(HONEST)).map_err(|x| e("an RPC call")(&x))?;
             if reply != req {
                 return Err("an RPC reply was changed".into());
+            }
+            let out = pattern(k ^ 0xAA, POSTED);
+            (&p).write_all(&out).map_err(|x| e("a posting stream write")(&x))?;
+            let mut back = vec![0u8; POSTED];
+            (&p).read_exact(&mut back).map_err(|x| e("a posting stream echo")(&x))?;
+            if back != out {
+                return Err("a posting stream's echo was changed".into());
             }
         }
         round += 1;
@@ -710,6 +783,24 @@ fn clients_of_a_lying_server_get_errors_not_hangs() {
                     break;
                 }
             }
+        }
+        let t = Instant::now();
+        let p = Stream::connect_with(&nic, addrs[3], &stream_cfg());
+        if let Ok(p) = p {
+            p.set_read_timeout(Some(limit)).unwrap();
+            p.set_write_timeout(Some(limit)).unwrap();
+            for _ in 0..50 {
+                k += 1;
+                let msg = pattern(k, POSTED);
+                let mut back = vec![0u8; POSTED];
+                let t = Instant::now();
+                let r = (&p).write_all(&msg).and_then(|()| (&p).read_exact(&mut back));
+                if !out.note(t, r, invalid) {
+                    break;
+                }
+            }
+        } else if let Err(e) = p {
+            out.note(t, Err::<(), _>(format!("a posting stream connect: {e}")), |_| false);
         }
         let t = Instant::now();
         let tx = MsgSender::connect(&nic, addrs[1], &queue_cfg());
