@@ -294,7 +294,9 @@ impl QueueListener {
     }
 
     /// Accept the next sender: the receiving end of its queue. No connection request
-    /// within `timeout` is [`QueueError::Timeout`].
+    /// within `timeout` is [`QueueError::Timeout`]. As with TCP, a sender that gives up,
+    /// dies or misbehaves during the hand-shake is not reported here: its request is
+    /// dropped and the next one taken. Errors are this side's own.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
         self.accept_on(None, timeout)
     }
@@ -308,12 +310,11 @@ impl QueueListener {
     }
 
     fn accept_on(&self, queue: Option<&EventQueue>, timeout: Option<Duration>) -> Result<MsgReceiver, QueueError> {
-        let req = self.ep.accept(timeout).map_err(|e| match e {
-            clan::ConnectError::NoRequest => QueueError::Timeout,
-            e => SetupError::from(e).into(),
-        })?;
         let g = Geometry { slot: self.cfg.slot_size, ..Geometry::bytes(self.cfg.slots * self.cfg.slot_size, 0) };
-        let s = side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout)?;
+        let s = side::accept_next::<_, QueueError>(&self.ep, timeout, |req| {
+            side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout)
+        })?
+        .ok_or(QueueError::Timeout)?;
         MsgReceiver::new(s, &self.cfg)
     }
 }

@@ -375,19 +375,15 @@ impl RpcListener {
     }
 
     /// Accept a channel sender: the receiving end. No connection request within `timeout`
-    /// is [`RpcError::Timeout`].
+    /// is [`RpcError::Timeout`]. As with TCP, a sender that gives up, dies or misbehaves
+    /// during the hand-shake is not reported here: its request is dropped and the next one
+    /// taken. Errors are this side's own.
     pub fn accept_channel(&self, timeout: Option<Duration>) -> Result<ChannelReceiver, RpcError> {
-        let req = self.ep.accept(timeout).map_err(|e| match e {
-            clan::ConnectError::NoRequest => RpcError::Timeout,
-            e => SetupError::from(e).into(),
-        })?;
-        let s = side::accept(
-            &self.nic,
-            None,
-            req,
-            Geometry::message(self.cfg.max_msg.max(2), MSG),
-            self.cfg.connect_timeout,
-        )?;
+        let g = Geometry::message(self.cfg.max_msg.max(2), MSG);
+        let s = side::accept_next::<_, RpcError>(&self.ep, timeout, |req| {
+            side::accept(&self.nic, None, req, g, self.cfg.connect_timeout)
+        })?
+        .ok_or(RpcError::Timeout)?;
         Ok(ChannelReceiver { p: Party::new(s, self.cfg.spin, None, false)? })
     }
 }
@@ -883,7 +879,7 @@ impl RpcServer {
                 Ok(s) => s,
                 // As with TCP, a client that gives up, dies or misbehaves during the
                 // hand-shake is not the server's error: its request is dropped.
-                Err(e @ (SetupError::BadPeer(_) | SetupError::Connect(_) | SetupError::Import(_))) => {
+                Err(e) if side::client_failed(&e) => {
                     tracing::debug!(peer = %from, "refused an RPC connection: {e}");
                     continue;
                 }

@@ -300,6 +300,37 @@ pub(crate) fn accept(
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
 }
 
+/// Whether an accept's set-up failed for the client's sake (it gave up, died or misbehaved
+/// during the hand-shake: its request is dropped and the next one taken, as TCP's accept
+/// does) rather than ours (out of memory or descriptors, the endpoint closed).
+pub(crate) fn client_failed(e: &SetupError) -> bool {
+    matches!(e, SetupError::BadPeer(_) | SetupError::Connect(_) | SetupError::Import(_))
+}
+
+/// Take connection requests on `ep` until one is set up by `setup` (those whose client
+/// fails are dropped), for at most `timeout`; `None` when none came in time.
+pub(crate) fn accept_next<T, E: From<SetupError>>(
+    ep: &Endpoint,
+    timeout: Option<Duration>,
+    mut setup: impl FnMut(ConnectRequest) -> Result<T, SetupError>,
+) -> Result<Option<T>, E> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let req = match ep.accept(left) {
+            Ok(req) => req,
+            Err(ConnectError::NoRequest) => return Ok(None),
+            Err(e) => return Err(SetupError::from(e).into()),
+        };
+        let from = req.from();
+        match setup(req) {
+            Ok(t) => return Ok(Some(t)),
+            Err(e) if client_failed(&e) => tracing::debug!(peer = %from, "refused a connection: {e}"),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 impl From<SetupError> for std::io::Error {
     fn from(e: SetupError) -> std::io::Error {
         use std::io::ErrorKind as K;

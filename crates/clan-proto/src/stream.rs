@@ -317,8 +317,8 @@ impl Listener {
         let queue = queue.or(own.as_ref());
         match side::accept(&self.nic, queue, req, g, self.cfg.connect_timeout) {
             Ok(s) => Ok(Some((Stream::from_sides(s, &self.cfg, queue.cloned()).map_err(pipe_error)?, from))),
-            Err(SetupError::BadPeer(why)) => {
-                tracing::debug!(peer = %from, "refused a connection: {why}");
+            Err(e) if side::client_failed(&e) => {
+                tracing::debug!(peer = %from, "refused a connection: {e}");
                 Ok(None)
             }
             Err(e) => Err(setup_error(e)),

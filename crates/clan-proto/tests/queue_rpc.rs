@@ -404,3 +404,78 @@ fn vectored_sends_and_parts() {
     assert_eq!((m.meta, m.data.len()), (9, 3000));
     let _tx = sending.join().unwrap();
 }
+
+/// A client that misbehaves during the hand-shake (here: a side geometry that makes no
+/// sense) is refused and never reported by the accepts, which take the next request; an
+/// accept that sees none in time is a `Timeout`; an `RpcServer` full at `max_conns` refuses
+/// the next client and goes on serving the others.
+#[test]
+fn accepts_skip_clients_that_fail_their_hand_shake() {
+    let _wd = Watchdog::new("accepts and bad hand-shakes", Duration::from_secs(120));
+    let nic = Nic::open_default().unwrap();
+    // A raw client: a real side aperture, garbage for its geometry. Its connect returns
+    // once the accept has refused it: an honest client connects only then (so the accept
+    // has the liar's request before the honest one).
+    let liar = nic.endpoint().unwrap();
+    let side = liar.export(4096).unwrap();
+    let lie = |to| {
+        let r = liar.connect_with_data(to, &side.descriptor(), &[0xEE; 40], Some(Duration::from_secs(30)));
+        assert!(matches!(r, Err(clan::ConnectError::Refused(_))), "a nonsense geometry was not refused: {r:?}");
+    };
+
+    let ql = QueueListener::bind(&nic, QueueConfig::default()).unwrap();
+    assert!(matches!(ql.accept(Some(Duration::from_millis(5))), Err(QueueError::Timeout)));
+    std::thread::scope(|sc| {
+        let acc = sc.spawn(|| ql.accept(WAIT));
+        lie(ql.local_addr());
+        let mut tx = MsgSender::connect(&nic, ql.local_addr(), &QueueConfig::default()).unwrap();
+        let mut rx = acc.join().unwrap().expect("the honest sender behind the liar");
+        tx.send(7, b"after").unwrap();
+        assert_eq!(rx.recv(SHORT).unwrap().data, b"after");
+    });
+
+    let rl = RpcListener::bind(&nic, RpcConfig::default()).unwrap();
+    assert!(matches!(rl.accept_channel(Some(Duration::from_millis(5))), Err(RpcError::Timeout)));
+    std::thread::scope(|sc| {
+        let acc = sc.spawn(|| rl.accept_channel(WAIT));
+        lie(rl.local_addr());
+        let mut tx = ChannelSender::connect(&nic, rl.local_addr(), &RpcConfig::default()).unwrap();
+        let mut ch = acc.join().unwrap().expect("the honest channel sender behind the liar");
+        tx.send(b"after", SHORT).unwrap();
+        assert_eq!(ch.recv(SHORT).unwrap(), b"after");
+    });
+
+    // The event-driven server: a liar's hand-shake, then more clients than it takes.
+    let mut server = RpcServer::bind(&nic, RpcConfig::default(), 2).unwrap();
+    let addr = server.local_addr();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let srv = sc.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                server
+                    .run_once(Some(Duration::from_millis(10)), &mut |_, req, reply| {
+                        reply.write(&req.to_vec()).unwrap();
+                    })
+                    .expect("a client's failed hand-shake is not the server's error");
+            }
+            server
+        });
+        lie(addr);
+        let mut ok: Vec<RpcClient> =
+            (0..2).map(|_| RpcClient::connect(&nic, addr, &RpcConfig::default()).unwrap()).collect();
+        let third = RpcClient::connect(&nic, addr, &RpcConfig::default());
+        assert!(
+            matches!(third, Err(RpcError::Setup(clan_proto::SetupError::Connect(clan::ConnectError::Refused(_))))),
+            "a third client was not refused beyond max_conns: {third:?}"
+        );
+        let mut reply = Vec::new();
+        for c in &mut ok {
+            c.call(b"ping", &mut reply, SHORT).unwrap();
+            assert_eq!(reply, b"ping");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let server = srv.join().unwrap();
+        assert_eq!(server.connections(), 2);
+        assert_eq!(server.cut_off_clients(), 0);
+    });
+}
