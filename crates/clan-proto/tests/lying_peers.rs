@@ -651,13 +651,25 @@ fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
 
     let mut liar = liar_peer(&[("CLAN_SERVER_ADDRS", line.clone())]);
     assert_eq!(liar.expect("lying"), "lying");
-    if let Err(e) = honest(&addrs, Duration::from_secs(4), &nic, &mut sent) {
+    // Honest traffic for 4 s, and on (up to 60 s: a loaded machine lies slowly) until the
+    // server has noticed a lie.
+    let start = Instant::now();
+    let mut first = true;
+    loop {
+        let time = if first { Duration::from_secs(4) } else { Duration::ZERO };
+        first = false;
+        if let Err(e) = honest(&addrs, time, &nic, &mut sent) {
+            let s = stats(&mut server);
+            panic!(
+                "honest traffic failed under the attack: {e} (the server: fatal {}, streams cut for lies {}, \
+                 queues cut for lies {}, RPC requests served {})",
+                s.fatal, s.v[0], s.v[2], s.v[6]
+            );
+        }
         let s = stats(&mut server);
-        panic!(
-            "honest traffic failed under the attack: {e} (the server: fatal {}, streams cut for lies {}, \
-             queues cut for lies {}, RPC requests served {})",
-            s.fatal, s.v[0], s.v[2], s.v[6]
-        );
+        if s.v[0] + s.v[2] + s.v[7] > 0 || start.elapsed() > Duration::from_secs(60) {
+            break;
+        }
     }
     let report = liar.finish().unwrap_or_default();
     let lied = report.strip_prefix("lied ").unwrap_or_else(|| panic!("the liar did not report ({report})"));
@@ -765,7 +777,8 @@ fn clients_of_a_lying_server_get_errors_not_hangs() {
     let invalid = |e: &std::io::Error| e.kind() == std::io::ErrorKind::InvalidData;
     let start = Instant::now();
     let mut k = 0u64;
-    while start.elapsed() < Duration::from_secs(4) {
+    // 4 s, and on (up to 60 s: a loaded machine lies slowly) until a client noticed a lie.
+    while start.elapsed() < Duration::from_secs(4) || out.lies == 0 && start.elapsed() < Duration::from_secs(60) {
         let t = Instant::now();
         if let Some(s) = Stream::connect_with(&nic, addrs[0], &stream_cfg())
             .ok()
