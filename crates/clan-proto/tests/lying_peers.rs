@@ -11,6 +11,8 @@
 //! never an error of its accept or event loops, never a hang: honest clients in another
 //! process keep every answer right throughout, and once the liar is gone the server's
 //! threads and descriptors come back to where they were.
+//!
+//! Each attack lasts 4 s (`CLAN_LIE_SECS` sets another length, for a soak run by hand).
 
 #[path = "../../clan/tests/util/mod.rs"]
 mod util;
@@ -26,6 +28,11 @@ use clan_proto::queue::{MsgSender, QueueConfig, QueueError, QueueListener};
 use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
 use clan_proto::stream::{Listener, Stream, StreamConfig};
 use util::{Peer, Watchdog, hear, say};
+
+/// How long an attack lasts (`CLAN_LIE_SECS`, default 4 s).
+fn attack_time() -> Duration {
+    Duration::from_secs(std::env::var("CLAN_LIE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(4))
+}
 
 /// Bound on any one honest operation: only a hang comes near it.
 const HONEST: Duration = Duration::from_secs(20);
@@ -636,7 +643,7 @@ fn honest(addrs: &[EndpointAddr], time: Duration, nic: &Nic, sent: &mut u64) -> 
 
 #[test]
 fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
-    let _wd = Watchdog::new("lying peers", Duration::from_secs(240));
+    let _wd = Watchdog::new("lying peers", Duration::from_secs(240) + attack_time());
     let mut server = Peer::spawn("child", "server", &[]);
     let line = server.expect("addresses");
     let addrs: Vec<EndpointAddr> = line.split(' ').map(|a| a.parse().unwrap()).collect();
@@ -656,7 +663,7 @@ fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
     let start = Instant::now();
     let mut first = true;
     loop {
-        let time = if first { Duration::from_secs(4) } else { Duration::ZERO };
+        let time = if first { attack_time() } else { Duration::ZERO };
         first = false;
         if let Err(e) = honest(&addrs, time, &nic, &mut sent) {
             let s = stats(&mut server);
@@ -667,7 +674,7 @@ fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
             );
         }
         let s = stats(&mut server);
-        if s.v[0] + s.v[2] + s.v[7] > 0 || start.elapsed() > Duration::from_secs(60) {
+        if s.v[0] + s.v[2] + s.v[7] > 0 || start.elapsed() > attack_time() + Duration::from_secs(60) {
             break;
         }
     }
@@ -762,7 +769,7 @@ impl Outcomes {
 
 #[test]
 fn clients_of_a_lying_server_get_errors_not_hangs() {
-    let _wd = Watchdog::new("clients of a lying server", Duration::from_secs(240));
+    let _wd = Watchdog::new("clients of a lying server", Duration::from_secs(240) + attack_time());
     let panics = count_panics();
     let nic = Nic::open(NicConfig { cache_bytes: 0, ..NicConfig::default() }).unwrap();
     let mut server = match util::unprivileged() {
@@ -778,7 +785,7 @@ fn clients_of_a_lying_server_get_errors_not_hangs() {
     let start = Instant::now();
     let mut k = 0u64;
     // 4 s, and on (up to 60 s: a loaded machine lies slowly) until a client noticed a lie.
-    while start.elapsed() < Duration::from_secs(4) || out.lies == 0 && start.elapsed() < Duration::from_secs(60) {
+    while start.elapsed() < attack_time() || out.lies == 0 && start.elapsed() < Duration::from_secs(60) {
         let t = Instant::now();
         if let Some(s) = Stream::connect_with(&nic, addrs[0], &stream_cfg())
             .ok()
