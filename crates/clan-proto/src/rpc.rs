@@ -988,6 +988,11 @@ impl RpcServer {
     /// connections, answer requests with `handler` (request in place, reply written
     /// straight into the client), drop connections whose client went away. Returns the
     /// number of requests answered.
+    ///
+    /// What one client does never fails the loop: a client that breaks the protocol (a
+    /// request flag run ahead, a request longer than its buffer), dies, or fails its
+    /// hand-shake is dropped alone ([`RpcServer::cut_off_clients`] counts the first kind).
+    /// An error is this server's own (its event queue, out of memory or descriptors).
     pub fn run_once(
         &mut self,
         timeout: Option<Duration>,
@@ -1038,6 +1043,7 @@ impl RpcServer {
     /// Handle one event of [`RpcServer::event_queue`] (for a loop of your own, such as
     /// [`crate::server::EventLoop`]): a request is answered with `handler`, a connection
     /// request accepted, a departed client dropped. Returns the requests answered.
+    /// As for [`RpcServer::run_once`], what one client does never makes this fail.
     pub fn handle_event(
         &mut self,
         ev: Event,
