@@ -372,6 +372,13 @@ pub struct MsgSender {
 }
 
 impl MsgSender {
+    /// Who the peer is, as far as the NIC could prove it (the receiver's process): a process of this host with
+    /// its kernel credentials (pid, uid), or a NIC across a link. As `SO_PEERCRED` is for a
+    /// Unix socket.
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.conn.peer_identity()
+    }
+
     /// Connect to the receiver listening at `to` (anything that names endpoints:
     /// [`clan::ToEndpointAddrs`]).
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &QueueConfig) -> Result<MsgSender, QueueError> {
@@ -903,6 +910,13 @@ pub struct MsgReceiver {
 }
 
 impl MsgReceiver {
+    /// Who the peer is, as far as the NIC could prove it (the sender's process): a process of this host with
+    /// its kernel credentials (pid, uid), or a NIC across a link. As `SO_PEERCRED` is for a
+    /// Unix socket.
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.conn.peer_identity()
+    }
+
     fn new(s: side::Sides, cfg: &QueueConfig) -> Result<MsgReceiver, QueueError> {
         // The pages the first messages land in, faulted in now rather than on the way.
         for (off, len) in ring_pages(cfg.slots, cfg.slot_size) {

@@ -414,6 +414,13 @@ pub struct ChannelSender {
 }
 
 impl ChannelSender {
+    /// Who the peer is, as far as the NIC could prove it (the receiver's process): a process of this host with
+    /// its kernel credentials (pid, uid), or a NIC across a link. As `SO_PEERCRED` is for a
+    /// Unix socket.
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.p.sides.conn.peer_identity()
+    }
+
     /// Connect to a receiver listening at `to` (anything that names endpoints:
     /// [`clan::ToEndpointAddrs`]).
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<ChannelSender, RpcError> {
@@ -507,6 +514,13 @@ pub struct ChannelReceiver {
 }
 
 impl ChannelReceiver {
+    /// Who the peer is, as far as the NIC could prove it (the sender's process): a process of this host with
+    /// its kernel credentials (pid, uid), or a NIC across a link. As `SO_PEERCRED` is for a
+    /// Unix socket.
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.p.sides.conn.peer_identity()
+    }
+
     /// Wait for the next message and process it in place; then tell the sender (`tx_ready`).
     pub fn recv_with<R>(&mut self, timeout: Option<Duration>, f: impl FnOnce(InPlace<'_>) -> R) -> Result<R, RpcError> {
         self.p.wait_flag(self.p.seq + 1, timeout.map(|t| Instant::now() + t))?;
@@ -561,6 +575,13 @@ pub struct RpcClient {
 }
 
 impl RpcClient {
+    /// Who the peer is, as far as the NIC could prove it (the server's process): a process of this host with
+    /// its kernel credentials (pid, uid), or a NIC across a link. As `SO_PEERCRED` is for a
+    /// Unix socket.
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.p.sides.conn.peer_identity()
+    }
+
     /// Connect to the server at `to` (anything that names endpoints:
     /// [`clan::ToEndpointAddrs`]); `cfg.max_msg` is the largest reply we accept.
     pub fn connect(nic: &Nic, to: impl clan::ToEndpointAddrs, cfg: &RpcConfig) -> Result<RpcClient, RpcError> {
@@ -712,6 +733,27 @@ struct ServerConn {
     p: Party,
     /// Requests answered.
     served: u64,
+    /// Whose quota it counts in ([`RpcServer::limit_per_user`]).
+    user: User,
+}
+
+/// What [`RpcServer::limit_per_user`] counts connections by: a uid of this host (all its
+/// processes together), or a NIC across a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum User {
+    Uid(u32),
+    Remote(clan::NicAddr),
+}
+
+impl User {
+    fn of(who: clan::PeerIdentity) -> User {
+        match who {
+            clan::PeerIdentity::Remote { nic } => User::Remote(nic),
+            // A process of this host (`PeerIdentity` is non-exhaustive: anything else
+            // proven is a process's).
+            other => User::Uid(other.uid().unwrap_or(u32::MAX)),
+        }
+    }
 }
 
 /// Identifies a connection of an [`RpcServer`] (given to its handler).
@@ -791,14 +833,24 @@ pub struct RpcServer {
     next: u64,
     /// Clients cut off for breaking the protocol.
     cut_off: u64,
+    /// Clients refused for a limit (`max_conns`, `max_per_user`).
+    refused: u64,
     /// Connections held at most (more are refused).
     max_conns: u32,
+    /// Connections one user holds at most ([`RpcServer::limit_per_user`]).
+    max_per_user: u32,
+    /// Connections held, by user (no entry at zero).
+    per_user: HashMap<User, u32>,
 }
 
 impl RpcServer {
     /// Listen on a new endpoint of `nic`, with an event queue of its own sized for
     /// `max_conns` connections. With `max_conns` open, more clients are refused (their
     /// connects fail with `Refused`) until some go.
+    ///
+    /// Any process that can reach the NIC may connect, so one user could hold every one of
+    /// the `max_conns` and keep the others out: a server shared by several users bounds
+    /// each with [`RpcServer::limit_per_user`].
     pub fn bind(nic: &Nic, cfg: RpcConfig, max_conns: u32) -> Result<RpcServer, RpcError> {
         let queue = nic.event_queue(EventQueueConfig {
             spin: cfg.spin,
@@ -821,8 +873,57 @@ impl RpcServer {
             by_port: HashMap::new(),
             next: 1,
             cut_off: 0,
+            refused: 0,
             max_conns,
+            max_per_user: max_conns,
+            per_user: HashMap::new(),
         })
+    }
+
+    /// Let one user hold at most `n` connections at once (the default: `max_conns`, no
+    /// bound of its own). A user is a uid of this host, all its processes together, as the
+    /// kernel reports them ([`clan::PeerIdentity`]); or a NIC across a link. A client over
+    /// the bound is refused (its connect fails with `Refused`), and the others are served as
+    /// before: one user that opens connections in a loop and keeps them takes at most `n`.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use clan_proto::rpc::{RpcClient, RpcConfig, RpcError, RpcServer};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let mut server = RpcServer::bind(&nic, RpcConfig::default(), 64)?;
+    /// server.limit_per_user(2);
+    /// let (addr, n2) = (server.local_addr(), nic.clone());
+    /// // Three clients of one user (this process's): the third is refused.
+    /// let clients = std::thread::spawn(move || {
+    ///     (0..3).map(|_| RpcClient::connect(&n2, addr, &RpcConfig::default())).collect::<Vec<_>>()
+    /// });
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// while !clients.is_finished() {
+    ///     assert!(Instant::now() < deadline, "the clients hang");
+    ///     server.accept_pending()?;
+    ///     std::thread::sleep(Duration::from_millis(1));
+    /// }
+    /// let results = clients.join().unwrap();
+    /// assert!(results[..2].iter().all(Result::is_ok));
+    /// assert!(matches!(results[2], Err(RpcError::Setup(_))));
+    /// assert_eq!((server.connections(), server.refused_clients()), (2, 1));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn limit_per_user(&mut self, n: u32) {
+        self.max_per_user = n;
+    }
+
+    /// Clients refused for a limit: `max_conns` open already, or their user's
+    /// ([`RpcServer::limit_per_user`]).
+    pub fn refused_clients(&self) -> u64 {
+        self.refused
+    }
+
+    /// Who the client of connection `id` is ([`clan::PeerIdentity`]); `None` if it is not
+    /// open.
+    pub fn peer_identity(&self, id: ConnId) -> Option<clan::PeerIdentity> {
+        Some(self.conns.get(id.0 as usize)?.as_ref()?.p.sides.conn.peer_identity())
     }
 
     /// Where clients connect.
@@ -864,8 +965,12 @@ impl RpcServer {
         let mut n = 0;
         while let Some(req) = self.listener.try_accept() {
             let from = req.from();
-            if self.open >= self.max_conns as usize {
-                tracing::debug!(peer = %from, "refused an RPC connection: {} open already", self.open);
+            let who = req.peer_identity();
+            let user = User::of(who);
+            let held = self.per_user.get(&user).copied().unwrap_or(0);
+            if self.open >= self.max_conns as usize || held >= self.max_per_user {
+                tracing::debug!(peer = %from, %who, open = self.open, held, "refused an RPC connection: over a limit");
+                self.refused += 1;
                 let _ = req.refuse(&self.listener);
                 continue;
             }
@@ -906,8 +1011,9 @@ impl RpcServer {
             if self.conns.len() <= slot {
                 self.conns.resize_with(slot + 1, || None);
             }
-            self.conns[slot] = Some(ServerConn { p, served: 0 });
+            self.conns[slot] = Some(ServerConn { p, served: 0, user });
             self.open += 1;
+            *self.per_user.entry(user).or_insert(0) += 1;
             n += 1;
             // A request may have come before the tripwire existed.
             self.serve_conn_later(id);
@@ -979,6 +1085,12 @@ impl RpcServer {
         if let Some(c) = self.conns.get_mut(id as usize).and_then(Option::take) {
             self.open -= 1;
             self.free.push(id);
+            if let std::collections::hash_map::Entry::Occupied(mut e) = self.per_user.entry(c.user) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
             self.by_port.remove(&c.p.sides.ep.port());
         }
     }

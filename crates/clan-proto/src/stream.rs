@@ -541,6 +541,13 @@ impl Stream {
         self.inner.peer
     }
 
+    /// Who the peer is, as far as the NIC could prove it (for a server, its client's; for a client, the process that accepted): a process of this host with
+    /// its kernel credentials (pid, uid), or a NIC across a link. As `SO_PEERCRED` is for a
+    /// Unix socket.
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.inner.conn.peer_identity()
+    }
+
     /// Counters of the reading side: bytes read, sleeps waiting for data, early wake-ups
     /// given to the peer (see [`StreamStats`]).
     ///

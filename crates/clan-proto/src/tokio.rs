@@ -422,6 +422,11 @@ impl AsyncStream {
     pub fn peer_addr(&self) -> EndpointAddr {
         self.s.peer_addr()
     }
+
+    /// Who the peer is ([`Stream::peer_identity`]).
+    pub fn peer_identity(&self) -> clan::PeerIdentity {
+        self.s.peer_identity()
+    }
 }
 
 impl Drop for AsyncStream {

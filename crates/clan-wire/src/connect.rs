@@ -32,6 +32,14 @@
 //! endpoint is the connection's peer from then on ([`Answer::Accepted`]). An `ACCEPT` that
 //! answers no dial (a client that gave up) is answered with `CLOSE`, so the server never keeps
 //! a connection its client does not have.
+//!
+//! Each message may also carry *who* sent it, as far as the transport could prove it (a
+//! second type of the driver's, [`Sender`]: a process's kernel credentials, say). A request
+//! and an answer keep the identity their first message came with ([`Request::who`],
+//! [`Answer::Accepted`]), and the limits that protect one client from another are kept per
+//! user as well as per endpoint ([`Limits::backlog_per_user`]): a user with many endpoints
+//! still cannot fill the backlog. A driver that proves nothing uses `()` (one user for all)
+//! and [`Handshakes::handle_message`].
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
@@ -243,6 +251,27 @@ pub trait Peer: Copy + Eq + Hash + std::fmt::Debug {
 
 impl Peer for u32 {}
 
+/// What the transport proved of a message's sender ([`Handshakes::handle_message_from`]).
+pub trait Sender: Copy + std::fmt::Debug {
+    /// Whether the two are the same user: their requests and partial messages share one
+    /// bound ([`Limits::backlog_per_user`], [`Limits::max_partial_per_user`]).
+    fn same_user(&self, other: &Self) -> bool;
+}
+
+/// Nothing proven: every sender is the same user.
+impl Sender for () {
+    fn same_user(&self, _: &()) -> bool {
+        true
+    }
+}
+
+/// A user id (for tests and simple drivers).
+impl Sender for u32 {
+    fn same_user(&self, other: &u32) -> bool {
+        self == other
+    }
+}
+
 /// Bounds of one endpoint's hand-shake state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -250,12 +279,17 @@ pub struct Limits {
     pub max_partial: usize,
     /// Messages being reassembled from one peer.
     pub max_partial_per_peer: usize,
+    /// Messages being reassembled from one user ([`Sender::same_user`]), all its endpoints
+    /// together.
+    pub max_partial_per_user: usize,
     /// A partial message not completed within this is dropped.
     pub partial_ttl: Duration,
     /// Requests queued for the application.
     pub backlog: usize,
     /// Requests queued from one peer.
     pub backlog_per_peer: usize,
+    /// Requests queued from one user ([`Sender::same_user`]), all its endpoints together.
+    pub backlog_per_user: usize,
     /// A queued request expires after the client's own timeout, but never later than this.
     pub max_request_ttl: Duration,
     /// Connections being dialled at once.
@@ -267,9 +301,11 @@ impl Default for Limits {
         Limits {
             max_partial: 1024,
             max_partial_per_peer: 64,
+            max_partial_per_user: 256,
             partial_ttl: Duration::from_secs(10),
             backlog: 1024,
             backlog_per_peer: 256,
+            backlog_per_user: 512,
             max_request_ttl: Duration::from_secs(60),
             max_dials: 4096,
         }
@@ -278,9 +314,11 @@ impl Default for Limits {
 
 /// A complete connection request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Request<P> {
+pub struct Request<P, W = ()> {
     /// The client (as the transport verified it).
     pub from: P,
+    /// Who sent it, as the transport proved it (with the request's first message).
+    pub who: W,
     /// The connection's token.
     pub token: u64,
     /// The client's descriptor, in its binary form (not yet parsed).
@@ -291,12 +329,14 @@ pub struct Request<P> {
 
 /// The server's answer to a dial.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Answer<P> {
+pub enum Answer<P, W = ()> {
     /// Accepted by endpoint `from` (the connection's peer), with its descriptor (binary
     /// form, not yet parsed).
     Accepted {
         /// The server's endpoint for this connection.
         from: P,
+        /// Who sent the answer, as the transport proved it.
+        who: W,
         /// Its descriptor.
         desc: Vec<u8>,
     },
@@ -323,8 +363,9 @@ pub enum Event<P> {
 }
 
 #[derive(Debug)]
-struct Partial {
+struct Partial<W> {
     kind: u8,
+    who: W,
     total: usize,
     next: u8,
     data: Vec<u8>,
@@ -333,26 +374,34 @@ struct Partial {
 }
 
 #[derive(Debug)]
-struct Dial<P> {
+struct Dial<P, W> {
     peer: P,
-    answer: Option<Answer<P>>,
+    answer: Option<Answer<P, W>>,
 }
 
 /// One endpoint's connection hand-shakes: its backlog (when listening) and its dials.
 #[derive(Debug)]
-pub struct Handshakes<P> {
+pub struct Handshakes<P, W = ()> {
     limits: Limits,
     listening: bool,
-    partial: HashMap<(P, u64), Partial>,
-    backlog: VecDeque<Request<P>>,
-    dials: HashMap<u64, Dial<P>>,
+    partial: HashMap<(P, u64), Partial<W>>,
+    backlog: VecDeque<Request<P, W>>,
+    dials: HashMap<u64, Dial<P, W>>,
     out: VecDeque<(P, Payload)>,
     events: VecDeque<Event<P>>,
 }
 
-impl<P: Peer> Handshakes<P> {
+impl<P: Peer, W: Sender + Default> Handshakes<P, W> {
+    /// A message of this protocol arrived from `from` (verified by the transport), which
+    /// proved nothing more of its sender (`W::default()`).
+    pub fn handle_message(&mut self, from: P, payload: &Payload, now: Instant) {
+        self.handle_message_from(from, W::default(), payload, now);
+    }
+}
+
+impl<P: Peer, W: Sender> Handshakes<P, W> {
     /// Empty state with `limits`, not listening.
-    pub fn new(limits: Limits) -> Handshakes<P> {
+    pub fn new(limits: Limits) -> Handshakes<P, W> {
         Handshakes {
             limits,
             listening: false,
@@ -394,14 +443,15 @@ impl<P: Peer> Handshakes<P> {
         self.dials.len()
     }
 
-    /// A message of this protocol arrived from `from` (verified by the transport).
-    pub fn handle_message(&mut self, from: P, payload: &Payload, now: Instant) {
+    /// A message of this protocol arrived from `from` (verified by the transport), sent by
+    /// `who` (what the transport proved of its sender).
+    pub fn handle_message_from(&mut self, from: P, who: W, payload: &Payload, now: Instant) {
         let Ok(m) = Message::decode(payload) else { return };
         match m {
             Message::Connect { token, total, timeout_ms, chunk } => {
-                self.head(from, K_CONNECT, token, total, timeout_ms, chunk, now)
+                self.head(from, who, K_CONNECT, token, total, timeout_ms, chunk, now)
             }
-            Message::Accept { token, total, chunk } => self.head(from, K_ACCEPT, token, total, 0, chunk, now),
+            Message::Accept { token, total, chunk } => self.head(from, who, K_ACCEPT, token, total, 0, chunk, now),
             Message::Frag { token, index, chunk } => {
                 let Some(p) = self.partial.get_mut(&(from, token)) else { return };
                 if index < p.next {
@@ -417,7 +467,7 @@ impl<P: Peer> Handshakes<P> {
                 p.next = p.next.wrapping_add(1);
                 if p.data.len() == p.total {
                     if let Some(p) = self.partial.remove(&(from, token)) {
-                        self.complete(from, token, p.kind, p.data, p.timeout_ms, now);
+                        self.complete(from, p.who, token, p.kind, p.data, p.timeout_ms, now);
                     }
                 }
             }
@@ -438,7 +488,7 @@ impl<P: Peer> Handshakes<P> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn head(&mut self, from: P, kind: u8, token: u64, total: u16, timeout_ms: u32, chunk: &[u8], now: Instant) {
+    fn head(&mut self, from: P, who: W, kind: u8, token: u64, total: u16, timeout_ms: u32, chunk: &[u8], now: Instant) {
         let total = usize::from(total);
         if total == 0 || total > MAX_DESC {
             return;
@@ -452,14 +502,18 @@ impl<P: Peer> Handshakes<P> {
         }
         let n = total.min(chunk.len());
         if n == total {
-            return self.complete(from, token, kind, chunk[..n].to_vec(), timeout_ms, now);
+            return self.complete(from, who, token, kind, chunk[..n].to_vec(), timeout_ms, now);
         }
         if self.partial.contains_key(&(from, token)) {
             return; // a duplicate head
         }
         self.expire_partial(now);
         let mine = self.partial.keys().filter(|(p, _)| *p == from).count();
-        if self.partial.len() >= self.limits.max_partial || mine >= self.limits.max_partial_per_peer {
+        let users = self.partial.values().filter(|p| p.who.same_user(&who)).count();
+        if self.partial.len() >= self.limits.max_partial
+            || mine >= self.limits.max_partial_per_peer
+            || users >= self.limits.max_partial_per_user
+        {
             // Full: the new message is dropped (its sender's deadline covers it), never an
             // older one (a flood cannot push out other peers' hand-shakes).
             if kind == K_CONNECT {
@@ -471,6 +525,7 @@ impl<P: Peer> Handshakes<P> {
             (from, token),
             Partial {
                 kind,
+                who,
                 total,
                 next: 1,
                 data: chunk[..n].to_vec(),
@@ -480,9 +535,10 @@ impl<P: Peer> Handshakes<P> {
         );
     }
 
-    fn complete(&mut self, from: P, token: u64, kind: u8, desc: Vec<u8>, timeout_ms: u32, now: Instant) {
+    #[allow(clippy::too_many_arguments)]
+    fn complete(&mut self, from: P, who: W, token: u64, kind: u8, desc: Vec<u8>, timeout_ms: u32, now: Instant) {
         if kind == K_ACCEPT {
-            return self.answer(from, token, Answer::Accepted { from, desc });
+            return self.answer(from, token, Answer::Accepted { from, who, desc });
         }
         if !self.listening {
             self.out.push_back((from, encode_refuse(token, RefuseReason::NotListening)));
@@ -493,12 +549,16 @@ impl<P: Peer> Handshakes<P> {
         }
         self.expire_backlog(now);
         let mine = self.backlog.iter().filter(|r| r.from == from).count();
-        if self.backlog.len() >= self.limits.backlog || mine >= self.limits.backlog_per_peer {
+        let users = self.backlog.iter().filter(|r| r.who.same_user(&who)).count();
+        if self.backlog.len() >= self.limits.backlog
+            || mine >= self.limits.backlog_per_peer
+            || users >= self.limits.backlog_per_user
+        {
             self.out.push_back((from, encode_refuse(token, RefuseReason::BacklogFull)));
             return;
         }
         let ttl = Duration::from_millis(u64::from(timeout_ms)).min(self.limits.max_request_ttl);
-        self.backlog.push_back(Request { from, token, desc, expires: now + ttl });
+        self.backlog.push_back(Request { from, who, token, desc, expires: now + ttl });
         self.events.push_back(Event::Request);
     }
 
@@ -506,7 +566,7 @@ impl<P: Peer> Handshakes<P> {
         self.dials.get(&token).is_some_and(|d| d.peer.same_node(&from) && d.answer.is_none())
     }
 
-    fn answer(&mut self, from: P, token: u64, a: Answer<P>) {
+    fn answer(&mut self, from: P, token: u64, a: Answer<P, W>) {
         if self.answerable(from, token) {
             if let Some(d) = self.dials.get_mut(&token) {
                 d.answer = Some(a);
@@ -526,7 +586,7 @@ impl<P: Peer> Handshakes<P> {
     }
 
     /// The oldest request that can still be answered (expired ones are dropped).
-    pub fn pop_request(&mut self, now: Instant) -> Option<Request<P>> {
+    pub fn pop_request(&mut self, now: Instant) -> Option<Request<P, W>> {
         self.expire_backlog(now);
         self.backlog.pop_front()
     }
@@ -542,7 +602,7 @@ impl<P: Peer> Handshakes<P> {
     }
 
     /// The answer to dial `token`, once there is one (the dial is then over).
-    pub fn take_answer(&mut self, token: u64) -> Option<Answer<P>> {
+    pub fn take_answer(&mut self, token: u64) -> Option<Answer<P, W>> {
         if self.dials.get(&token)?.answer.is_some() {
             return self.dials.remove(&token).and_then(|d| d.answer);
         }
@@ -613,8 +673,56 @@ mod tests {
             for m in encode_accept(r.token, &desc(n + 1)) {
                 client.handle_message(2, &m, now);
             }
-            assert_eq!(client.take_answer(n as u64), Some(Answer::Accepted { from: 2, desc: desc(n + 1) }));
+            assert_eq!(client.take_answer(n as u64), Some(Answer::Accepted { from: 2, who: (), desc: desc(n + 1) }));
         }
+    }
+
+    #[test]
+    fn requests_and_answers_keep_the_identity_of_their_first_message() {
+        let now = Instant::now();
+        let mut server = Handshakes::<u32, u32>::new(Limits::default());
+        let mut client = Handshakes::<u32, u32>::new(Limits::default());
+        server.listen(true);
+        let msgs = client.dial(2, 9, &desc(200), Duration::from_secs(1)).unwrap();
+        assert!(msgs.len() > 2, "the request must be in fragments");
+        // The head came with identity 70; its fragments cannot change who asked.
+        server.handle_message_from(1, 70, &msgs[0], now);
+        for m in &msgs[1..] {
+            server.handle_message_from(1, 71, m, now);
+        }
+        let r = server.pop_request(now).unwrap();
+        assert_eq!((r.from, r.who, r.token), (1, 70, 9));
+        for m in encode_accept(9, &desc(3)) {
+            client.handle_message_from(2, 80, &m, now);
+        }
+        assert_eq!(client.take_answer(9), Some(Answer::Accepted { from: 2, who: 80, desc: desc(3) }));
+    }
+
+    #[test]
+    fn one_user_with_many_endpoints_cannot_fill_the_backlog() {
+        let now = Instant::now();
+        let limits = Limits { backlog: 8, backlog_per_peer: 2, backlog_per_user: 4, ..Limits::default() };
+        let mut s = Handshakes::<u32, u32>::new(limits);
+        s.listen(true);
+        // User 66 from endpoints 1..=6, two requests each: four are queued, the rest refused.
+        for (token, ep) in (0..12u64).map(|t| (t, 1 + (t / 2) as u32)) {
+            for m in encode_connect(token, Duration::from_secs(10), &desc(10)) {
+                s.handle_message_from(ep, 66, &m, now);
+            }
+        }
+        assert_eq!(s.backlog_len(), 4);
+        let refused = std::iter::from_fn(|| s.poll_transmit())
+            .filter(|(_, m)| {
+                matches!(Message::decode(m), Ok(Message::Refuse { reason: RefuseReason::BacklogFull, .. }))
+            })
+            .count();
+        assert_eq!(refused, 8);
+        // Another user still gets in, up to its own share.
+        for m in encode_connect(100, Duration::from_secs(10), &desc(10)) {
+            s.handle_message_from(50, 7, &m, now);
+        }
+        assert_eq!(s.backlog_len(), 5);
+        assert_eq!(std::iter::from_fn(|| s.pop_request(now)).filter(|r| r.who == 7).count(), 1);
     }
 
     #[test]

@@ -109,9 +109,11 @@ pub fn connect(data: &[u8]) {
     let limits = Limits {
         max_partial: 8,
         max_partial_per_peer: 3,
+        max_partial_per_user: 6,
         partial_ttl: Duration::from_secs(1),
         backlog: 6,
         backlog_per_peer: 4,
+        backlog_per_user: 5,
         max_request_ttl: Duration::from_secs(5),
         max_dials: 5,
     };

@@ -4,6 +4,93 @@ use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 
+/// Who is at the other end of a connection, as far as this NIC could prove it
+/// ([`crate::ConnectRequest::peer_identity`], [`crate::Connection::peer_identity`]): what a
+/// server keys a per-user limit or an access check on, as it would on `SO_PEERCRED`.
+///
+/// ```
+/// use std::time::Duration;
+/// use clan::PeerIdentity;
+///
+/// let nic = clan::Nic::open_default()?;
+/// let server = nic.endpoint()?;
+/// server.listen();
+/// let (to, nic2) = (server.addr(), nic.clone());
+/// let client = std::thread::spawn(move || -> std::io::Result<_> {
+///     let ep = nic2.endpoint()?;
+///     let mine = ep.export(4096)?;
+///     let conn = ep.connect(to, &mine.descriptor(), Some(Duration::from_secs(5)))?;
+///     Ok(conn.peer_identity())
+/// });
+/// let req = server.accept(Some(Duration::from_secs(5)))?;
+/// // A client of this host: its pid and uid, from the kernel.
+/// let me = PeerIdentity::Process { pid: std::process::id(), uid: req.peer_identity().uid().unwrap() };
+/// assert_eq!(req.peer_identity(), me);
+/// let inbox = server.export(4096)?;
+/// let _conn = req.accept(&server, &inbox.descriptor())?;
+/// assert_eq!(client.join().unwrap()?, me);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PeerIdentity {
+    /// A process of this host: the pid and uid the kernel gave for the control connection
+    /// its messages came on (`SO_PEERCRED`), whose NIC was verified at its hello to be that
+    /// process's. This process's own endpoints are this too.
+    Process {
+        /// Its process id.
+        pid: u32,
+        /// Its user id.
+        uid: u32,
+    },
+    /// A NIC reached through a link (another host's, usually): only its address is known.
+    /// With a cluster key ([`crate::NicConfig::cluster_key`]) the link's hand-shake proved
+    /// that it holds the key; without one, the address is what the peer claimed.
+    Remote {
+        /// The peer's NIC.
+        nic: NicAddr,
+    },
+}
+
+impl PeerIdentity {
+    /// The user id, for a process of this host.
+    pub fn uid(&self) -> Option<u32> {
+        match self {
+            PeerIdentity::Process { uid, .. } => Some(*uid),
+            PeerIdentity::Remote { .. } => None,
+        }
+    }
+
+    /// The process id, for a process of this host.
+    pub fn pid(&self) -> Option<u32> {
+        match self {
+            PeerIdentity::Process { pid, .. } => Some(*pid),
+            PeerIdentity::Remote { .. } => None,
+        }
+    }
+}
+
+/// The users of the hand-shake's per-user limits: a uid of this host (all its processes), or
+/// a NIC across a link.
+impl clan_wire::connect::Sender for PeerIdentity {
+    fn same_user(&self, other: &PeerIdentity) -> bool {
+        match (self, other) {
+            (PeerIdentity::Process { uid: a, .. }, PeerIdentity::Process { uid: b, .. }) => a == b,
+            (PeerIdentity::Remote { nic: a }, PeerIdentity::Remote { nic: b }) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for PeerIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PeerIdentity::Process { pid, uid } => write!(f, "pid {pid} uid {uid}"),
+            PeerIdentity::Remote { nic } => write!(f, "remote NIC {nic}"),
+        }
+    }
+}
+
 /// The address of a NIC: the host address it is reachable at and its port.
 ///
 /// On one host, NICs find each other through the abstract Unix socket named after this

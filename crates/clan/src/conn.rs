@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use clan_wire::connect::{self, Answer, Event as HsEvent, Handshakes, Limits, Peer};
 
-use crate::addr::{EndpointAddr, NicAddr};
+use crate::addr::{EndpointAddr, NicAddr, PeerIdentity};
 use crate::descriptor::Descriptor;
 use crate::endpoint::{Endpoint, EndpointInner, OobMessage};
 use crate::error::OobError;
@@ -123,7 +123,7 @@ pub(crate) struct ConnRegistry {
 /// The per-endpoint part: the hand-shake machine and a condition variable for its waiters.
 #[derive(Debug)]
 pub(crate) struct EndpointConns {
-    pub state: Mutex<Handshakes<EndpointAddr>>,
+    pub state: Mutex<Handshakes<EndpointAddr, PeerIdentity>>,
     pub cv: Condvar,
 }
 
@@ -160,7 +160,7 @@ fn unblob(b: &[u8]) -> Option<(Descriptor, Vec<u8>)> {
 
 /// Run what the machine produced: messages to send (through the engine: never waits) and
 /// events to act on.
-fn drive(ep: &EndpointInner, st: &mut Handshakes<EndpointAddr>) -> Vec<HsEvent<EndpointAddr>> {
+fn drive(ep: &EndpointInner, st: &mut Handshakes<EndpointAddr, PeerIdentity>) -> Vec<HsEvent<EndpointAddr>> {
     while let Some((to, p)) = st.poll_transmit() {
         ep.nic.outbox(ep.addr, to, p);
     }
@@ -182,10 +182,10 @@ fn act(ep: &EndpointInner, events: Vec<HsEvent<EndpointAddr>>) {
 
 /// A hand-shake message arrived for endpoint `ep` from `msg.from` (verified by the
 /// transport it came through). Any thread; never blocks.
-pub(crate) fn on_message(ep: &EndpointInner, msg: OobMessage) {
+pub(crate) fn on_message(ep: &EndpointInner, msg: OobMessage, who: PeerIdentity) {
     let events = {
         let mut st = lock(&ep.conns.state);
-        st.handle_message(msg.from, &msg.payload, Instant::now());
+        st.handle_message_from(msg.from, who, &msg.payload, Instant::now());
         drive(ep, &mut st)
     };
     act(ep, events);
@@ -296,6 +296,7 @@ fn random_token() -> u64 {
 #[derive(Clone)]
 pub struct ConnectRequest {
     from: EndpointAddr,
+    who: PeerIdentity,
     token: u64,
     descriptor: Descriptor,
     data: Vec<u8>,
@@ -305,6 +306,7 @@ impl std::fmt::Debug for ConnectRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConnectRequest")
             .field("from", &self.from)
+            .field("who", &self.who)
             .field("token", &self.token)
             .field("data_len", &self.data.len())
             .finish_non_exhaustive()
@@ -315,6 +317,11 @@ impl ConnectRequest {
     /// The client endpoint.
     pub fn from(&self) -> EndpointAddr {
         self.from
+    }
+    /// Who the client is, as far as the NIC could prove it: a process of this host with its
+    /// kernel credentials, or a NIC across a link. Example at [`PeerIdentity`].
+    pub fn peer_identity(&self) -> PeerIdentity {
+        self.who
     }
     /// The client's descriptor.
     pub fn descriptor(&self) -> &Descriptor {
@@ -354,6 +361,7 @@ impl ConnectRequest {
             nic: Arc::downgrade(nic),
             local: ep.addr(),
             peer: self.from,
+            who: self.who,
             token: self.token,
             peer_desc: self.descriptor,
             peer_data: self.data,
@@ -406,6 +414,7 @@ pub struct Connection {
     nic: Weak<NicInner>,
     local: EndpointAddr,
     peer: EndpointAddr,
+    who: PeerIdentity,
     token: u64,
     peer_desc: Descriptor,
     peer_data: Vec<u8>,
@@ -432,6 +441,11 @@ impl Connection {
     /// the listening one it dialled).
     pub fn peer(&self) -> EndpointAddr {
         self.peer
+    }
+    /// Who the peer is, as far as the NIC could prove it (for a server, its client's; for a
+    /// client, the process that accepted). Example at [`PeerIdentity`].
+    pub fn peer_identity(&self) -> PeerIdentity {
+        self.who
     }
     /// The token carried by this connection's [`crate::Event::Disconnect`].
     pub fn token(&self) -> u64 {
@@ -508,7 +522,7 @@ impl Endpoint {
     fn await_handshake<T>(
         &self,
         deadline: Deadline,
-        check: impl FnMut(&mut MutexGuard<'_, Handshakes<EndpointAddr>>) -> Option<T>,
+        check: impl FnMut(&mut MutexGuard<'_, Handshakes<EndpointAddr, PeerIdentity>>) -> Option<T>,
     ) -> Option<T> {
         let conns = &self.inner.conns;
         let nic = &self.inner.nic;
@@ -597,7 +611,7 @@ impl Endpoint {
             }
         }
         enum Outcome {
-            Answer(Answer<EndpointAddr>),
+            Answer(Answer<EndpointAddr, PeerIdentity>),
             Gone,
             Closed,
         }
@@ -611,7 +625,7 @@ impl Endpoint {
             self.is_closed().then_some(Outcome::Closed)
         });
         match outcome {
-            Some(Outcome::Answer(Answer::Accepted { from, desc })) => match unblob(&desc) {
+            Some(Outcome::Answer(Answer::Accepted { from, who, desc })) => match unblob(&desc) {
                 Some((peer_desc, peer_data)) => {
                     nic.conns.set_peer(self.port(), token, from);
                     tracing::debug!(local = %self.addr(), peer = %from, token, "connected");
@@ -619,6 +633,7 @@ impl Endpoint {
                         nic: Arc::downgrade(nic),
                         local: self.addr(),
                         peer: from,
+                        who,
                         token,
                         peer_desc,
                         peer_data,
@@ -667,11 +682,11 @@ impl Endpoint {
         .unwrap_or(Err(ConnectError::NoRequest))
     }
 
-    fn pop_valid(&self, st: &mut Handshakes<EndpointAddr>) -> Option<ConnectRequest> {
+    fn pop_valid(&self, st: &mut Handshakes<EndpointAddr, PeerIdentity>) -> Option<ConnectRequest> {
         while let Some(r) = st.pop_request(Instant::now()) {
             match unblob(&r.desc) {
                 Some((descriptor, data)) => {
-                    return Some(ConnectRequest { from: r.from, token: r.token, descriptor, data });
+                    return Some(ConnectRequest { from: r.from, who: r.who, token: r.token, descriptor, data });
                 }
                 None => {
                     tracing::debug!(local = %self.addr(), peer = %r.from, "refused a request with a malformed descriptor");

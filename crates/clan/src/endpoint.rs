@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use crate::addr::EndpointAddr;
+use crate::addr::{EndpointAddr, PeerIdentity};
 use crate::aperture::{Aperture, ApertureInner};
 use crate::config::ExportConfig;
 use crate::descriptor::Descriptor;
@@ -118,12 +118,12 @@ impl EndpointInner {
     /// Queue an out-of-band message and post its event. `msg.from` must be what the
     /// transport verified (the engine's host sessions, the link's authenticated peer, or an
     /// endpoint of this NIC).
-    pub fn deliver_oob(&self, msg: OobMessage) -> Result<(), Code> {
+    pub fn deliver_oob(&self, msg: OobMessage, who: PeerIdentity) -> Result<(), Code> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Code::NoSuchEndpoint);
         }
         if crate::conn::is_handshake(&msg.payload) {
-            crate::conn::on_message(self, msg);
+            crate::conn::on_message(self, msg, who);
             self.queue.inner.post_local(Word::Oob { endpoint: self.addr.port });
             return Ok(());
         }
@@ -458,7 +458,11 @@ impl Endpoint {
         }
         let nic = &self.inner.nic;
         let code = if to.nic == nic.addr {
-            match payloads.iter().map(|p| nic.deliver_oob(self.inner.addr, to.port, *p)).find(Result::is_err) {
+            match payloads
+                .iter()
+                .map(|p| nic.deliver_oob(self.inner.addr, nic.own_identity(), to.port, *p))
+                .find(Result::is_err)
+            {
                 None | Some(Ok(())) => return Ok(()),
                 Some(Err(c)) => c,
             }

@@ -45,7 +45,7 @@ use clan_wire::{Frame, LinkState, Status};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use crate::addr::{EndpointAddr, NicAddr};
+use crate::addr::{EndpointAddr, NicAddr, PeerIdentity};
 use crate::config::{LocalTransport, Progress};
 use crate::link::{Link, LinkError};
 use crate::nic::{Cmd, NicInner};
@@ -86,6 +86,13 @@ pub(crate) struct Conn {
     /// NIC claimed and when to try again. Nothing more is read from the connection until
     /// it is settled.
     verify: Option<(NicAddr, Instant)>,
+}
+
+impl Conn {
+    /// Who the connecting process is: its credentials, which the kernel recorded.
+    fn identity(&self) -> PeerIdentity {
+        PeerIdentity::Process { pid: self.cred.pid, uid: self.cred.uid }
+    }
 }
 
 /// A link being set up.
@@ -272,10 +279,18 @@ fn verify_nic(claimed: NicAddr, pid: u32, ours: NicAddr) -> Probe {
 
 /// Deliver out-of-band messages from a verified sender, in order; the reply (if wanted) is
 /// the first refusal or `Ok`.
-fn deliver(nic: &NicInner, from: EndpointAddr, to_port: u32, payloads: &[[u8; 40]], reply: bool) -> Option<Reply> {
+fn deliver(
+    nic: &NicInner,
+    from: EndpointAddr,
+    who: PeerIdentity,
+    to_port: u32,
+    payloads: &[[u8; 40]],
+    reply: bool,
+) -> Option<Reply> {
     let mut r = Reply::Ok;
     for p in payloads {
-        let d = if reply { nic.deliver_oob(from, to_port, *p) } else { nic.deliver_oneway(from, to_port, *p) };
+        let d =
+            if reply { nic.deliver_oob(from, who, to_port, *p) } else { nic.deliver_oneway(from, who, to_port, *p) };
         if let Err(code) = d {
             r = Reply::Err { code, detail: String::new() };
             break;
@@ -1103,13 +1118,18 @@ impl Run {
                         }
                         (None, Vec::new())
                     }
+                    // The session verified that `from` is on the NIC its hello named, which is
+                    // the connecting process's: the kernel's credentials are its sender's.
                     Request::Oob { from, to_port, payload, reply } => (
-                        deliver(nic, EndpointAddr::from(from), to_port, &[payload], reply).map(|r| (id, r)),
+                        deliver(nic, EndpointAddr::from(from), c.identity(), to_port, &[payload], reply)
+                            .map(|r| (id, r)),
                         Vec::new(),
                     ),
-                    Request::OobBatch { from, to_port, payloads, reply } => {
-                        (deliver(nic, EndpointAddr::from(from), to_port, &payloads, reply).map(|r| (id, r)), Vec::new())
-                    }
+                    Request::OobBatch { from, to_port, payloads, reply } => (
+                        deliver(nic, EndpointAddr::from(from), c.identity(), to_port, &payloads, reply)
+                            .map(|r| (id, r)),
+                        Vec::new(),
+                    ),
                     Request::Hello { .. } => (None, Vec::new()),
                 },
             };
@@ -1325,7 +1345,7 @@ impl Run {
         }
         for (from, to, payloads) in batches {
             if to.nic == nic.addr {
-                if payloads.iter().any(|p| nic.deliver_oob(from, to.port, *p).is_err()) {
+                if payloads.iter().any(|p| nic.deliver_oob(from, nic.own_identity(), to.port, *p).is_err()) {
                     nic.conns.unreachable(nic, from.port, to);
                 }
                 continue;

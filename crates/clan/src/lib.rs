@@ -89,7 +89,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub use addr::{AddrParseError, EndpointAddr, NicAddr, ToEndpointAddrs, each_endpoint_addr};
+pub use addr::{AddrParseError, EndpointAddr, NicAddr, PeerIdentity, ToEndpointAddrs, each_endpoint_addr};
 pub use aperture::{Aperture, MAX_APERTURE};
 pub use clan_shm::segment::RawRegion;
 pub use config::{
@@ -130,6 +130,7 @@ const _: () = {
     send_sync::<SpinParseError>();
     send_sync::<EndpointAddr>();
     send_sync::<NicAddr>();
+    send_sync::<PeerIdentity>();
     send_sync::<Aperture>();
     send_sync::<LinkSpin>();
     send_sync::<RawRegion<'static>>();

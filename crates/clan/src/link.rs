@@ -1401,10 +1401,11 @@ impl Link {
                     let status = if NicAddr::from(o.from_nic) != self.peer {
                         Status::Denied
                     } else {
+                        let who = crate::addr::PeerIdentity::Remote { nic: self.peer };
                         let d = if o.id == 0 {
-                            nic.deliver_oneway(from, o.to_port, o.payload)
+                            nic.deliver_oneway(from, who, o.to_port, o.payload)
                         } else {
-                            nic.deliver_oob(from, o.to_port, o.payload)
+                            nic.deliver_oob(from, who, o.to_port, o.payload)
                         };
                         match d {
                             Ok(()) => Status::Ok,

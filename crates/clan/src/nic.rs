@@ -15,7 +15,7 @@ use clan_shm::seqpacket::{PeerCred, SeqPacket};
 use clan_wire::control::{Code, ImportGrant, OOB_PAYLOAD};
 use clan_wire::grant::{Importer, Refusal};
 
-use crate::addr::{EndpointAddr, NicAddr};
+use crate::addr::{EndpointAddr, NicAddr, PeerIdentity};
 use crate::aperture::{Aperture, ApertureInner, ApertureMem, MAX_APERTURE, aperture_tag};
 use crate::config::{EventQueueConfig, ExportConfig, NicConfig};
 use crate::descriptor::{Descriptor, Rights, aperture_key};
@@ -581,15 +581,33 @@ impl NicInner {
         }
     }
 
-    pub fn deliver_oob(&self, from: EndpointAddr, port: u32, payload: [u8; OOB_PAYLOAD]) -> Result<(), Code> {
-        self.endpoint(port).ok_or(Code::NoSuchEndpoint)?.deliver_oob(OobMessage { from, payload })
+    pub fn deliver_oob(
+        &self,
+        from: EndpointAddr,
+        who: PeerIdentity,
+        port: u32,
+        payload: [u8; OOB_PAYLOAD],
+    ) -> Result<(), Code> {
+        self.endpoint(port).ok_or(Code::NoSuchEndpoint)?.deliver_oob(OobMessage { from, payload }, who)
+    }
+
+    /// Who this process is, to its own endpoints.
+    pub fn own_identity(&self) -> PeerIdentity {
+        let c = own_cred();
+        PeerIdentity::Process { pid: c.pid, uid: c.uid }
     }
 
     /// Deliver a message whose sender does not wait for the result: a connection request
     /// that cannot be delivered is answered with a refusal (as a closed TCP port answers a
     /// SYN with a reset), so that its client does not wait for its timeout.
-    pub fn deliver_oneway(&self, from: EndpointAddr, port: u32, payload: [u8; OOB_PAYLOAD]) -> Result<(), Code> {
-        let r = self.deliver_oob(from, port, payload);
+    pub fn deliver_oneway(
+        &self,
+        from: EndpointAddr,
+        who: PeerIdentity,
+        port: u32,
+        payload: [u8; OOB_PAYLOAD],
+    ) -> Result<(), Code> {
+        let r = self.deliver_oob(from, who, port, payload);
         if r.is_err() {
             if let Ok(clan_wire::connect::Message::Connect { token, .. }) =
                 clan_wire::connect::Message::decode(&payload)

@@ -5,7 +5,9 @@ mod util;
 
 use std::time::Duration;
 
-use clan::{AccessError, Event, ImportError, LocalTransport, Nic, NicConfig, Progress, Rights, TripwireConfig};
+use clan::{
+    AccessError, Event, ImportError, LocalTransport, Nic, NicConfig, PeerIdentity, Progress, Rights, TripwireConfig,
+};
 use util::Watchdog;
 
 fn nic() -> Nic {
@@ -101,6 +103,10 @@ fn out_of_band_and_connections_across_a_link() {
     let (cconn, client) = t.join().unwrap().unwrap();
     assert_eq!(cconn.peer_descriptor(), &s_ap.descriptor());
     assert_eq!(conn.peer(), client.addr());
+    // Across a link, each side knows the other by its NIC only (no kernel credentials).
+    assert_eq!(conn.peer_identity(), PeerIdentity::Remote { nic: b.addr() });
+    assert_eq!(cconn.peer_identity(), PeerIdentity::Remote { nic: a.addr() });
+    assert_eq!(conn.peer_identity().uid(), None);
     // The client closes: the server sees a disconnect event carrying the token.
     let token = conn.token();
     drop(cconn);
