@@ -254,7 +254,16 @@ fn connect_one(
     let conn = ep.connect_with_data(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
     let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len(), g.base)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let m = ep.import_timeout(conn.peer_descriptor(), left)?;
+    let m = match ep.import_timeout(conn.peer_descriptor(), left) {
+        Ok(m) => m,
+        // The server accepted, then closed its side (or its process went) before we took
+        // it: as a reset, not a stale descriptor of ours.
+        Err(clan::ImportError::Revoked { .. }) => return Err(ConnectError::PeerGone(conn.peer()).into()),
+        Err(clan::ImportError::Unreachable(n)) if n == conn.peer().nic => {
+            return Err(ConnectError::PeerGone(conn.peer()).into());
+        }
+        Err(e) => return Err(e.into()),
+    };
     let peer = Arc::new(PeerSide {
         ep: ep.clone(),
         desc: conn.peer_descriptor().clone(),

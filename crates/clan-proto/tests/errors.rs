@@ -15,15 +15,20 @@ use util::{Peer, Watchdog, hear, say};
 #[test]
 fn child() {
     let Some(role) = util::role() else { return };
-    assert_eq!(role, "listener");
     let nic = Nic::open_default().unwrap();
     let l = Listener::bind(&nic).unwrap();
     say(l.local_addr());
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            std::mem::forget(s);
-        }
-    });
+    match role.as_str() {
+        // Keeps every stream it accepts.
+        "listener" => std::thread::spawn(move || {
+            for s in l.incoming() {
+                std::mem::forget(s);
+            }
+        }),
+        // Closes every stream as soon as it accepted it.
+        "closer" => std::thread::spawn(move || for _ in l.incoming() {}),
+        other => panic!("unknown role {other}"),
+    };
     while hear().is_some() {}
 }
 
@@ -51,6 +56,35 @@ fn refused_connects_are_connection_refused() {
         assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{what}: {e}");
         eprintln!("{what}: refused after {:?}", t.elapsed());
     }
+}
+
+#[test]
+fn a_server_that_closes_at_once_gives_a_reset_or_an_end() {
+    let _wd = Watchdog::new("closing server", Duration::from_secs(120));
+    let mut server = Peer::spawn("child", "closer", &[]);
+    let addr: EndpointAddr = server.expect("address").parse().unwrap();
+    let nic = Nic::open_default().unwrap();
+    let (mut ended, mut reset) = (0, 0);
+    for _ in 0..100 {
+        // As with TCP, the connect may complete (then the stream ends) or find the server's
+        // side gone already: a reset, never a stale descriptor or a missing file.
+        match connect(&nic, addr, Duration::from_secs(20)) {
+            Ok(s) => {
+                let mut b = [0u8; 8];
+                match std::io::Read::read(&mut &s, &mut b) {
+                    Ok(0) => ended += 1,
+                    Ok(n) => panic!("read {n} bytes from a server that sends none"),
+                    Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}"),
+                }
+            }
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
+                reset += 1;
+            }
+        }
+    }
+    eprintln!("{ended} connections ended, {reset} reset at connect");
+    server.kill();
 }
 
 #[test]
