@@ -12,6 +12,12 @@
 //! process keep every answer right throughout, and once the liar is gone the server's
 //! threads and descriptors come back to where they were.
 //!
+//! Across a link the liar has no mapping of the server's memory to scribble over: it lies
+//! with the public API instead, as a peer on another host would. It connects with a
+//! geometry of its own, imports the server's side of each connection (every access then
+//! travels as a link frame, checked and applied by the server's engine) and writes garbage
+//! into it, and into its own side, which the server reads.
+//!
 //! Each attack lasts 4 s (`CLAN_LIE_SECS` sets another length, for a soak run by hand).
 
 #[path = "../../clan/tests/util/mod.rs"]
@@ -23,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clan::{EndpointAddr, Nic, NicConfig};
+use clan::{EndpointAddr, LocalTransport, Nic, NicConfig};
 use clan_proto::queue::{MsgSender, QueueConfig, QueueError, QueueListener};
 use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
 use clan_proto::stream::{Listener, Stream, StreamConfig};
@@ -39,6 +45,14 @@ const HONEST: Duration = Duration::from_secs(20);
 /// What an honest queue message's metadata starts with (the liar never sends it).
 const HONEST_META: u64 = 0xC1A4_0000_0000_0000;
 const HONEST_MASK: u64 = 0xFFFF_0000_0000_0000;
+
+/// The NIC of every process of a test: with `CLAN_LINK` set, processes of this host reach
+/// one another through links (as hosts do), not shared memory.
+fn nic_config() -> NicConfig {
+    let local_transport =
+        if std::env::var_os("CLAN_LINK").is_some() { LocalTransport::Link } else { LocalTransport::SharedMemory };
+    NicConfig { cache_bytes: 0, local_transport, ..NicConfig::default() }
+}
 
 fn stream_cfg() -> StreamConfig {
     StreamConfig { ring: 16 << 10, connect_timeout: Duration::from_secs(5), ..StreamConfig::default() }
@@ -123,6 +137,8 @@ fn child() {
     match role.as_str() {
         "server" => server(),
         "liar" => liar(),
+        "link-liar" => link_liar(),
+        "link-liar-server" => link_liar_server(),
         "liar-server" => liar_server(),
         other => panic!("unknown role {other}"),
     }
@@ -164,7 +180,7 @@ impl Seen {
 /// thread each, checking honest messages), and one event-driven RPC server echoing requests.
 /// Answers `stats` on stdin.
 fn server() {
-    let nic = Nic::open(NicConfig { cache_bytes: 0, ..NicConfig::default() }).unwrap();
+    let nic = Nic::open(nic_config()).unwrap();
     let sl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
     let ql = QueueListener::bind(&nic, queue_cfg()).unwrap();
     let mut rpc = RpcServer::bind(&nic, rpc_cfg(), 1024).unwrap();
@@ -473,6 +489,141 @@ fn liar() {
     ));
 }
 
+/// The liar across a link: connections made with the raw API (a geometry of its own in the
+/// hand-shake), the server's side of each imported (through the link: every write a frame
+/// the server's engine checks and applies) and written with garbage aimed at the words the
+/// protocols keep in the first page (positions, counters, flags) and at the rings; its own
+/// side (which the server reads through the link) too. A connection is left for a new one
+/// once its writes fail or after a few hundred lies.
+fn link_liar() {
+    let addrs: Vec<EndpointAddr> =
+        std::env::var("CLAN_SERVER_ADDRS").unwrap().split(' ').map(|a| a.parse().unwrap()).collect();
+    let panics = count_panics();
+    let nic = Nic::open(nic_config()).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let lies = Arc::new(AtomicU64::new(0));
+    let conns = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for (kind, to) in addrs.into_iter().enumerate() {
+        for _ in 0..2 {
+            let (nic, stop, lies, conns) = (nic.clone(), stop.clone(), lies.clone(), conns.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut rng = Rng::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(ep) = nic.endpoint() else { continue };
+                    let Ok(mine) = ep.export(64 << 10) else { continue };
+                    let timeout = Some(Duration::from_secs(2));
+                    let Ok(conn) = ep.connect_with_data(to, &mine.descriptor(), &raw_geometry(kind), timeout) else {
+                        continue;
+                    };
+                    let Ok(theirs) = ep.import(conn.peer_descriptor()) else { continue };
+                    bump(&conns);
+                    lie_through(&mine, &theirs, &mut rng, &stop, &lies);
+                }
+            }));
+        }
+    }
+    say("lying");
+    while hear().is_some() {}
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    say(format!(
+        "lied {} {} {}",
+        lies.load(Ordering::Relaxed),
+        conns.load(Ordering::Relaxed),
+        panics.load(Ordering::Relaxed)
+    ));
+}
+
+/// Up to 300 lies, until `stop` or an access fails: garbage words in the peer's side of a
+/// connection (`theirs`, through the link), mostly in its first page (positions, counters,
+/// flags), and in our own (`mine`), which the peer reads.
+fn lie_through(mine: &clan::Aperture, theirs: &clan::Mapping, rng: &mut Rng, stop: &AtomicBool, lies: &AtomicU64) {
+    for _ in 0..300 {
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let ours = rng.below(3) == 0;
+        let len = if ours { mine.len() } else { theirs.len() };
+        let span = if rng.below(4) == 0 { len } else { len.min(4096) };
+        let off = rng.below(span / 8) * 8;
+        let mut cur = [0u8; 8];
+        let read = if ours { mine.read(off, &mut cur) } else { theirs.read(off, &mut cur) };
+        if read.is_err() {
+            return;
+        }
+        let v = u64::from_le_bytes(cur);
+        let lie = match rng.below(7) {
+            0 => v.wrapping_add(1 + rng.below(64)),
+            1 => v.wrapping_sub(1 + rng.below(64)),
+            2 => v.wrapping_add(1 << (20 + rng.below(40))),
+            3 => u64::MAX,
+            4 => 0,
+            5 => v | 1 << 63,
+            _ => rng.next(),
+        };
+        let w = if ours { mine.write(off, &lie.to_le_bytes()) } else { theirs.write(off, &lie.to_le_bytes()) };
+        if w.is_err() {
+            return;
+        }
+        bump(lies);
+        if rng.below(8) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// A side's geometry for the hand-shake's private data, as the protocol of listener `kind`
+/// (stream, queue, RPC, posting stream) takes it: `[magic, ring, post area, slot]`.
+fn raw_geometry(kind: usize) -> Vec<u8> {
+    let (post, slot) = if kind == 1 { (0, 256) } else { (4096, 0) };
+    [0xC1A4_51DE_0000_0002u64, 8192, post, slot].iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// The lying server across a link: a raw listener per kind of service, which accepts with a
+/// geometry of its own, imports its client's side (through the link) and lies in it and in
+/// its own side, then drops the connection. Reports as `liar_server`.
+fn link_liar_server() {
+    let panics = count_panics();
+    let nic = Nic::open(nic_config()).unwrap();
+    let listeners: Vec<_> = (0..4).map(|_| nic.endpoint().unwrap()).collect();
+    for l in &listeners {
+        l.listen();
+    }
+    say(listeners.iter().map(|l| l.addr().to_string()).collect::<Vec<_>>().join(" "));
+    let stop = Arc::new(AtomicBool::new(false));
+    let lies = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for (kind, l) in listeners.into_iter().enumerate() {
+        let (nic, stop, lies) = (nic.clone(), stop.clone(), lies.clone());
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let Ok(req) = l.accept(Some(Duration::from_millis(100))) else { continue };
+                let (nic, stop, lies) = (nic.clone(), stop.clone(), lies.clone());
+                std::thread::spawn(move || {
+                    let mut rng = Rng::new();
+                    let Ok(ep) = nic.endpoint() else { return };
+                    let Ok(mine) = ep.export(64 << 10) else { return };
+                    let client = req.descriptor().clone();
+                    let Ok(_conn) = req.accept_with_data(&ep, &mine.descriptor(), &raw_geometry(kind)) else {
+                        return;
+                    };
+                    let Ok(theirs) = ep.import(&client) else { return };
+                    lie_through(&mine, &theirs, &mut rng, &stop, &lies);
+                });
+            }
+        }));
+    }
+    while hear().is_some() {}
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    say(format!("lied {} 0 {}", lies.load(Ordering::Relaxed), panics.load(Ordering::Relaxed)));
+}
+
 /// Count every panic of this process from now on (and print it as usual).
 fn count_panics() -> &'static AtomicU64 {
     static PANICS: AtomicU64 = AtomicU64::new(0);
@@ -587,10 +738,10 @@ fn stats(server: &mut Peer) -> Stats {
     Stats { threads, fds, v, fatal: it.next().unwrap().to_string() }
 }
 
-fn liar_peer(env: &[(&str, String)]) -> Peer {
+fn liar_peer(role: &str, env: &[(&str, String)]) -> Peer {
     match util::unprivileged() {
-        Some(cmd) => Peer::spawn_via(cmd, "child", "liar", env),
-        None => Peer::spawn("child", "liar", env),
+        Some(cmd) => Peer::spawn_via(cmd, "child", role, env),
+        None => Peer::spawn("child", role, env),
     }
 }
 
@@ -643,11 +794,27 @@ fn honest(addrs: &[EndpointAddr], time: Duration, nic: &Nic, sent: &mut u64) -> 
 
 #[test]
 fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
+    lying_peers_are_cut_off_alone(false);
+}
+
+#[test]
+fn peers_that_lie_across_a_link_are_cut_off_alone() {
+    lying_peers_are_cut_off_alone(true);
+}
+
+/// The server, the honest clients (this process) and the liar, within the host (the liar
+/// scribbling over its mappings) or across links (the liar writing through the API).
+fn lying_peers_are_cut_off_alone(link: bool) {
     let _wd = Watchdog::new("lying peers", Duration::from_secs(240) + attack_time());
-    let mut server = Peer::spawn("child", "server", &[]);
+    let env: Vec<(&str, String)> = if link { vec![("CLAN_LINK", "1".into())] } else { vec![] };
+    let mut server = Peer::spawn("child", "server", &env);
     let line = server.expect("addresses");
     let addrs: Vec<EndpointAddr> = line.split(' ').map(|a| a.parse().unwrap()).collect();
-    let nic = Nic::open_default().unwrap();
+    let nic = Nic::open(NicConfig {
+        local_transport: if link { LocalTransport::Link } else { LocalTransport::SharedMemory },
+        ..NicConfig::default()
+    })
+    .unwrap();
     // One honest round first: every service works, and what the server holds then (with
     // the honest connections closed again) is the baseline.
     let mut sent = 0;
@@ -656,7 +823,9 @@ fn peers_that_lie_in_shared_memory_are_cut_off_alone() {
     let before = stats(&mut server);
     assert_eq!(before.fatal, "none");
 
-    let mut liar = liar_peer(&[("CLAN_SERVER_ADDRS", line.clone())]);
+    let mut liar_env = env.clone();
+    liar_env.push(("CLAN_SERVER_ADDRS", line.clone()));
+    let mut liar = liar_peer(if link { "link-liar" } else { "liar" }, &liar_env);
     assert_eq!(liar.expect("lying"), "lying");
     // Honest traffic for 4 s, and on (up to 60 s: a loaded machine lies slowly) until the
     // server has noticed a lie.
@@ -769,12 +938,28 @@ impl Outcomes {
 
 #[test]
 fn clients_of_a_lying_server_get_errors_not_hangs() {
+    clients_of_a_lying_server(false);
+}
+
+#[test]
+fn clients_of_a_server_lying_across_a_link_get_errors_not_hangs() {
+    clients_of_a_lying_server(true);
+}
+
+fn clients_of_a_lying_server(link: bool) {
     let _wd = Watchdog::new("clients of a lying server", Duration::from_secs(240) + attack_time());
     let panics = count_panics();
-    let nic = Nic::open(NicConfig { cache_bytes: 0, ..NicConfig::default() }).unwrap();
+    let env: Vec<(&str, String)> = if link { vec![("CLAN_LINK", "1".into())] } else { vec![] };
+    let nic = Nic::open(NicConfig {
+        cache_bytes: 0,
+        local_transport: if link { LocalTransport::Link } else { LocalTransport::SharedMemory },
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let role = if link { "link-liar-server" } else { "liar-server" };
     let mut server = match util::unprivileged() {
-        Some(cmd) => Peer::spawn_via(cmd, "child", "liar-server", &[]),
-        None => Peer::spawn("child", "liar-server", &[]),
+        Some(cmd) => Peer::spawn_via(cmd, "child", role, &env),
+        None => Peer::spawn("child", role, &env),
     };
     let line = server.expect("addresses");
     let addrs: Vec<EndpointAddr> = line.split(' ').map(|a| a.parse().unwrap()).collect();
@@ -869,7 +1054,7 @@ fn clients_of_a_lying_server_get_errors_not_hangs() {
     assert!(out.ok > 0, "nothing worked, even before the lies");
     assert!(out.lies > 0, "no client noticed a lie: the attack did not reach them");
     // Our NIC still serves everyone else: an honest server, every kind of connection.
-    let mut honest_server = Peer::spawn("child", "server", &[]);
+    let mut honest_server = Peer::spawn("child", "server", &env);
     let addrs: Vec<EndpointAddr> = honest_server.expect("addresses").split(' ').map(|a| a.parse().unwrap()).collect();
     honest(&addrs, Duration::ZERO, &nic, &mut 0).expect("our NIC, after the lying server, with an honest one");
     drop(honest_server);
