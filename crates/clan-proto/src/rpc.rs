@@ -738,17 +738,17 @@ struct ServerConn {
 }
 
 /// What [`RpcServer::limit_per_user`] counts connections by: a uid of this host (all its
-/// processes together), or a NIC across a link.
+/// processes together), or a host across a link (all its NICs together).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum User {
     Uid(u32),
-    Remote(clan::NicAddr),
+    Host(std::net::IpAddr),
 }
 
 impl User {
     fn of(who: clan::PeerIdentity) -> User {
         match who {
-            clan::PeerIdentity::Remote { nic } => User::Remote(nic),
+            clan::PeerIdentity::Remote { nic } => User::Host(nic.ip()),
             // A process of this host (`PeerIdentity` is non-exhaustive: anything else
             // proven is a process's).
             other => User::Uid(other.uid().unwrap_or(u32::MAX)),
@@ -882,7 +882,8 @@ impl RpcServer {
 
     /// Let one user hold at most `n` connections at once (the default: `max_conns`, no
     /// bound of its own). A user is a uid of this host, all its processes together, as the
-    /// kernel reports them ([`clan::PeerIdentity`]); or a NIC across a link. A client over
+    /// kernel reports them ([`clan::PeerIdentity`]); or a host across a link, all its NICs
+    /// together (its users cannot be told apart from here). A client over
     /// the bound is refused (its connect fails with `Refused`), and the others are served as
     /// before: one user that opens connections in a loop and keeps them takes at most `n`.
     ///

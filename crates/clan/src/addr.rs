@@ -71,12 +71,12 @@ impl PeerIdentity {
 }
 
 /// The users of the hand-shake's per-user limits: a uid of this host (all its processes), or
-/// a NIC across a link.
+/// a host across a link (all its NICs: we cannot tell its users apart).
 impl clan_wire::connect::Sender for PeerIdentity {
     fn same_user(&self, other: &PeerIdentity) -> bool {
         match (self, other) {
             (PeerIdentity::Process { uid: a, .. }, PeerIdentity::Process { uid: b, .. }) => a == b,
-            (PeerIdentity::Remote { nic: a }, PeerIdentity::Remote { nic: b }) => a == b,
+            (PeerIdentity::Remote { nic: a }, PeerIdentity::Remote { nic: b }) => a.ip() == b.ip(),
             _ => false,
         }
     }
@@ -420,5 +420,19 @@ mod tests {
         let empty: &[EndpointAddr] = &[];
         let r: Result<(), std::io::Error> = each_endpoint_addr(empty, |_| Ok(()));
         assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn users_are_uids_here_and_hosts_across_links() {
+        use clan_wire::connect::Sender;
+        let p = |pid, uid| PeerIdentity::Process { pid, uid };
+        let r = |ip: [u8; 4], port| PeerIdentity::Remote { nic: NicAddr::new(IpAddr::from(ip), port) };
+        assert!(p(1, 1000).same_user(&p(2, 1000)));
+        assert!(!p(1, 1000).same_user(&p(1, 1001)));
+        assert!(r([10, 77, 0, 2], 7000).same_user(&r([10, 77, 0, 2], 7001)));
+        assert!(!r([10, 77, 0, 2], 7000).same_user(&r([10, 77, 0, 3], 7000)));
+        assert!(!p(1, 0).same_user(&r([127, 0, 0, 1], 1)));
+        assert_eq!((p(5, 7).uid(), p(5, 7).pid(), r([10, 77, 0, 2], 1).uid()), (Some(7), Some(5), None));
+        assert_eq!(p(5, 7).to_string(), "pid 5 uid 7");
     }
 }
