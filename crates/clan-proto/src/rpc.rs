@@ -748,7 +748,7 @@ enum User {
 impl User {
     fn of(who: clan::PeerIdentity) -> User {
         match who {
-            clan::PeerIdentity::Remote { nic } => User::Host(nic.ip()),
+            clan::PeerIdentity::Remote { source, .. } => User::Host(source),
             // A process of this host (`PeerIdentity` is non-exhaustive: anything else
             // proven is a process's).
             other => User::Uid(other.uid().unwrap_or(u32::MAX)),

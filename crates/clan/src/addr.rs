@@ -43,12 +43,17 @@ pub enum PeerIdentity {
         /// Its user id.
         uid: u32,
     },
-    /// A NIC reached through a link (another host's, usually): only its address is known.
-    /// With a cluster key ([`crate::NicConfig::cluster_key`]) the link's hand-shake proved
-    /// that it holds the key; without one, the address is what the peer claimed.
+    /// A NIC reached through a link (another host's, usually): no credentials, only
+    /// addresses.
     Remote {
-        /// The peer's NIC.
+        /// The peer's NIC. With a cluster key ([`crate::NicConfig::cluster_key`]) the
+        /// link's hand-shake proved that the peer holds the key; without one, this is what
+        /// the peer claimed.
         nic: NicAddr,
+        /// The host address the link's connection comes from, as the kernel reports it:
+        /// what per-user limits count a remote peer by (a peer cannot claim another
+        /// host's).
+        source: IpAddr,
     },
 }
 
@@ -71,12 +76,13 @@ impl PeerIdentity {
 }
 
 /// The users of the hand-shake's per-user limits: a uid of this host (all its processes), or
-/// a host across a link (all its NICs: we cannot tell its users apart).
+/// a host across a link (all its NICs: we cannot tell its users apart), known by the address
+/// its connection comes from, not by the NIC address it claims.
 impl clan_wire::connect::Sender for PeerIdentity {
     fn same_user(&self, other: &PeerIdentity) -> bool {
         match (self, other) {
             (PeerIdentity::Process { uid: a, .. }, PeerIdentity::Process { uid: b, .. }) => a == b,
-            (PeerIdentity::Remote { nic: a }, PeerIdentity::Remote { nic: b }) => a.ip() == b.ip(),
+            (PeerIdentity::Remote { source: a, .. }, PeerIdentity::Remote { source: b, .. }) => a == b,
             _ => false,
         }
     }
@@ -86,7 +92,7 @@ impl fmt::Display for PeerIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PeerIdentity::Process { pid, uid } => write!(f, "pid {pid} uid {uid}"),
-            PeerIdentity::Remote { nic } => write!(f, "remote NIC {nic}"),
+            PeerIdentity::Remote { nic, source } => write!(f, "remote NIC {nic} from {source}"),
         }
     }
 }
@@ -426,7 +432,10 @@ mod tests {
     fn users_are_uids_here_and_hosts_across_links() {
         use clan_wire::connect::Sender;
         let p = |pid, uid| PeerIdentity::Process { pid, uid };
-        let r = |ip: [u8; 4], port| PeerIdentity::Remote { nic: NicAddr::new(IpAddr::from(ip), port) };
+        let r = |ip: [u8; 4], port| PeerIdentity::Remote {
+            nic: NicAddr::new(IpAddr::from(ip), port),
+            source: IpAddr::from(ip),
+        };
         assert!(p(1, 1000).same_user(&p(2, 1000)));
         assert!(!p(1, 1000).same_user(&p(1, 1001)));
         assert!(r([10, 77, 0, 2], 7000).same_user(&r([10, 77, 0, 2], 7001)));

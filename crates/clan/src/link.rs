@@ -229,6 +229,9 @@ impl SendBy {
 /// One link to a peer NIC.
 pub(crate) struct Link {
     pub peer: NicAddr,
+    /// Where the link's connection comes from, as the kernel says (`peer` is the peer's
+    /// word, verified only with a cluster key).
+    pub source: std::net::IpAddr,
     pub id: u64,
     /// Whether we dialled it (the tie-break between simultaneous connections needs to know).
     pub dialled: bool,
@@ -297,6 +300,7 @@ impl Link {
         let ack_every = (state.config().credit / 4).max(1);
         Link {
             peer,
+            source: sock.peer_addr().map_or(peer.ip(), |a| a.ip()),
             id,
             dialled,
             sock,
@@ -1401,7 +1405,7 @@ impl Link {
                     let status = if NicAddr::from(o.from_nic) != self.peer {
                         Status::Denied
                     } else {
-                        let who = crate::addr::PeerIdentity::Remote { nic: self.peer };
+                        let who = crate::addr::PeerIdentity::Remote { nic: self.peer, source: self.source };
                         let d = if o.id == 0 {
                             nic.deliver_oneway(from, who, o.to_port, o.payload)
                         } else {

@@ -104,8 +104,9 @@ fn out_of_band_and_connections_across_a_link() {
     assert_eq!(cconn.peer_descriptor(), &s_ap.descriptor());
     assert_eq!(conn.peer(), client.addr());
     // Across a link, each side knows the other by its NIC only (no kernel credentials).
-    assert_eq!(conn.peer_identity(), PeerIdentity::Remote { nic: b.addr() });
-    assert_eq!(cconn.peer_identity(), PeerIdentity::Remote { nic: a.addr() });
+    let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+    assert_eq!(conn.peer_identity(), PeerIdentity::Remote { nic: b.addr(), source: lo });
+    assert_eq!(cconn.peer_identity(), PeerIdentity::Remote { nic: a.addr(), source: lo });
     assert_eq!(conn.peer_identity().uid(), None);
     // The client closes: the server sees a disconnect event carrying the token.
     let token = conn.token();
@@ -425,4 +426,33 @@ fn threads_asleep_on_one_queue_are_woken_for_what_comes_over_a_link() {
     }
     w0.join().unwrap();
     w1.join().unwrap();
+}
+
+#[test]
+fn a_remote_peer_is_known_by_where_its_link_comes_from_not_by_its_claim() {
+    let _wd = Watchdog::new("link identity", Duration::from_secs(60));
+    let server = nic();
+    // A NIC that names itself 127.0.0.2 and dials from the kernel's choice of source.
+    let client = Nic::open(NicConfig {
+        ip: std::net::IpAddr::from([127, 0, 0, 2]),
+        local_transport: LocalTransport::Link,
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let listener = server.endpoint().unwrap();
+    listener.listen();
+    let ep = client.endpoint().unwrap();
+    let ap = ep.export(4096).unwrap();
+    let d = ap.descriptor();
+    let to = listener.addr();
+    let t = std::thread::spawn(move || ep.connect(to, &d, Some(Duration::from_secs(30))).map(|c| (c, ep)));
+    let req = listener.accept(Some(Duration::from_secs(30))).unwrap();
+    let PeerIdentity::Remote { nic, source } = req.peer_identity() else { panic!("{}", req.peer_identity()) };
+    eprintln!("claimed {nic}, came from {source}");
+    // (Loopback's preferred source address is 127.0.0.1: the kernel's word, not the claim.)
+    assert_eq!((nic, source), (client.addr(), std::net::IpAddr::from([127, 0, 0, 1])));
+    let sap = listener.export(4096).unwrap();
+    let _conn = req.accept(&listener, &sap.descriptor()).unwrap();
+    let (cconn, _ep) = t.join().unwrap().unwrap();
+    assert_eq!(cconn.peer_identity(), PeerIdentity::Remote { nic: server.addr(), source: server.addr().ip() });
 }
