@@ -1,6 +1,6 @@
 //! Who is at the other end, as the kernel says, and what a server does with it: a process
-//! run as an unprivileged user (`nobody`, when the test runs as root) connects a stream and
-//! as many RPC clients as it can to a server that bounds each user's share
+//! run as an unprivileged user (`nobody`, when the test runs as root) connects a stream, a
+//! queue sender, an RPC channel and as many RPC clients as it can to a server that bounds each user's share
 //! (`RpcServer::limit_per_user`), and keeps them. The server must see the client's real pid
 //! and uid on every connection, and the client the server's; the greedy user gets its share
 //! and no more, another user's clients are served all the same, and once the greedy process
@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clan::{Nic, PeerIdentity};
-use clan_proto::rpc::{RpcClient, RpcConfig, RpcServer};
+use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+use clan_proto::rpc::{ChannelSender, RpcClient, RpcConfig, RpcListener, RpcServer};
 use clan_proto::stream::{Listener, Stream, StreamConfig};
 use util::{Peer, Watchdog, hear, say};
 
@@ -58,6 +59,16 @@ fn greedy() {
     let addr = |k: &str| std::env::var(k).unwrap().parse::<clan::EndpointAddr>().unwrap();
     let s = Stream::connect_with(&nic, addr("STREAM"), &stream_cfg()).unwrap();
     say(format!("stream {}", show(s.peer_identity())));
+    // A queue sender and an RPC channel too, where the parent listens for them.
+    let _others = match (std::env::var("QUEUE"), std::env::var("CHANNEL")) {
+        (Ok(_), Ok(_)) => {
+            let tx = MsgSender::connect(&nic, addr("QUEUE"), &QueueConfig::default()).unwrap();
+            let ch = ChannelSender::connect(&nic, addr("CHANNEL"), &rpc_cfg()).unwrap();
+            say(format!("others {} {}", show(tx.peer_identity()), show(ch.peer_identity())));
+            Some((tx, ch))
+        }
+        _ => None,
+    };
     let (mut held, mut refused) = (Vec::new(), 0);
     for _ in 0..GREEDY {
         match RpcClient::connect(&nic, addr("RPC"), &rpc_cfg()) {
@@ -194,9 +205,19 @@ fn each_user_gets_its_share_of_an_rpc_server_by_the_kernels_word() {
     let shared = Arc::new(Shared::default());
     let server = spawn_server(rpc, shared.clone());
     let sl = Listener::bind_with(&nic, None, stream_cfg()).unwrap();
-    let env = vec![("RPC", rpc_addr.to_string()), ("STREAM", sl.local_addr().to_string())];
-    // (The stream is kept: the client's connect may still be taking its side.)
+    let ql = QueueListener::bind(&nic, QueueConfig::default()).unwrap();
+    let cl = RpcListener::bind(&nic, rpc_cfg()).unwrap();
+    let env = vec![
+        ("RPC", rpc_addr.to_string()),
+        ("STREAM", sl.local_addr().to_string()),
+        ("QUEUE", ql.local_addr().to_string()),
+        ("CHANNEL", cl.local_addr().to_string()),
+    ];
+    // (What is accepted is kept: the client's connect may still be taking its side.)
     let accepted = std::thread::spawn(move || sl.accept().map(|(s, _)| s));
+    let t = Some(Duration::from_secs(60));
+    let queue = std::thread::spawn(move || ql.accept(t).map(|rx| (rx.peer_identity(), rx)));
+    let channel = std::thread::spawn(move || cl.accept_channel(t).map(|rx| (rx.peer_identity(), rx)));
 
     // A greedy user: the stream and its share, no more.
     let mut greedy = Peer::spawn_via(util::unprivileged().unwrap(), "child", "greedy", &env);
@@ -208,6 +229,11 @@ fn each_user_gets_its_share_of_an_rpc_server_by_the_kernels_word() {
         "the server's view of the client"
     );
     assert_eq!(parse(&greedy.expect("stream"), "stream "), [u64::from(me.0), u64::from(me.1)]);
+    let mine = u64::from(me.0);
+    assert_eq!(parse(&greedy.expect("others"), "others "), [mine, u64::from(me.1), mine, u64::from(me.1)]);
+    let (queue, _rx) = queue.join().unwrap().unwrap();
+    let (channel, _crx) = channel.join().unwrap().unwrap();
+    assert_eq!((queue, channel), (stream.peer_identity(), stream.peer_identity()));
     let got = parse(&greedy.expect("rpc"), "rpc ");
     assert_eq!(got, [u64::from(SHARE), (GREEDY as u64) - u64::from(SHARE), u64::from(me.0), u64::from(me.1)]);
 
@@ -245,7 +271,7 @@ fn each_user_gets_its_share_of_an_rpc_server_by_the_kernels_word() {
 /// `env` with a fresh stream listener that accepts one stream (in a thread of its own).
 fn env_with_stream(nic: &Nic, env: &[(&'static str, String)]) -> Vec<(&'static str, String)> {
     let sl = Listener::bind_with(nic, None, stream_cfg()).unwrap();
-    let mut e: Vec<_> = env.iter().filter(|(k, _)| *k != "STREAM").cloned().collect();
+    let mut e: Vec<_> = env.iter().filter(|(k, _)| !["STREAM", "QUEUE", "CHANNEL"].contains(k)).cloned().collect();
     e.push(("STREAM", sl.local_addr().to_string()));
     std::thread::spawn(move || {
         let _s = sl.accept();
