@@ -1,7 +1,7 @@
 //! Who is at the other end, as the kernel says, and what a server does with it: a process
 //! run as an unprivileged user (`nobody`, when the test runs as root) connects a stream, a
-//! queue sender, an RPC channel and as many RPC clients as it can to a server that bounds each user's share
-//! (`RpcServer::limit_per_user`), and keeps them. The server must see the client's real pid
+//! queue sender, an RPC channel and as many RPC clients as it can to a server that bounds
+//! each user's share (`RpcServer::limit_per_user`), and keeps them. The server must see the client's real pid
 //! and uid on every connection, and the client the server's; the greedy user gets its share
 //! and no more, another user's clients are served all the same, and once the greedy process
 //! is killed its share is free again. And a user that floods a listener with connection
