@@ -108,8 +108,8 @@ type FreeSlices = HashMap<(u64, u64), Vec<(Arc<Chunk>, u64, u64)>>;
 struct PoolState {
     /// Every chunk; the last is being filled.
     chunks: Vec<Arc<Chunk>>,
-    /// Slices carved and not yet dropped: when none is left, the chunks go (a pool with no
-    /// aperture holds no descriptor).
+    /// Slices carved and not yet dropped: when none is left, the chunks go, but the last
+    /// one of a bound pool ([`Pool::give_back`]).
     live: usize,
     /// Bytes of the last chunk's data and index handed out.
     data_used: u64,
@@ -165,19 +165,36 @@ impl Pool {
 
     /// Take back a slice whose aperture is gone (its memory reachable by the pool's peer
     /// at most, `nic.rs::releasable`): zeroed, for the pool's next aperture of that size. A
-    /// retired pool keeps nothing, and a pool whose last slice this was lets its chunks go.
+    /// retired pool keeps nothing. A pool whose last slice this was lets its chunks go,
+    /// except the last one of a pool bound to a process of this host (retired, and so
+    /// emptied, when that process goes): all its slices given back, it holds no memory (its
+    /// pages are holes), only two descriptors and mappings, and a peer that connects and
+    /// closes in a loop does not make and unmake a chunk per connection (two memfds, their
+    /// seals and mappings here, mappings in the peer).
     fn give_back(&self, s: &Slice) {
         let zeroed =
             s.chunk.data.zero(s.data_off, s.cap).is_ok() && s.chunk.index.zero(s.index_off, s.index_len).is_ok();
         let mut st = lock(&self.state);
         st.live -= 1;
-        if st.live == 0 {
+        let keep = zeroed && !st.retired;
+        if keep {
+            st.free.entry((s.cap, s.index_len)).or_default().push((s.chunk.clone(), s.data_off, s.index_off));
+        }
+        if st.live > 0 {
+            return;
+        }
+        if !keep || st.bound.is_none() {
             st.chunks.clear();
             st.free.clear();
             st.data_used = 0;
             st.index_used = 0;
-        } else if zeroed && !st.retired {
-            st.free.entry((s.cap, s.index_len)).or_default().push((s.chunk.clone(), s.data_off, s.index_off));
+        } else if st.chunks.len() > 1 {
+            let last = st.chunks.pop().expect("more than one chunk");
+            st.chunks = vec![last.clone()];
+            st.free.retain(|_, v| {
+                v.retain(|(c, _, _)| Arc::ptr_eq(c, &last));
+                !v.is_empty()
+            });
         }
     }
 
@@ -281,9 +298,44 @@ mod tests {
         let d = q.carve(4096, 4096).unwrap();
         assert!(!Arc::ptr_eq(&d.chunk, &b.chunk), "never the retired pool's memory");
         let chunk = Arc::downgrade(&d.chunk);
+        let (d_data, d_index) = (d.data_off, d.index_off);
         drop(d);
-        assert!(chunk.upgrade().is_none(), "a pool whose apertures are all gone holds no memfd");
-        assert_eq!(pools.counts().1, 0);
+        // A bound pool whose apertures are all gone keeps one chunk (holes only) for the next.
+        assert_eq!(pools.counts().1, 1);
+        let e = q.carve(4096, 4096).unwrap();
+        assert!(Arc::ptr_eq(&e.chunk, &chunk.upgrade().unwrap()), "the kept chunk is used again");
+        assert_eq!((e.data_off, e.index_off), (d_data, d_index));
+        drop(e);
+        // Retired, it keeps nothing.
+        pools.retire(peer);
+        assert!(chunk.upgrade().is_none(), "a retired pool whose apertures are all gone holds no memfd");
+        assert_eq!(pools.counts(), (0, 0));
+        // Nor does a pool nobody of this host imports from (a peer across a link).
+        let r = pools.for_peer(NicAddr::localhost(11));
+        drop(r.carve(4096, 4096).unwrap());
+        assert_eq!(pools.counts(), (1, 0));
+    }
+
+    #[test]
+    fn an_empty_bound_pool_keeps_its_last_chunk_only() {
+        let pools = Pools::default();
+        let p = pools.for_peer(NicAddr::localhost(9));
+        p.bind(10, 1000).unwrap();
+        // Two chunks' worth of the largest pooled slices.
+        let n = (CHUNK_DATA / MAX_POOLED) as usize + 1;
+        let s: Vec<Slice> = (0..n).map(|_| p.carve(MAX_POOLED, 4096).unwrap()).collect();
+        assert_eq!(p.chunks(), 2);
+        let first = Arc::downgrade(&s[0].chunk);
+        let last = s[n - 1].chunk.clone();
+        drop(s);
+        assert_eq!(p.chunks(), 1);
+        assert!(first.upgrade().is_none(), "the other chunks go");
+        let again = p.carve(MAX_POOLED, 4096).unwrap();
+        assert!(Arc::ptr_eq(&again.chunk, &last), "the last one is used again");
+        drop(again);
+        // Another peer's pool made later forgets this empty one (and its chunk).
+        let _other = pools.for_peer(NicAddr::localhost(10));
+        assert_eq!(pools.counts(), (1, 0));
     }
 
     #[test]
