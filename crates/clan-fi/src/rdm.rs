@@ -121,7 +121,7 @@ pub const MAX_MSG: usize = 1 << 20;
 /// The longest part buffer a receiver keeps between parts.
 const KEEP_FRAME: usize = 64 << 10;
 
-/// Every sender's ring: 31 slots of 16 KiB (496 KiB, with its control page just within
+/// Every sender's ring: 31 slots of 16 KiB (496 KiB, with its control page within
 /// what the NIC pools, so a connection costs no descriptor of its own). Long slots make long
 /// messages cheap (one header, one fence and one look at the tripwires per 16 KiB: a 1 MiB
 /// message is 65 slots); a short message still takes one slot, so 30 are in flight.

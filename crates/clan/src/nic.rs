@@ -22,7 +22,7 @@ use crate::descriptor::{Descriptor, Rights, aperture_key};
 use crate::endpoint::{Endpoint, EndpointConfig, EndpointInner, OobMessage};
 use crate::engine::{Conn, Engine};
 use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
-use crate::event_queue::{EqInner, EventQueue};
+use crate::event_queue::{EqInner, EqPort, EventQueue};
 use crate::link::{ExportRec, Link, LinkError};
 use crate::lock;
 use crate::peer::PeerConn;
@@ -230,6 +230,16 @@ pub struct NicStats {
     pub link_parks: u64,
 }
 
+/// Mappings kept for one NIC of this host ([`NicInner::keep_mapped`]).
+#[derive(Default)]
+pub(crate) struct Kept {
+    chunks: std::collections::VecDeque<Arc<clan_shm::segment::Segment>>,
+    ports: std::collections::VecDeque<Arc<EqPort>>,
+}
+
+/// Pool chunks (data and index count apart) and ports kept mapped per NIC we import from.
+pub(crate) const KEPT_PER_PEER: usize = 4;
+
 pub(crate) struct NicInner {
     pub addr: NicAddr,
     pub config: NicConfig,
@@ -255,6 +265,9 @@ pub(crate) struct NicInner {
     /// Pool chunks of other processes mapped here, by (device, inode, writable): each
     /// mapped once, shared by the imports of its apertures (`peer.rs::chunk_part`).
     pub(crate) chunk_maps: Mutex<HashMap<(u64, u64, bool), Weak<clan_shm::segment::Segment>>>,
+    /// The last pool chunks and ports of each NIC of this host we imported from, kept
+    /// mapped after their imports are gone, until that NIC goes ([`NicInner::keep_mapped`]).
+    pub(crate) kept: Mutex<HashMap<NicAddr, Kept>>,
     engine: Mutex<Option<Engine>>,
     dma: Mutex<Option<crate::dma::DmaEngine>>,
     exports_fresh: AtomicU64,
@@ -438,6 +451,31 @@ impl NicInner {
         did
     }
 
+    /// Keep `chunk` (a pool chunk of `peer`'s, mapped by an import) and `port` (our port in
+    /// one of its queues) mapped after the imports that use them are gone, the last
+    /// [`KEPT_PER_PEER`] of each, until `peer` goes ([`NicInner::peer_gone`]). The exporter
+    /// keeps its pool's last chunk for us too (`pool.rs`): a client that connects and closes
+    /// in a loop then maps nothing after its first connection. What is kept is memory that
+    /// peer granted us, its pages holes once every aperture of it was given back.
+    pub fn keep_mapped(&self, peer: NicAddr, chunk: Option<Arc<clan_shm::segment::Segment>>, port: &Arc<EqPort>) {
+        let mut all = lock(&self.kept);
+        let k = all.entry(peer).or_default();
+        if let Some(c) = chunk {
+            if !k.chunks.iter().any(|x| Arc::ptr_eq(x, &c)) {
+                if k.chunks.len() >= KEPT_PER_PEER {
+                    k.chunks.pop_front();
+                }
+                k.chunks.push_back(c);
+            }
+        }
+        if !k.ports.iter().any(|x| Arc::ptr_eq(x, port)) {
+            if k.ports.len() >= KEPT_PER_PEER {
+                k.ports.pop_front();
+            }
+            k.ports.push_back(port.clone());
+        }
+    }
+
     /// A link closed: forget it and tell the endpoints that had connections over it (once
     /// per link, however many times this is called).
     pub fn link_closed(&self, link: &Arc<Link>) {
@@ -455,6 +493,7 @@ impl NicInner {
         if let Some(p) = lock(&self.peers).remove(&peer) {
             p.mark_gone();
         }
+        lock(&self.kept).remove(&peer);
         let eps: Vec<Arc<EndpointInner>> = lock(&self.endpoints).0.values().filter_map(Weak::upgrade).collect();
         tracing::debug!(%peer, "peer NIC gone");
         crate::conn::peer_gone(self, peer, &eps);
@@ -1012,9 +1051,9 @@ impl NicInner {
             s.pool.bind(c.cred.pid, c.cred.uid).map_err(refused)?;
         }
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
-        let (data, index, data_offset, index_offset) = mem.fds();
+        let (data, _, data_offset, index_offset) = mem.fds();
         let ap_fd = if read_only { data.reopen_read_only() } else { data.try_clone_fd() }.map_err(internal)?;
-        let index_fd = index.reopen_read_only().map_err(internal)?;
+        let index_fd = mem.index_read_only().map_err(internal)?;
         mem.handed_out.store(true, Ordering::Relaxed);
         let eq = ap.watch.eq.clone();
         // The process's port in the aperture's queue (its ring; its claims are honoured on
@@ -1157,6 +1196,7 @@ impl Nic {
             cache: Mutex::new(Cache::default()),
             pools: crate::pool::Pools::default(),
             chunk_maps: Mutex::new(HashMap::new()),
+            kept: Mutex::new(HashMap::new()),
             engine: Mutex::new(None),
             dma: Mutex::new(None),
             exports_fresh: AtomicU64::new(0),

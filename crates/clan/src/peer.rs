@@ -551,19 +551,26 @@ pub(crate) fn finish_import(
     } else {
         let start = desc.offset() / page * page;
         let end = (desc.offset() + desc.len()).div_ceil(page) * page;
-        (Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access), start)
+        (Segment::map(&memfd, g.data_offset + start, (end - start) as usize, access).map(|s| (s, None)), start)
     };
-    let data = data.map_err(|e| fd_err(e, "mapping the aperture"))?;
-    let cam_seg = if index_fd.len() > index_len {
+    let (data, data_chunk) = data.map_err(|e| fd_err(e, "mapping the aperture"))?;
+    let (cam_seg, index_chunk) = if index_fd.len() > index_len {
         chunk_part(nic, &index_fd, SegAccess::ReadOnly, g.index_offset, index_len)
     } else {
-        Segment::map(&index_fd, g.index_offset, index_len as usize, SegAccess::ReadOnly)
+        Segment::map(&index_fd, g.index_offset, index_len as usize, SegAccess::ReadOnly).map(|s| (s, None))
     }
     .map_err(|e| fd_err(e, "mapping the aperture index"))?;
     let cam = CamMap::new(Arc::new(cam_seg), 0, g.cap, g.slots).map_err(|e| protocol(desc.nic(), e.to_string()))?;
     cam.view().meta.check(g.cap).map_err(|e| protocol(desc.nic(), e))?;
     // The mappings keep the memory; the descriptors are no longer needed.
     drop((memfd, index_fd));
+    // A pool's chunks and our port stay mapped for the next import from that NIC.
+    if data_chunk.is_some() || index_chunk.is_some() {
+        nic.keep_mapped(desc.nic(), data_chunk, &port);
+        if index_chunk.is_some() {
+            nic.keep_mapped(desc.nic(), index_chunk, &port);
+        }
+    }
     let window = Window {
         data: Segment::whole(&Arc::new(data)),
         data_base: start,
@@ -583,14 +590,14 @@ const MAX_CHUNK: u64 = 64 << 20;
 
 /// `len` bytes at `off` of a pool's chunk `fd`: a part of the process's one mapping of the
 /// chunk (made now if it has none: keyed by the file's identity, which cannot be reused
-/// while the mapping keeps the file).
+/// while the mapping keeps the file), and that whole mapping.
 fn chunk_part(
     nic: &crate::nic::NicInner,
     fd: &Memfd,
     access: SegAccess,
     off: u64,
     len: u64,
-) -> std::io::Result<Segment> {
+) -> std::io::Result<(Segment, Option<Arc<Segment>>)> {
     let st = rustix::fs::fstat(fd)?;
     if fd.len() > MAX_CHUNK {
         return Err(std::io::Error::new(
@@ -614,8 +621,9 @@ fn chunk_part(
             }
         }
     };
-    Segment::sub(&whole, off as usize, len as usize)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))
+    let part = Segment::sub(&whole, off as usize, len as usize)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    Ok((part, Some(whole)))
 }
 
 fn check_grant(desc: &Descriptor, g: &ImportGrant) -> Result<(), String> {

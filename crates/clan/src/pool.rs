@@ -47,11 +47,14 @@ use crate::addr::NicAddr;
 use crate::error::ExportError;
 use crate::lock;
 
-/// Bytes of data per chunk.
-pub const CHUNK_DATA: u64 = 4 << 20;
+/// Bytes of data per chunk (address space: its pages hold memory only where apertures were
+/// written, and a slice given back is punched out).
+pub const CHUNK_DATA: u64 = 16 << 20;
 /// Bytes of index per chunk.
 pub const CHUNK_INDEX: u64 = 1 << 20;
-/// Largest data capacity carved from a pool (larger apertures get memfds of their own).
+/// Largest data capacity carved from a pool (larger apertures get memfds of their own): 2
+/// MiB, so that a stream side of the default geometry (a 1 MiB ring, a 64 KiB post area and
+/// its control page) is pooled too, a dozen to a chunk: connecting makes no memfd then.
 pub const MAX_POOLED: u64 = CHUNK_DATA / 8;
 
 /// One data memfd and one index memfd, mapped once, shared by the apertures carved from them.
@@ -61,6 +64,11 @@ pub(crate) struct Chunk {
     pub index: Memfd,
     pub data_seg: Arc<Segment>,
     pub index_seg: Arc<Segment>,
+    /// A read-only open of the index, made at the first grant and duplicated for every
+    /// later one (rather than a new open through `/proc/self/fd` per connection). Only the
+    /// pool's one process ever receives it ([`Pool::bind`]), so sharing the open file
+    /// description among its grants lets nobody else see anything.
+    index_ro: std::sync::OnceLock<std::os::fd::OwnedFd>,
 }
 
 impl Chunk {
@@ -76,7 +84,19 @@ impl Chunk {
         };
         let data_seg = map(&data, CHUNK_DATA, "mapping a pool's data")?;
         let index_seg = map(&index, CHUNK_INDEX, "mapping a pool's index")?;
-        Ok(Chunk { data, index, data_seg, index_seg })
+        Ok(Chunk { data, index, data_seg, index_seg, index_ro: std::sync::OnceLock::new() })
+    }
+
+    /// A read-only descriptor of the index, for a grant (see `index_ro`).
+    pub fn index_read_only(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        if let Some(fd) = self.index_ro.get() {
+            return fd.try_clone();
+        }
+        let fd = self.index.reopen_read_only()?;
+        let copy = fd.try_clone()?;
+        // (a racing grant may have set it first: either open serves)
+        let _ = self.index_ro.set(fd);
+        Ok(copy)
     }
 }
 
@@ -269,6 +289,18 @@ impl Pools {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every grant of a chunk's index gets a read-only descriptor of it, the first opened
+    /// anew and the later ones duplicated from it: none can be mapped for writing.
+    #[test]
+    fn a_chunks_index_is_handed_out_read_only_every_time() {
+        let c = Chunk::create().unwrap();
+        for _ in 0..3 {
+            let fd = c.index_read_only().unwrap();
+            assert!(Segment::map(&fd, 0, 4096, SegAccess::ReadOnly).is_ok());
+            assert!(Segment::map(&fd, 0, 4096, SegAccess::ReadWrite).is_err(), "a writable index");
+        }
+    }
 
     #[test]
     fn a_pool_is_one_process_and_dies_with_its_peer() {

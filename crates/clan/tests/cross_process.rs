@@ -78,6 +78,19 @@ fn child() {
             say(format!("fds {} maps {}", count_fds() - fds, count_maps() - maps));
             let _ = hear();
         }
+        "export_pooled" => {
+            // Apertures the size of a stream side of the default geometry (a 1 MiB ring, a
+            // 64 KiB post area, a control page), exported for the parent's NIC.
+            say(nic.addr());
+            let peer: clan::NicAddr = hear().unwrap().parse().unwrap();
+            let fds = count_fds();
+            let aps: Vec<_> = (0..20)
+                .map(|_| ep.export_with((1 << 20) + (64 << 10) + 4096, ExportConfig::for_peer(peer)).unwrap())
+                .collect();
+            say(format!("fds {}", count_fds() - fds));
+            say(aps.iter().map(|a| a.descriptor().to_string()).collect::<Vec<_>>().join(" "));
+            let _ = hear();
+        }
         "fill_small" => {
             // Each aperture (200 bytes, several to a page): its word, then its bytes up to its
             // end, then one byte past it (refused).
@@ -346,6 +359,48 @@ fn apertures_for_one_peer_share_their_memfds() {
     drop((first, again));
     assert_eq!(nic.stats().pool_chunks, 0);
     assert!(count_fds() <= before - 4, "the chunks' memfds are closed");
+}
+
+/// A client that connects and closes in a loop maps nothing after its first connection: the
+/// exporter pools stream sides of the default geometry (1 MiB rings), and the importer keeps
+/// the pool's chunks and its port in the exporter's queue mapped once their imports are
+/// gone, until the exporter goes. Then they go too.
+#[test]
+fn an_importer_keeps_a_peers_pool_mapped_until_the_peer_goes() {
+    let _wd = Watchdog::new("kept pool mappings", Duration::from_secs(120));
+    let nic = nic();
+    let ep = nic.endpoint().unwrap();
+    let mut c = Peer::spawn(ENTRY, "export_pooled", &[]);
+    c.expect("nic");
+    c.send(&nic.addr().to_string());
+    let fds: i64 = c.expect("fds").strip_prefix("fds ").unwrap().parse().unwrap();
+    assert!(fds <= 4, "20 stream sides of 1 MiB cost their exporter {fds} descriptors");
+    let ds: Vec<Descriptor> = c.recv().unwrap().split(' ').map(|d| d.parse().unwrap()).collect();
+    let base = count_maps();
+    let m = ep.import(&ds[0]).unwrap();
+    m.store_u64(0, 1).unwrap();
+    drop(m);
+    let kept = count_maps();
+    assert!(kept >= base + 2, "the chunk's data and index stay mapped ({base} -> {kept} mappings)");
+    // Twenty sides take two chunks: the first import from the second maps it (its data and
+    // index); no other import maps anything, and no drop unmaps anything.
+    let mut now = kept;
+    for (i, d) in ds.iter().enumerate().skip(1) {
+        let m = ep.import(d).unwrap();
+        m.store_u64(0, i as u64 + 1).unwrap();
+        let held = count_maps();
+        assert!(held == now || held == now + 2, "import {i} mapped {} more", held - now);
+        drop(m);
+        assert_eq!(count_maps(), held, "dropping import {i} unmapped its chunk");
+        now = held;
+    }
+    assert_eq!(now, kept + 2, "twenty sides, two chunks");
+    c.kill();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count_maps() > base {
+        assert!(Instant::now() < deadline, "the exporter's chunks stayed mapped after it died");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Pooled apertures smaller than a page are carved several to a page (on cache lines), each
