@@ -251,10 +251,11 @@ fn connect_one(
     let deadline = Instant::now() + timeout;
     let ep = Arc::new(endpoint(nic, queue)?);
     let mine = export_side(&ep, g, to.nic)?;
-    let conn = ep.connect_with_data(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
+    // The import of the server's side begins as its answer comes in (`connect_importing`).
+    let (conn, pending) = ep.connect_importing(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
     let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len(), g.base)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let m = match ep.import_timeout(conn.peer_descriptor(), left) {
+    let m = match pending.finish(left) {
         Ok(m) => m,
         // The server accepted, then closed its side (or its process went) before we took
         // it: as a reset, not a stale descriptor of ours.

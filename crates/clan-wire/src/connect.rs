@@ -601,6 +601,11 @@ impl<P: Peer, W: Sender> Handshakes<P, W> {
         Some(encode_connect(token, timeout, desc))
     }
 
+    /// The answer to dial `token`, if there is one yet, left in place.
+    pub fn peek_answer(&self, token: u64) -> Option<&Answer<P, W>> {
+        self.dials.get(&token)?.answer.as_ref()
+    }
+
     /// The answer to dial `token`, once there is one (the dial is then over).
     pub fn take_answer(&mut self, token: u64) -> Option<Answer<P, W>> {
         if self.dials.get(&token)?.answer.is_some() {

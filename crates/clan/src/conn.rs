@@ -125,11 +125,19 @@ pub(crate) struct ConnRegistry {
 pub(crate) struct EndpointConns {
     pub state: Mutex<Handshakes<EndpointAddr, PeerIdentity>>,
     pub cv: Condvar,
+    /// Dials of [`Endpoint::connect_importing`], by token: the import of the server's
+    /// descriptor, begun by whichever thread takes the answer in (`on_message`), before the
+    /// dialling thread is woken for it.
+    prefetch: Mutex<HashMap<u64, Option<crate::peer::PendingImport>>>,
 }
 
 impl Default for EndpointConns {
     fn default() -> Self {
-        EndpointConns { state: Mutex::new(Handshakes::new(Limits::default())), cv: Condvar::new() }
+        EndpointConns {
+            state: Mutex::new(Handshakes::new(Limits::default())),
+            cv: Condvar::new(),
+            prefetch: Mutex::new(HashMap::new()),
+        }
     }
 }
 
@@ -183,12 +191,44 @@ fn act(ep: &EndpointInner, events: Vec<HsEvent<EndpointAddr>>) {
 /// A hand-shake message arrived for endpoint `ep` from `msg.from` (verified by the
 /// transport it came through). Any thread; never blocks.
 pub(crate) fn on_message(ep: &EndpointInner, msg: OobMessage, who: PeerIdentity) {
-    let events = {
+    let (events, imports) = {
         let mut st = lock(&ep.conns.state);
         st.handle_message_from(msg.from, who, &msg.payload, Instant::now());
-        drive(ep, &mut st)
+        let events = drive(ep, &mut st);
+        let imports = to_prefetch(ep, &st, &events);
+        (events, imports)
     };
+    // The import of an accepting server's descriptor goes out now (never waiting), its round
+    // trip overlapping the dialling thread's wake-up: before `act` wakes it, so that it
+    // finds the import begun. (Dropped, so abandoned, if the dial is over meanwhile.)
+    for (token, desc) in imports {
+        let p = crate::peer::try_begin_import(ep, &desc);
+        if let Some(slot) = lock(&ep.conns.prefetch).get_mut(&token) {
+            *slot = p;
+        }
+    }
     act(ep, events);
+}
+
+/// The dials answered by `events` whose server's descriptor is to be imported at once
+/// ([`Endpoint::connect_importing`]): their tokens and those descriptors.
+fn to_prefetch(
+    ep: &EndpointInner,
+    st: &Handshakes<EndpointAddr, PeerIdentity>,
+    events: &[HsEvent<EndpointAddr>],
+) -> Vec<(u64, Descriptor)> {
+    let answered = || events.iter().filter_map(|e| if let HsEvent::Answered(t) = e { Some(*t) } else { None });
+    if answered().next().is_none() {
+        return Vec::new();
+    }
+    let wanted = lock(&ep.conns.prefetch);
+    answered()
+        .filter(|t| wanted.get(t).is_some_and(Option::is_none))
+        .filter_map(|t| match st.peek_answer(t)? {
+            Answer::Accepted { desc, .. } => Some((t, unblob(desc)?.0)),
+            _ => None,
+        })
+        .collect()
 }
 
 impl ConnRegistry {
@@ -576,6 +616,62 @@ impl Endpoint {
         data: &[u8],
         timeout: Option<Duration>,
     ) -> Result<Connection, ConnectError> {
+        self.connect_inner(to, local, data, timeout, false).map(|(c, _)| c)
+    }
+
+    /// [`Endpoint::connect_with_data`], importing the descriptor the server answers with as
+    /// well: the request for it goes out as soon as the answer comes in, from the thread
+    /// that takes it in (the NIC's, usually), before this one is woken, so that its round
+    /// trip to the server's NIC overlaps that wake-up. The import is finished by
+    /// [`crate::PendingImport::finish`], as for [`Endpoint::import_begin`] (if it could not be
+    /// begun at once, as across a link, `finish` makes the whole import). Meant for
+    /// protocols that always import the peer's side (every `clan-proto` connection does):
+    /// a pending import dropped unfinished is given back.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let (a, b) = (clan::Nic::open_default()?, clan::Nic::open_default()?);
+    /// let server = b.endpoint()?;
+    /// server.listen();
+    /// let to = server.addr();
+    /// let inbox = server.export(4096)?;
+    /// let accepting = std::thread::spawn(move || -> Result<_, clan::ConnectError> {
+    ///     let req = server.accept(Some(Duration::from_secs(5)))?;
+    ///     Ok((req.accept(&server, &inbox.descriptor())?, inbox, server))
+    /// });
+    /// let client = a.endpoint()?;
+    /// let mine = client.export(4096)?;
+    /// let (conn, pending) = client.connect_importing(to, &mine.descriptor(), &[], Some(Duration::from_secs(5)))?;
+    /// let server_inbox = pending.finish(Duration::from_secs(5))?;
+    /// server_inbox.store_u64(0, 7)?;
+    /// let (_accepted, inbox, _server) = accepting.join().unwrap()?;
+    /// assert_eq!((inbox.load_u64(0)?, conn.peer_descriptor()), (7, &inbox.descriptor()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn connect_importing(
+        &self,
+        to: EndpointAddr,
+        local: &Descriptor,
+        data: &[u8],
+        timeout: Option<Duration>,
+    ) -> Result<(Connection, crate::PendingImport), ConnectError> {
+        let (conn, begun) = self.connect_inner(to, local, data, timeout, true)?;
+        let pending = match begun {
+            Some(p) => crate::endpoint::PendingImport::begun(&self.inner, conn.peer_descriptor(), p),
+            None => self.import_begin(conn.peer_descriptor()),
+        };
+        Ok((conn, pending))
+    }
+
+    fn connect_inner(
+        &self,
+        to: EndpointAddr,
+        local: &Descriptor,
+        data: &[u8],
+        timeout: Option<Duration>,
+        import: bool,
+    ) -> Result<(Connection, Option<crate::peer::PendingImport>), ConnectError> {
         if data.len() > MAX_PRIVATE_DATA {
             return Err(ConnectError::DataTooLong(data.len()));
         }
@@ -589,6 +685,12 @@ impl Endpoint {
         let conns = &self.inner.conns;
         let nic = &self.inner.nic;
         let msgs = lock(&conns.state).dial(to, token, &blob(local, data), timeout).ok_or(ConnectError::TooMany)?;
+        if import {
+            lock(&conns.prefetch).insert(token, None);
+        }
+        // Whatever the outcome, the dial's import slot goes (an import begun for a dial that
+        // failed is given back when dropped).
+        let take_import = || if import { lock(&conns.prefetch).remove(&token).flatten() } else { None };
         // Registered before the request goes out: a close that follows the answer at once is
         // never missed.
         let shared = nic.conns.insert(self.port(), token, to);
@@ -606,6 +708,7 @@ impl Endpoint {
         if !nic.send_oneway_direct(self.addr(), to, &msgs) {
             if let Err(e) = self.send_oobs_until(to, &msgs, deadline) {
                 give_up(msgs.len() > 1);
+                take_import();
                 tracing::debug!(local = %self.addr(), peer = %to, "connect failed: {e}");
                 return Err(send_error(to, e));
             }
@@ -624,12 +727,13 @@ impl Endpoint {
             }
             self.is_closed().then_some(Outcome::Closed)
         });
+        let begun = take_import();
         match outcome {
             Some(Outcome::Answer(Answer::Accepted { from, who, desc })) => match unblob(&desc) {
                 Some((peer_desc, peer_data)) => {
                     nic.conns.set_peer(self.port(), token, from);
                     tracing::debug!(local = %self.addr(), peer = %from, token, "connected");
-                    Ok(Connection {
+                    let conn = Connection {
                         nic: Arc::downgrade(nic),
                         local: self.addr(),
                         peer: from,
@@ -638,7 +742,8 @@ impl Endpoint {
                         peer_desc,
                         peer_data,
                         shared,
-                    })
+                    };
+                    Ok((conn, begun))
                 }
                 None => {
                     nic.conns.forget(self.port(), token);

@@ -338,6 +338,11 @@ impl std::fmt::Debug for PendingImport {
 }
 
 impl PendingImport {
+    /// An import of `desc` for `ep` whose request went out already (`p`).
+    pub(crate) fn begun(ep: &Arc<EndpointInner>, desc: &Descriptor, p: crate::peer::PendingImport) -> PendingImport {
+        PendingImport { ep: ep.clone(), desc: desc.clone(), started: Some(p) }
+    }
+
     /// Whether the request went out already.
     pub fn is_started(&self) -> bool {
         self.started.is_some()

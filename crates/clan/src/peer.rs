@@ -392,6 +392,19 @@ impl PeerConn {
         sent.into_iter().map(|s| self.finish(s, deadline)).collect()
     }
 
+    /// Give up the reply to `sent`: forgotten if it came already, else dropped when it comes.
+    /// A grant it brings is given back and its descriptors closed, as for a request whose
+    /// caller's deadline passed.
+    pub fn abandon(&self, sent: Sent) {
+        let Sent { chan, id } = sent;
+        let mut m = lock(&chan.mail);
+        m.waiting.remove(&id);
+        if let Some((Reply::ImportOk(g), _fds)) = m.arrived.remove(&id) {
+            drop(m);
+            let _ = chan.sock.send(&Request::Unimport { import_id: g.import_id }.encode(0), &[]);
+        }
+    }
+
     /// Send a one-way message at once if the connection is up and its socket has room:
     /// whether it went.
     pub fn try_send_oneway(&self, req: &Request) -> bool {
@@ -445,7 +458,16 @@ fn fd_err(e: std::io::Error, context: &'static str) -> ImportError {
 /// An import from a NIC of this host whose request went out ([`begin_import`]).
 pub(crate) struct PendingImport {
     peer: Arc<PeerConn>,
-    sent: Sent,
+    /// Taken by [`finish_import`]; one never finished is abandoned when dropped.
+    sent: Option<Sent>,
+}
+
+impl Drop for PendingImport {
+    fn drop(&mut self) {
+        if let Some(s) = self.sent.take() {
+            self.peer.abandon(s);
+        }
+    }
 }
 
 impl std::fmt::Debug for PendingImport {
@@ -477,19 +499,19 @@ pub(crate) fn begin_import(
 ) -> Result<PendingImport, PeerError> {
     let peer = ep.nic.peer(desc.nic());
     let sent = peer.begin(&request(ep, desc), deadline)?;
-    Ok(PendingImport { peer, sent })
+    Ok(PendingImport { peer, sent: Some(sent) })
 }
 
 /// Send the import request for `desc` only if that needs no wait at all (a connection to
 /// the exporter's NIC is up and has room): the start of an import that may never be needed,
 /// made where nothing may wait (accepting a connection).
-pub(crate) fn try_begin_import(ep: &Arc<EndpointInner>, desc: &Descriptor) -> Option<PendingImport> {
+pub(crate) fn try_begin_import(ep: &EndpointInner, desc: &Descriptor) -> Option<PendingImport> {
     if ep.nic.config.local_transport != crate::config::LocalTransport::SharedMemory {
         return None;
     }
     let peer = lock(ep.nic.peers_table()).get(&desc.nic()).cloned()?;
     let sent = peer.try_begin(&request(ep, desc))?;
-    Some(PendingImport { peer, sent })
+    Some(PendingImport { peer, sent: Some(sent) })
 }
 
 /// The reply to an import request, checked and mapped.
@@ -501,7 +523,10 @@ pub(crate) fn finish_import(
     timeout: Duration,
 ) -> Result<Mapping, ImportError> {
     let nic = &ep.nic;
-    let PendingImport { peer, sent } = p;
+    let mut p = p;
+    let peer = p.peer.clone();
+    let sent = p.sent.take().expect("a pending import is finished once");
+    drop(p);
     let (reply, fds) = peer.finish(sent, deadline).map_err(|e| peer_error(desc.nic(), e, timeout))?;
     // The engine watches the exporter: when its process dies, our mappings of it fail.
     nic.watch(&peer);

@@ -328,3 +328,43 @@ fn prefaulted_pages_take_no_fault_on_first_use() {
     assert!(faults <= 2, "stores through a prefaulted mapping took {faults} faults for {pages} pages");
     assert!(m.prefault(0, pages * 4096 + 1).is_err() && warm.prefault(1, pages * 4096).is_err());
 }
+
+/// An import begun and then dropped unfinished (`Endpoint::import_begin`, and the import
+/// `Endpoint::connect_importing` begins) is given back: its grant released and the
+/// descriptors its answer brings closed, whether that answer came before the drop or after.
+#[test]
+fn an_import_begun_and_dropped_is_given_back() {
+    use std::time::{Duration, Instant};
+    let (n1, n2) = (nic(), nic());
+    let (a, b) = (n1.endpoint().unwrap(), n2.endpoint().unwrap());
+    let ap = a.export(4096).unwrap();
+    let settle = |want: u32| {
+        let w = Instant::now();
+        while ap.remote_imports() != want {
+            assert!(w.elapsed() < Duration::from_secs(20), "{} imports held, {want} expected", ap.remote_imports());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    // A first import connects the two NICs (an import is begun at once only over a
+    // connection that is up).
+    drop(b.import(&ap.descriptor()).unwrap());
+    settle(0);
+    let before = fds();
+    for _ in 0..100 {
+        // Dropped before its answer is read: released when it is.
+        let p = b.import_begin(&ap.descriptor());
+        assert!(p.is_started());
+        drop(p);
+        // Dropped after its answer was read (by the other import's wait): released at once.
+        let (p, q) = (b.import_begin(&ap.descriptor()), b.import_begin(&ap.descriptor()));
+        let m = q.finish(Duration::from_secs(10)).unwrap();
+        drop(p);
+        drop(m);
+    }
+    // One more import reads whatever answer is still in the socket.
+    let m = b.import(&ap.descriptor()).unwrap();
+    drop(m);
+    settle(0);
+    assert!(fds() <= before + 4, "{} descriptors before, {} after", before, fds());
+}
