@@ -182,14 +182,6 @@ impl ApertureMem {
         }
     }
 
-    /// A read-only descriptor of the index, for an import grant.
-    pub fn index_read_only(&self) -> std::io::Result<std::os::fd::OwnedFd> {
-        match &self.backing {
-            Backing::Own { index_fd, .. } => index_fd.reopen_read_only(),
-            Backing::Pooled(s) => s.chunk.index_read_only(),
-        }
-    }
-
     /// Zero data and index (returns the pages to the system).
     pub fn reset(&self) -> std::io::Result<()> {
         match &self.backing {

@@ -32,7 +32,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -1090,13 +1090,13 @@ impl Run {
                 }
                 s => s,
             };
-            let (reply, fds): (Option<(u32, Reply)>, Vec<OwnedFd>) = match step {
-                Step::Verify { .. } | Step::Ignore => (None, Vec::new()),
+            let (reply, fds): (Option<(u32, Reply)>, Option<crate::nic::GrantFds>) = match step {
+                Step::Verify { .. } | Step::Ignore => (None, None),
                 Step::Reply(id, r) => {
                     if let Reply::Err { code, detail } = &r {
                         tracing::info!(pid = c.cred.pid, ?code, "host request refused: {detail}");
                     }
-                    (Some((id, r)), Vec::new())
+                    (Some((id, r)), None)
                 }
                 Step::Close(r, why) => {
                     if let Some((id, r)) = r {
@@ -1108,33 +1108,33 @@ impl Run {
                 Step::Serve(id, req) => match req {
                     Request::Import { importer, desc } => {
                         match nic.grant_import(c, EndpointAddr::from(importer), &desc) {
-                            Ok((grant, fds)) => (Some((id, Reply::ImportOk(grant))), fds),
-                            Err((code, detail)) => (Some((id, Reply::Err { code, detail })), Vec::new()),
+                            Ok((grant, fds)) => (Some((id, Reply::ImportOk(grant))), Some(fds)),
+                            Err((code, detail)) => (Some((id, Reply::Err { code, detail })), None),
                         }
                     }
                     Request::Unimport { import_id } => {
                         if let Some((ap, generation)) = c.imports.remove(&import_id) {
                             nic.remote_unref(ap, generation, c.id);
                         }
-                        (None, Vec::new())
+                        (None, None)
                     }
                     // The session verified that `from` is on the NIC its hello named, which is
                     // the connecting process's: the kernel's credentials are its sender's.
                     Request::Oob { from, to_port, payload, reply } => (
                         deliver(nic, EndpointAddr::from(from), c.identity(), to_port, &[payload], reply)
                             .map(|r| (id, r)),
-                        Vec::new(),
+                        None,
                     ),
                     Request::OobBatch { from, to_port, payloads, reply } => (
                         deliver(nic, EndpointAddr::from(from), c.identity(), to_port, &payloads, reply)
                             .map(|r| (id, r)),
-                        Vec::new(),
+                        None,
                     ),
-                    Request::Hello { .. } => (None, Vec::new()),
+                    Request::Hello { .. } => (None, None),
                 },
             };
             if let Some((id, r)) = reply {
-                let borrowed: Vec<_> = fds.iter().map(std::os::fd::AsFd::as_fd).collect();
+                let borrowed = fds.as_ref().map(crate::nic::GrantFds::borrowed).unwrap_or_default();
                 if c.sock.send(&r.encode(id), &borrowed).is_err() {
                     // The peer does not read its replies (or is gone): drop it rather than
                     // buffer for it.

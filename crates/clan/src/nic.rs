@@ -230,6 +230,36 @@ pub struct NicStats {
     pub link_parks: u64,
 }
 
+/// The four descriptors an import grant hands over, held open until the reply is sent: the
+/// aperture's data (or a read-only open of it), a read-only open of its index, and the
+/// importing process's port (memfd and eventfd).
+pub(crate) struct GrantFds {
+    mem: Arc<ApertureMem>,
+    port: Arc<crate::port::PortRec>,
+    data_ro: Option<OwnedFd>,
+    /// An aperture's own index, opened read-only for this grant (a pool's chunk keeps one).
+    index_ro: Option<OwnedFd>,
+}
+
+impl GrantFds {
+    /// The descriptors, in the grant's order.
+    pub fn borrowed(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        let (data, _, _, _) = self.mem.fds();
+        let data = self.data_ro.as_ref().map_or(data.as_fd(), |f| f.as_fd());
+        let index = match (&self.index_ro, self.mem.slice()) {
+            (Some(f), _) => Some(f.as_fd()),
+            (None, Some(s)) => s.chunk.index_read_only().ok(),
+            (None, None) => None,
+        };
+        // (a pool's chunk opened its index when the grant was made: `index` is there)
+        [Some(data), index, Some(self.port.memfd.as_fd()), Some(self.port.eventfd.as_fd())]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+}
+
 /// Mappings kept for one NIC of this host ([`NicInner::keep_mapped`]).
 #[derive(Default)]
 pub(crate) struct Kept {
@@ -1001,7 +1031,7 @@ impl NicInner {
         c: &mut Conn,
         importer: EndpointAddr,
         desc: &[u8],
-    ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
+    ) -> Result<(ImportGrant, GrantFds), (Code, String)> {
         let r = self.grant_import_inner(c, importer, desc);
         match &r {
             Ok((g, _)) => {
@@ -1021,7 +1051,7 @@ impl NicInner {
         c: &mut Conn,
         importer: EndpointAddr,
         desc: &[u8],
-    ) -> Result<(ImportGrant, Vec<OwnedFd>), (Code, String)> {
+    ) -> Result<(ImportGrant, GrantFds), (Code, String)> {
         let refused = |r: Refusal| (Code::from(r), r.to_string());
         let desc = Descriptor::from_bytes(desc).map_err(|_| refused(Refusal::Malformed))?;
         // The importing endpoint's NIC is the one the connection's hello named, which the
@@ -1051,9 +1081,17 @@ impl NicInner {
             s.pool.bind(c.cred.pid, c.cred.uid).map_err(refused)?;
         }
         let internal = |e: std::io::Error| (Code::Internal, e.to_string());
-        let (data, _, data_offset, index_offset) = mem.fds();
-        let ap_fd = if read_only { data.reopen_read_only() } else { data.try_clone_fd() }.map_err(internal)?;
-        let index_fd = mem.index_read_only().map_err(internal)?;
+        let (data, index, data_offset, index_offset) = mem.fds();
+        // Sent as they are where they may be (`SCM_RIGHTS` installs copies in the importer,
+        // sharing their open file descriptions, as duplicates here would): read-only grants
+        // get a read-only open of the data, and the index goes read-only always (a pool's
+        // chunk opens it once).
+        let data_ro = if read_only { Some(data.reopen_read_only().map_err(internal)?) } else { None };
+        let index_ro = match mem.slice() {
+            Some(s) => s.chunk.index_read_only().map(|_| None),
+            None => index.reopen_read_only().map(Some),
+        }
+        .map_err(internal)?;
         mem.handed_out.store(true, Ordering::Relaxed);
         let eq = ap.watch.eq.clone();
         // The process's port in the aperture's queue (its ring; its claims are honoured on
@@ -1061,12 +1099,7 @@ impl NicInner {
         // connection never depend on each other's order; the importer keeps one mapping.
         let port = eq.port_for(c.cred.pid, c.cred.uid, c.id).map_err(refused)?;
         eq.grant(&port, &ap, desc.rights());
-        let fds = vec![
-            ap_fd,
-            index_fd,
-            port.memfd.try_clone_fd().map_err(internal)?,
-            port.eventfd.try_clone_fd().map_err(internal)?,
-        ];
+        let fds = GrantFds { mem: mem.clone(), port: port.clone(), data_ro, index_ro };
         c.eqs.insert(eq.id);
         self.remember_queue(&eq);
         let import_id = self.next_serial();

@@ -64,10 +64,10 @@ pub(crate) struct Chunk {
     pub index: Memfd,
     pub data_seg: Arc<Segment>,
     pub index_seg: Arc<Segment>,
-    /// A read-only open of the index, made at the first grant and duplicated for every
-    /// later one (rather than a new open through `/proc/self/fd` per connection). Only the
-    /// pool's one process ever receives it ([`Pool::bind`]), so sharing the open file
-    /// description among its grants lets nobody else see anything.
+    /// A read-only open of the index, made at the first grant and sent with every later one
+    /// (rather than a new open through `/proc/self/fd` per connection). Only the pool's one
+    /// process ever receives it ([`Pool::bind`]), so sharing the open file description among
+    /// its grants lets nobody else see anything.
     index_ro: std::sync::OnceLock<std::os::fd::OwnedFd>,
 }
 
@@ -87,16 +87,16 @@ impl Chunk {
         Ok(Chunk { data, index, data_seg, index_seg, index_ro: std::sync::OnceLock::new() })
     }
 
-    /// A read-only descriptor of the index, for a grant (see `index_ro`).
-    pub fn index_read_only(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+    /// A read-only open of the index, for a grant (see `index_ro`): made at the first call,
+    /// the same one after.
+    pub fn index_read_only(&self) -> std::io::Result<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
         if let Some(fd) = self.index_ro.get() {
-            return fd.try_clone();
+            return Ok(fd.as_fd());
         }
         let fd = self.index.reopen_read_only()?;
-        let copy = fd.try_clone()?;
         // (a racing grant may have set it first: either open serves)
-        let _ = self.index_ro.set(fd);
-        Ok(copy)
+        Ok(self.index_ro.get_or_init(|| fd).as_fd())
     }
 }
 
@@ -290,13 +290,13 @@ impl Pools {
 mod tests {
     use super::*;
 
-    /// Every grant of a chunk's index gets a read-only descriptor of it, the first opened
-    /// anew and the later ones duplicated from it: none can be mapped for writing.
+    /// Every grant of a chunk's index gets a read-only descriptor of it, opened at the first:
+    /// it cannot be mapped for writing.
     #[test]
     fn a_chunks_index_is_handed_out_read_only_every_time() {
         let c = Chunk::create().unwrap();
         for _ in 0..3 {
-            let fd = c.index_read_only().unwrap();
+            let fd = c.index_read_only().unwrap().try_clone_to_owned().unwrap();
             assert!(Segment::map(&fd, 0, 4096, SegAccess::ReadOnly).is_ok());
             assert!(Segment::map(&fd, 0, 4096, SegAccess::ReadWrite).is_err(), "a writable index");
         }
