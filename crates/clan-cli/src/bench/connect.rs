@@ -32,9 +32,14 @@ pub struct ConnectArgs {
     /// Rounds the kinds alternate in.
     #[arg(long, default_value_t = 4)]
     pub rounds: u64,
-    /// Ring of each clan stream side.
-    #[arg(long, default_value_t = 64 << 10)]
+    /// Ring of each clan stream side (default: what `StreamConfig::default()` gives, the
+    /// stream a user opens without configuring it).
+    #[arg(long, default_value_t = StreamConfig::default().ring)]
     pub ring: u64,
+    /// Post area of each clan stream side (where large writes are posted for the reader to
+    /// fetch; default: `StreamConfig::default()`'s).
+    #[arg(long, default_value_t = StreamConfig::default().post_area)]
+    pub post_area: u64,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -100,13 +105,16 @@ fn once(kind: Kind, t: &Targets, nic: &Nic, cfg: &StreamConfig) -> Result<()> {
 pub fn run(a: &ConnectArgs) -> Result<()> {
     sys::pin(0);
     let unix = format!("clan-bench-connect-{}", std::process::id());
-    let mut peer = PeerProc::spawn(Role::ConnServer, &ServerArgs { ring: a.ring, unix: unix.clone(), cpu: 1 })?;
+    let mut peer = PeerProc::spawn(
+        Role::ConnServer,
+        &ServerArgs { ring: a.ring, post_area: a.post_area, unix: unix.clone(), cpu: 1 },
+    )?;
     let line = peer.recv()?;
     let mut it = line.split(' ');
     let t =
         Targets { clan: it.next().ok_or("no address")?.parse()?, tcp: it.next().ok_or("no address")?.parse()?, unix };
     let nic = Nic::open(NicConfig::default())?;
-    let cfg = StreamConfig { ring: a.ring, post_area: 0, ..StreamConfig::default() };
+    let cfg = StreamConfig { ring: a.ring, post_area: a.post_area, ..StreamConfig::default() };
     let kinds = [Kind::Clan, Kind::Tcp, Kind::Unix];
     let mut samples = [Samples::new(), Samples::new(), Samples::new()];
     let mut spent = [Duration::ZERO; 3];
@@ -147,9 +155,13 @@ pub fn run(a: &ConnectArgs) -> Result<()> {
         baseline: "tcp",
         ratio_p50_vs_tcp: ratio(samples[0].p(0.5) as f64, samples[1].p(0.5) as f64),
         ratio_p50_vs_unix: ratio(samples[0].p(0.5) as f64, samples[2].p(0.5) as f64),
-        placement: "client pinned to CPU 0, server process to CPU 1 (its NIC engine unpinned); one connection at a \
-                    time: connect, write 1 byte, read its echo, close; the kinds alternate in rounds"
-            .into(),
+        placement: format!(
+            "client pinned to CPU 0, server process to CPU 1 (its NIC engine unpinned); one connection at a time: \
+             connect, write 1 byte, read its echo, close; the kinds alternate in rounds; clan streams with {} KiB \
+             rings and {} KiB post areas",
+            a.ring >> 10,
+            a.post_area >> 10
+        ),
         machine: sys::machine(),
     };
     emit(a.json, &r, || {
@@ -184,6 +196,8 @@ pub fn run(a: &ConnectArgs) -> Result<()> {
 pub struct ServerArgs {
     /// Bytes of ring per clan stream.
     ring: u64,
+    /// Bytes of post area per clan stream.
+    post_area: u64,
     /// The abstract name of its Unix listener.
     unix: String,
     cpu: usize,
@@ -192,9 +206,9 @@ pub struct ServerArgs {
 /// The server: three listeners, one thread each; every connection echoes one byte and closes.
 pub fn peer(a: ServerArgs) -> Result<()> {
     sys::pin(a.cpu);
-    let ServerArgs { ring, unix, .. } = a;
+    let ServerArgs { ring, post_area, unix, .. } = a;
     let nic = Nic::open(NicConfig::default())?;
-    let l = Listener::bind_with(&nic, None, StreamConfig { ring, post_area: 0, ..StreamConfig::default() })?;
+    let l = Listener::bind_with(&nic, None, StreamConfig { ring, post_area, ..StreamConfig::default() })?;
     let tcp = TcpListener::bind("127.0.0.1:0")?;
     let ul = UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(unix.as_bytes())?)?;
     Link::say(format!("{} {}", l.local_addr(), tcp.local_addr()?));
