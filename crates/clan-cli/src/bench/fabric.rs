@@ -167,6 +167,9 @@ fn mpi_program() -> Result<PathBuf> {
     Ok(exe)
 }
 
+/// Runs of the MPI 8 B ping-pong per round, clan and vader alternating.
+const MPI_LAT_RUNS: usize = 5;
+
 /// One MPI ping-pong: (one-way µs p50, Mbit/s). `clan`: over the provider, else vader.
 fn mpi(
     exe: &std::path::Path,
@@ -278,9 +281,9 @@ pub fn run(a: &FabricArgs) -> Result<()> {
     let big_iters = (iters / 20).max(100);
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
-    // Steps: fi_pingpong over three providers and between two hosts, MPI over two, each
-    // round.
-    let bar = super::report::progress(rounds as u64 * 6, a.json);
+    // Steps: fi_pingpong over three providers and between two hosts, MPI over two (and its
+    // 8 B runs), each round.
+    let bar = super::report::progress(rounds as u64 * (6 + 2 * MPI_LAT_RUNS as u64), a.json);
     let progress = |what: &str| {
         if !a.json {
             bar.suspend(|| eprintln!("clan bench fabric: {what}"));
@@ -376,10 +379,19 @@ pub fn run(a: &FabricArgs) -> Result<()> {
         let (mut l8, mut b1m, mut over, mut idle) =
             ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()], [Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
         for r in 0..rounds {
+            // The 8 B runs (a second each) alternate several times a round: from one run of
+            // `mpirun` to the next, either figure moves by up to a half (the host's phases,
+            // where the pages landed), and the median over many pairs is the typical one.
+            for k in 0..MPI_LAT_RUNS {
+                for (i, clan) in [true, false].into_iter().enumerate() {
+                    let who = if clan { "clan" } else { "vader" };
+                    progress(&format!("MPI ping-pong 8 B over {who}, round {}/{rounds}, run {}", r + 1, k + 1));
+                    l8[i].push(mpi(&exe, &dir, clan, false, 8, iters)?.0);
+                }
+            }
             for (k, clan) in [true, false].into_iter().enumerate() {
                 let who = if clan { "clan" } else { "vader" };
                 progress(&format!("MPI ping-pong over {who}, round {}/{rounds}", r + 1));
-                l8[k].push(mpi(&exe, &dir, clan, false, 8, iters)?.0);
                 b1m[k].push(mpi(&exe, &dir, clan, false, 1 << 20, big_iters)?.1);
                 over[k].push(mpi(&exe, &dir, clan, true, 8, (iters / 10).max(100))?.0);
                 idle[k].push(mpi_idle(&exe, &dir, clan)?);
@@ -393,7 +405,7 @@ pub fn run(a: &FabricArgs) -> Result<()> {
         let vader = "Open MPI shared memory (vader)";
         rows.push(Row {
             program: "Open MPI",
-            measure: "ping-pong 8 B, one-way µs (p50)".into(),
+            measure: format!("ping-pong 8 B, one-way µs (p50; median of {} alternating runs)", MPI_LAT_RUNS * rounds),
             clan: lc,
             baseline: lv,
             baseline_name: vader,
