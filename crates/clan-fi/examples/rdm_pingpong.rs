@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 struct Count(Arc<AtomicUsize>);
 impl Land for Count {
     fn part(&self, _p: &Posted, _at: usize, _data: &[u8]) {}
-    fn done(&self, _p: &Posted, _m: Landed<'_>, _len: usize) {
+    fn done(&self, _p: &Posted, _m: Landed<'_>, _len: usize, _direct: &mut clan_fi::cq::Direct) {
         self.0.fetch_add(1, Ordering::Release);
     }
 }

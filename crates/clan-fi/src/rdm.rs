@@ -28,6 +28,7 @@ use clan_proto::SetupError;
 use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueError, QueueListener};
 
 use crate::av::Addr;
+use crate::cq::Direct;
 
 /// The process's NIC (one for every endpoint, and the one their event queues must come
 /// from), configured from the environment
@@ -197,8 +198,9 @@ pub trait Land: Send + Sync {
     /// is dropped: the message is truncated).
     fn part(&self, p: &Posted, at: usize, data: &[u8]);
     /// The message for `p` is whole: `len` bytes in all, its header in `m` (whose `data` is
-    /// empty: its bytes came by `part`).
-    fn done(&self, p: &Posted, m: Landed<'_>, len: usize);
+    /// empty: its bytes came by `part`). Its completion goes to `direct` if that is the
+    /// reader of its queue ([`crate::cq::Cq::push_to`]).
+    fn done(&self, p: &Posted, m: Landed<'_>, len: usize, direct: &mut Direct);
 }
 
 impl Posted {
@@ -599,7 +601,13 @@ impl Rdm {
 
     /// [`take_in`], counted in [`Rdm::activity`].
     fn take_in(&self, s: &mut State) {
-        let n = take_in(s, self.land.get().map(|l| &**l));
+        self.take_in_to(s, &mut Direct::none());
+    }
+
+    /// [`Rdm::take_in`], the completions of messages landed going to `direct` when it reads
+    /// their queue.
+    fn take_in_to(&self, s: &mut State, direct: &mut Direct) {
+        let n = take_in(s, self.land.get().map(|l| &**l), direct);
         if n > 0 {
             use std::sync::atomic::Ordering::Relaxed;
             // (under the state's lock: one writer at a time)
@@ -616,6 +624,13 @@ impl Rdm {
     /// Take in what arrived; the receives it completes (and those directed to peers that
     /// went away, which fail), and the remote memory requests and answers that came.
     pub fn progress(&self) -> Vec<Done> {
+        self.progress_to(&mut Direct::none())
+    }
+
+    /// [`Rdm::progress`] for the reader of a completion queue: the completions of messages
+    /// landed ([`Rdm::set_land`]) that belong in that queue go to `direct` while it has room
+    /// and the queue holds nothing ([`crate::cq::Direct`]).
+    pub fn progress_to(&self, direct: &mut Direct) -> Vec<Done> {
         // What came from other hosts is applied by this polling thread, as a TCP provider's
         // poll reads its sockets, rather than left to the engine's thread (which, woken on
         // this thread's CPU, would wait its turn: a round trip between two hosts took 3×
@@ -624,7 +639,7 @@ impl Rdm {
             n.spin_links().drive();
         }
         let mut s = self.lock();
-        self.take_in(&mut s);
+        self.take_in_to(&mut s, direct);
         std::mem::take(&mut s.done)
     }
 
@@ -676,7 +691,7 @@ impl Rdm {
 /// went away fail; what finished goes to `s.done`, in the order it came. Allocates nothing
 /// when nothing came (the cost of a completion queue polled in a loop). Returns how many
 /// parts it took.
-fn take_in(s: &mut State, land: Option<&dyn Land>) -> u64 {
+fn take_in(s: &mut State, land: Option<&dyn Land>, direct: &mut Direct) -> u64 {
     let State { senders, receivers, posted, unexpected, gone, done, .. } = s;
     let mut taken = 0;
     let mut i = 0;
@@ -698,7 +713,7 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) -> u64 {
             };
             if part.at == 0 && part.last {
                 // A message of one slot, whole.
-                whole(&r.buf, &mut r.from, land, posted, unexpected, done);
+                whole(&r.buf, &mut r.from, land, posted, unexpected, done, direct);
             } else if part.at == 0 {
                 // The first part of a longer one: its header says where it goes.
                 let body = part.total as usize - HEADER.min(part.total as usize);
@@ -731,10 +746,10 @@ fn take_in(s: &mut State, land: Option<&dyn Land>) -> u64 {
                         Some(Assembly::Landing { p, tagged, tag, cq_data, from }) => {
                             if let Some(land) = land {
                                 let m = Landed { data: &[], tagged, tag, cq_data, from };
-                                land.done(&p, m, part.total as usize - HEADER);
+                                land.done(&p, m, part.total as usize - HEADER, direct);
                             }
                         }
-                        Some(Assembly::Own(v)) => whole(&v, &mut r.from, land, posted, unexpected, done),
+                        Some(Assembly::Own(v)) => whole(&v, &mut r.from, land, posted, unexpected, done, direct),
                         None => {}
                     }
                 }
@@ -790,6 +805,7 @@ fn whole(
     posted: &mut VecDeque<Posted>,
     unexpected: &mut VecDeque<Arrival>,
     done: &mut Vec<Done>,
+    direct: &mut Direct,
 ) {
     match parse(data, from) {
         Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
@@ -799,7 +815,7 @@ fn whole(
                     // moved on the way)
                     let p = &posted[k];
                     land.part(p, 0, a.data);
-                    land.done(p, Landed { data: &[], ..a }, a.data.len());
+                    land.done(p, Landed { data: &[], ..a }, a.data.len(), direct);
                     if k == 0 {
                         posted.pop_front();
                     } else {
@@ -1038,7 +1054,7 @@ mod tests {
             assert!(p.context > 0);
             b.extend_from_slice(data);
         }
-        fn done(&self, p: &Posted, m: Landed<'_>, len: usize) {
+        fn done(&self, p: &Posted, m: Landed<'_>, len: usize, _direct: &mut Direct) {
             let b = std::mem::take(&mut *self.1.lock().unwrap());
             assert_eq!(b.len(), len);
             self.0.lock().unwrap().push((p.context, b, m.tag, m.from));

@@ -176,6 +176,52 @@ int main(void)
 	}
 	CHECK(got == 2, "a send and a receive completion");
 
+	/* Messages from another endpoint, several taken in by one read's progress (the first
+	 * completion goes straight to the reader, the rest through the queue): they complete in
+	 * the order they came, whether the reads take one entry at a time or four, and with
+	 * more arriving while some wait in the queue. */
+	{
+		struct fid_cq *scq;
+		struct fid_ep *sender;
+		struct fi_cq_attr sattr = { .format = FI_CQ_FORMAT_TAGGED, .size = 16 };
+		CHECK(fi_cq_open(domain, &sattr, &scq, NULL) == 0, "the sender's queue");
+		CHECK(fi_endpoint(domain, ours, &sender, NULL) == 0, "a sending endpoint");
+		CHECK(fi_ep_bind(sender, &av->fid, 0) == 0 && fi_ep_bind(sender, &scq->fid, FI_TRANSMIT | FI_RECV) == 0,
+		      "bind the sender");
+		CHECK(fi_enable(sender) == 0, "enable the sender");
+		static char many[6][8];
+		for (int round = 0; round < 2; round++) {
+			for (int k = 0; k < 6; k++)
+				CHECK(fi_recv(ep, many[k], sizeof many[k], NULL, FI_ADDR_UNSPEC, (void *)(uintptr_t)(100 + k)) == 0,
+				      "recv %d", k);
+			/* (one entry at a time: three sent, the first read, three more sent while two
+			 * wait in the queue, which come after them) */
+			int want = 100, sent = 0;
+			for (int i = 0; i < 1000000 && want < 106; i++) {
+				while (sent < (round == 0 && want == 100 ? 3 : 6)) {
+					char m[8];
+					snprintf(m, sizeof m, "m%d", sent);
+					CHECK(fi_inject(sender, m, strlen(m) + 1, fa[0]) == 0, "inject %d", sent);
+					sent++;
+				}
+				ssize_t n = fi_cq_read(cq, e, round == 0 ? 1 : 4);
+				CHECK(n > 0 || n == -FI_EAGAIN, "read: %zd", n);
+				for (ssize_t k = 0; k < n; k++) {
+					CHECK(e[k].op_context == (void *)(uintptr_t)want, "round %d: entry %zd of a read is %p, not %d",
+					      round, k, e[k].op_context, want);
+					char m[8];
+					snprintf(m, sizeof m, "m%d", want - 100);
+					CHECK(!strcmp(many[want - 100], m) && e[k].len == strlen(m) + 1, "round %d: message %d", round,
+					      want - 100);
+					want++;
+				}
+			}
+			CHECK(want == 106, "round %d: six receives completed, not %d", round, want - 100);
+			CHECK(fi_cq_read(cq, e, 4) == -FI_EAGAIN, "nothing more");
+		}
+		CHECK(fi_close(&sender->fid) == 0 && fi_close(&scq->fid) == 0, "close the sender");
+	}
+
 	/* Remote memory access to ourselves, counted. */
 	static char target[4096], src[4096], dst[4096];
 	struct fid_mr *mr, *ro, *bad_mr;

@@ -31,7 +31,7 @@ impl Auto {
             while !s2.load(Ordering::Acquire) {
                 let idle = {
                     let eps = e2.lock().unwrap_or_else(|p| p.into_inner());
-                    super::progress_eps(&eps);
+                    super::progress_eps(&eps, &mut crate::cq::Direct::none());
                     // (drained before arming: events from now on are for the next look)
                     while queue.try_take().is_some() {}
                     prepare_eps(&eps)

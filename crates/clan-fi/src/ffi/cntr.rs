@@ -53,7 +53,7 @@ impl CntrObj {
     }
 
     fn progress(&self) {
-        progress_eps(&self.eps());
+        progress_eps(&self.eps(), &mut crate::cq::Direct::none());
     }
 }
 

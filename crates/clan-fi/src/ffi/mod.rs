@@ -790,7 +790,13 @@ impl CqObj {
 
     /// Progress of every endpoint bound here; their [`crate::rdm::Rdm::activity`], summed.
     fn progress(&self) -> u64 {
-        progress_eps(&self.eps())
+        progress_eps(&self.eps(), &mut crate::cq::Direct::none())
+    }
+
+    /// [`CqObj::progress`] by a reader of this queue that takes what lands for it in
+    /// `direct` ([`crate::cq::Direct`]).
+    fn progress_to(&self, direct: &mut crate::cq::Direct) -> u64 {
+        progress_eps(&self.eps(), direct)
     }
 
     /// Before sleeping on the queue: forget the events already there, arm every bound
@@ -954,13 +960,13 @@ impl Polls {
 
 /// Progress of the endpoints `eps` (addresses of `EpObj`s bound to a queue or counter; the
 /// caller holds the list's lock).
-fn progress_eps(eps: &[usize]) -> u64 {
+fn progress_eps(eps: &[usize], direct: &mut crate::cq::Direct) -> u64 {
     let mut activity = 0u64;
     for &ep in eps {
         // SAFETY: an endpoint removes itself from the lists it is on before it is freed, and
         // the caller holds the list's lock (so the endpoint is not freed while it runs).
         if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
-            ep.progress();
+            ep.progress_to(direct);
             activity = activity.wrapping_add(ep.rdm.activity());
         }
     }
@@ -1129,8 +1135,15 @@ unsafe fn write_entry(format: fi_cq_format, buf: *mut c_void, i: usize, e: &crat
 
 /// Read up to `count` completions of `q` into the caller's `buf`; how many, or the error.
 unsafe fn read_entries(q: &CqObj, buf: *mut c_void, count: usize) -> isize {
-    // SAFETY: the caller's buffer of `count` entries; `read` hands out at most `count`.
-    match q.cq.read(count, |i, e| unsafe { write_entry(q.format, buf, i, e) }) {
+    // SAFETY: forwarded.
+    unsafe { read_entries_from(q, buf, 0, count) }
+}
+
+/// [`read_entries`] into the caller's entries `first..first + count`.
+unsafe fn read_entries_from(q: &CqObj, buf: *mut c_void, first: usize, count: usize) -> isize {
+    // SAFETY: the caller's buffer of `first + count` entries; `read` hands out at most
+    // `count`.
+    match q.cq.read(count, |i, e| unsafe { write_entry(q.format, buf, first + i, e) }) {
         Ok(n) => n as isize,
         Err(e) => read_err(e),
     }
@@ -1151,7 +1164,20 @@ unsafe extern "C" fn cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) ->
     if count > 0 && buf.is_null() {
         return err(FI_EINVAL) as isize;
     }
-    let activity = q.progress();
+    // What this read's own progress lands for this queue comes straight here, not through
+    // the queue (`cq::Direct`): the short path of every message a polling reader receives.
+    let mut direct = crate::cq::Direct::to(&q.cq, count > 0);
+    let activity = q.progress_to(&mut direct);
+    if let Some(e) = direct.got() {
+        // SAFETY: the caller's buffer of `count` ≥ 1 entries.
+        unsafe { write_entry(q.format, buf, 0, e) };
+        // Then what was queued (after it: it was made once the queue was empty), if there
+        // is room; an error waiting there is reported by the next read.
+        // SAFETY: the caller's entries `1..count`.
+        let more = if count > 1 { unsafe { read_entries_from(q, buf, 1, count - 1) } } else { 0 };
+        q.polls.found();
+        return 1 + more.max(0);
+    }
     // SAFETY: the caller's buffer of `count` entries.
     let mut n = unsafe { read_entries(q, buf, count) };
     if n == -(FI_EAGAIN as isize) {
@@ -1687,7 +1713,13 @@ impl EpObj {
     /// Take in arrivals and complete the receives they match; serve peers' remote memory
     /// requests; fail our requests to peers that went away.
     fn progress(&self) {
-        for d in self.rdm.progress() {
+        self.progress_to(&mut crate::cq::Direct::none());
+    }
+
+    /// [`EpObj::progress`] for the reader of a completion queue (`direct`: what lands for
+    /// it is handed to it, [`crate::cq::Direct`]).
+    fn progress_to(&self, direct: &mut crate::cq::Direct) {
+        for d in self.rdm.progress_to(direct) {
             self.deliver(d);
         }
         self.fail_gone_rma();
@@ -1723,7 +1755,7 @@ impl EpObj {
     /// Copy arrival `a` into the buffer of receive `p`, and complete it.
     fn complete_recv(&self, p: crate::rdm::Posted, a: crate::rdm::Landed<'_>) {
         self.land_part(&p, 0, a.data);
-        self.land_done(&p, a, a.data.len());
+        self.land_done(&p, a, a.data.len(), &mut crate::cq::Direct::none());
     }
 
     /// Copy bytes `at..at + data.len()` of a message into the buffer of receive `p` (what
@@ -1740,8 +1772,9 @@ impl EpObj {
 
     /// Complete receive `p` with a message of `len` bytes whose header is `a` (its bytes are
     /// in place): truncated if `len` is over the receive's length. (Also called by `rdm`, as
-    /// `land_part` is.)
-    fn land_done(&self, p: &crate::rdm::Posted, a: crate::rdm::Landed<'_>, len: usize) {
+    /// `land_part` is.) A success goes to `direct` if that reads the receive queue
+    /// ([`crate::cq::Cq::push_to`]).
+    fn land_done(&self, p: &crate::rdm::Posted, a: crate::rdm::Landed<'_>, len: usize, direct: &mut crate::cq::Direct) {
         let n = len.min(p.len);
         let mut flags = (FI_RECV as u64) | if a.tagged { FI_TAGGED as u64 } else { FI_MSG as u64 };
         if a.cq_data.is_some() {
@@ -1760,7 +1793,14 @@ impl EpObj {
             let e = crate::cq::ErrEntry { entry, olen, err: FI_ETRUNC as i32, prov_errno: crate::cq::prov::TRUNCATED };
             self.failed(true, e, Count::Recv);
         } else {
-            self.succeeded(true, entry, p.completion, Count::Recv);
+            if p.completion {
+                if let Some(cq) = self.cq(&self.rx_cq) {
+                    cq.cq.push_to(entry, direct);
+                }
+            }
+            if let Some(c) = self.cntr(Count::Recv) {
+                c.cntr.add(1);
+            }
         }
     }
 
@@ -1838,8 +1878,8 @@ impl crate::rdm::Land for LandIn {
         self.ep().land_part(p, at, data);
     }
 
-    fn done(&self, p: &crate::rdm::Posted, m: crate::rdm::Landed<'_>, len: usize) {
-        self.ep().land_done(p, m, len);
+    fn done(&self, p: &crate::rdm::Posted, m: crate::rdm::Landed<'_>, len: usize, direct: &mut crate::cq::Direct) {
+        self.ep().land_done(p, m, len, direct);
     }
 }
 
