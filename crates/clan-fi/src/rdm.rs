@@ -807,31 +807,53 @@ fn whole(
     done: &mut Vec<Done>,
     direct: &mut Direct,
 ) {
+    // (a plain message, the common case, without building the whole of `Incoming`)
+    if let Some(a) = plain(data, *from) {
+        return deliver(a, land, posted, unexpected, done, direct);
+    }
     match parse(data, from) {
-        Some(Incoming::Msg(a)) => match posted.iter().position(|p| p.matches(&a)) {
-            Some(k) => match land {
-                Some(land) => {
-                    // (landed from where it is posted, then taken off: the receive is not
-                    // moved on the way)
-                    let p = &posted[k];
-                    land.part(p, 0, a.data);
-                    land.done(p, Landed { data: &[], ..a }, a.data.len(), direct);
-                    if k == 0 {
-                        posted.pop_front();
-                    } else {
-                        posted.remove(k);
-                    }
-                }
-                None => {
-                    if let Some(p) = posted.remove(k) {
-                        done.push(Done::Received(p, a.to_arrival()));
-                    }
-                }
-            },
-            None => unexpected.push_back(a.to_arrival()),
-        },
+        Some(Incoming::Msg(a)) => deliver(a, land, posted, unexpected, done, direct),
         Some(Incoming::Done(d)) => done.push(d),
         None => {}
+    }
+}
+
+/// Message `a` to the first posted receive it matches (landed at once, with a place to
+/// land), or kept as unexpected.
+#[inline]
+fn deliver(
+    a: Landed<'_>,
+    land: Option<&dyn Land>,
+    posted: &mut VecDeque<Posted>,
+    unexpected: &mut VecDeque<Arrival>,
+    done: &mut Vec<Done>,
+    direct: &mut Direct,
+) {
+    // (the oldest receive first, without an iterator: it is the one that matches when
+    // receives are posted in the order their messages come)
+    let k =
+        if posted.front().is_some_and(|p| p.matches(&a)) { Some(0) } else { posted.iter().position(|p| p.matches(&a)) };
+    match k {
+        Some(k) => match land {
+            Some(land) => {
+                // (landed from where it is posted, then taken off: the receive is not
+                // moved on the way)
+                let p = &posted[k];
+                land.part(p, 0, a.data);
+                land.done(p, Landed { data: &[], ..a }, a.data.len(), direct);
+                if k == 0 {
+                    posted.pop_front();
+                } else {
+                    posted.remove(k);
+                }
+            }
+            None => {
+                if let Some(p) = posted.remove(k) {
+                    done.push(Done::Received(p, a.to_arrival()));
+                }
+            }
+        },
+        None => unexpected.push_back(a.to_arrival()),
     }
 }
 
@@ -848,6 +870,25 @@ fn own_start(first: &[u8], body: usize) -> Vec<u8> {
 enum Incoming<'a> {
     Msg(Landed<'a>),
     Done(Done),
+}
+
+/// [`parse`] of a plain message (a send, tagged or not, with or without its data word):
+/// `None` for anything else, which `parse` takes.
+#[inline]
+fn plain(data: &[u8], from: Option<Addr>) -> Option<Landed<'_>> {
+    let head = data.get(..HEADER)?;
+    let word = |k: usize| u64::from_le_bytes(head[k * 8..k * 8 + 8].try_into().unwrap_or_default());
+    let flags = word(0);
+    if flags & !(F_TAGGED | F_DATA) != 0 {
+        return None;
+    }
+    Some(Landed {
+        data: &data[HEADER..],
+        tagged: flags & F_TAGGED != 0,
+        tag: word(1),
+        cq_data: (flags & F_DATA != 0).then(|| word(2)),
+        from,
+    })
 }
 
 /// Parse one message of the sender whose hello said `from` (a hello sets it). Memory a peer
@@ -964,6 +1005,35 @@ mod tests {
     /// With a place to land, a message that matches a posted receive as it is taken in
     /// goes there at once (not through `progress`); one that matches nothing waits, and is
     /// matched by the next post as before.
+    /// The short path of a plain message reads it as `parse` does, and leaves everything
+    /// else (hellos, remote memory requests and answers, connection frames, short ones) to it.
+    #[test]
+    fn plain_messages_read_as_parse_reads_them() {
+        let from = Some(Addr::of("127.0.0.1:7000/3".parse().expect("an address")));
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for flags in 0..128u64 {
+            for len in [0usize, 8, HEADER - 1, HEADER, HEADER + 1, HEADER + 40] {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let mut data: Vec<u8> = (0..len).map(|i| (state >> (i % 56)) as u8).collect();
+                if len >= 8 {
+                    data[..8].copy_from_slice(&flags.to_le_bytes());
+                }
+                let mut f = from;
+                let parsed = parse(&data, &mut f);
+                match plain(&data, from) {
+                    Some(a) => assert!(
+                        matches!(parsed, Some(Incoming::Msg(b)) if a == b),
+                        "flags {flags:#x}, {len} bytes: the short path read it otherwise"
+                    ),
+                    None => assert!(
+                        len < HEADER || flags & !(F_TAGGED | F_DATA) != 0,
+                        "flags {flags:#x}, {len} bytes: a plain message left to parse"
+                    ),
+                }
+            }
+        }
+    }
+
     #[test]
     fn messages_land_at_once_when_the_endpoint_has_a_place_for_them() {
         let q = queue();
