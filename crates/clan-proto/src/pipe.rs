@@ -592,9 +592,13 @@ impl PipeRx {
     /// For a read that found nothing and will not wait (non-blocking): if the sender is
     /// across a link, receive from the NIC's links in this thread once, as a wait's spin
     /// does, rather than leave the bytes to the engine's thread (woken for them, it would
-    /// take the CPU from this one, which polls). Whether anything came in.
+    /// take the CPU from this one, which polls). Whether anything came in. Whether the peer
+    /// is across a link comes from the connection, not from the import of its side: an
+    /// accepted stream imports it at its first write, and its reads before that drove
+    /// nothing (with manual progress nobody else reads a link: its first message waited for
+    /// the engine's timer).
     pub fn drive_links(&self) -> bool {
-        if !self.peer.imported().is_some_and(|m| m.is_remote()) {
+        if !self.peer.across_link() {
             return false;
         }
         self.data.spin_links().drive()

@@ -159,6 +159,9 @@ pub(crate) struct PeerSide {
     /// The import, started at accept if that cost no wait (its round trip then overlaps the
     /// client's own set-up).
     importing: Mutex<Option<clan::PendingImport>>,
+    /// Whether the peer is reached through a link (its connection says so from the start,
+    /// before the import that would say it too).
+    across_link: bool,
 }
 
 impl std::fmt::Debug for PeerSide {
@@ -185,6 +188,13 @@ impl PeerSide {
     #[inline]
     pub fn imported(&self) -> Option<&Mapping> {
         self.map.get()
+    }
+
+    /// Whether the peer is reached through a link (known from the connection: imported or
+    /// not).
+    #[inline]
+    pub fn across_link(&self) -> bool {
+        self.across_link
     }
 
     #[cold]
@@ -272,6 +282,7 @@ fn connect_one(
         map: OnceLock::from(m),
         failed: OnceLock::new(),
         importing: Mutex::new(None),
+        across_link: matches!(conn.peer_identity(), clan::PeerIdentity::Remote { .. }),
     });
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
 }
@@ -306,6 +317,7 @@ pub(crate) fn accept(
         map: OnceLock::new(),
         failed: OnceLock::new(),
         importing: Mutex::new(Some(pending)),
+        across_link: matches!(conn.peer_identity(), clan::PeerIdentity::Remote { .. }),
     });
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })
 }

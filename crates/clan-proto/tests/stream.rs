@@ -315,6 +315,53 @@ fn child() {
     }
 }
 
+/// With manual progress, a non-blocking read of a stream just accepted over a link takes in
+/// what its peer sent. (Its reads drove the links only once the peer's side was imported, at
+/// the stream's first write: nothing else reads a link with manual progress, and the first
+/// message waited for the engine's timer.)
+#[test]
+fn a_non_blocking_read_over_a_link_with_manual_progress_takes_in_the_first_message() {
+    let _wd = Watchdog::new("non-blocking first read over a link", Duration::from_secs(120));
+    let nic = Nic::open(clan::NicConfig { progress: clan::Progress::Manual, ..blocking_link_nic() }).unwrap();
+    let cfg = StreamConfig { spin: Duration::ZERO, ..StreamConfig::default() };
+    let l = Listener::bind_with(&nic, None, cfg).unwrap();
+    let mut peer = util::Peer::spawn("writer_child", "writer", &[("STREAM_TO", l.local_addr().to_string())]);
+    let (mut s, _) = l.accept().unwrap();
+    assert_eq!(peer.expect("written"), "written");
+    // (the bytes are in the link's socket by now: the peer's write has returned)
+    s.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 5];
+    let mut got = 0;
+    for _ in 0..10_000 {
+        match s.read(&mut b[got..]) {
+            Ok(n) => {
+                got += n;
+                if got == b.len() {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+    assert_eq!(&b[..got], b"hello", "10 000 non-blocking reads did not take in what the peer sent");
+    peer.kill();
+}
+
+#[test]
+fn writer_child() {
+    let Some(role) = util::role() else { return };
+    assert_eq!(role, "writer");
+    let nic = Nic::open(blocking_link_nic()).unwrap();
+    let to: clan::EndpointAddr = std::env::var("STREAM_TO").unwrap().parse().unwrap();
+    let mut s = Stream::connect(&nic, to).unwrap();
+    s.write_all(b"hello").unwrap();
+    util::say("written");
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
 /// A stream connects to another process by host name, as `std::net` does (`localhost`
 /// from `/etc/hosts`: no query leaves the host); a name that is not an address is a typed
 /// error, not a panic or a hang.
