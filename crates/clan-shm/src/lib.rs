@@ -39,6 +39,7 @@ pub mod cam;
 pub mod doorbell;
 pub mod eq;
 pub mod handoff;
+pub mod prefetch;
 pub mod ring;
 pub mod snoop;
 pub mod sync;

@@ -428,6 +428,26 @@ impl Aperture {
         Ok(self.word::<AtomicU64>(off, 8)?.load(Ordering::Acquire))
     }
 
+    /// Hint that `[off, off+len)` is about to be read or written: its cache lines are
+    /// asked for at once (their misses overlap). Changes nothing else; out of range, it
+    /// does nothing.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// let ap = nic.endpoint()?.export(4096)?;
+    /// ap.prefetch(0, 64); // the flag a poll is about to read
+    /// ap.prefetch(u64::MAX - 8, 64); // out of range: nothing
+    /// assert_eq!(ap.load_u64(0)?, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[inline]
+    pub fn prefetch(&self, off: u64, len: u64) {
+        if check_range(off, len, self.len).is_ok() {
+            let seg = self.seg();
+            clan_shm::prefetch::range(seg.as_ptr().wrapping_add(off as usize), len as usize);
+        }
+    }
+
     /// Atomic store (Release) of the aligned word at `off`.
     #[inline]
     pub fn store_u64(&self, off: u64, v: u64) -> Result<(), AccessError> {

@@ -91,6 +91,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 pub use addr::{AddrParseError, EndpointAddr, NicAddr, PeerIdentity, ToEndpointAddrs, each_endpoint_addr};
 pub use aperture::{Aperture, MAX_APERTURE};
+pub use clan_shm::prefetch;
 pub use clan_shm::segment::RawRegion;
 pub use config::{
     AdmissionLimits, DEFAULT_SPIN, DmaConfig, EventQueueConfig, ExportConfig, ImportPolicy, LinkConfig, LocalTransport,

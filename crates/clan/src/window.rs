@@ -99,6 +99,19 @@ impl Window {
         })
     }
 
+    /// Prefetch what an access of `[abs, abs+len)` reads first: the index's header (and the
+    /// line after it, where a small aperture's first entries are) and the data's lines.
+    #[inline]
+    pub fn prefetch(&self, abs: u64, len: u64) {
+        let cam = self.cam.view();
+        clan_shm::prefetch::range(cam.header as *const clan_shm::cam::CamHeader, 128);
+        if let Some(rel) = abs.checked_sub(self.data_base) {
+            let rel = rel as usize;
+            let len = (len as usize).min(self.data.len().saturating_sub(rel));
+            clan_shm::prefetch::range(self.data.as_ptr().wrapping_add(rel), len);
+        }
+    }
+
     #[inline]
     fn rel(&self, abs: u64) -> usize {
         (abs - self.data_base) as usize
