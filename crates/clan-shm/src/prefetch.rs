@@ -16,7 +16,7 @@ pub fn line<T: ?Sized>(p: *const T) {
     let _ = p;
 }
 
-/// [`line`] for every cache line of `len` bytes from `p`.
+/// [`line()`] for every cache line of `len` bytes from `p`.
 #[inline(always)]
 pub fn range<T: ?Sized>(p: *const T, len: usize) {
     for a in lines(p.cast::<u8>() as usize, len) {
