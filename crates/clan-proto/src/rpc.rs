@@ -258,7 +258,18 @@ static PARTIES: AtomicUsize = AtomicUsize::new(0);
 /// and a connection chosen at random finds every line cold. Below, the lines are cached and
 /// the prefetches cost (`clan bench server`, alternating builds, p50 medians: at 10 000
 /// endpoints 1452 -> 1127 ns prefetching; at 1000, 430 -> 450 ns).
-const PREFETCH_FROM: usize = 2048;
+pub const PREFETCH_FROM: usize = 2048;
+
+/// RPC parties alive in this process (clients, and the connections of servers): from
+/// [`PREFETCH_FROM`] on, calls and [`RpcServer::handle_event`] prefetch.
+pub fn live_parties() -> usize {
+    PARTIES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Events an [`RpcServer`] with thousands of connections handles in one
+/// [`RpcServer::handle_event`] (the one given, and those queued behind it), their
+/// connections' lines asked for together.
+pub const LOOK_AHEAD: usize = 8;
 
 /// Counts a party in [`PARTIES`] while it lives.
 #[derive(Debug)]
@@ -275,6 +286,14 @@ impl Counted {
 impl Drop for Counted {
     fn drop(&mut self) {
         PARTIES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The connection an event of an [`RpcServer`]'s queue is about, if it is a request's.
+fn conn_of(e: &Option<Event>) -> Option<usize> {
+    match e {
+        Some(Event::Tripwire { cookie, .. } | Event::User(cookie)) => usize::try_from(*cookie).ok(),
+        _ => None,
     }
 }
 
@@ -1083,16 +1102,6 @@ impl RpcServer {
     /// written any more): the connection is dropped and the server goes on. Returns whether
     /// a request was answered.
     fn serve(&mut self, id: u64, handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>)) -> bool {
-        // The connection's state and the lines its request and reply touch, asked for at
-        // once: with thousands of connections used at random every one is a cache miss,
-        // and one after another (each found through the last) they were most of the time
-        // a request took.
-        if many_parties() {
-            if let Some(Some(c)) = self.conns.get(id as usize) {
-                clan::prefetch::value(c);
-                c.p.prefetch();
-            }
-        }
         let Some(Some(c)) = self.conns.get_mut(id as usize) else { return false };
         let flag = match c.p.my_flag() {
             Ok(f) => f,
@@ -1218,7 +1227,67 @@ impl RpcServer {
     /// [`crate::server::EventLoop`]): a request is answered with `handler`, a connection
     /// request accepted, a departed client dropped. Returns the requests answered.
     /// As for [`RpcServer::run_once`], what one client does never makes this fail.
+    ///
+    /// With thousands of connections, the events already queued behind `ev` (up to
+    /// [`LOOK_AHEAD`] of them) are taken and handled in the same call, in order: the lines
+    /// of all their connections are asked for first, so that their cache misses overlap.
     pub fn handle_event(
+        &mut self,
+        ev: Event,
+        handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
+    ) -> Result<u64, RpcError> {
+        if !many_parties() {
+            return self.handle_one(ev, handler);
+        }
+        // This one first, its own lines asked for at once (a reply is not delayed by a look
+        // for more); then those queued behind it.
+        if let Some(Some(c)) = conn_of(&Some(ev)).and_then(|id| self.conns.get(id)) {
+            clan::prefetch::value(c);
+            c.p.prefetch();
+        }
+        let first = self.handle_one(ev, handler);
+        let mut batch = [None; LOOK_AHEAD];
+        let mut n = 0;
+        while n < LOOK_AHEAD {
+            match self.queue.try_take() {
+                Some(e) => {
+                    batch[n] = Some(e);
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        // The connections' state first, all of it at once; then, once it is there (the
+        // pointers to their buffers are in it), the buffers' and the indexes' lines.
+        for id in batch[..n].iter().filter_map(conn_of) {
+            if let Some(Some(c)) = self.conns.get(id) {
+                clan::prefetch::value(c);
+            }
+        }
+        for id in batch[..n].iter().filter_map(conn_of) {
+            if let Some(Some(c)) = self.conns.get(id) {
+                c.p.prefetch();
+            }
+        }
+        let (mut served, mut failed) = match first {
+            Ok(k) => (k, None),
+            Err(e) => (0, Some(e)),
+        };
+        for e in batch[..n].iter_mut().filter_map(Option::take) {
+            // (every event taken is handled, an error or not: none is lost)
+            match self.handle_one(e, handler) {
+                Ok(k) => served += k,
+                Err(err) => failed = failed.or(Some(err)),
+            }
+        }
+        match failed {
+            Some(err) => Err(err),
+            None => Ok(served),
+        }
+    }
+
+    /// [`RpcServer::handle_event`] for `ev` alone.
+    fn handle_one(
         &mut self,
         ev: Event,
         handler: &mut dyn FnMut(ConnId, InPlace<'_>, &mut Writer<'_>),
