@@ -44,7 +44,7 @@
 use std::collections::HashMap;
 
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
-use crate::trip::{self, Access, LIVE, TripEntry, WIDE};
+use crate::trip::{self, ARMED, Access, LIVE, TripEntry, WIDE};
 
 /// log2 of the line size.
 pub const LINE_SHIFT: u32 = 6;
@@ -304,15 +304,52 @@ impl<'a> CamView<'a> {
     /// `[start, end)` and is not already in `out` (armed or not: arming is re-checked at fire
     /// time). Returns `false` if an inconsistency was seen (concurrent change or corruption).
     pub fn collect(&self, tag: u64, start: u64, end: u64, access: Access, out: &mut Vec<Candidate>) -> bool {
-        if start >= end {
-            return true;
+        self.visit(tag, start, end, access, &mut |c, _| {
+            if !out.iter().any(|o| o.index == c.index && o.generation == c.generation) {
+                out.push(c);
+            }
+            true
+        })
+        .consistent
+    }
+
+    /// Whether a write (or read, `access`) of `[start, end)` has anything to fire: an entry
+    /// watching it whose mirror says armed — or an inconsistent walk, which only the whole
+    /// [`CamView::collect`] path may settle. Nothing is allocated. Called after the writer's
+    /// fence, it answers the arm/fire Dekker as the firing would: an arming it does not see
+    /// was not yet mirrored and fenced, so its owner's re-check sees the data.
+    #[inline]
+    pub fn armed_over(&self, tag: u64, start: u64, end: u64, access: Access) -> bool {
+        if !self.may_match(start, end) {
+            return false;
         }
-        let mut consistent = true;
+        let mut armed = false;
+        let walk = self.visit(tag, start, end, access, &mut |_, flags| {
+            armed = flags & ARMED != 0;
+            !armed
+        });
+        armed || !walk.consistent
+    }
+
+    /// Call `f(candidate, flags of its mirror)` for every entry watching `access` that
+    /// overlaps `[start, end)` until it returns false.
+    fn visit(
+        &self,
+        tag: u64,
+        start: u64,
+        end: u64,
+        access: Access,
+        f: &mut impl FnMut(Candidate, u32) -> bool,
+    ) -> Walk {
+        let mut all = Walk { consistent: true, go: true };
+        if start >= end {
+            return all;
+        }
         let first_line = start >> LINE_SHIFT;
         let last_line = (end - 1) >> LINE_SHIFT;
         let from = first_line.saturating_sub(NARROW_LINES - 1);
         let mut y = from;
-        while y <= last_line {
+        while y <= last_line && all.go {
             let wi = (y / 64) as usize;
             let Some(word) = self.watch.get(wi) else {
                 break;
@@ -322,23 +359,38 @@ impl<'a> CamView<'a> {
             if word_last > last_line {
                 bits &= !0u64 >> (63 - last_line % 64);
             }
-            while bits != 0 {
+            while bits != 0 && all.go {
                 let line = (wi as u64) * 64 + u64::from(bits.trailing_zeros());
                 bits &= bits - 1;
                 if let Some(h) = self.heads.get(line as usize) {
                     // SYNC POINT: pairs with `CamOwner::link`'s Release store of the head.
                     let head = h.load(Ordering::Acquire);
-                    consistent &= walk(self.entries, head, tag, Some(line), start, end, access, out);
+                    all.and(walk(self.entries, head, tag, Some(line), start, end, access, f));
                 }
             }
             y = word_last + 1;
         }
-        if any_bit(self.wide, start >> PAGE_SHIFT, (end - 1) >> PAGE_SHIFT) {
+        if all.go && any_bit(self.wide, start >> PAGE_SHIFT, (end - 1) >> PAGE_SHIFT) {
             // SYNC POINT: pairs with `CamOwner::link`'s Release store of the wide head.
             let head = self.header.wide_head.load(Ordering::Acquire);
-            consistent &= walk(self.entries, head, tag, None, start, end, access, out);
+            all.and(walk(self.entries, head, tag, None, start, end, access, f));
         }
-        consistent
+        all
+    }
+}
+
+/// How a walk went: whether everything seen was consistent, and whether to go on (the
+/// visitor did not stop it).
+#[derive(Debug, Clone, Copy)]
+struct Walk {
+    consistent: bool,
+    go: bool,
+}
+
+impl Walk {
+    fn and(&mut self, w: Walk) {
+        self.consistent &= w.consistent;
+        self.go &= w.go;
     }
 }
 
@@ -353,19 +405,21 @@ fn walk(
     start: u64,
     end: u64,
     access: Access,
-    out: &mut Vec<Candidate>,
-) -> bool {
-    let mut consistent = true;
+    f: &mut impl FnMut(Candidate, u32) -> bool,
+) -> Walk {
+    let mut w = Walk { consistent: true, go: true };
     let mut next = head;
     let mut steps = 0usize;
     while next != 0 {
         steps += 1;
         if steps > entries.len() {
-            return false; // a cycle: corruption
+            w.consistent = false; // a cycle: corruption
+            return w;
         }
         let index = next - 1;
         let Some(e) = entries.get(index as usize) else {
-            return false;
+            w.consistent = false;
+            return w;
         };
         // Seqlock read of the entry (module documentation of `trip`).
         let s1 = e.state.load(Ordering::Acquire);
@@ -385,18 +439,18 @@ fn walk(
                 None => fl & WIDE != 0,
             };
         if !stable || !belongs {
-            consistent = false;
+            w.consistent = false;
             continue;
         }
-        if fl & access.flag() != 0
-            && e_start < end
-            && start < e_end
-            && !out.iter().any(|c| c.index == index && c.generation == trip::generation(s1))
-        {
-            out.push(Candidate { index, generation: trip::generation(s1), start: e_start, end: e_end });
+        if fl & access.flag() != 0 && e_start < end && start < e_end {
+            let c = Candidate { index, generation: trip::generation(s1), start: e_start, end: e_end };
+            if !f(c, fl) {
+                w.go = false;
+                return w;
+            }
         }
     }
-    consistent
+    w
 }
 
 /// The owner's private mirror of an index, from which the shared lists are written.

@@ -27,9 +27,13 @@
 //! [`transfer_then_store_quick`] and [`commit_quick`] do the same steps for that case with
 //! no scratch list and no sink (nothing to collect, nothing to fire), and hand back what
 //! they cannot settle: before moving anything when the data is watched, after the fence
-//! when the index changed or the word is watched ([`finish_transfer`], [`finish_store`]).
-//! Each is on the path of every message before its first store, so what it leaves out is
-//! latency (a ping-pong's one way went from ~130 to ~110 ns). The loom models run both forms.
+//! when the index changed or an armed tripwire watches the word ([`finish_transfer`],
+//! [`finish_store`]). Each is on the path of every message before its first store, so what
+//! it leaves out is latency (a ping-pong's one way went from ~130 to ~110 ns). The word a
+//! message is published by is nearly always watched, by its reader's tripwire, disarmed
+//! while the reader polls: [`CamView::armed_over`] reads the mirrors of the entries over it
+//! and settles that case too, with no scratch list and no firing attempt. The loom models
+//! run both forms (`write_then_store_vs_arm` fails if `armed_over` misses an arming).
 
 use crate::cam::{CamView, Candidate};
 use crate::sync::{Futex, Ordering, fence};
@@ -356,17 +360,18 @@ pub fn finish_transfer(
     redo(access, watch, sink, off, end, end, seen_epoch, scratch)
 }
 
-/// [`commit`] without a scratch list: `e1`, the fence, then `true` if nothing over
-/// `[off, off+len)` is watched and the index did not change (nothing to fire: done);
-/// `false`: do the whole `commit` (which fences again).
+/// [`commit`] without a scratch list: `e1`, the fence, then `true` if no armed tripwire
+/// watches `[off, off+len)` for `access` and the index did not change (nothing to fire:
+/// done); `false`: do the whole `commit` (which fences again).
 #[inline]
-pub fn commit_quick(watch: &Watch<'_>, off: u64, len: u64) -> bool {
+pub fn commit_quick(access: Access, watch: &Watch<'_>, off: u64, len: u64) -> bool {
     // SYNC POINT: pairs with the owner's SeqCst epoch bump after each change of the index.
     let e1 = watch.cam.header.epoch.load(Ordering::Acquire);
     // The caller's half of the arm/fire Dekker: its data is in place before this fence,
     // every look at the index after it.
     fence(Ordering::SeqCst);
-    !watch.cam.may_match(off, off.saturating_add(len)) && watch.cam.header.epoch.load(Ordering::Acquire) == e1
+    watch.cam.header.epoch.load(Ordering::Acquire) == e1
+        && !watch.cam.armed_over(watch.tag, off, off.saturating_add(len), access)
 }
 
 /// How [`transfer_then_store_quick`] went.
@@ -377,7 +382,8 @@ pub enum Quick {
     Watched,
     /// Moved, stored and fenced, and nothing to fire.
     Done,
-    /// Moved, stored and fenced, but the index changed meanwhile or the word is watched:
+    /// Moved, stored and fenced, but the index changed meanwhile or an armed tripwire (or an
+    /// index caught changing) watches the word:
     /// finish with [`finish_store`], given this epoch (the one seen before the move).
     Finish(u64),
 }
@@ -385,7 +391,8 @@ pub enum Quick {
 /// [`transfer_then_store`] without a scratch list, for the common case where nothing near
 /// the data is watched (a ring slot or a stream's bytes, whose tripwires watch the words
 /// that publish them): `e1`, the index's bits over the data, the move, `store()`, the
-/// fence, `e2` and the bits over the word, and nothing else. Whatever it cannot settle it
+/// fence, `e2` and the armed states over the word ([`CamView::armed_over`]), and nothing
+/// else. Whatever it cannot settle it
 /// hands back: [`Quick::Watched`] before touching anything, [`Quick::Finish`] after the
 /// fence (then [`finish_store`] does what `transfer_then_store` does from there). The
 /// Dekker argument is `transfer_then_store`'s: every store before the fence, every look at
@@ -416,7 +423,9 @@ pub fn transfer_then_store_quick<E>(
     // the fence between an owner's arming and its look at the data, `crate::trip`).
     fence(Ordering::SeqCst);
     let e2 = watch.cam.header.epoch.load(Ordering::Acquire);
-    if e2 == e1 && !watch.cam.may_match(word_off, word_off.saturating_add(word_len)) {
+    // (the word is typically watched by a disarmed tripwire: its reader's, armed only while
+    // it sleeps; the mirrors say so without a scratch list or a firing attempt)
+    if e2 == e1 && !watch.cam.armed_over(watch.tag, word_off, word_off.saturating_add(word_len), Access::Write) {
         return Ok(Quick::Done);
     }
     Ok(Quick::Finish(e1))

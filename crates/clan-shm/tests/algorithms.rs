@@ -197,6 +197,9 @@ fn corrupted_index_costs_time_not_safety() {
     assert!(!consistent);
     let idx: Vec<u32> = out.iter().map(|c| c.index).collect();
     assert_eq!(idx, vec![0, 1], "each real entry reported once despite the cycle");
+    // The quick paths hand a corrupt index over to the whole path.
+    assert!(cv.armed_over(TAG, 0, 4096, Access::Write));
+    assert!(cv.armed_over(TAG, 100, 108, Access::Read), "a garbage head is an inconsistency");
 }
 
 #[derive(Debug, Clone)]
@@ -256,6 +259,8 @@ proptest! {
                 .map(|c| c.index).collect();
             found.sort();
             prop_assert_eq!(&found, &expect);
+            // The quick paths' question: anything armed to fire over the range?
+            prop_assert_eq!(cv.armed_over(TAG, off, off + len, Access::Write), !expect.is_empty());
             let fired = snoop::transfer(Access::Write, &watch, &sink, off, len, &mut scratch, |_, _| Ok::<(), ()>(())).unwrap();
             prop_assert_eq!(fired as usize, expect.len());
         }

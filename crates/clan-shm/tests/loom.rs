@@ -106,7 +106,7 @@ fn then_store_either(
 
 /// [`snoop::commit`], or its quick form (the whole commit when it cannot settle).
 fn commit_either(quick: bool, access: Access, watch: &Watch<'_>, sink: &LoomSink, off: u64, len: u64) -> u32 {
-    if quick && snoop::commit_quick(watch, off, len) {
+    if quick && snoop::commit_quick(access, watch, off, len) {
         return 0;
     }
     snoop::commit(access, watch, sink, off, len, &mut Vec::new())

@@ -339,7 +339,7 @@ impl Window {
     /// Fire the tripwires of `[abs, abs+len)` for `access`, the data being already in place.
     pub fn commit(&self, abs: u64, len: u64, access: Access) -> u32 {
         self.with_watch(|w| {
-            if snoop::commit_quick(w, abs, len) {
+            if snoop::commit_quick(access, w, abs, len) {
                 return 0;
             }
             let sink = self.port.sink(self.claim);
