@@ -615,7 +615,7 @@ impl Run {
                 Cmd::Connect(x) => self.dial(nic, x),
                 Cmd::Watch(x) => {
                     if !self.outs.contains_key(&x) {
-                        self.open_out(nic, x);
+                        self.open_out(nic, x, true);
                     }
                 }
                 Cmd::Unpark => self.unpark_asked = true,
@@ -1178,8 +1178,9 @@ impl Run {
     // ---- the host control channel, our outgoing side ---------------------------------
 
     /// Open our channel to `peer` (a NIC of this host): Some(token), or None if nothing
-    /// listens at that name on this host.
-    fn open_out(&mut self, nic: &Arc<NicInner>, peer: NicAddr) -> Option<Token> {
+    /// listens at that name on this host. `watch`: a NIC we already spoke to over its name,
+    /// to be watched for its death (nothing listening there means it is gone).
+    fn open_out(&mut self, nic: &Arc<NicInner>, peer: NicAddr, watch: bool) -> Option<Token> {
         let hello = Request::Hello { nic: nic.addr.socket_addr(), pid: std::process::id() }.encode(0);
         let now = Instant::now();
         let mut o = Out {
@@ -1195,6 +1196,20 @@ impl Run {
         match SeqPacket::connect_abstract_nonblocking(&peer.abstract_name()) {
             Ok(s) => o.sock = Some(s),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => o.retry_at = Some(now + RETRY),
+            Err(e)
+                if watch
+                    && matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound) =>
+            {
+                // A NIC we imported from (or sent to) over its name, and nobody listens
+                // there now: it is gone (its process died before we came to watch it, or
+                // between an import's reply and this). As `retry_out` does: what depends on
+                // it fails, and what was kept for it is let go — else a peer that died early
+                // would hold its port and chunks here for good. (Without `watch`, a refusal
+                // only says the NIC is not of this host: its messages take a link.)
+                tracing::debug!(%peer, "host peer gone before we watched it: {e}");
+                nic.peer_gone(peer);
+                return None;
+            }
             Err(_) => return None,
         }
         let t = self.token();
@@ -1353,7 +1368,7 @@ impl Run {
             if nic.config.local_transport == LocalTransport::SharedMemory {
                 let t = match self.outs.get(&to.nic) {
                     Some(t) => Some(*t),
-                    None => self.open_out(nic, to.nic),
+                    None => self.open_out(nic, to.nic, false),
                 };
                 if let Some(t) = t {
                     if let Some(Entry::Out(o)) = self.entries.get_mut(&t) {

@@ -487,9 +487,20 @@ impl NicInner {
     /// keeps its pool's last chunk for us too (`pool.rs`): a client that connects and closes
     /// in a loop then maps nothing after its first connection. What is kept is memory that
     /// peer granted us, its pages holes once every aperture of it was given back.
-    pub fn keep_mapped(&self, peer: NicAddr, chunk: Option<Arc<clan_shm::segment::Segment>>, port: &Arc<EqPort>) {
+    pub fn keep_mapped(
+        &self,
+        peer: &crate::peer::PeerConn,
+        chunk: Option<Arc<clan_shm::segment::Segment>>,
+        port: &Arc<EqPort>,
+    ) {
         let mut all = lock(&self.kept);
-        let k = all.entry(peer).or_default();
+        // Looked at under the lock `peer_gone` takes after marking the peer gone: a peer
+        // found alive here has its keep let go by its `peer_gone`; one gone already (it died
+        // while our import's reply was on its way) is not kept for.
+        if peer.is_broken() {
+            return;
+        }
+        let k = all.entry(peer.addr).or_default();
         if let Some(c) = chunk {
             if !k.chunks.iter().any(|x| Arc::ptr_eq(x, &c)) {
                 if k.chunks.len() >= KEPT_PER_PEER {

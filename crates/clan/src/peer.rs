@@ -591,9 +591,9 @@ pub(crate) fn finish_import(
     drop((memfd, index_fd));
     // A pool's chunks and our port stay mapped for the next import from that NIC.
     if data_chunk.is_some() || index_chunk.is_some() {
-        nic.keep_mapped(desc.nic(), data_chunk, &port);
+        nic.keep_mapped(&peer, data_chunk, &port);
         if index_chunk.is_some() {
-            nic.keep_mapped(desc.nic(), index_chunk, &port);
+            nic.keep_mapped(&peer, index_chunk, &port);
         }
     }
     let window = Window {
