@@ -1102,7 +1102,13 @@ impl Run {
                     if let Some((id, r)) = r {
                         let _ = c.sock.send(&r.encode(id), &[]);
                     }
-                    tracing::warn!(pid = c.cred.pid, "dropping a host connection: {why}");
+                    if got.len == 0 && got.fds.is_empty() {
+                        // An orderly end (a peer NIC closing, a probe of `verify_nic` done):
+                        // nothing to warn of.
+                        tracing::debug!(pid = c.cred.pid, "host connection ended by the peer");
+                    } else {
+                        tracing::warn!(pid = c.cred.pid, "dropping a host connection: {why}");
+                    }
                     return Some(why);
                 }
                 Step::Serve(id, req) => match req {
