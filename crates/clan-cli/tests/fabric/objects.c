@@ -332,6 +332,51 @@ int main(void)
 	      fi_close(&aav->fid) == 0 && fi_close(&adom->fid) == 0, "close the auto domain");
 	fi_freeinfo(ai);
 	fi_freeinfo(ah);
+
+	/* A serial domain (FI_THREAD_DOMAIN: this program makes one call at a time), whose
+	 * queue reads make the progress of its only endpoint without a lock: the queue follows
+	 * its endpoints as they are bound and closed (one, none, two, one, none), and never
+	 * uses one closed (memcheck would see it). */
+	struct fi_info *sh = fi_dupinfo(ours), *si = NULL;
+	sh->domain_attr->threading = FI_THREAD_DOMAIN;
+	CHECK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, sh, &si) == 0 && si->domain_attr->threading == FI_THREAD_DOMAIN,
+	      "a serial domain");
+	struct fid_domain *sdom;
+	struct fid_av *sav;
+	struct fid_cq *scq2;
+	struct fid_ep *sx, *sy, *sz;
+	CHECK(fi_domain(fabric, si, &sdom, NULL) == 0, "serial domain");
+	CHECK(fi_av_open(sdom, &av_attr, &sav, NULL) == 0 && fi_cq_open(sdom, &cq_attr, &scq2, NULL) == 0, "its av, cq");
+#define SERIAL_EP(e)                                                                                                \
+	CHECK(fi_endpoint(sdom, si, &e, NULL) == 0 && fi_ep_bind(e, &sav->fid, 0) == 0 &&                             \
+	      fi_ep_bind(e, &scq2->fid, FI_TRANSMIT | FI_RECV) == 0 && fi_enable(e) == 0, "endpoint " #e)
+	SERIAL_EP(sx);
+	for (int round = 0; round < 3; round++) {
+		if (round == 1) {
+			SERIAL_EP(sy);
+			SERIAL_EP(sz);
+		}
+		struct fid_ep *s = round == 0 ? sx : round == 1 ? sy : sz;
+		char sname[ADDR_LEN], sbuf[16] = { 0 };
+		len = sizeof sname;
+		fi_addr_t sfa;
+		CHECK(fi_getname(&s->fid, sname, &len) == 0 && fi_av_insert(sav, sname, 1, &sfa, 0, NULL) == 1,
+		      "round %d: its address", round);
+		CHECK(fi_recv(s, sbuf, sizeof sbuf, NULL, FI_ADDR_UNSPEC, (void *)(uintptr_t)(70 + round)) == 0,
+		      "round %d: recv", round);
+		CHECK(fi_inject(s, "serial", 7, sfa) == 0, "round %d: inject", round);
+		CHECK(outcome(scq2, &ctx) == 0 && ctx == (void *)(uintptr_t)(70 + round) && !strcmp(sbuf, "serial"),
+		      "round %d: received through the queue", round);
+		/* (round 1 closes one of two: the other is now the queue's only endpoint) */
+		CHECK(fi_close(&s->fid) == 0, "round %d: close", round);
+		struct fi_cq_tagged_entry se;
+		CHECK(fi_cq_read(scq2, &se, 1) == -FI_EAGAIN, "round %d: nothing more", round);
+	}
+#undef SERIAL_EP
+	CHECK(fi_close(&scq2->fid) == 0 && fi_close(&sav->fid) == 0 &&
+	      fi_close(&sdom->fid) == 0, "close the serial domain");
+	fi_freeinfo(si);
+	fi_freeinfo(sh);
 	CHECK(fi_close(&ep->fid) == 0, "close the endpoint");
 	CHECK(fi_close(&wc->fid) == 0 && fi_close(&rc->fid) == 0 && fi_close(&ro->fid) == 0, "close");
 
