@@ -1404,6 +1404,7 @@ impl Nic {
     /// drop(spin); // the spin ends (the engine listens again, if it had stopped)
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
+    #[inline]
     pub fn spin_links(&self) -> crate::LinkSpin {
         // A hint (Relaxed, as in `NicInner::progress`): a link that opens meanwhile is
         // served by the engine.

@@ -227,6 +227,7 @@ pub struct LinkSpin {
 
 impl LinkSpin {
     /// A spin on `nic`'s links (None: no link to drive).
+    #[inline]
     pub(crate) fn begin(nic: Option<Arc<NicInner>>) -> LinkSpin {
         let counted = nic.as_ref().is_some_and(|n| n.config.progress == crate::config::Progress::Engine);
         if let (true, Some(n)) = (counted, &nic) {
@@ -237,6 +238,7 @@ impl LinkSpin {
 
     /// Process the links' incoming traffic in this thread (what [`crate::Nic::progress`]
     /// does); whether there was any.
+    #[inline]
     pub fn drive(&self) -> bool {
         self.nic.as_ref().is_some_and(|n| n.progress())
     }
@@ -246,6 +248,7 @@ impl LinkSpin {
         self.end(true);
     }
 
+    #[inline]
     fn end(&mut self, sleeping: bool) {
         if !std::mem::replace(&mut self.counted, false) {
             return;
@@ -259,6 +262,7 @@ impl LinkSpin {
 }
 
 impl Drop for LinkSpin {
+    #[inline]
     fn drop(&mut self) {
         self.end(false);
     }
