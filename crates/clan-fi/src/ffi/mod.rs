@@ -791,8 +791,9 @@ struct CqObj {
     /// `eps`' lock. The application serializes every call on the queue with those on the
     /// endpoints bound to it (the threading model it asked for), so the endpoint is not
     /// closed while a read uses it: libfabric's own providers drop their locks in this
-    /// model too. Two locked instructions less on every read of a polling loop took
-    /// 20–30 ns off the one-way time of a ping-pong between two processes (`docs/ARCHITECTURE.md`).
+    /// model too. With two locked instructions fewer on every read of a polling loop, a
+    /// ping-pong between two processes took about 25 ns less one way (`docs/ARCHITECTURE.md`,
+    /// "Serial domains").
     sole: std::sync::atomic::AtomicUsize,
     /// Whether its domain is serial ([`Domain::serial`]).
     serial: bool,
