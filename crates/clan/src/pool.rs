@@ -48,7 +48,7 @@ use crate::error::ExportError;
 use crate::lock;
 
 /// Bytes of data per chunk (address space: its pages hold memory only where apertures were
-/// written, and a slice given back is punched out).
+/// written, and a slice given back is wiped or punched out: [`WIPE_MAX`]).
 pub const CHUNK_DATA: u64 = 16 << 20;
 /// Bytes of index per chunk.
 pub const CHUNK_INDEX: u64 = 1 << 20;
@@ -56,6 +56,17 @@ pub const CHUNK_INDEX: u64 = 1 << 20;
 /// MiB, so that a stream side of the default geometry (a 1 MiB ring, a 64 KiB post area and
 /// its control page) is pooled too, a dozen to a chunk: connecting makes no memfd then.
 pub const MAX_POOLED: u64 = CHUNK_DATA / 8;
+/// A slice given back with at most this many bytes holding memory (data and index: the pages
+/// its aperture's users wrote) is *wiped*: zeros stored over those bytes through the
+/// exporter's mapping, its pages kept. A larger one is punched out. Punching a hole unmaps
+/// its pages from every process that maps the chunk (a TLB shootdown, an interrupt to each
+/// CPU running one) and both sides fault them in again at the next connection: for a
+/// connection that wrote a page or two, that was most of its close and of the next one's
+/// set-up.
+pub const WIPE_MAX: u64 = 64 << 10;
+/// Bytes of wiped slices a pool keeps (resident, zeroed, for its next apertures) at most;
+/// past it, slices given back are punched out.
+pub const WARM_MAX: u64 = 4 << 20;
 
 /// One data memfd and one index memfd, mapped once, shared by the apertures carved from them.
 #[derive(Debug)]
@@ -121,8 +132,9 @@ impl Drop for Slice {
     }
 }
 
-/// Slices given back, by (data capacity, index length): (chunk, data offset, index offset).
-type FreeSlices = HashMap<(u64, u64), Vec<(Arc<Chunk>, u64, u64)>>;
+/// Slices given back, by (data capacity, index length): (chunk, data offset, index offset,
+/// bytes wiped rather than punched: still resident).
+type FreeSlices = HashMap<(u64, u64), Vec<(Arc<Chunk>, u64, u64, u64)>>;
 
 #[derive(Debug, Default)]
 struct PoolState {
@@ -136,6 +148,8 @@ struct PoolState {
     index_used: u64,
     /// Slices given back (zeroed).
     free: FreeSlices,
+    /// Resident bytes of the slices in `free` (wiped, not punched): at most [`WARM_MAX`].
+    warm: u64,
     /// The process that imports from the pool (pid, uid), once one did.
     bound: Option<(u32, u32)>,
     retired: bool,
@@ -163,8 +177,9 @@ impl Pool {
         let mut s = lock(&self.state);
         let slice =
             |chunk, data_off, index_off| Slice { pool: self.clone(), chunk, data_off, index_off, index_len, cap };
-        if let Some((chunk, d, i)) = s.free.get_mut(&(cap, index_len)).and_then(Vec::pop) {
+        if let Some((chunk, d, i, warm)) = s.free.get_mut(&(cap, index_len)).and_then(Vec::pop) {
             s.live += 1;
+            s.warm -= warm;
             return Ok(slice(chunk, d, i));
         }
         let fits = |s: &PoolState| {
@@ -187,18 +202,37 @@ impl Pool {
     /// at most, `nic.rs::releasable`): zeroed, for the pool's next aperture of that size. A
     /// retired pool keeps nothing. A pool whose last slice this was lets its chunks go,
     /// except the last one of a pool bound to a process of this host (retired, and so
-    /// emptied, when that process goes): all its slices given back, it holds no memory (its
-    /// pages are holes), only two descriptors and mappings, and a peer that connects and
-    /// closes in a loop does not make and unmake a chunk per connection (two memfds, their
-    /// seals and mappings here, mappings in the peer).
+    /// emptied, when that process goes): all its slices given back, it holds little memory
+    /// (its pages are holes, but for at most [`WARM_MAX`] bytes of wiped ones) and two
+    /// descriptors and mappings, and a peer that connects and closes in a loop does not make
+    /// and unmake a chunk per connection (two memfds, their seals and mappings here, mappings
+    /// in the peer).
+    ///
+    /// Zeroed how: the few bytes that hold memory of a slice that wrote little are wiped in
+    /// place, under the pool's lock (no system call, and its pages stay mapped here and in
+    /// the peer), while the pool's wiped bytes stay within [`WARM_MAX`]; anything else is
+    /// punched out ([`WIPE_MAX`]).
     fn give_back(&self, s: &Slice) {
-        let zeroed =
-            s.chunk.data.zero(s.data_off, s.cap).is_ok() && s.chunk.index.zero(s.index_off, s.index_len).is_ok();
+        let data = written(&s.chunk.data, s.data_off, s.cap, WIPE_MAX);
+        let index = data.as_ref().and_then(|d| written(&s.chunk.index, s.index_off, s.index_len, WIPE_MAX - d.bytes));
         let mut st = lock(&self.state);
+        let (zeroed, warm) = match (data, index) {
+            (Some(d), Some(i)) if !st.retired && st.warm + d.bytes + i.bytes <= WARM_MAX => {
+                (d.wipe(&s.chunk.data_seg) && i.wipe(&s.chunk.index_seg), d.bytes + i.bytes)
+            }
+            _ => {
+                drop(st);
+                let punched = s.chunk.data.zero(s.data_off, s.cap).is_ok()
+                    && s.chunk.index.zero(s.index_off, s.index_len).is_ok();
+                st = lock(&self.state);
+                (punched, 0)
+            }
+        };
         st.live -= 1;
         let keep = zeroed && !st.retired;
         if keep {
-            st.free.entry((s.cap, s.index_len)).or_default().push((s.chunk.clone(), s.data_off, s.index_off));
+            st.warm += warm;
+            st.free.entry((s.cap, s.index_len)).or_default().push((s.chunk.clone(), s.data_off, s.index_off, warm));
         }
         if st.live > 0 {
             return;
@@ -206,15 +240,17 @@ impl Pool {
         if !keep || st.bound.is_none() {
             st.chunks.clear();
             st.free.clear();
+            st.warm = 0;
             st.data_used = 0;
             st.index_used = 0;
         } else if st.chunks.len() > 1 {
             let last = st.chunks.pop().expect("more than one chunk");
             st.chunks = vec![last.clone()];
             st.free.retain(|_, v| {
-                v.retain(|(c, _, _)| Arc::ptr_eq(c, &last));
+                v.retain(|(c, _, _, _)| Arc::ptr_eq(c, &last));
                 !v.is_empty()
             });
+            st.warm = st.free.values().flatten().map(|e| e.3).sum();
         }
     }
 
@@ -239,6 +275,7 @@ impl Pool {
         let mut s = lock(&self.state);
         s.retired = true;
         s.free.clear();
+        s.warm = 0;
         s.chunks.clear();
     }
 
@@ -249,6 +286,53 @@ impl Pool {
     fn is_empty(&self) -> bool {
         lock(&self.state).live == 0
     }
+}
+
+/// The parts of a range of a chunk's memfd that hold memory (shared memory keeps pages only
+/// where something was written; the rest are holes, which read as zeros).
+#[derive(Debug)]
+struct Written {
+    /// (start, end) in the memfd, clipped to the range.
+    parts: Vec<(u64, u64)>,
+    bytes: u64,
+}
+
+impl Written {
+    /// Store zeros over every part, through the exporter's mapping of the memfd.
+    fn wipe(&self, seg: &Segment) -> bool {
+        self.parts.iter().all(|&(start, end)| seg.fill(start as usize, (end - start) as usize, 0).is_ok())
+    }
+}
+
+/// What of `[off, off + len)` in `fd` holds memory, if that is at most `max` bytes (`None`:
+/// more, or the file could not say: punch it instead). The memfd's open file description is
+/// shared with the peer, which may move its position: `SEEK_DATA` and `SEEK_HOLE` return
+/// their answer, they do not depend on the position.
+fn written(fd: &Memfd, off: u64, len: u64, max: u64) -> Option<Written> {
+    use rustix::fs::SeekFrom;
+    let end = off + len;
+    let mut w = Written { parts: Vec::new(), bytes: 0 };
+    let mut at = off;
+    while at < end {
+        let start = match rustix::fs::seek(fd, SeekFrom::Data(at)) {
+            Ok(d) if d >= end => break,
+            Ok(d) => d.max(at),
+            // No data from `at` to the end of the file.
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(_) => return None,
+        };
+        let stop = rustix::fs::seek(fd, SeekFrom::Hole(start)).ok()?.min(end);
+        if stop <= start {
+            return None;
+        }
+        w.bytes += stop - start;
+        if w.bytes > max {
+            return None;
+        }
+        w.parts.push((start, stop));
+        at = stop;
+    }
+    Some(w)
 }
 
 /// A NIC's pools, by peer NIC.
@@ -332,7 +416,7 @@ mod tests {
         let chunk = Arc::downgrade(&d.chunk);
         let (d_data, d_index) = (d.data_off, d.index_off);
         drop(d);
-        // A bound pool whose apertures are all gone keeps one chunk (holes only) for the next.
+        // A bound pool whose apertures are all gone keeps one chunk for the next.
         assert_eq!(pools.counts().1, 1);
         let e = q.carve(4096, 4096).unwrap();
         assert!(Arc::ptr_eq(&e.chunk, &chunk.upgrade().unwrap()), "the kept chunk is used again");
@@ -346,6 +430,73 @@ mod tests {
         let r = pools.for_peer(NicAddr::localhost(11));
         drop(r.carve(4096, 4096).unwrap());
         assert_eq!(pools.counts(), (1, 0));
+    }
+
+    /// Whether byte `at` of `fd` holds memory (not a hole).
+    fn resident(fd: &Memfd, at: u64) -> bool {
+        rustix::fs::seek(fd, rustix::fs::SeekFrom::Data(at)).is_ok_and(|d| d == at)
+    }
+
+    fn warm(p: &Pool) -> u64 {
+        lock(&p.state).warm
+    }
+
+    /// A slice that wrote a little is wiped in place (its pages stay, zeroed: nobody's TLB is
+    /// shot down, nobody faults them in again); one that wrote more than [`WIPE_MAX`] is
+    /// punched out. Either way, the next aperture carved there reads zeros.
+    #[test]
+    fn a_slice_given_back_is_wiped_if_it_wrote_little_and_punched_otherwise() {
+        let pools = Pools::default();
+        let p = pools.for_peer(NicAddr::localhost(12));
+        p.bind(10, 1000).unwrap();
+        let (small, big) = (p.carve(64 << 10, 4096).unwrap(), p.carve(1 << 20, 4096).unwrap());
+        let (c, s_off, b_off) = (small.chunk.clone(), small.data_off, big.data_off);
+        c.data_seg.write(s_off as usize + 5000, b"small").unwrap();
+        c.index_seg.write(small.index_off as usize + 8, b"i").unwrap();
+        c.data_seg.fill(b_off as usize, (WIPE_MAX + 4096) as usize, 3).unwrap();
+        drop(small);
+        assert!(resident(&c.data, s_off + 4096), "wiped: the written page stays");
+        assert_eq!(warm(&p), 8192, "a data page and an index page kept, wiped");
+        drop(big);
+        assert!(!resident(&c.data, b_off), "punched: more than WIPE_MAX was written");
+        assert_eq!(warm(&p), 8192);
+        for (cap, off) in [(64 << 10, s_off), (1 << 20, b_off)] {
+            let again = p.carve(cap, 4096).unwrap();
+            assert_eq!(again.data_off, off, "reused");
+            let mut buf = vec![1u8; cap as usize];
+            c.data_seg.read(off as usize, &mut buf).unwrap();
+            assert!(buf.iter().all(|&b| b == 0), "zeroed before reuse");
+            let mut idx = [1u8; 64];
+            c.index_seg.read(again.index_off as usize, &mut idx).unwrap();
+            assert_eq!(idx, [0; 64]);
+            std::mem::forget(again);
+        }
+        assert_eq!(warm(&p), 0, "a wiped slice taken again is no longer kept");
+    }
+
+    /// Wiped slices keep their pages: a pool keeps at most [`WARM_MAX`] bytes of them and
+    /// punches the slices given back past it.
+    #[test]
+    fn a_pool_keeps_few_wiped_pages() {
+        let pools = Pools::default();
+        let p = pools.for_peer(NicAddr::localhost(13));
+        p.bind(10, 1000).unwrap();
+        // A page of data and a line of index written each (1 KiB of index: all in one chunk).
+        let each = 4096 + 1024;
+        let n = (WARM_MAX / each) as usize + 20;
+        let s: Vec<Slice> = (0..n).map(|_| p.carve(4096, 1024).unwrap()).collect();
+        assert_eq!(p.chunks(), 1);
+        for x in &s {
+            x.chunk.data_seg.write(x.data_off as usize, b"x").unwrap();
+            x.chunk.index_seg.write(x.index_off as usize, b"x").unwrap();
+        }
+        let last = (s[n - 1].chunk.clone(), s[n - 1].data_off);
+        drop(s);
+        assert!(warm(&p) > WARM_MAX - each && warm(&p) <= WARM_MAX, "wiped up to the limit");
+        assert!(!resident(&last.0.data, last.1), "punched past it");
+        // The pool keeps them (and its last chunk) while it is bound; retired, nothing.
+        pools.retire(NicAddr::localhost(13));
+        assert_eq!(warm(&p), 0);
     }
 
     #[test]
