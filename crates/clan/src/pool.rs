@@ -34,6 +34,7 @@
 //! the peer may read and write all of them once it imports one.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use clan_shm::memfd::Memfd;
@@ -67,6 +68,8 @@ pub const WIPE_MAX: u64 = 64 << 10;
 /// Bytes of wiped slices a pool keeps (resident, zeroed, for its next apertures) at most;
 /// past it, slices given back are punched out.
 pub const WARM_MAX: u64 = 4 << 20;
+/// Bytes of wiped slices all the pools of a NIC keep at most (a server with many peers).
+pub const NIC_WARM_MAX: u64 = 16 << 20;
 
 /// One data memfd and one index memfd, mapped once, shared by the apertures carved from them.
 #[derive(Debug)]
@@ -148,7 +151,8 @@ struct PoolState {
     index_used: u64,
     /// Slices given back (zeroed).
     free: FreeSlices,
-    /// Resident bytes of the slices in `free` (wiped, not punched): at most [`WARM_MAX`].
+    /// Resident bytes of the slices in `free` (wiped, not punched): at most [`WARM_MAX`];
+    /// counted in the NIC's total too ([`Pool::set_warm`]).
     warm: u64,
     /// The process that imports from the pool (pid, uid), once one did.
     bound: Option<(u32, u32)>,
@@ -160,11 +164,47 @@ struct PoolState {
 pub(crate) struct Pool {
     pub peer: NicAddr,
     state: Mutex<PoolState>,
+    /// Wiped bytes kept by all the pools of the NIC: at most [`NIC_WARM_MAX`].
+    nic_warm: Arc<AtomicU64>,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        // Relaxed: a budget, ordering nothing.
+        self.nic_warm.fetch_sub(st.warm, Ordering::Relaxed);
+    }
 }
 
 impl Pool {
-    fn new(peer: NicAddr) -> Pool {
-        Pool { peer, state: Mutex::new(PoolState::default()) }
+    fn new(peer: NicAddr, nic_warm: Arc<AtomicU64>) -> Pool {
+        Pool { peer, state: Mutex::new(PoolState::default()), nic_warm }
+    }
+
+    /// Set the pool's wiped bytes kept to `to`, and the NIC's total with them.
+    fn set_warm(&self, st: &mut PoolState, to: u64) {
+        // Relaxed: a budget, ordering nothing (every change is made under the pool's lock,
+        // and the NIC's total is only compared with its limit).
+        if to >= st.warm {
+            self.nic_warm.fetch_add(to - st.warm, Ordering::Relaxed);
+        } else {
+            self.nic_warm.fetch_sub(st.warm - to, Ordering::Relaxed);
+        }
+        st.warm = to;
+    }
+
+    /// Count `bytes` more wiped bytes kept, if the pool's and the NIC's limits allow.
+    fn reserve_warm(&self, st: &mut PoolState, bytes: u64) -> bool {
+        if st.retired || st.warm + bytes > WARM_MAX {
+            return false;
+        }
+        // Relaxed: as in `set_warm`.
+        let fits = |w: u64| (w + bytes <= NIC_WARM_MAX).then_some(w + bytes);
+        if self.nic_warm.fetch_update(Ordering::Relaxed, Ordering::Relaxed, fits).is_err() {
+            return false;
+        }
+        st.warm += bytes;
+        true
     }
 
     /// Carve `cap` bytes of data (at most [`MAX_POOLED`]) and `index_len` bytes of index,
@@ -179,7 +219,8 @@ impl Pool {
             |chunk, data_off, index_off| Slice { pool: self.clone(), chunk, data_off, index_off, index_len, cap };
         if let Some((chunk, d, i, warm)) = s.free.get_mut(&(cap, index_len)).and_then(Vec::pop) {
             s.live += 1;
-            s.warm -= warm;
+            let to = s.warm - warm;
+            self.set_warm(&mut s, to);
             return Ok(slice(chunk, d, i));
         }
         let fits = |s: &PoolState| {
@@ -210,17 +251,29 @@ impl Pool {
     ///
     /// Zeroed how: the few bytes that hold memory of a slice that wrote little are wiped in
     /// place, under the pool's lock (no system call, and its pages stay mapped here and in
-    /// the peer), while the pool's wiped bytes stay within [`WARM_MAX`]; anything else is
-    /// punched out ([`WIPE_MAX`]).
+    /// the peer), while the pool's wiped bytes stay within [`WARM_MAX`] and the NIC's within
+    /// [`NIC_WARM_MAX`]; anything else is punched out ([`WIPE_MAX`]).
     fn give_back(&self, s: &Slice) {
         let data = written(&s.chunk.data, s.data_off, s.cap, WIPE_MAX);
         let index = data.as_ref().and_then(|d| written(&s.chunk.index, s.index_off, s.index_len, WIPE_MAX - d.bytes));
         let mut st = lock(&self.state);
-        let (zeroed, warm) = match (data, index) {
-            (Some(d), Some(i)) if !st.retired && st.warm + d.bytes + i.bytes <= WARM_MAX => {
-                (d.wipe(&s.chunk.data_seg) && i.wipe(&s.chunk.index_seg), d.bytes + i.bytes)
+        let wiped = match (data, index) {
+            (Some(d), Some(i)) if self.reserve_warm(&mut st, d.bytes + i.bytes) => {
+                let bytes = d.bytes + i.bytes;
+                if d.wipe(&s.chunk.data_seg) && i.wipe(&s.chunk.index_seg) {
+                    Some(bytes)
+                } else {
+                    let to = st.warm - bytes;
+                    self.set_warm(&mut st, to);
+                    None
+                }
             }
-            _ => {
+            _ => None,
+        };
+        // (wiped: under the lock all along, so the pool cannot have been retired meanwhile)
+        let (zeroed, warm) = match wiped {
+            Some(bytes) => (true, bytes),
+            None => {
                 drop(st);
                 let punched = s.chunk.data.zero(s.data_off, s.cap).is_ok()
                     && s.chunk.index.zero(s.index_off, s.index_len).is_ok();
@@ -231,7 +284,6 @@ impl Pool {
         st.live -= 1;
         let keep = zeroed && !st.retired;
         if keep {
-            st.warm += warm;
             st.free.entry((s.cap, s.index_len)).or_default().push((s.chunk.clone(), s.data_off, s.index_off, warm));
         }
         if st.live > 0 {
@@ -240,7 +292,7 @@ impl Pool {
         if !keep || st.bound.is_none() {
             st.chunks.clear();
             st.free.clear();
-            st.warm = 0;
+            self.set_warm(&mut st, 0);
             st.data_used = 0;
             st.index_used = 0;
         } else if st.chunks.len() > 1 {
@@ -250,7 +302,8 @@ impl Pool {
                 v.retain(|(c, _, _, _)| Arc::ptr_eq(c, &last));
                 !v.is_empty()
             });
-            st.warm = st.free.values().flatten().map(|e| e.3).sum();
+            let to = st.free.values().flatten().map(|e| e.3).sum();
+            self.set_warm(&mut st, to);
         }
     }
 
@@ -275,7 +328,7 @@ impl Pool {
         let mut s = lock(&self.state);
         s.retired = true;
         s.free.clear();
-        s.warm = 0;
+        self.set_warm(&mut s, 0);
         s.chunks.clear();
     }
 
@@ -339,6 +392,8 @@ fn written(fd: &Memfd, off: u64, len: u64, max: u64) -> Option<Written> {
 #[derive(Debug, Default)]
 pub(crate) struct Pools {
     by_peer: Mutex<HashMap<NicAddr, Arc<Pool>>>,
+    /// Wiped bytes kept by all of them ([`NIC_WARM_MAX`]).
+    warm: Arc<AtomicU64>,
 }
 
 impl Pools {
@@ -351,7 +406,7 @@ impl Pools {
         // Forget the pools of other peers that hold nothing (peers over links are never
         // told gone), so that the table stays as small as the live peers.
         m.retain(|_, p| !p.is_empty());
-        m.entry(peer).or_insert_with(|| Arc::new(Pool::new(peer))).clone()
+        m.entry(peer).or_insert_with(|| Arc::new(Pool::new(peer, self.warm.clone()))).clone()
     }
 
     /// `peer` went away (its NIC closed, its process died): its pool takes no new aperture
@@ -497,6 +552,39 @@ mod tests {
         // The pool keeps them (and its last chunk) while it is bound; retired, nothing.
         pools.retire(NicAddr::localhost(13));
         assert_eq!(warm(&p), 0);
+        assert_eq!(pools.warm.load(Ordering::Relaxed), 0);
+    }
+
+    /// All the pools of a NIC keep at most [`NIC_WARM_MAX`] wiped bytes between them, and a
+    /// pool that goes takes its share with it.
+    #[test]
+    fn a_nics_pools_keep_few_wiped_pages_between_them() {
+        let pools = Pools::default();
+        let n_pools = (NIC_WARM_MAX / WARM_MAX) as u16 + 1;
+        // A page of data written each, the index untouched (1 KiB each: all in one chunk).
+        let per_pool = (WARM_MAX / 4096) as usize;
+        let ps: Vec<Arc<Pool>> = (0..n_pools)
+            .map(|k| {
+                let p = pools.for_peer(NicAddr::localhost(100 + k));
+                p.bind(10 + u32::from(k), 1000).unwrap();
+                let s: Vec<Slice> = (0..per_pool).map(|_| p.carve(4096, 1024).unwrap()).collect();
+                assert_eq!(p.chunks(), 1);
+                for x in &s {
+                    x.chunk.data_seg.write(x.data_off as usize, b"x").unwrap();
+                }
+                drop(s);
+                p
+            })
+            .collect();
+        let total: u64 = ps.iter().map(|p| warm(p)).sum();
+        assert_eq!(total, pools.warm.load(Ordering::Relaxed));
+        assert_eq!(total, NIC_WARM_MAX, "wiped up to the NIC's limit");
+        assert_eq!(warm(&ps[n_pools as usize - 1]), 0, "the last pool found the NIC's budget spent");
+        for k in 0..n_pools {
+            pools.retire(NicAddr::localhost(100 + k));
+        }
+        drop(ps);
+        assert_eq!(pools.warm.load(Ordering::Relaxed), 0);
     }
 
     #[test]
