@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use super::Result;
 use super::asyncio::{TokioPoint, TokioReport};
 use super::bandwidth::BandwidthReport;
+use super::connect::ConnectReport;
 use super::fabric::FabricReport;
 use super::latency::LatencyReport;
 use super::queue::{QueuePoint, QueueReport};
@@ -155,6 +156,7 @@ pub fn run(a: &PaperArgs) -> Result<()> {
         ("stream sockets", fig_stream, 4),
         ("tokio: concurrent clients", fig_tokio, 2),
         ("RPC", fig_rpc, 1),
+        ("connection set-up", fig_connect, 1),
         ("unmodified applications under clan run", fig_run, 3),
         ("libfabric programs and MPI over the clan provider", fig_fabric, 8),
     ];
@@ -929,6 +931,52 @@ fn fig_rpc(p: Profile) -> Result<Figure> {
                 ]
             })
             .collect(),
+        data: serde_json::to_value(&v)?,
+        skipped: None,
+    })
+}
+
+/// Connection set-up: a stream connected, a byte each way, closed, one after another (not
+/// in the papers, whose connections were set up once; servers of short connections are what
+/// many of our users run).
+fn fig_connect(p: Profile) -> Result<Figure> {
+    let (iters, rounds) = match p {
+        Profile::Smoke => ("50", "1"),
+        Profile::Quick => ("300", "2"),
+        Profile::Default => ("1000", "4"),
+        Profile::Full => ("2000", "6"),
+    };
+    let v: ConnectReport = bench_as(&s(&["connect", "--iters", iters, "--rounds", rounds]))?;
+    Ok(Figure {
+        id: "connect",
+        title: "Connection set-up: connect, a byte each way, close",
+        paper: "(not in the papers: their connections were made once; short connections are what many servers take)",
+        ours: format!(
+            "{} p50, {:.0} connections/s: {}× kernel TCP's p50",
+            nsu(v.connect_p50_ns),
+            v.conns_per_s,
+            r2(v.ratio_p50_vs_tcp)
+        ),
+        rows: vec![
+            (
+                "connect and first byte echoed (p50)".into(),
+                nsu(v.connect_p50_ns),
+                format!("{} (tcp), {} (unix)", nsu(v.tcp_connect_p50_ns), nsu(v.unix_connect_p50_ns)),
+                r2(v.ratio_p50_vs_tcp),
+            ),
+            (
+                "connect and first byte echoed (p99)".into(),
+                nsu(v.connect_p99_ns),
+                format!("{} (tcp), {} (unix)", nsu(v.tcp_connect_p99_ns), nsu(v.unix_connect_p99_ns)),
+                r2(v.connect_p99_ns as f64 / v.tcp_connect_p99_ns.max(1) as f64),
+            ),
+            (
+                "connections/s, one at a time".into(),
+                format!("{:.0}", v.conns_per_s),
+                format!("{:.0} (tcp), {:.0} (unix)", v.tcp_conns_per_s, v.unix_conns_per_s),
+                times(v.conns_per_s / v.tcp_conns_per_s.max(1.0)),
+            ),
+        ],
         data: serde_json::to_value(&v)?,
         skipped: None,
     })
