@@ -126,8 +126,22 @@ impl Runtime {
         }
     }
 
+    /// The claim of `token` is withdrawn: its stream, come or to come, is dropped, and an
+    /// `accept` of its connection takes none.
     fn decline(&self, token: u64) {
+        // (a stream that came already is dropped here: replaced)
         lock(&self.attached).insert(token, Attach::Declined);
+        self.cv.notify_all();
+    }
+
+    /// The stream that brings `token` came: filed for `accept`, unless its claim was
+    /// withdrawn meanwhile (then dropped).
+    fn attach(&self, token: u64, s: Stream, q: EventQueue) {
+        let mut m = lock(&self.attached);
+        if !matches!(m.get(&token), Some(Attach::Declined)) {
+            m.insert(token, Attach::Ready(s, q));
+        }
+        drop(m);
         self.cv.notify_all();
     }
 }
@@ -152,8 +166,7 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
                 let _ = s.set_read_timeout(Some(ATTACH_WAIT));
                 if (&s).read_exact(&mut tok).is_ok() {
                     let _ = s.set_read_timeout(None);
-                    lock(&r.attached).insert(u64::from_le_bytes(tok), Attach::Ready(s, q));
-                    r.cv.notify_all();
+                    r.attach(u64::from_le_bytes(tok), s, q);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
@@ -432,27 +445,48 @@ fn is_local(ip: IpAddr) -> bool {
     rustix::net::bind(&s, &SocketAddr::new(ip, 0)).is_ok()
 }
 
-/// What `connect` should do after a claim.
+/// What `connect` should do after a claim: its clan stream, connected and carrying the
+/// token already.
 #[derive(Debug)]
 pub(crate) struct Claimed {
     token: u64,
-    server: EndpointAddr,
     chan: SeqPacket,
+    stream: (Stream, EventQueue),
 }
 
 /// Before the kernel `connect` of `fd` to `dest`: claim the connection if a clan-run
-/// process listens there. None: a plain connection.
+/// process listens there, and connect its clan stream. None: a plain connection.
+///
+/// The stream comes first, so that it is in the server's hands by the time the server
+/// accepts the kernel's connection: its `accept` then takes it without waiting (made after
+/// the kernel's connection, the stream's whole set-up was spent in the server's `accept`, and
+/// a single-threaded server took one connection at a time).
 pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claimed> {
-    match make_claim(fd, dest) {
-        Ok(c) => Some(c),
+    let (token, server, chan) = match make_claim(fd, dest) {
+        Ok(c) => c,
         Err(why) => {
             crate::say(format_args!("connection to {dest} left to the kernel: {why}"));
+            return None;
+        }
+    };
+    let stream = (|| {
+        let rt = runtime()?;
+        let q = small_queue(&rt.nic).ok()?;
+        let s = Stream::connect_to(&rt.nic, server, &StreamConfig::default(), &q).ok()?;
+        (&s).write_all(&token.to_le_bytes()).ok()?;
+        Some((s, q))
+    })();
+    match stream {
+        Some(stream) => Some(Claimed { token, chan, stream }),
+        None => {
+            withdraw(&chan, token);
+            crate::say(format_args!("connection to {dest} left to the kernel (the clan stream failed)"));
             None
         }
     }
 }
 
-fn make_claim(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
+fn make_claim(fd: c_int, dest: SocketAddr) -> Result<(u64, EndpointAddr, SeqPacket), &'static str> {
     tcp_local(fd).ok_or("not a TCP socket")?;
     if !is_local(dest.ip()) {
         return Err("not an address of this host");
@@ -478,35 +512,33 @@ fn make_claim(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
     let token = u64::from_le_bytes(r[2..10].try_into().map_err(|_| "a malformed answer")?);
     let server: EndpointAddr =
         std::str::from_utf8(&r[10..]).ok().and_then(|a| a.parse().ok()).ok_or("a malformed answer")?;
-    Ok(Claimed { token, server, chan })
+    Ok((token, server, chan))
+}
+
+/// The connection will not be accelerated: tell the server now (its `accept` need not wait
+/// for a stream, and drops the one that came).
+fn withdraw(chan: &SeqPacket, token: u64) {
+    let mut m = b"DECLINE".to_vec();
+    m.extend_from_slice(&token.to_le_bytes());
+    let _ = chan.send(&m, &[]);
 }
 
 impl Claimed {
-    /// The kernel connection is up: connect the clan stream and send the token. None: the
+    /// The kernel connection is up: the connection goes over the clan stream. None: the
     /// claim is withdrawn and the connection stays with the kernel.
     pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
-        let r = (|| {
-            if peer_of(fd) != Some(dest) {
-                return None;
-            }
-            let rt = runtime()?;
-            let q = small_queue(&rt.nic).ok()?;
-            let s = Stream::connect_to(&rt.nic, self.server, &StreamConfig::default(), &q).ok()?;
-            (&s).write_all(&self.token.to_le_bytes()).ok()?;
-            Conn::new(s, q, nonblock).ok()
-        })();
+        let Claimed { token, chan, stream: (s, q) } = self;
+        let r = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
         if r.is_none() {
-            self.withdraw();
+            withdraw(&chan, token);
         }
         r
     }
 
-    /// The connection will not be accelerated: tell the server now (its `accept` need not
-    /// wait for a stream).
+    /// The connection will not be accelerated (its kernel `connect` failed): tell the
+    /// server now, which drops the stream.
     pub(crate) fn withdraw(self) {
-        let mut m = b"DECLINE".to_vec();
-        m.extend_from_slice(&self.token.to_le_bytes());
-        let _ = self.chan.send(&m, &[]);
+        withdraw(&self.chan, self.token);
     }
 }
 
