@@ -44,6 +44,14 @@ pub(crate) struct Conn {
     switching: Mutex<()>,
 }
 
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // Its queue serves the next connection (the stream and the tripwires on the queue go
+        // right after this, with the other fields).
+        crate::registry::recycle_queue(self.queue.clone());
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

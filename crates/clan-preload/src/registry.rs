@@ -44,6 +44,8 @@ pub(crate) struct Runtime {
     /// Streams that arrived with a token, until their connection is accepted.
     attached: Mutex<HashMap<u64, Attach>>,
     cv: Condvar,
+    /// Queues of closed connections ([`QUEUES_KEPT`] at most), for new ones.
+    queues: Mutex<Vec<EventQueue>>,
     next_token: AtomicU64,
 }
 
@@ -80,6 +82,12 @@ fn fd_floor() -> i32 {
     (soft / 2).clamp(256, 1 << 16) as i32
 }
 
+/// Queues of connections that are gone, kept for the next ones: a queue is a memfd, an
+/// eventfd and a mapping here, and a port (another memfd and eventfd) in each peer process
+/// that posts to it; made and unmade per connection, they were much of a short connection's
+/// cost.
+const QUEUES_KEPT: usize = 32;
+
 fn small_queue(nic: &Nic) -> io::Result<EventQueue> {
     nic.event_queue(EventQueueConfig { ring_capacity: 64, tripwires: 64, ..EventQueueConfig::default() })
         .map_err(io::Error::other)
@@ -97,11 +105,23 @@ impl Runtime {
             nic,
             attached: Mutex::new(HashMap::new()),
             cv: Condvar::new(),
+            queues: Mutex::new(Vec::new()),
             next_token: AtomicU64::new(u64::from(std::process::id()) << 32 | 1),
         });
         let weak = Arc::downgrade(&rt);
         std::thread::Builder::new().name("clan-run-accept".into()).spawn(move || take_streams(weak, listener))?;
         Ok(rt)
+    }
+
+    /// A queue for a new connection: one a closed connection left (emptied: what its
+    /// connection's last moments posted only wakes, and its next `arm` resets what is
+    /// readable), or a new one.
+    fn queue(&self) -> io::Result<EventQueue> {
+        if let Some(q) = lock(&self.queues).pop() {
+            while q.try_take().is_some() {}
+            return Ok(q);
+        }
+        small_queue(&self.nic)
     }
 
     fn token(&self) -> u64 {
@@ -146,6 +166,16 @@ impl Runtime {
     }
 }
 
+/// The queue of a connection that is gone, for the next one (kept if there is room).
+pub(crate) fn recycle_queue(q: EventQueue) {
+    if let Some(Some(rt)) = RUNTIME.get() {
+        let mut v = lock(&rt.queues);
+        if v.len() < QUEUES_KEPT {
+            v.push(q);
+        }
+    }
+}
+
 /// The runtime's thread: accept clan streams, each with its own queue, and file each under
 /// the token it sends first.
 fn take_streams(rt: Weak<Runtime>, listener: Listener) {
@@ -153,7 +183,7 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
     loop {
         let Some(r) = rt.upgrade() else { return };
         if queue.is_none() {
-            queue = small_queue(&r.nic).ok();
+            queue = r.queue().ok();
         }
         let Some(q) = queue.as_ref() else {
             std::thread::sleep(Duration::from_millis(100));
@@ -471,7 +501,7 @@ pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claime
     };
     let stream = (|| {
         let rt = runtime()?;
-        let q = small_queue(&rt.nic).ok()?;
+        let q = rt.queue().ok()?;
         let s = Stream::connect_to(&rt.nic, server, &StreamConfig::default(), &q).ok()?;
         (&s).write_all(&token.to_le_bytes()).ok()?;
         Some((s, q))
