@@ -117,6 +117,27 @@ fn child() {
             s.shutdown(Shutdown::Write).unwrap();
             println!("echoed {total}");
         }
+        "silent_streams" => {
+            // Claim a connection to the server (any TCP socket of ours will do), learn its
+            // runtime's clan address from the answer, connect clan streams there and send
+            // nothing on them.
+            use std::os::fd::AsFd;
+            let (port, n): (u16, usize) = (args[0].parse().unwrap(), args[1].parse().unwrap());
+            let chan =
+                clan_shm::seqpacket::SeqPacket::connect_abstract(format!("clan-run/127.0.0.1:{port}").as_bytes())
+                    .unwrap();
+            let sock = TcpListener::bind("127.0.0.1:0").unwrap();
+            chan.send(b"CLAIM", &[sock.as_fd()]).unwrap();
+            let mut buf = [0u8; 256];
+            let m = chan.recv(&mut buf).unwrap();
+            let r = &buf[..m.len];
+            assert!(r.starts_with(b"OK") && r.len() > 10, "the claim was refused");
+            let addr: clan::EndpointAddr = std::str::from_utf8(&r[10..]).unwrap().parse().unwrap();
+            let nic = clan::Nic::open_default().unwrap();
+            let streams: Vec<_> = (0..n).map(|_| clan_proto::stream::Stream::connect(&nic, addr).unwrap()).collect();
+            println!("silent {}", streams.len());
+            std::thread::sleep(Duration::from_secs(50));
+        }
         "echo_client" => {
             let port: u16 = args[0].parse().unwrap();
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -858,6 +879,27 @@ fn blocking_sockets_both_sides_over_clan() {
     assert_eq!(server.expect("echoed"), (1 << 20).to_string());
     let serr = server.finish(Duration::from_secs(60));
     assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
+}
+
+/// A process that connects clan streams to a server's runtime and never sends their tokens
+/// (anyone may reach the runtime's listener) costs only its own streams: a claimed connection
+/// made meanwhile still goes over clan on both sides and carries every byte. (The runtime's
+/// thread used to wait for each stream's token in turn, up to 5 s each: behind sixteen
+/// silent streams, the claimant's own stream waited 80 s to be accepted, past the children's
+/// 60 s watchdog.)
+#[test]
+fn silent_streams_to_the_runtime_hold_up_nobody() {
+    let mut server = Proc::spawn("echo_server", &[], true);
+    let port = server.expect("port");
+    let mut silent = Proc::spawn("silent_streams", &[&port, "16"], false);
+    silent.expect("silent 16");
+    let mut client = Proc::spawn("echo_client", &[&port], true);
+    client.expect("client ok");
+    let cerr = client.finish(Duration::from_secs(60));
+    assert_eq!(server.expect("echoed"), (1 << 20).to_string());
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
+    drop(silent);
 }
 
 /// A C program (`tests/run/echo.c`: a server thread with epoll, a client with poll, 64-byte

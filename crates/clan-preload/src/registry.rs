@@ -176,10 +176,27 @@ pub(crate) fn recycle_queue(q: EventQueue) {
     }
 }
 
+/// Streams accepted whose token has not come yet, at most: past it, the oldest go.
+const MAX_PENDING: usize = 1024;
+
+/// A stream accepted, until its token has come.
+struct Pending {
+    stream: Stream,
+    queue: EventQueue,
+    token: [u8; 8],
+    got: usize,
+    since: Instant,
+}
+
 /// The runtime's thread: accept clan streams, each with its own queue, and file each under
-/// the token it sends first.
+/// the token it sends first. It never waits for one stream's token: a client that connects
+/// and sends nothing (slow, or hostile: anyone may connect to the runtime's listener) costs
+/// only its own stream, dropped after [`ATTACH_WAIT`], and every other stream is filed as
+/// soon as its token is there (a claimant sends it at once, usually before this thread
+/// takes its stream).
 fn take_streams(rt: Weak<Runtime>, listener: Listener) {
     let mut queue = None;
+    let mut pending: Vec<Pending> = Vec::new();
     loop {
         let Some(r) = rt.upgrade() else { return };
         if queue.is_none() {
@@ -189,23 +206,56 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
             std::thread::sleep(Duration::from_millis(100));
             continue;
         };
-        match listener.accept_to(q, Duration::from_millis(500)) {
-            Ok((s, _)) => {
-                let q = queue.take().expect("a queue");
-                let mut tok = [0u8; 8];
-                let _ = s.set_read_timeout(Some(ATTACH_WAIT));
-                if (&s).read_exact(&mut tok).is_ok() {
-                    let _ = s.set_read_timeout(None);
-                    r.attach(u64::from_le_bytes(tok), s, q);
+        // With tokens outstanding, look at them again every millisecond.
+        let wait = if pending.is_empty() { Duration::from_millis(500) } else { Duration::from_millis(1) };
+        match listener.accept_to(q, wait) {
+            Ok((stream, _)) => {
+                let queue = queue.take().expect("a queue");
+                if stream.set_nonblocking(true).is_ok() {
+                    pending.push(Pending { stream, queue, token: [0; 8], got: 0, since: Instant::now() });
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
+        take_tokens(&r, &mut pending);
+        if pending.len() > MAX_PENDING {
+            pending.drain(..pending.len() - MAX_PENDING);
+        }
         // Forget streams nobody accepted (their client gave up, or the server never accepts).
         let mut m = lock(&r.attached);
         if m.len() > 4096 {
             m.clear();
+        }
+    }
+}
+
+/// File the pending streams whose token came; drop those that ended or waited too long.
+fn take_tokens(rt: &Runtime, pending: &mut Vec<Pending>) {
+    let mut i = 0;
+    while i < pending.len() {
+        let p = &mut pending[i];
+        let keep = loop {
+            match (&p.stream).read(&mut p.token[p.got..]) {
+                Ok(0) => break false,
+                Ok(n) => {
+                    p.got += n;
+                    if p.got == p.token.len() {
+                        break false;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break p.since.elapsed() < ATTACH_WAIT,
+                Err(_) => break false,
+            }
+        };
+        if keep {
+            i += 1;
+            continue;
+        }
+        let p = pending.swap_remove(i);
+        if p.got == p.token.len() {
+            rt.attach(u64::from_le_bytes(p.token), p.stream, p.queue);
         }
     }
 }
