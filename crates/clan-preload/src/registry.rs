@@ -27,8 +27,13 @@ use libc::c_int;
 use crate::conn::Conn;
 use crate::real;
 
-/// How long a claim waits for its connection to be accepted.
-const CLAIM_LIFE: Duration = Duration::from_secs(30);
+/// Claims a listener holds at most (each is taken by `accept`, or withdrawn by its client;
+/// only a client that died between its claim and its `connect` leaves one behind). A claim
+/// has no deadline: a connection may wait in the listener's backlog as long as the server
+/// likes, as a kernel one may (claims used to expire after 30 s; a connection accepted later
+/// went to the kernel on the server's side while its client sent over clan, and both waited
+/// for good).
+const MAX_CLAIMS: usize = 65536;
 /// How long `accept` waits for the clan stream of a claimed connection.
 const ATTACH_WAIT: Duration = Duration::from_secs(5);
 
@@ -222,9 +227,11 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
         if pending.len() > MAX_PENDING {
             pending.drain(..pending.len() - MAX_PENDING);
         }
-        // Forget streams nobody accepted (their client gave up, or the server never accepts).
+        // Streams wait for their connection's `accept` as long as its claim does; past as
+        // many as a listener may hold claims, forget them all (clients that died between
+        // their claim and their `connect` left them).
         let mut m = lock(&r.attached);
-        if m.len() > 4096 {
+        if m.len() > MAX_CLAIMS {
             m.clear();
         }
     }
@@ -263,8 +270,8 @@ fn take_tokens(rt: &Runtime, pending: &mut Vec<Pending>) {
 /// A registered listening socket.
 #[derive(Debug)]
 pub(crate) struct Registered {
-    /// Claims not yet accepted: the claimant's socket inode → (token, expiry).
-    pending: Mutex<HashMap<u64, (u64, Instant)>>,
+    /// Claims not yet accepted: the claimant's socket inode → token ([`MAX_CLAIMS`]).
+    pending: Mutex<HashMap<u64, u64>>,
     closed: AtomicBool,
 }
 
@@ -404,7 +411,7 @@ pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
     }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let inode = crate::procnet::inode_of(peer_of(fd)?, local)?;
-    pending.get(&inode).map(|(t, _)| *t)
+    pending.get(&inode).copied()
 }
 
 /// In the parent: a child accepted the claimed connection `token`: hand its clan stream over
@@ -412,7 +419,7 @@ pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
 pub(crate) fn hand_over_claimed(token: u64) {
     if let Some(m) = LISTENERS.get() {
         for r in lock(m).values() {
-            lock(&r.pending).retain(|_, (t, _)| *t != token);
+            lock(&r.pending).retain(|_, t| *t != token);
         }
     }
     let Some(rt) = runtime() else { return };
@@ -465,7 +472,7 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
                 } else if msg.starts_with(b"DECLINE") && msg.len() == 15 {
                     let t = u64::from_le_bytes(msg[7..15].try_into().unwrap_or_default());
                     if tokens.contains(&t) {
-                        lock(&reg.pending).retain(|_, (tok, _)| *tok != t);
+                        lock(&reg.pending).retain(|_, tok| *tok != t);
                         rt.decline(t);
                     }
                 }
@@ -474,7 +481,6 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => true,
             Err(_) => false,
         });
-        lock(&reg.pending).retain(|_, (_, exp)| *exp > Instant::now());
         if !busy {
             // No claim in flight: look again soon (a claim costs its client one round trip
             // to this thread; a sleeping thread answers within this pause).
@@ -500,10 +506,10 @@ fn claim(rt: &Runtime, reg: &Registered, sock: &std::os::fd::OwnedFd, from: &Seq
     }
     let token = rt.token();
     let mut p = lock(&reg.pending);
-    if p.len() >= 65536 {
+    if p.len() >= MAX_CLAIMS {
         return (b"NO".to_vec(), None);
     }
-    p.insert(st.st_ino, (token, Instant::now() + CLAIM_LIFE));
+    p.insert(st.st_ino, token);
     let mut reply = b"OK".to_vec();
     reply.extend_from_slice(&token.to_le_bytes());
     reply.extend_from_slice(rt.addr.to_string().as_bytes());
@@ -632,7 +638,7 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let peer = peer_of(fd)?;
     let inode = crate::procnet::inode_of(peer, local)?;
-    let (token, _) = lock(&reg.pending).remove(&inode)?;
+    let token = lock(&reg.pending).remove(&inode)?;
     let rt = runtime()?;
     let (s, q) = rt.wait_attached(token)?;
     match Conn::new(s, q, nonblock) {
