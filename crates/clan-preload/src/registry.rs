@@ -260,7 +260,8 @@ fn take_tokens(rt: &Runtime, pending: &mut Vec<Pending>) {
             i += 1;
             continue;
         }
-        let p = pending.swap_remove(i);
+        // (in order: the oldest stay first, for `MAX_PENDING`)
+        let p = pending.remove(i);
         if p.got == p.token.len() {
             rt.attach(u64::from_le_bytes(p.token), p.stream, p.queue);
         }
