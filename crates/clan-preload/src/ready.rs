@@ -18,7 +18,10 @@ use libc::{c_int, epoll_event, pollfd};
 use crate::conn::Conn;
 use crate::{real, table};
 
-/// Tag of our own entries in an application's epoll set (a queue's descriptor).
+/// Tag of our own entries in an application's epoll set: the entry's data is the tag and
+/// the queue's own descriptor. (The queue's, not the member's: a queue outlives its
+/// connection, given to the next one (`registry.rs::recycle_queue`), and stays in the sets
+/// it was in until a wake-up through one finds it no member's there: then it leaves.)
 const TAG: u64 = 0xC1A9_5EED_0000_0000;
 const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
 
@@ -334,7 +337,7 @@ pub(crate) fn epoll_ctl(
             }
             let (events, data) = ev.ok_or(libc::EFAULT)?;
             let qfd = queue_fd(&conn);
-            match real::epoll_control(epfd, libc::EPOLL_CTL_ADD, qfd, libc::EPOLLIN as u32, TAG | fd as u32 as u64) {
+            match real::epoll_control(epfd, libc::EPOLL_CTL_ADD, qfd, libc::EPOLLIN as u32, TAG | qfd as u32 as u64) {
                 Ok(()) | Err(libc::EEXIST) => {}
                 Err(e) => return Err(e),
             }
@@ -355,8 +358,8 @@ pub(crate) fn epoll_ctl(
             // The set stays marked as ours even when it has no accelerated member left: our
             // queue entries may still be in the kernel's set, and only our `epoll_wait` filters
             // them out. The queue stays in the kernel's set (programs remove and add again on every
-            // change of interest; a stray wake-up from it is drained and ignored), until the
-            // connection closes and the kernel drops it.
+            // change of interest), until a wake-up through it finds it no member's here
+            // (`epoll_wait`), or the set closes.
             Ok(())
         }
         _ => Err(libc::EINVAL),
@@ -506,14 +509,11 @@ pub(crate) fn epoll_wait(
         // Drop our own (queue) entries from the kernel's, in place.
         let base = got.len();
         let mut kept = 0;
-        let mut woke = false;
+        let mut woke: Vec<c_int> = Vec::new();
         for i in 0..n {
             let ev = out[base + i];
             if ev.u64 & TAG_MASK == TAG {
-                woke = true;
-                if let Some(c) = table::get((ev.u64 & !TAG_MASK) as c_int) {
-                    c.drain();
-                }
+                woke.push((ev.u64 & !TAG_MASK) as c_int);
             } else {
                 out[base + kept] = ev;
                 kept += 1;
@@ -521,9 +521,24 @@ pub(crate) fn epoll_wait(
         }
         out[..base].copy_from_slice(&got);
         let mut total = base + kept;
-        if woke {
-            for (_, conn, ..) in members(epfd) {
+        if !woke.is_empty() {
+            let now = members(epfd);
+            for (_, conn, ..) in &now {
                 conn.drain();
+            }
+            // A queue no member of this set has now (its connection closed, or left the set,
+            // and the queue perhaps serves another one elsewhere): nothing here drains it, and
+            // a readable queue left in the set would wake every wait on it at once. It leaves.
+            // (Under the sets' lock, which `epoll_ctl` holds while it adds a queue: a queue
+            // that has just joined this set for a new member stays.)
+            if woke.iter().any(|q| !now.iter().any(|(_, conn, ..)| queue_fd(conn) == *q)) {
+                let all = sets();
+                let set = all.get(&epfd);
+                for qfd in woke {
+                    if !set.is_some_and(|s| s.values().any(|m| queue_fd(&m.conn) == qfd)) {
+                        let _ = real::epoll_control(epfd, libc::EPOLL_CTL_DEL, qfd, 0, 0);
+                    }
+                }
             }
             // (only if none was collected above: an event is reported once per call)
             if !collected && total < max {

@@ -5,15 +5,15 @@
 //! by a thread of this library, never by the application. A clan-run client connecting to
 //! a local address looks the name up **before** its kernel `connect` and *claims* the
 //! connection: it passes its socket itself (`SCM_RIGHTS`: proof of what it claims) and
-//! gets a token and the server's clan address back. Then it connects the kernel socket, and
-//! a clan stream to the server's runtime, on which it sends the token first. The server's
+//! gets a token and the server's clan address back. Then it connects a clan stream to the
+//! server's runtime, the token in the stream's connect hand-shake, and the kernel socket. The server's
 //! `accept` finds the accepted connection's peer socket (its inode, from `/proc/net/tcp`)
 //! among the claims, and takes the clan stream that brought that token. Any failure on the
 //! way leaves the connection to the kernel, on both sides, before a byte was sent; a plain
 //! client (no claim) costs the server's `accept` nothing when no claim is pending.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -181,27 +181,12 @@ pub(crate) fn recycle_queue(q: EventQueue) {
     }
 }
 
-/// Streams accepted whose token has not come yet, at most: past it, the oldest go.
-const MAX_PENDING: usize = 1024;
-
-/// A stream accepted, until its token has come.
-struct Pending {
-    stream: Stream,
-    queue: EventQueue,
-    token: [u8; 8],
-    got: usize,
-    since: Instant,
-}
-
 /// The runtime's thread: accept clan streams, each with its own queue, and file each under
-/// the token it sends first. It never waits for one stream's token: a client that connects
-/// and sends nothing (slow, or hostile: anyone may connect to the runtime's listener) costs
-/// only its own stream, dropped after [`ATTACH_WAIT`], and every other stream is filed as
-/// soon as its token is there (a claimant sends it at once, usually before this thread
-/// takes its stream).
+/// the token its client connected with ([`Stream::connect_to_with_data`]: the token is in
+/// the connect hand-shake, not in the stream). It never waits for a client: anyone may
+/// connect to the runtime's listener, and a stream that brings no token is dropped at once.
 fn take_streams(rt: Weak<Runtime>, listener: Listener) {
     let mut queue = None;
-    let mut pending: Vec<Pending> = Vec::new();
     loop {
         let Some(r) = rt.upgrade() else { return };
         if queue.is_none() {
@@ -211,21 +196,15 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
             std::thread::sleep(Duration::from_millis(100));
             continue;
         };
-        // With tokens outstanding, look at them again every millisecond.
-        let wait = if pending.is_empty() { Duration::from_millis(500) } else { Duration::from_millis(1) };
-        match listener.accept_to(q, wait) {
+        match listener.accept_to(q, Duration::from_millis(500)) {
             Ok((stream, _)) => {
                 let queue = queue.take().expect("a queue");
-                if stream.set_nonblocking(true).is_ok() {
-                    pending.push(Pending { stream, queue, token: [0; 8], got: 0, since: Instant::now() });
+                if let Ok(token) = <[u8; 8]>::try_from(stream.peer_data()) {
+                    r.attach(u64::from_le_bytes(token), stream, queue);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-        take_tokens(&r, &mut pending);
-        if pending.len() > MAX_PENDING {
-            pending.drain(..pending.len() - MAX_PENDING);
         }
         // Streams wait for their connection's `accept` as long as its claim does; past as
         // many as a listener may hold claims, forget them all (clients that died between
@@ -233,37 +212,6 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
         let mut m = lock(&r.attached);
         if m.len() > MAX_CLAIMS {
             m.clear();
-        }
-    }
-}
-
-/// File the pending streams whose token came; drop those that ended or waited too long.
-fn take_tokens(rt: &Runtime, pending: &mut Vec<Pending>) {
-    let mut i = 0;
-    while i < pending.len() {
-        let p = &mut pending[i];
-        let keep = loop {
-            match (&p.stream).read(&mut p.token[p.got..]) {
-                Ok(0) => break false,
-                Ok(n) => {
-                    p.got += n;
-                    if p.got == p.token.len() {
-                        break false;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break p.since.elapsed() < ATTACH_WAIT,
-                Err(_) => break false,
-            }
-        };
-        if keep {
-            i += 1;
-            continue;
-        }
-        // (in order: the oldest stay first, for `MAX_PENDING`)
-        let p = pending.remove(i);
-        if p.got == p.token.len() {
-            rt.attach(u64::from_le_bytes(p.token), p.stream, p.queue);
         }
     }
 }
@@ -559,8 +507,8 @@ pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claime
     let stream = (|| {
         let rt = runtime()?;
         let q = rt.queue().ok()?;
-        let s = Stream::connect_to(&rt.nic, server, &StreamConfig::default(), &q).ok()?;
-        (&s).write_all(&token.to_le_bytes()).ok()?;
+        let s =
+            Stream::connect_to_with_data(&rt.nic, server, &StreamConfig::default(), &q, &token.to_le_bytes()).ok()?;
         Some((s, q))
     })();
     match stream {

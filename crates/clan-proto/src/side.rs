@@ -125,9 +125,10 @@ impl Geometry {
     }
 
     /// The peer's geometry, checked against what its descriptor grants (`len` bytes); its
-    /// ring starts at `base`, as ours.
+    /// ring starts at `base`, as ours. (After the geometry's 32 bytes, at most
+    /// [`MAX_CONNECT_DATA`] of the caller's: [`user_data`].)
     fn decode(b: &[u8], len: u64, base: u64) -> Result<Geometry, SetupError> {
-        if b.len() != 32 {
+        if !(32..=32 + MAX_CONNECT_DATA).contains(&b.len()) {
             return Err(SetupError::BadPeer("not a clan-proto peer (no geometry)"));
         }
         let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
@@ -238,6 +239,16 @@ fn export_side(ep: &Endpoint, g: Geometry, peer: clan::NicAddr) -> Result<Apertu
     Ok(ep.export_with(g.side_len(), clan::ExportConfig::for_peer(peer))?)
 }
 
+/// Most bytes of the caller's own data a connect carries to the accepting side, after the
+/// geometry ([`user_data`]).
+pub const MAX_CONNECT_DATA: usize = 64;
+
+/// The caller's part of a hand-shake's private data (what follows the geometry): empty when
+/// the peer gave none.
+pub(crate) fn user_data(private: &[u8]) -> &[u8] {
+    private.get(32..).unwrap_or(&[])
+}
+
 /// Connect from a fresh endpoint of `nic` to the listening endpoint `to`, within `timeout`
 /// in all (hand-shake and import of the peer's side).
 pub(crate) fn connect(
@@ -247,8 +258,24 @@ pub(crate) fn connect(
     g: Geometry,
     timeout: Duration,
 ) -> Result<Sides, SetupError> {
+    connect_with_data(nic, queue, to, g, timeout, &[])
+}
+
+/// [`connect`], with `data` (at most [`MAX_CONNECT_DATA`] bytes) for the accepting side
+/// ([`user_data`] of its request's data).
+pub(crate) fn connect_with_data(
+    nic: &Nic,
+    queue: Option<&EventQueue>,
+    to: impl clan::ToEndpointAddrs,
+    g: Geometry,
+    timeout: Duration,
+    data: &[u8],
+) -> Result<Sides, SetupError> {
+    if data.len() > MAX_CONNECT_DATA {
+        return Err(SetupError::BadConfig("at most 64 bytes of data travel with a connect"));
+    }
     // Each address in turn (a host name may have several), as `std::net` does.
-    clan::each_endpoint_addr(to, |a| connect_one(nic, queue, a, g, timeout))
+    clan::each_endpoint_addr(to, |a| connect_one(nic, queue, a, g, timeout, data))
 }
 
 fn connect_one(
@@ -257,12 +284,15 @@ fn connect_one(
     to: EndpointAddr,
     g: Geometry,
     timeout: Duration,
+    data: &[u8],
 ) -> Result<Sides, SetupError> {
     let deadline = Instant::now() + timeout;
     let ep = Arc::new(endpoint(nic, queue)?);
     let mine = export_side(&ep, g, to.nic)?;
+    let mut private = g.encode().to_vec();
+    private.extend_from_slice(data);
     // The import of the server's side begins as its answer comes in (`connect_importing`).
-    let (conn, pending) = ep.connect_importing(to, &mine.descriptor(), &g.encode(), Some(timeout))?;
+    let (conn, pending) = ep.connect_importing(to, &mine.descriptor(), &private, Some(timeout))?;
     let pg = Geometry::decode(conn.peer_data(), conn.peer_descriptor().len(), g.base)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let m = match pending.finish(left) {

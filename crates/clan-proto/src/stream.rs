@@ -25,6 +25,7 @@ use clan::{ConnectError, Connection, Endpoint, EndpointAddr, EventQueue, Nic, To
 use crate::inplace::InPlace;
 use crate::lock;
 use crate::pipe::{PipeError, PipeRx, PipeTx, Redirection};
+pub use crate::side::MAX_CONNECT_DATA;
 use crate::side::{self, SetupError};
 
 /// How streams are made.
@@ -490,20 +491,74 @@ impl Stream {
         Stream::connect_on(nic, addr, cfg, Some(queue))
     }
 
+    /// [`Stream::connect_to`], with `data` for the accepting side to read before the stream
+    /// carries a byte ([`Stream::peer_data`]; at most [`MAX_CONNECT_DATA`] bytes): a name, a
+    /// ticket, what the server needs to know which stream this is, without waiting for it
+    /// to be read.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use clan_proto::stream::{Listener, Stream, StreamConfig};
+    ///
+    /// let nic = clan::Nic::open_default()?;
+    /// let (mine, theirs) = (nic.event_queue(Default::default())?, nic.event_queue(Default::default())?);
+    /// let listener = Listener::bind(&nic)?;
+    /// let (addr, n2, q2) = (listener.local_addr(), nic.clone(), theirs.clone());
+    /// let connecting = std::thread::spawn(move || {
+    ///     Stream::connect_to_with_data(&n2, addr, &StreamConfig::default(), &q2, b"ticket 7")
+    /// });
+    /// let (server, _) = listener.accept_to(&mine, Duration::from_secs(5))?;
+    /// assert_eq!(server.peer_data(), b"ticket 7");
+    /// let client = connecting.join().unwrap()?;
+    /// assert_eq!(client.peer_data(), b"", "the accepting side gives none");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn connect_to_with_data(
+        nic: &Nic,
+        addr: impl ToEndpointAddrs,
+        cfg: &StreamConfig,
+        queue: &EventQueue,
+        data: &[u8],
+    ) -> io::Result<Stream> {
+        if data.len() > MAX_CONNECT_DATA {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} bytes of connect data: at most {MAX_CONNECT_DATA}", data.len()),
+            ));
+        }
+        Stream::connect_on_with(nic, addr, cfg, Some(queue), data)
+    }
+
     pub(crate) fn connect_on(
         nic: &Nic,
         addr: impl ToEndpointAddrs,
         cfg: &StreamConfig,
         queue: Option<&EventQueue>,
     ) -> io::Result<Stream> {
+        Stream::connect_on_with(nic, addr, cfg, queue, &[])
+    }
+
+    fn connect_on_with(
+        nic: &Nic,
+        addr: impl ToEndpointAddrs,
+        cfg: &StreamConfig,
+        queue: Option<&EventQueue>,
+        data: &[u8],
+    ) -> io::Result<Stream> {
         let own = match queue {
             None if cfg.own_queue => Some(own_queue(nic)?),
             _ => None,
         };
         let queue = queue.or(own.as_ref());
-        let s = side::connect(nic, queue, addr, side::Geometry::bytes(cfg.ring, cfg.post_area), cfg.connect_timeout)
-            .map_err(setup_error)?;
+        let g = side::Geometry::bytes(cfg.ring, cfg.post_area);
+        let s = side::connect_with_data(nic, queue, addr, g, cfg.connect_timeout, data).map_err(setup_error)?;
         Stream::from_sides(s, cfg, queue.cloned()).map_err(pipe_error)
+    }
+
+    /// The data the connecting side gave with [`Stream::connect_to_with_data`] (empty if
+    /// none, and always on the connecting side).
+    pub fn peer_data(&self) -> &[u8] {
+        side::user_data(self.inner.conn.peer_data())
     }
 
     fn from_sides(s: side::Sides, cfg: &StreamConfig, queue: Option<EventQueue>) -> Result<Stream, PipeError> {

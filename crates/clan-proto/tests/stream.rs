@@ -56,6 +56,51 @@ fn echo_and_end_of_stream() {
     assert!(back == data);
 }
 
+/// Data given with a connect reaches the accepting side before any byte of the stream, and
+/// none of it enters the stream; more than `MAX_CONNECT_DATA` bytes is refused before
+/// anything is sent; a request whose private data runs past the geometry by more than that
+/// (a peer speaking the raw API) is refused by the listener, which goes on accepting.
+#[test]
+fn connect_data_reaches_the_listener_and_is_bounded() {
+    use clan_proto::stream::MAX_CONNECT_DATA;
+    let _wd = Watchdog::new("connect data", Duration::from_secs(60));
+    let nic = Nic::open_default().unwrap();
+    let l = Listener::bind_with(&nic, None, small()).unwrap();
+    let addr = l.local_addr();
+    let (q, cfg) = (nic.event_queue(clan::EventQueueConfig::default()).unwrap(), small());
+    let too_much = vec![7u8; MAX_CONNECT_DATA + 1];
+    let e = Stream::connect_to_with_data(&nic, addr, &cfg, &q, &too_much).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+
+    // A raw client: a geometry-sized prefix and then too much.
+    let raw = nic.endpoint().unwrap();
+    let inbox = raw.export(1 << 20).unwrap();
+    let to = addr;
+    let liar = std::thread::spawn(move || {
+        let data = vec![0u8; 32 + MAX_CONNECT_DATA + 1];
+        raw.connect_with_data(to, &inbox.descriptor(), &data, Some(Duration::from_secs(30)))
+    });
+    // The listener's accept refuses it and reports nothing.
+    while !liar.is_finished() {
+        let e = l.accept_timeout(Duration::from_millis(100)).map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    }
+    assert!(matches!(liar.join().unwrap(), Err(clan::ConnectError::Refused(_))), "the oversized request was refused");
+    let (n2, q2, c2) = (nic.clone(), q.clone(), cfg.clone());
+    let honest = std::thread::spawn(move || {
+        let mut c = Stream::connect_to_with_data(&n2, addr, &c2, &q2, b"which one").unwrap();
+        c.write_all(b"first bytes").unwrap();
+        c
+    });
+    let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
+    assert_eq!(s.peer_data(), b"which one");
+    let mut got = [0u8; 11];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"first bytes", "the data is not in the stream");
+    let c = honest.join().unwrap();
+    assert_eq!(c.peer_data(), b"");
+}
+
 /// The reader publishes its position lazily (every quarter of the ring): a writer blocked on
 /// a full ring must still be woken when the reader drains it in tiny reads, and a
 /// request/response exchange of sizes that never add up to a quarter must not stall.
