@@ -121,6 +121,40 @@ fn child() {
             s.shutdown(Shutdown::Write).unwrap();
             println!("echoed {total}");
         }
+        "serve_n" => {
+            // Listen on the port given (0: any), serve that many connections one after the
+            // other (echo five bytes), then end.
+            let (port, n): (u16, usize) = (args[0].parse().unwrap(), args[1].parse().unwrap());
+            let l = TcpListener::bind(("127.0.0.1", port)).unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            for _ in 0..n {
+                let (mut s, _) = l.accept().unwrap();
+                let mut b = [0u8; 5];
+                s.read_exact(&mut b).unwrap();
+                s.write_all(&b).unwrap();
+            }
+            println!("served {n}");
+        }
+        "connect_n" => {
+            // Connections to the port, one after the other, each echoing five bytes; before
+            // the `from`-th, wait for the file `go` to exist.
+            let (port, n, from, go) =
+                (args[0].parse::<u16>().unwrap(), args[1].parse().unwrap(), args[2].parse().unwrap(), &args[3]);
+            for i in 0..n {
+                if i == from {
+                    println!("waiting");
+                    while !std::path::Path::new(go).exists() {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.write_all(b"hello").unwrap();
+                let mut b = [0u8; 5];
+                s.read_exact(&mut b).unwrap();
+                assert_eq!(&b, b"hello");
+            }
+            println!("connected {n}");
+        }
         "silent_streams" => {
             // Claim a connection to the server (any TCP socket of ours will do), learn its
             // runtime's clan address from the answer, connect clan streams there and send
@@ -908,6 +942,35 @@ fn a_connection_accepted_late_still_goes_over_clan() {
     assert_eq!(server.expect("echoed"), (1 << 20).to_string());
     let serr = server.finish(Duration::from_secs(60));
     assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
+}
+
+/// A client claims its connections to a server on one channel to the server's registry,
+/// kept between connections; when that server is gone and another listens on the same port,
+/// the kept channel (closed by the first server's end) is given up and a new one made: every
+/// connection goes over clan.
+#[test]
+fn a_claim_channel_kept_for_a_server_that_went_is_replaced() {
+    let go = std::env::temp_dir().join(format!("clan-run-go-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let mut first = Proc::spawn("serve_n", &["0", "3"], true);
+    let port = first.expect("port");
+    let mut client = Proc::spawn("connect_n", &[&port, "5", "3", go.to_str().unwrap()], true);
+    client.expect("waiting");
+    first.expect("served 3");
+    let ferr = first.finish(Duration::from_secs(60));
+    let mut second = Proc::spawn("serve_n", &[&port, "2"], true);
+    second.expect("port");
+    std::fs::write(&go, b"").unwrap();
+    client.expect("connected 5");
+    let cerr = client.finish(Duration::from_secs(60));
+    second.expect("served 2");
+    let serr = second.finish(Duration::from_secs(60));
+    let _ = std::fs::remove_file(&go);
+    assert_eq!(
+        (over_clan(&cerr), over_clan(&ferr), over_clan(&serr)),
+        (5, 3, 2),
+        "client: {cerr}\nfirst server: {ferr}\nsecond server: {serr}"
+    );
 }
 
 /// A process that connects clan streams to a server's runtime without tokens, or with

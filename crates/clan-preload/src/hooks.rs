@@ -186,6 +186,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     ready::forget(fd);
+    ready::forget_kernel_member(fd);
     ready::forget_epoll(fd);
     if let Some(c) = table::remove(fd) {
         // The last descriptor here of a connection a child shares: the child may go on with
@@ -751,8 +752,13 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut e
             }
             ret0(r)
         }
-        // SAFETY: forwarded.
-        None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
+        None => {
+            if op == libc::EPOLL_CTL_ADD {
+                ready::note_kernel_member(fd);
+            }
+            // SAFETY: forwarded.
+            unsafe { real::epoll_ctl(epfd, op, fd, ev) }
+        }
     }
 }
 

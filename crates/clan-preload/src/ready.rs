@@ -523,8 +523,14 @@ pub(crate) fn epoll_wait(
         let mut total = base + kept;
         if !woke.is_empty() {
             let now = members(epfd);
+            // Only the queues that woke us (a drain is a system call: with thousands of
+            // members, draining them all made every wake-up cost as many), each once.
+            woke.sort_unstable();
+            woke.dedup();
             for (_, conn, ..) in &now {
-                conn.drain();
+                if woke.binary_search(&queue_fd(conn)).is_ok() {
+                    conn.drain();
+                }
             }
             // A queue no member of this set has now (its connection closed, or left the set,
             // and the queue perhaps serves another one elsewhere): nothing here drains it, and
@@ -586,10 +592,54 @@ pub(crate) fn forget_epoll(fd: c_int) {
     }
 }
 
+/// Descriptors the application added to an epoll set while they were the kernel's (a bit
+/// per descriptor below 65 536; above, one count for all): only for those does [`adopt`]
+/// read the sets' `fdinfo`. Set by `epoll_ctl`, cleared by `close`.
+static KERNEL_MEMBERS: [AtomicU64; MIXED_BITS / 64] = [const { AtomicU64::new(0) }; MIXED_BITS / 64];
+static KERNEL_MEMBERS_HIGH: AtomicU64 = AtomicU64::new(0);
+
+/// The application added `fd`, the kernel's, to an epoll set.
+pub(crate) fn note_kernel_member(fd: c_int) {
+    if fd < 0 {
+        return;
+    }
+    let i = fd as usize;
+    if i < MIXED_BITS {
+        // Relaxed: `adopt` runs in the thread that connects `fd`, after the `epoll_ctl` that
+        // added it (the application orders the two), or the bit does not matter.
+        KERNEL_MEMBERS[i / 64].fetch_or(1u64 << (i % 64), Ordering::Relaxed);
+    } else {
+        KERNEL_MEMBERS_HIGH.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// `fd` was closed.
+pub(crate) fn forget_kernel_member(fd: c_int) {
+    let i = fd as usize;
+    if fd >= 0 && i < MIXED_BITS {
+        KERNEL_MEMBERS[i / 64].fetch_and(!(1u64 << (i % 64)), Ordering::Relaxed);
+    }
+}
+
+fn maybe_kernel_member(fd: c_int) -> bool {
+    let i = fd as usize;
+    if fd < 0 {
+        false
+    } else if i < MIXED_BITS {
+        KERNEL_MEMBERS[i / 64].load(Ordering::Relaxed) & (1u64 << (i % 64)) != 0
+    } else {
+        KERNEL_MEMBERS_HIGH.load(Ordering::Relaxed) > 0
+    }
+}
+
 /// `fd` was just accelerated: where the kernel's socket is already in an epoll set of the
 /// application (`/proc/self/fdinfo` of each says so), take it out of the kernel's part and
-/// keep it as an accelerated member with the same events and data.
+/// keep it as an accelerated member with the same events and data. (Nothing to read for a
+/// socket the application never added to a set: most connect first.)
 pub(crate) fn adopt(fd: c_int, conn: &Arc<Conn>) {
+    if !maybe_kernel_member(fd) {
+        return;
+    }
     let sets: Vec<c_int> = EPOLLS.lock().unwrap_or_else(|e| e.into_inner()).clone();
     for epfd in sets {
         let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else { continue };

@@ -394,8 +394,14 @@ pub(crate) fn on_close(fd: c_int) {
     }
 }
 
+/// Tokens a claim channel may withdraw at most: its most recent claims'. (An older claim
+/// withdrawn is not dropped at once: its connection, if accepted, waits for a stream that
+/// never comes for [`ATTACH_WAIT`] and then is the kernel's.)
+const TOKENS_PER_CHANNEL: usize = 4096;
+
 /// Claims for one listener: `CLAIM` + the claimant's socket (SCM_RIGHTS) → `OK` + token +
-/// our clan address; `DECLINE` + token → the claim is dropped.
+/// our clan address; `DECLINE` + token → the claim is dropped. A client keeps its channel
+/// for its next claims.
 fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
     let _ = sock.set_timeouts(Duration::from_millis(200));
     let _ = sock.set_nonblocking(true);
@@ -415,6 +421,11 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
                 if msg.starts_with(b"CLAIM") && m.fds.len() == 1 && !m.truncated {
                     let reply = claim(&rt, &reg, &m.fds[0], c);
                     if let Some(t) = reply.1 {
+                        // (a client keeps its channel for its next claims: the tokens it
+                        // may still withdraw are its last ones)
+                        if tokens.len() >= TOKENS_PER_CHANNEL {
+                            tokens.drain(..TOKENS_PER_CHANNEL / 2);
+                        }
                         tokens.push(t);
                     }
                     let _ = c.send(&reply.0, &[]);
@@ -485,6 +496,7 @@ fn is_local(ip: IpAddr) -> bool {
 #[derive(Debug)]
 pub(crate) struct Claimed {
     token: u64,
+    dest: SocketAddr,
     chan: SeqPacket,
     stream: (Stream, EventQueue),
 }
@@ -512,19 +524,30 @@ pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claime
         Some((s, q))
     })();
     match stream {
-        Some(stream) => Some(Claimed { token, chan, stream }),
+        Some(stream) => Some(Claimed { token, dest, chan, stream }),
         None => {
-            withdraw(&chan, token);
+            withdraw(dest, chan, token);
             crate::say(format_args!("connection to {dest} left to the kernel (the clan stream failed)"));
             None
         }
     }
 }
 
-fn make_claim(fd: c_int, dest: SocketAddr) -> Result<(u64, EndpointAddr, SeqPacket), &'static str> {
-    tcp_local(fd).ok_or("not a TCP socket")?;
-    if !is_local(dest.ip()) {
-        return Err("not an address of this host");
+/// Claim channels not in use, by the address their claims were for: a client that connects
+/// again to the same server claims on one of these (a claim is then a message each way, not
+/// a socket, a connect and a close on both sides).
+static CHANNELS: Mutex<Vec<(SocketAddr, SeqPacket)>> = Mutex::new(Vec::new());
+/// Claim channels kept at most (by all the addresses together).
+const CHANNELS_KEPT: usize = 16;
+
+/// A claim channel to the registry of whoever listens at `dest`: one kept, or a new one.
+fn channel(dest: SocketAddr) -> Result<(SeqPacket, bool), &'static str> {
+    let kept = {
+        let mut v = lock(&CHANNELS);
+        v.iter().rposition(|(d, _)| *d == dest).map(|i| v.swap_remove(i).1)
+    };
+    if let Some(c) = kept {
+        return Ok((c, true));
     }
     let unspecified = match dest {
         SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), dest.port()),
@@ -535,37 +558,76 @@ fn make_claim(fd: c_int, dest: SocketAddr) -> Result<(u64, EndpointAddr, SeqPack
         .into_iter()
         .find_map(|a| SeqPacket::connect_abstract(&name(a)).ok())
         .ok_or("no process under clan run listens there")?;
-    runtime().ok_or("clan is not available in this process")?;
     let _ = chan.set_timeouts(Duration::from_secs(5));
+    Ok((chan, false))
+}
+
+/// A claim channel whose last exchange went as it should: kept for the next claim to `dest`.
+fn keep_channel(dest: SocketAddr, chan: SeqPacket) {
+    let mut v = lock(&CHANNELS);
+    if v.len() >= CHANNELS_KEPT {
+        v.remove(0);
+    }
+    v.push((dest, chan));
+}
+
+fn make_claim(fd: c_int, dest: SocketAddr) -> Result<(u64, EndpointAddr, SeqPacket), &'static str> {
+    tcp_local(fd).ok_or("not a TCP socket")?;
+    if !is_local(dest.ip()) {
+        return Err("not an address of this host");
+    }
+    runtime().ok_or("clan is not available in this process")?;
+    loop {
+        let (chan, kept) = channel(dest)?;
+        match claim_on(&chan, fd) {
+            Ok((token, server)) => return Ok((token, server, chan)),
+            // A kept channel whose listener went away (closed, or its process restarted): a
+            // new one, to whoever listens there now.
+            Err(_) if kept => continue,
+            Err(why) => return Err(why),
+        }
+    }
+}
+
+/// One claim on `chan`: the token and the server's clan address. (An error leaves the
+/// channel unfit for another claim: an answer may still come on it.)
+fn claim_on(chan: &SeqPacket, fd: c_int) -> Result<(u64, EndpointAddr), &'static str> {
     real::with_fd(fd, |b| chan.send(b"CLAIM", &[b])).map_err(|_| "the listener's registry did not take the claim")?;
     let mut buf = [0u8; 256];
     let m = chan.recv(&mut buf).map_err(|_| "the listener's registry did not answer")?;
     let r = &buf[..m.len];
+    if m.len == 0 {
+        return Err("the listener's registry closed");
+    }
     if !r.starts_with(b"OK") || r.len() < 10 {
         return Err("the listener declined (it has forked, or is full)");
     }
     let token = u64::from_le_bytes(r[2..10].try_into().map_err(|_| "a malformed answer")?);
     let server: EndpointAddr =
         std::str::from_utf8(&r[10..]).ok().and_then(|a| a.parse().ok()).ok_or("a malformed answer")?;
-    Ok((token, server, chan))
+    Ok((token, server))
 }
 
 /// The connection will not be accelerated: tell the server now (its `accept` need not wait
 /// for a stream, and drops the one that came).
-fn withdraw(chan: &SeqPacket, token: u64) {
+fn withdraw(dest: SocketAddr, chan: SeqPacket, token: u64) {
     let mut m = b"DECLINE".to_vec();
     m.extend_from_slice(&token.to_le_bytes());
-    let _ = chan.send(&m, &[]);
+    if chan.send(&m, &[]).is_ok() {
+        keep_channel(dest, chan);
+    }
 }
 
 impl Claimed {
     /// The kernel connection is up: the connection goes over the clan stream. None: the
     /// claim is withdrawn and the connection stays with the kernel.
     pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
-        let Claimed { token, chan, stream: (s, q) } = self;
+        let Claimed { token, dest: claimed, chan, stream: (s, q) } = self;
         let r = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
         if r.is_none() {
-            withdraw(&chan, token);
+            withdraw(claimed, chan, token);
+        } else {
+            keep_channel(claimed, chan);
         }
         r
     }
@@ -573,7 +635,7 @@ impl Claimed {
     /// The connection will not be accelerated (its kernel `connect` failed): tell the
     /// server now, which drops the stream.
     pub(crate) fn withdraw(self) {
-        withdraw(&self.chan, self.token);
+        withdraw(self.dest, self.chan, self.token);
     }
 }
 

@@ -1,7 +1,8 @@
 //! `clan bench run`: unmodified programs with and without `clan run`, in the same run, with
 //! the same placement (server on CPU 1, client on CPU 0, through `taskset`): sockperf's
-//! ping-pong latency and redis-benchmark's request rate, against kernel TCP (and, for redis
-//! with many clients, a Unix socket). Programs that are not installed are skipped and said so.
+//! ping-pong latency and redis-benchmark's request rate (connections kept, and a new one per
+//! request), against kernel TCP (and, for redis with many clients, a Unix socket). Programs
+//! that are not installed are skipped and said so.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -127,8 +128,9 @@ fn sockperf(clan_run: bool, secs: u64) -> Result<(f64, f64)> {
     }
 }
 
-/// One redis-benchmark GET run: requests/s. `unix`: over a Unix socket (no clan).
-fn redis(clan_run: bool, unix: bool, clients: u32, pipeline: u32, n: u64) -> Result<f64> {
+/// One redis-benchmark GET run: requests/s. `unix`: over a Unix socket (no clan); `short`: a
+/// new connection for every request (`-k 0`).
+fn redis(clan_run: bool, unix: bool, short: bool, clients: u32, pipeline: u32, n: u64) -> Result<f64> {
     let port = free_port()?.to_string();
     let sock = std::env::temp_dir().join(format!("clan-bench-redis-{}-{port}.sock", std::process::id()));
     let mut server = pinned(1, clan_run, "redis-server")?;
@@ -143,6 +145,9 @@ fn redis(clan_run: bool, unix: bool, clients: u32, pipeline: u32, n: u64) -> Res
         c.arg("-s").arg(&sock);
     } else {
         c.args(["-p", &port]);
+    }
+    if short {
+        c.args(["-k", "0"]);
     }
     let out = c
         .args(["-t", "get", "-q", "-n", &n.to_string(), "-c", &clients.to_string(), "-P", &pipeline.to_string()])
@@ -215,16 +220,22 @@ pub fn run(a: &RunArgs) -> Result<()> {
         let mut one = (Vec::new(), Vec::new());
         let mut many = (Vec::new(), Vec::new(), Vec::new());
         let mut piped = (Vec::new(), Vec::new());
+        let mut short = [(Vec::new(), Vec::new()), (Vec::new(), Vec::new())];
         for r in 0..rounds {
             progress(&format!("redis-benchmark GET, round {}/{rounds}", r + 1));
-            one.0.push(redis(true, false, 1, 1, a.requests)?);
-            one.1.push(redis(false, false, 1, 1, a.requests)?);
-            many.0.push(redis(true, false, 50, 1, a.requests * 4)?);
-            many.1.push(redis(false, false, 50, 1, a.requests * 4)?);
-            many.2.push(redis(false, true, 50, 1, a.requests * 4)?);
+            one.0.push(redis(true, false, false, 1, 1, a.requests)?);
+            one.1.push(redis(false, false, false, 1, 1, a.requests)?);
+            many.0.push(redis(true, false, false, 50, 1, a.requests * 4)?);
+            many.1.push(redis(false, false, false, 50, 1, a.requests * 4)?);
+            many.2.push(redis(false, true, false, 50, 1, a.requests * 4)?);
             // (16 in a pipeline go fast: 20× the requests, so that the run is not mostly set-up)
-            piped.0.push(redis(true, false, 50, 16, a.requests * 20)?);
-            piped.1.push(redis(false, false, 50, 16, a.requests * 20)?);
+            piped.0.push(redis(true, false, false, 50, 16, a.requests * 20)?);
+            piped.1.push(redis(false, false, false, 50, 16, a.requests * 20)?);
+            // (a connection per request: a tenth of the requests)
+            for (i, clients) in [1, 16].into_iter().enumerate() {
+                short[i].0.push(redis(true, false, true, clients, 1, a.requests / 10)?);
+                short[i].1.push(redis(false, false, true, clients, 1, a.requests / 10)?);
+            }
         }
         let (o_c, o_t) = (median(one.0), median(one.1));
         rows.push(Row {
@@ -269,6 +280,21 @@ pub fn run(a: &RunArgs) -> Result<()> {
             goal: "no regression (≥ 1×)",
             met: p_c >= p_t,
         });
+        for ([s_c, s_t], clients) in short.into_iter().map(|(c, t)| [median(c), median(t)]).zip([1, 16]) {
+            rows.push(Row {
+                program: "redis",
+                measure: format!(
+                    "GET requests/s, a new connection per request (-k 0), {clients} client{}",
+                    if clients == 1 { "" } else { "s" }
+                ),
+                clan: s_c,
+                baseline: s_t,
+                baseline_name: "kernel TCP",
+                ratio: s_c / s_t,
+                goal: "—",
+                met: true,
+            });
+        }
     } else {
         skipped.push("redis (redis-server or redis-benchmark not installed)".into());
     }
