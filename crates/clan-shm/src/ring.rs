@@ -417,6 +417,24 @@ pub fn arm(rings: &Rings<'_>, mode: u32) -> bool {
     !maybe_nonempty(rings)
 }
 
+/// Whether the consumer's last [`arm`] for `mode` still stands and the rings are empty, so
+/// that it may sleep again without arming (nor resetting its eventfd: a producer that
+/// signals clears `armed` first). False when a producer has woken it since, or events may be
+/// pending: then [`arm`] again.
+///
+/// The same Dekker as [`arm`]'s, with the `armed` bit already set: a producer whose post
+/// comes after our look at `summary` loads `armed` after its fence, and sees the bit (or a
+/// producer before it cleared it, and woke us).
+pub fn still_armed(rings: &Rings<'_>, mode: u32) -> bool {
+    // (Acquire: pairs with nothing in particular; the fence below orders the look at summary)
+    if rings.words.armed.load(Ordering::Acquire) & mode != mode {
+        return false;
+    }
+    // Dekker with `Producer::post`'s "summary.fetch_or, fence, load armed".
+    fence(Ordering::SeqCst);
+    !maybe_nonempty(rings)
+}
+
 /// Block until an event may be present, `timeout` at most. Does not need the consumer, so
 /// other threads can keep taking events while one sleeps.
 pub fn sleep(rings: &Rings<'_>, futex: &impl Futex, timeout: Option<std::time::Duration>) {

@@ -150,6 +150,39 @@ fn ring_no_lost_wakeup() {
     });
 }
 
+/// A consumer that armed its ring for its eventfd and later finds it still armed (nothing
+/// woke it since) sleeps again without arming: a post racing with that look is never lost —
+/// either the look sees it (not still armed), or the producer sees the armed bit and signals.
+#[test]
+fn ring_still_armed_never_misses_a_post() {
+    model(|| {
+        let eq = Arc::new(EqModel::new(tiny()));
+        let futex = Arc::new(ModelFutex::default());
+        let producer = {
+            let (eq, futex) = (eq.clone(), futex.clone());
+            thread::spawn(move || {
+                let v = eq.view();
+                let mut p = Producer::new(0);
+                p.post(&v.rings(), [7, 0, 0, 0], &*futex)
+            })
+        };
+        let v = eq.view();
+        let rings = v.rings();
+        // Armed (the post may come before, between or after), then looked at again.
+        let armed = clan_shm::ring::arm(&rings, clan_shm::ring::ARM_FD);
+        let sleep_again = armed && clan_shm::ring::still_armed(&rings, clan_shm::ring::ARM_FD);
+        let posted = producer.join().unwrap();
+        assert!(posted.stored);
+        if sleep_again {
+            assert!(posted.signal_fd, "the consumer sleeps without arming: the post must signal it");
+        }
+        // Signalled once: the bit is gone, and the next look says so.
+        if posted.signal_fd {
+            assert!(!clan_shm::ring::still_armed(&rings, clan_shm::ring::ARM_FD));
+        }
+    });
+}
+
 /// One producer posting twice into one ring while the consumer drains and sleeps.
 #[test]
 fn ring_same_ring_order() {

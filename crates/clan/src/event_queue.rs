@@ -31,7 +31,7 @@
 //! are validated; malformed or stale ones are dropped and counted, never delivered.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
@@ -400,6 +400,9 @@ pub(crate) struct EqInner {
     pub lost: AtomicU64,
     pub malformed: AtomicU64,
     pub stale: AtomicU64,
+    /// [`EventQueue::arm`] found events and left the descriptor readable on purpose (the
+    /// next one resets it).
+    signalled: AtomicBool,
 }
 
 impl std::fmt::Debug for EqInner {
@@ -474,6 +477,7 @@ impl EqInner {
             lost: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             stale: AtomicU64::new(0),
+            signalled: AtomicBool::new(false),
         }))
     }
 
@@ -670,6 +674,13 @@ impl EqInner {
         self.arm_ports(mode) && own
     }
 
+    /// Whether our ring and the ports' are all still armed for `mode` since the last arm,
+    /// and empty ([`clan_shm::ring::still_armed`]).
+    fn still_armed(&self, mode: u32) -> bool {
+        let v = self.view();
+        ring::still_armed(&v.rings(), mode) && self.ports_still_armed(mode)
+    }
+
     /// Arm our ring for `mode`; whether it is empty.
     pub fn arm_own(&self, mode: u32) -> bool {
         let v = self.view();
@@ -863,6 +874,16 @@ impl EventQueue {
     /// ```
     pub fn arm(&self) -> bool {
         let i = &self.inner;
+        // Nothing woke the descriptor since the last arm (every ring still armed for it: a
+        // producer that signals disarms first; and not left readable by us), and nothing is
+        // pending: it is as that arm left it, and stays armed. No system call: a program
+        // that arms the queues of thousands of idle connections before each sleep (`clan
+        // run` under an epoll loop) pays a load or two for each, not a reset.
+        // (Relaxed: a stale `false` costs the full path below; a stale `true`, a wake-up.)
+        if !i.signalled.load(Ordering::Relaxed) && i.still_armed(ARM_FD) {
+            return true;
+        }
+        i.signalled.store(false, Ordering::Relaxed);
         // Reset what is readable (the queue's eventfd and the ports'), then arm everything.
         let mut events = Vec::with_capacity(16);
         let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
@@ -875,6 +896,7 @@ impl EventQueue {
         }
         let empty = i.arm(ARM_FD);
         if !empty {
+            i.signalled.store(true, Ordering::Relaxed);
             i.sleepers.notify.signal();
         }
         empty

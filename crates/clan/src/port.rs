@@ -407,6 +407,16 @@ impl EqInner {
         quiet
     }
 
+    /// Whether every port's ring is still armed for `mode` since our last arm (no producer
+    /// woke us since) and empty ([`clan_shm::ring::still_armed`]).
+    pub fn ports_still_armed(&self, mode: u32) -> bool {
+        if self.ports.count.load(Ordering::Acquire) == 0 {
+            return true;
+        }
+        let list = self.ports.list.read().unwrap_or_else(|e| e.into_inner());
+        list.iter().all(|p| ring::still_armed(&p.map.view().rings(), mode))
+    }
+
     /// The NIC and its links, if a sleeper of this queue should drive them: engine progress
     /// (manual progress has its own way, `progress::sleep_on_links`; a busy-polling engine
     /// needs no help) and a few links at most (each is one more descriptor in the sleep).

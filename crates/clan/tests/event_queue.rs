@@ -85,6 +85,39 @@ fn file_descriptor_is_readable_while_events_are_pending_after_arming() {
     assert!(readable(&q));
 }
 
+/// Arming again with nothing new since the last arm costs no reset (`EventQueue::arm`'s
+/// quick path), and changes nothing a sleeper can see: the descriptor stays quiet, the next
+/// post (ours, or a port's from another NIC) still makes it readable, and events found at
+/// arming leave it readable however often it is armed.
+#[test]
+fn arming_again_with_nothing_new_keeps_every_wake_up() {
+    let (a, b) = (nic(), nic());
+    let q = a.event_queue(EventQueueConfig::default()).unwrap();
+    let ep = a.endpoint_with(EndpointConfig { queue: Some(q.clone()), ..Default::default() }).unwrap();
+    let ap = ep.export(4096).unwrap();
+    let _tw = ap.tripwire(TripwireConfig::writes(0..8).event(9)).unwrap();
+    let m = b.endpoint().unwrap().import(&ap.descriptor()).unwrap();
+    for round in 0..3u64 {
+        for _ in 0..3 {
+            assert!(q.arm(), "round {round}: empty");
+            assert!(!readable(&q), "round {round}: quiet");
+        }
+        // A port's post (the other NIC's write fires the tripwire), then ours.
+        m.store_u64(0, round).unwrap();
+        assert!(readable(&q), "round {round}: the port's post wakes");
+        assert!(!q.arm());
+        assert!(!q.arm(), "still pending");
+        assert!(readable(&q), "left readable while pending");
+        assert!(matches!(q.try_take(), Some(Event::Tripwire { cookie: 9, .. })));
+        assert!(q.arm());
+        assert!(!readable(&q), "reset once taken");
+        assert!(q.arm());
+        q.post_user(round);
+        assert!(readable(&q), "round {round}: our post wakes");
+        assert_eq!(q.try_take(), Some(Event::User(round)));
+    }
+}
+
 #[test]
 fn works_in_a_mio_loop() {
     let _wd = Watchdog::new("mio loop", Duration::from_secs(60));
