@@ -121,6 +121,32 @@ fn child() {
             s.shutdown(Shutdown::Write).unwrap();
             println!("echoed {total}");
         }
+        "epoll_echo_many" => {
+            // Accept that many connections, then echo on all of them from one level-triggered
+            // epoll set until every one has ended.
+            let n: usize = args[0].parse().unwrap();
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let conns: Vec<TcpStream> = (0..n).map(|_| l.accept().unwrap().0).collect();
+            many::echo(&conns);
+            println!("echoed {n}");
+        }
+        "quiet_many_client" => {
+            // That many connections; exchanges on one at a time, the others quiet.
+            let (port, n, rounds): (u16, usize, usize) =
+                (args[0].parse().unwrap(), args[1].parse().unwrap(), args[2].parse().unwrap());
+            let mut conns: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+            for r in 0..rounds {
+                let i = (r * 7919 + r / 3) % n;
+                let msg = [b'a' + (r % 26) as u8, b'0' + (i % 10) as u8, b'.'];
+                conns[i].write_all(&msg).unwrap();
+                let mut back = [0u8; 3];
+                conns[i].read_exact(&mut back).unwrap();
+                assert_eq!(back, msg, "round {r}, connection {i}");
+            }
+            drop(conns);
+            println!("client ok");
+        }
         "serve_n" => {
             // Listen on the port given (0: any), serve that many connections one after the
             // other (echo five bytes), then end.
@@ -1540,6 +1566,18 @@ mod sem {
             assert_eq!(epoll_wait1(ep, 20_000), 1, "a new edge");
             // (both bytes, maybe not at once)
             assert_eq!(read_n(fd, 2), b"23");
+            // 7b. Level-triggered, the wake-up taken by a blocking read: epoll still reports
+            // the next byte (a quiet member is looked at again only when its queue wakes the
+            // set, or whoever takes that wake-up says so), and again until it is read.
+            let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 99 };
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut ev), 0);
+            assert_eq!(epoll_wait1(ep, 100), 0, "nothing yet");
+            write_all(fd, b"g");
+            assert_eq!(read_n(fd, 1), b"4", "the first byte, waited for");
+            assert_eq!(epoll_wait1(ep, 20_000), 1, "the second byte, 300 ms later");
+            assert_eq!(epoll_wait1(ep, 100), 1, "until it is read");
+            assert_eq!(read_n(fd, 1), b"5");
+            assert_eq!(epoll_wait1(ep, 100), 0, "read");
             assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()), 0);
             libc::close(ep);
             // 8. The client shuts down writing: end of stream here, and we still write.
@@ -1612,6 +1650,10 @@ mod sem {
             write_all(fd, b"2");
             assert_eq!(read_n(fd, 1), b"g");
             write_all(fd, b"3");
+            assert_eq!(read_n(fd, 1), b"g");
+            write_all(fd, b"4");
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            write_all(fd, b"5");
             // 8.
             assert_eq!(read_n(fd, 1), b"g");
             assert_eq!(libc::shutdown(fd, libc::SHUT_WR), 0);
@@ -1631,6 +1673,75 @@ mod sem {
             libc::close(fd);
             println!("client ok");
         }
+    }
+}
+
+/// An epoll echo loop over many connections (libc, as C servers do).
+mod many {
+    use std::net::TcpStream;
+    use std::os::fd::AsRawFd;
+
+    pub fn echo(conns: &[TcpStream]) {
+        // SAFETY: libc calls on our own descriptors, with buffers and structures that live
+        // across each call and lengths that match them.
+        unsafe {
+            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            assert!(ep >= 0);
+            for (i, c) in conns.iter().enumerate() {
+                c.set_nonblocking(true).unwrap();
+                let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: i as u64 };
+                assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, c.as_raw_fd(), &mut ev), 0);
+            }
+            let mut open = conns.len();
+            let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 16];
+            let mut buf = [0u8; 4096];
+            while open > 0 {
+                let n = libc::epoll_wait(ep, evs.as_mut_ptr(), 16, 30_000);
+                assert!(n > 0, "epoll_wait: {n} ({})", std::io::Error::last_os_error());
+                for ev in &evs[..n as usize] {
+                    let fd = conns[ev.u64 as usize].as_raw_fd();
+                    loop {
+                        let k = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+                        if k == 0 {
+                            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()), 0);
+                            open -= 1;
+                            break;
+                        }
+                        if k < 0 {
+                            assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EAGAIN));
+                            break;
+                        }
+                        let mut done = 0;
+                        while done < k as usize {
+                            let w = libc::write(fd, buf[done..].as_ptr().cast(), k as usize - done);
+                            assert!(w > 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN));
+                            if w > 0 {
+                                done += w as usize;
+                            }
+                        }
+                    }
+                }
+            }
+            libc::close(ep);
+        }
+    }
+}
+
+/// One epoll set over 64 connections, one of them talking at a time: every exchange is
+/// reported and echoed, over clan and over the kernel alike (a wait looks only at the
+/// members that moved: the quiet ones must still be woken when their turn comes).
+#[test]
+fn an_epoll_set_of_many_quiet_connections_reports_the_one_that_moves() {
+    for clan in [true, false] {
+        let mut server = Proc::spawn("epoll_echo_many", &["64"], clan);
+        let port = server.expect("port");
+        let mut client = Proc::spawn("quiet_many_client", &[&port, "64", "2000"], clan);
+        client.expect("client ok");
+        let cerr = client.finish(Duration::from_secs(60));
+        server.expect("echoed 64");
+        let serr = server.finish(Duration::from_secs(60));
+        let want = if clan { 64 } else { 0 };
+        assert_eq!((over_clan(&cerr), over_clan(&serr)), (want, want), "client: {cerr}\nserver: {serr}");
     }
 }
 

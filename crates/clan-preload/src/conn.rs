@@ -34,6 +34,9 @@ pub(crate) struct Conn {
     write_shut: AtomicBool,
     /// A child got it at `fork`: closing it here hands it over instead of ending it.
     pub shared: AtomicBool,
+    /// It was added to an epoll set (whose waits then rely on its queue's wake-ups: whoever
+    /// else takes one tells the sets, [`Conn::drain`]).
+    pub epolled: AtomicBool,
     /// The kernel's socket carries the bytes now (set once, with Release, after `prefix`
     /// is in place and what had to go again went; pairs with the Acquire in `over`).
     kernel: AtomicBool,
@@ -146,6 +149,7 @@ impl Conn {
             nonblock: AtomicBool::new(nonblock),
             write_shut: AtomicBool::new(false),
             shared: AtomicBool::new(false),
+            epolled: AtomicBool::new(false),
             kernel: AtomicBool::new(false),
             prefix: Mutex::new(VecDeque::new()),
             prefix_len: AtomicUsize::new(0),
@@ -298,8 +302,17 @@ impl Conn {
     }
 
     /// Take every event the connection's queue holds (they only wake; readiness is read
-    /// from the stream itself).
+    /// from the stream itself). The epoll sets it is in look at it at their next wait: the
+    /// wake-up taken here may have been theirs.
     pub fn drain(&self) {
+        self.drain_quiet();
+        if self.epolled.load(Ordering::Relaxed) {
+            crate::ready::touch(self);
+        }
+    }
+
+    /// [`Conn::drain`], for an epoll wait that looks at the connection anyway.
+    pub fn drain_quiet(&self) {
         while self.queue.try_take().is_some() {}
     }
 

@@ -84,8 +84,8 @@ pub(crate) fn retire(conn: *const Conn) {
         let mut all = sets();
         for (epfd, set) in all.iter_mut() {
             for (fd, _) in &gone {
-                if set.get(fd).is_some_and(|m| std::ptr::eq(Arc::as_ptr(&m.conn), conn)) {
-                    if let Some(m) = set.remove(fd) {
+                if set.members.get(fd).is_some_and(|m| std::ptr::eq(Arc::as_ptr(&m.conn), conn)) {
+                    if let Some(m) = set.remove(*fd) {
                         let io = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLPRI) as u32;
                         let events = if m.disabled { m.events & !io } else { m.events };
                         if let Err(e) = real::epoll_control(*epfd, libc::EPOLL_CTL_ADD, *fd, events, m.data) {
@@ -275,9 +275,81 @@ struct Member {
     last: (u32, u64, u64),
     /// `EPOLLONESHOT` fired: nothing until `EPOLL_CTL_MOD`.
     disabled: bool,
+    /// In the set's hot list.
+    hot: bool,
+    /// Bumped each time the member is made hot: a wait that armed it and found it quiet
+    /// makes it cold only if nobody made it hot meanwhile (its queue's wake-up, taken by
+    /// another thread, would be lost).
+    woken: u64,
 }
 
-type Sets = HashMap<c_int, HashMap<c_int, Member>>;
+/// The accelerated members of one epoll set. A wait looks only at its **hot** members: new
+/// or changed ones, those ready at the last look (level-triggered: until they are not), and
+/// those whose queue woke the set. The others are **cold**: a wait found them quiet, armed
+/// their tripwires and queue, and looked once more; whatever changes them posts to their
+/// queue, whose descriptor wakes the set (the kernel's part), and the wait that takes that
+/// wake-up makes them hot. A wait costs what is hot, not what the set holds: a server with
+/// thousands of idle connections looks at the few that moved.
+#[derive(Debug, Default)]
+struct Set {
+    members: HashMap<c_int, Member>,
+    hot: Vec<c_int>,
+    /// The members of each queue (by its descriptor: what a wake-up names).
+    by_queue: HashMap<c_int, Vec<c_int>>,
+}
+
+impl Set {
+    fn insert(&mut self, fd: c_int, m: Member) {
+        self.by_queue.entry(queue_fd(&m.conn)).or_default().push(fd);
+        self.members.insert(fd, m);
+        self.make_hot(fd);
+    }
+
+    fn remove(&mut self, fd: c_int) -> Option<Member> {
+        let m = self.members.remove(&fd)?;
+        let q = queue_fd(&m.conn);
+        if let Some(v) = self.by_queue.get_mut(&q) {
+            v.retain(|x| *x != fd);
+            if v.is_empty() {
+                self.by_queue.remove(&q);
+            }
+        }
+        if m.hot {
+            self.hot.retain(|x| *x != fd);
+        }
+        Some(m)
+    }
+
+    fn make_hot(&mut self, fd: c_int) {
+        if let Some(m) = self.members.get_mut(&fd) {
+            m.woken = m.woken.wrapping_add(1);
+            if !m.hot {
+                m.hot = true;
+                self.hot.push(fd);
+            }
+        }
+    }
+
+    /// Members `cool` (each with the `woken` seen when it was armed) go cold, but those made
+    /// hot since.
+    fn make_cold(&mut self, cool: &[(c_int, u64)]) {
+        let mut any = false;
+        for (fd, woken) in cool {
+            if let Some(m) = self.members.get_mut(fd) {
+                if m.hot && m.woken == *woken {
+                    m.hot = false;
+                    any = true;
+                }
+            }
+        }
+        if any {
+            let members = &self.members;
+            self.hot.retain(|fd| members.get(fd).is_some_and(|m| m.hot));
+        }
+    }
+}
+
+type Sets = HashMap<c_int, Set>;
 /// The accelerated members of each epoll set. Never held across a call into clan (whose
 /// engine thread waits in `epoll_wait` too: it must find out without this lock that its set
 /// is not ours, [`is_mixed`]).
@@ -309,15 +381,19 @@ fn set_mixed(epfd: c_int, on: bool) {
     }
 }
 
-/// A member as seen at one moment: (fd, connection, events, data, last reported, disabled).
-type Snapshot = (c_int, Arc<Conn>, u32, u64, (u32, u64, u64), bool);
+/// A member as seen at one moment: (fd, connection, events, data, last reported, disabled,
+/// woken).
+type Snapshot = (c_int, Arc<Conn>, u32, u64, (u32, u64, u64), bool, u64);
 
-/// Snapshot of a set's members, taken under the lock, used without it.
-fn members(epfd: c_int) -> Vec<Snapshot> {
-    sets()
-        .get(&epfd)
-        .map(|s| s.iter().map(|(fd, m)| (*fd, m.conn.clone(), m.events, m.data, m.last, m.disabled)).collect())
-        .unwrap_or_default()
+/// Snapshot of a set's hot members, taken under the lock, used without it.
+fn hot_members(epfd: c_int) -> Vec<Snapshot> {
+    let all = sets();
+    let Some(s) = all.get(&epfd) else { return Vec::new() };
+    s.hot
+        .iter()
+        .filter_map(|fd| s.members.get(fd).map(|m| (*fd, m)))
+        .map(|(fd, m)| (fd, m.conn.clone(), m.events, m.data, m.last, m.disabled, m.woken))
+        .collect()
 }
 
 /// `epoll_ctl` on an accelerated descriptor `fd`: kept here, its queue in the kernel's set.
@@ -332,7 +408,7 @@ pub(crate) fn epoll_ctl(
     let set = all.entry(epfd).or_default();
     match op {
         libc::EPOLL_CTL_ADD => {
-            if set.contains_key(&fd) {
+            if set.members.contains_key(&fd) {
                 return Err(libc::EEXIST);
             }
             let (events, data) = ev.ok_or(libc::EFAULT)?;
@@ -341,20 +417,22 @@ pub(crate) fn epoll_ctl(
                 Ok(()) | Err(libc::EEXIST) => {}
                 Err(e) => return Err(e),
             }
-            set.insert(fd, Member { conn, events, data, last: (0, 0, 0), disabled: false });
+            conn.epolled.store(true, Ordering::Relaxed);
+            set.insert(fd, Member { conn, events, data, last: (0, 0, 0), disabled: false, hot: false, woken: 0 });
             if !is_mixed(epfd) {
                 set_mixed(epfd, true);
             }
             Ok(())
         }
         libc::EPOLL_CTL_MOD => {
-            let m = set.get_mut(&fd).ok_or(libc::ENOENT)?;
+            let m = set.members.get_mut(&fd).ok_or(libc::ENOENT)?;
             let (events, data) = ev.ok_or(libc::EFAULT)?;
             (m.events, m.data, m.last, m.disabled) = (events, data, (0, 0, 0), false);
+            set.make_hot(fd);
             Ok(())
         }
         libc::EPOLL_CTL_DEL => {
-            set.remove(&fd).ok_or(libc::ENOENT)?;
+            set.remove(fd).ok_or(libc::ENOENT)?;
             // The set stays marked as ours even when it has no accelerated member left: our
             // queue entries may still be in the kernel's set, and only our `epoll_wait` filters
             // them out. The queue stays in the kernel's set (programs remove and add again on every
@@ -377,7 +455,7 @@ pub(crate) fn forget(fd: c_int) {
         set_mixed(fd, false);
     }
     for set in all.values_mut() {
-        set.remove(&fd);
+        set.remove(fd);
     }
 }
 
@@ -401,67 +479,93 @@ fn epoll_bits(conn: &Conn, fd: c_int, events: u32) -> Option<(u32, u64, u64)> {
     Some((b & (events | always), r.rx_landed, r.tx_freed))
 }
 
-/// Collect the ready accelerated members of `epfd` into `out` (at most `max`).
+/// Collect the ready hot members of `epfd` into `out` (at most `max`); the quiet ones are
+/// armed, looked at once more, and go cold ([`Set`]).
 fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
     let mut report = Vec::new();
+    let mut cool = Vec::new();
     let mut gone = Vec::new();
-    for (fd, conn, events, data, last, disabled) in members(epfd) {
+    for (fd, conn, events, data, last, disabled, woken) in hot_members(epfd) {
         if out.len() >= max {
             break;
         }
         if disabled {
+            cool.push((fd, woken));
             continue;
         }
         let Some(now) = epoll_bits(&conn, fd, events) else {
             gone.push(conn);
             continue;
         };
-        if now.0 == 0 || (events & libc::EPOLLET as u32 != 0 && now == last) {
+        let et = events & libc::EPOLLET as u32 != 0;
+        let oneshot = events & libc::EPOLLONESHOT as u32 != 0;
+        let ready = now.0 != 0 && !(et && now == last);
+        if ready {
+            out.push(epoll_event { events: now.0, u64: data });
+            report.push((fd, now, oneshot));
+            if oneshot {
+                cool.push((fd, woken));
+            }
+            if oneshot || !et {
+                // (level-triggered: looked at again next time, until it is not ready)
+                continue;
+            }
+        }
+        // Quiet (or edge-triggered and just reported): arm what it waits for, then look
+        // again; cold if nothing moved meanwhile.
+        if !conn.queue.arm() {
+            conn.drain_quiet();
             continue;
         }
-        out.push(epoll_event { events: now.0, u64: data });
-        report.push((fd, now, events & libc::EPOLLONESHOT as u32 != 0));
+        let want_r = events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0;
+        let want_w = events & libc::EPOLLOUT as u32 != 0;
+        if !conn.arm(want_r, want_w) {
+            continue;
+        }
+        let Some(again) = epoll_bits(&conn, fd, events) else {
+            gone.push(conn);
+            continue;
+        };
+        let moved = if ready { again != now } else { again.0 != 0 && !(et && again == last) };
+        if !moved {
+            cool.push((fd, woken));
+        }
     }
     for c in gone {
         retire(Arc::as_ptr(&c));
     }
-    if !report.is_empty() {
+    if !report.is_empty() || !cool.is_empty() {
         let mut all = sets();
         if let Some(set) = all.get_mut(&epfd) {
             for (fd, now, oneshot) in report {
-                if let Some(m) = set.get_mut(&fd) {
+                if let Some(m) = set.members.get_mut(&fd) {
                     m.last = now;
                     m.disabled |= oneshot;
                 }
+            }
+            set.make_cold(&cool);
+        }
+    }
+}
+
+/// A wake-up of `conn`'s queue was taken outside an epoll wait (`poll`, a blocking read or
+/// write): its members in every set are hot, so that their next wait looks at them.
+pub(crate) fn touch(conn: &Conn) {
+    let qfd = queue_fd(conn);
+    let mut all = sets();
+    for set in all.values_mut() {
+        let Some(fds) = set.by_queue.get(&qfd).cloned() else { continue };
+        for fd in fds {
+            if set.members.get(&fd).is_some_and(|m| std::ptr::eq(Arc::as_ptr(&m.conn), conn)) {
+                set.make_hot(fd);
             }
         }
     }
 }
 
-/// Arm the members of `epfd` for what they wait for; false if one is ready meanwhile.
-fn arm(epfd: c_int) -> bool {
-    for (fd, conn, events, _, last, disabled) in members(epfd) {
-        if disabled {
-            continue;
-        }
-        let want_r = events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0;
-        let want_w = events & libc::EPOLLOUT as u32 != 0;
-        if !conn.queue.arm() {
-            conn.drain();
-            return false;
-        }
-        if !conn.arm(want_r, want_w) {
-            return false;
-        }
-        let Some(now) = epoll_bits(&conn, fd, events) else {
-            return false;
-        };
-        let et = events & libc::EPOLLET as u32 != 0;
-        if now.0 != 0 && (!et || now != last) {
-            return false;
-        }
-    }
-    true
+/// Whether every member of `epfd` is cold (armed: a sleep misses nothing).
+fn all_cold(epfd: c_int) -> bool {
+    sets().get(&epfd).is_none_or(|s| s.hot.is_empty())
 }
 
 /// Whether `epfd` holds accelerated descriptors (no lock: the engine threads of clan itself
@@ -496,7 +600,7 @@ pub(crate) fn epoll_wait(
         collect(epfd, &mut got, max);
         let collected = !got.is_empty();
         let sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
-        let armed = sleep && arm(epfd);
+        let armed = sleep && all_cold(epfd);
         let wait = if armed { ms_left(end) } else { 0 };
         // Ours first (at the front), the kernel's after them.
         let room = max - got.len();
@@ -522,29 +626,40 @@ pub(crate) fn epoll_wait(
         out[..base].copy_from_slice(&got);
         let mut total = base + kept;
         if !woke.is_empty() {
-            let now = members(epfd);
-            // Only the queues that woke us (a drain is a system call: with thousands of
-            // members, draining them all made every wake-up cost as many), each once.
             woke.sort_unstable();
             woke.dedup();
-            for (_, conn, ..) in &now {
-                if woke.binary_search(&queue_fd(conn)).is_ok() {
-                    conn.drain();
-                }
-            }
+            // The members of the queues that woke us are hot; each queue is drained once.
             // A queue no member of this set has now (its connection closed, or left the set,
             // and the queue perhaps serves another one elsewhere): nothing here drains it, and
             // a readable queue left in the set would wake every wait on it at once. It leaves.
             // (Under the sets' lock, which `epoll_ctl` holds while it adds a queue: a queue
             // that has just joined this set for a new member stays.)
-            if woke.iter().any(|q| !now.iter().any(|(_, conn, ..)| queue_fd(conn) == *q)) {
-                let all = sets();
-                let set = all.get(&epfd);
-                for qfd in woke {
-                    if !set.is_some_and(|s| s.values().any(|m| queue_fd(&m.conn) == qfd)) {
-                        let _ = real::epoll_control(epfd, libc::EPOLL_CTL_DEL, qfd, 0, 0);
+            let mut drain = Vec::new();
+            {
+                let mut all = sets();
+                match all.get_mut(&epfd) {
+                    Some(set) => {
+                        for qfd in &woke {
+                            let fds = set.by_queue.get(qfd).cloned().unwrap_or_default();
+                            if let Some(m) = fds.first().and_then(|fd| set.members.get(fd)) {
+                                drain.push(m.conn.clone());
+                            } else {
+                                let _ = real::epoll_control(epfd, libc::EPOLL_CTL_DEL, *qfd, 0, 0);
+                            }
+                            for fd in fds {
+                                set.make_hot(fd);
+                            }
+                        }
+                    }
+                    None => {
+                        for qfd in &woke {
+                            let _ = real::epoll_control(epfd, libc::EPOLL_CTL_DEL, *qfd, 0, 0);
+                        }
                     }
                 }
+            }
+            for c in drain {
+                c.drain_quiet();
             }
             // (only if none was collected above: an event is reported once per call)
             if !collected && total < max {
