@@ -147,6 +147,59 @@ fn child() {
             drop(conns);
             println!("client ok");
         }
+        "serve_hold" | "connect_hold" => {
+            // Many connections held at once: `serve_hold N` accepts N (with as many
+            // descriptors as it may have), `connect_hold PORT N` makes them under a limit of
+            // 1024 soft, 2048 hard (clan raises the soft one to the hard one); five bytes
+            // echoed on each.
+            use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+            let server = role == "serve_hold";
+            if server {
+                let hard = getrlimit(Resource::Nofile).maximum;
+                let _ = setrlimit(Resource::Nofile, Rlimit { current: Some(65536), maximum: Some(65536) })
+                    .or_else(|_| setrlimit(Resource::Nofile, Rlimit { current: hard, maximum: hard }));
+            } else {
+                setrlimit(Resource::Nofile, Rlimit { current: Some(1024), maximum: Some(2048) }).unwrap();
+            }
+            let n: usize = args[if server { 0 } else { 1 }].parse().unwrap();
+            let mut held = Vec::with_capacity(n);
+            if server {
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                println!("port {}", l.local_addr().unwrap().port());
+                for _ in 0..n {
+                    let (mut s, _) = l.accept().unwrap();
+                    let mut b = [0u8; 5];
+                    s.read_exact(&mut b).unwrap();
+                    s.write_all(&b).unwrap();
+                    held.push(s);
+                }
+                println!("served {n}");
+                // (until the client has them all)
+                let mut b = [0u8; 1];
+                assert_eq!(held[0].read(&mut b).unwrap(), 0);
+            } else {
+                let port: u16 = args[0].parse().unwrap();
+                for i in 0..n {
+                    let mut s =
+                        TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|e| panic!("connection {i}: {e}"));
+                    s.write_all(b"hello").unwrap();
+                    let mut b = [0u8; 5];
+                    s.read_exact(&mut b).unwrap();
+                    held.push(s);
+                }
+                let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+                    .unwrap()
+                    .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect();
+                eprintln!(
+                    "descriptors: {} open, highest {}; {:?}",
+                    fds.len(),
+                    fds.iter().max().unwrap_or(&0),
+                    rustix::process::getrlimit(rustix::process::Resource::Nofile)
+                );
+                println!("held {n}");
+            }
+        }
         "serve_n" => {
             // Listen on the port given (0: any), serve that many connections one after the
             // other (echo five bytes), then end.
@@ -997,6 +1050,30 @@ fn a_claim_channel_kept_for_a_server_that_went_is_replaced() {
         (5, 3, 2),
         "client: {cerr}\nfirst server: {ferr}\nsecond server: {serr}"
     );
+}
+
+/// A client whose descriptor limit is 1024 (2048 hard) holds 400 connections at once, as it
+/// may over the kernel: while there is room in clan's share of the descriptors (half of
+/// those above a floor), its connections go over clan (about eight descriptors each); past
+/// that they stay with the kernel (one each). (Without that share, clan's descriptors filled
+/// every number up to the limit, and the program met `EMFILE` at a quarter of the
+/// connections.)
+#[test]
+fn connections_past_the_descriptors_clan_may_take_stay_with_the_kernel() {
+    let mut server = Proc::spawn("serve_hold", &["400"], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("connect_hold", &[&port, "400"], true);
+    client.expect("held 400");
+    server.expect("served 400");
+    let cerr = client.finish(Duration::from_secs(60));
+    let serr = server.finish(Duration::from_secs(60));
+    let over = over_clan(&cerr);
+    let (short, declined) = (cerr.matches("few descriptors left").count(), cerr.matches("listener declined").count());
+    assert!(
+        (10..200).contains(&over) && over + short + declined == 400,
+        "over clan {over}, kept for the kernel {short}, declined by the server {declined}: {cerr}"
+    );
+    assert_eq!(over_clan(&serr), over, "{serr}");
 }
 
 /// A process that connects clan streams to a server's runtime without tokens, or with

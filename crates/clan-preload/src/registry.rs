@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -82,6 +83,34 @@ pub(crate) fn runtime() -> Option<&'static Arc<Runtime>> {
 }
 
 /// Half the descriptor limit (at least 256, at most 65 536): out of the program's way.
+/// Descriptors a connection over clan may need at once here (its queue, its side, a port):
+/// kept free when deciding whether there is room for one.
+const FD_PER_CONNECTION: i32 = 16;
+
+/// Whether there is room for another connection's descriptors in clan's share of the
+/// numbers: half of those between the floor and the limit (`fd`: any descriptor, to
+/// duplicate there once and close). Without room, a new connection stays with the kernel
+/// (one descriptor) rather than set up clan's (about eight), which would fill the numbers
+/// the program counts on and bring its `EMFILE` at a fraction of the connections the kernel
+/// allows.
+fn fd_room(fd: BorrowedFd<'_>) -> bool {
+    let floor = clan_shm::fdfloor::get();
+    if floor == 0 {
+        return true;
+    }
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1 << 20);
+    let limit = i32::try_from(limit).unwrap_or(i32::MAX);
+    let share_end = floor.saturating_add(limit.saturating_sub(floor) / 2);
+    // (the lowest free number at or above the floor: where the next one of ours goes)
+    match rustix::io::fcntl_dupfd_cloexec(fd, floor) {
+        Ok(probe) => {
+            use std::os::fd::AsRawFd;
+            probe.as_raw_fd().saturating_add(FD_PER_CONNECTION) <= share_end
+        }
+        Err(_) => false,
+    }
+}
+
 fn fd_floor() -> i32 {
     let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1 << 20);
     (soft / 2).clamp(256, 1 << 16) as i32
@@ -464,6 +493,10 @@ fn claim(rt: &Runtime, reg: &Registered, sock: &std::os::fd::OwnedFd, from: &Seq
         Ok(c) if c.uid == st.st_uid => {}
         _ => return (b"NO".to_vec(), None),
     }
+    // (no room for the stream's descriptors: the connection is the kernel's)
+    if !fd_room(sock.as_fd()) {
+        return (b"NO".to_vec(), None);
+    }
     let token = rt.token();
     let mut p = lock(&reg.pending);
     if p.len() >= MAX_CLAIMS {
@@ -577,6 +610,9 @@ fn make_claim(fd: c_int, dest: SocketAddr) -> Result<(u64, EndpointAddr, SeqPack
         return Err("not an address of this host");
     }
     runtime().ok_or("clan is not available in this process")?;
+    if !real::with_fd(fd, fd_room) {
+        return Err("few descriptors left for clan (a connection holds about eight)");
+    }
     loop {
         let (chan, kept) = channel(dest)?;
         match claim_on(&chan, fd) {

@@ -240,7 +240,7 @@ fn export_side(ep: &Endpoint, g: Geometry, peer: clan::NicAddr) -> Result<Apertu
 }
 
 /// Most bytes of the caller's own data a connect carries to the accepting side, after the
-/// geometry ([`user_data`]).
+/// geometry (`Stream::peer_data` on the accepting side).
 pub const MAX_CONNECT_DATA: usize = 64;
 
 /// The caller's part of a hand-shake's private data (what follows the geometry): empty when
