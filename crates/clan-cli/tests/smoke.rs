@@ -458,7 +458,7 @@ fn unmodified_programs_with_and_without_clan() {
     let skipped = v["skipped"].as_array().expect("skipped");
     if std::env::var_os("CI").is_some() {
         assert!(skipped.is_empty(), "CI installs sockperf and redis: {skipped:?}");
-        assert_eq!(rows.len(), 6, "{v}");
+        assert_eq!(rows.len(), 8, "{v}");
     }
     for (i, _) in rows.iter().enumerate() {
         positive(&v, &[&format!("/rows/{i}/clan"), &format!("/rows/{i}/baseline"), &format!("/rows/{i}/ratio")]);
