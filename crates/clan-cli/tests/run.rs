@@ -1804,20 +1804,20 @@ mod many {
     }
 }
 
-/// One epoll set over 64 connections, one of them talking at a time: every exchange is
+/// One epoll set over 100 connections, one of them talking at a time: every exchange is
 /// reported and echoed, over clan and over the kernel alike (a wait looks only at the
 /// members that moved: the quiet ones must still be woken when their turn comes).
 #[test]
 fn an_epoll_set_of_many_quiet_connections_reports_the_one_that_moves() {
     for clan in [true, false] {
-        let mut server = Proc::spawn("epoll_echo_many", &["64"], clan);
+        let mut server = Proc::spawn("epoll_echo_many", &["100"], clan);
         let port = server.expect("port");
-        let mut client = Proc::spawn("quiet_many_client", &[&port, "64", "2000"], clan);
+        let mut client = Proc::spawn("quiet_many_client", &[&port, "100", "2000"], clan);
         client.expect("client ok");
         let cerr = client.finish(Duration::from_secs(60));
-        server.expect("echoed 64");
+        server.expect("echoed 100");
         let serr = server.finish(Duration::from_secs(60));
-        let want = if clan { 64 } else { 0 };
+        let want = if clan { 100 } else { 0 };
         assert_eq!((over_clan(&cerr), over_clan(&serr)), (want, want), "client: {cerr}\nserver: {serr}");
     }
 }

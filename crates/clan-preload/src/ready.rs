@@ -277,6 +277,12 @@ struct Member {
     disabled: bool,
     /// In the set's hot list.
     hot: bool,
+    /// Since when a wait has found it quiet (None: ready at the last look, or just made
+    /// hot). A quiet member is armed and made cold before a wait sleeps, or once it has
+    /// been quiet for [`COOL_AFTER`]: not at the first quiet look, since an armed member's
+    /// every change costs its peer a wake-up signal and the wait a drain, which a busy
+    /// member, quiet only between requests, would pay on each.
+    quiet_since: Option<Instant>,
     /// Bumped each time the member is made hot: a wait that armed it and found it quiet
     /// makes it cold only if nobody made it hot meanwhile (its queue's wake-up, taken by
     /// another thread, would be lost).
@@ -323,6 +329,7 @@ impl Set {
     fn make_hot(&mut self, fd: c_int) {
         if let Some(m) = self.members.get_mut(&fd) {
             m.woken = m.woken.wrapping_add(1);
+            m.quiet_since = None;
             if !m.hot {
                 m.hot = true;
                 self.hot.push(fd);
@@ -338,6 +345,7 @@ impl Set {
             if let Some(m) = self.members.get_mut(fd) {
                 if m.hot && m.woken == *woken {
                     m.hot = false;
+                    m.quiet_since = None;
                     any = true;
                 }
             }
@@ -382,8 +390,12 @@ fn set_mixed(epfd: c_int, on: bool) {
 }
 
 /// A member as seen at one moment: (fd, connection, events, data, last reported, disabled,
-/// woken).
-type Snapshot = (c_int, Arc<Conn>, u32, u64, (u32, u64, u64), bool, u64);
+/// woken, quiet since).
+type Snapshot = (c_int, Arc<Conn>, u32, u64, (u32, u64, u64), bool, u64, Option<Instant>);
+
+/// How long a hot member may stay quiet before a wait that does not sleep arms it and makes
+/// it cold ([`Member::quiet_since`]).
+const COOL_AFTER: Duration = Duration::from_millis(2);
 
 /// Snapshot of a set's hot members, taken under the lock, used without it.
 fn hot_members(epfd: c_int) -> Vec<Snapshot> {
@@ -392,7 +404,7 @@ fn hot_members(epfd: c_int) -> Vec<Snapshot> {
     s.hot
         .iter()
         .filter_map(|fd| s.members.get(fd).map(|m| (*fd, m)))
-        .map(|(fd, m)| (fd, m.conn.clone(), m.events, m.data, m.last, m.disabled, m.woken))
+        .map(|(fd, m)| (fd, m.conn.clone(), m.events, m.data, m.last, m.disabled, m.woken, m.quiet_since))
         .collect()
 }
 
@@ -418,7 +430,19 @@ pub(crate) fn epoll_ctl(
                 Err(e) => return Err(e),
             }
             conn.epolled.store(true, Ordering::Relaxed);
-            set.insert(fd, Member { conn, events, data, last: (0, 0, 0), disabled: false, hot: false, woken: 0 });
+            set.insert(
+                fd,
+                Member {
+                    conn,
+                    events,
+                    data,
+                    last: (0, 0, 0),
+                    disabled: false,
+                    hot: false,
+                    quiet_since: None,
+                    woken: 0,
+                },
+            );
             if !is_mixed(epfd) {
                 set_mixed(epfd, true);
             }
@@ -481,11 +505,13 @@ fn epoll_bits(conn: &Conn, fd: c_int, events: u32) -> Option<(u32, u64, u64)> {
 
 /// Collect the ready hot members of `epfd` into `out` (at most `max`); the quiet ones are
 /// armed, looked at once more, and go cold ([`Set`]).
-fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
+fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) {
     let mut report = Vec::new();
     let mut cool = Vec::new();
+    let mut quiet = Vec::new();
     let mut gone = Vec::new();
-    for (fd, conn, events, data, last, disabled, woken) in hot_members(epfd) {
+    let at = Instant::now();
+    for (fd, conn, events, data, last, disabled, woken, quiet_since) in hot_members(epfd) {
         if out.len() >= max {
             break;
         }
@@ -511,8 +537,17 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
                 continue;
             }
         }
-        // Quiet (or edge-triggered and just reported): arm what it waits for, then look
-        // again; cold if nothing moved meanwhile.
+        // Quiet (or edge-triggered and just reported): before a sleep, or quiet a while,
+        // arm what it waits for, then look again; cold if nothing moved meanwhile.
+        // (before a sleep that will not happen, one being ready, nothing is armed: an
+        // armed member costs its peer a signal at its next change)
+        let quiet_for = quiet_since.map_or(Duration::ZERO, |q| at.saturating_duration_since(q));
+        if !(to_sleep && out.is_empty()) && quiet_for < COOL_AFTER {
+            if quiet_since.is_none() {
+                quiet.push(fd);
+            }
+            continue;
+        }
         if !conn.queue.arm() {
             conn.drain_quiet();
             continue;
@@ -534,13 +569,19 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize) {
     for c in gone {
         retire(Arc::as_ptr(&c));
     }
-    if !report.is_empty() || !cool.is_empty() {
+    if !report.is_empty() || !cool.is_empty() || !quiet.is_empty() {
         let mut all = sets();
         if let Some(set) = all.get_mut(&epfd) {
             for (fd, now, oneshot) in report {
                 if let Some(m) = set.members.get_mut(&fd) {
                     m.last = now;
                     m.disabled |= oneshot;
+                    m.quiet_since = None;
+                }
+            }
+            for fd in quiet {
+                if let Some(m) = set.members.get_mut(&fd) {
+                    m.quiet_since.get_or_insert(at);
                 }
             }
             set.make_cold(&cool);
@@ -597,9 +638,14 @@ pub(crate) fn epoll_wait(
     let mut got: Vec<epoll_event> = Vec::new();
     loop {
         got.clear();
-        collect(epfd, &mut got, max);
+        collect(epfd, &mut got, max, false);
+        let mut sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
+        if sleep {
+            // (the quiet members armed, before the sleep: one may have moved meanwhile)
+            collect(epfd, &mut got, max, true);
+            sleep = got.is_empty();
+        }
         let collected = !got.is_empty();
-        let sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
         let armed = sleep && all_cold(epfd);
         let wait = if armed { ms_left(end) } else { 0 };
         // Ours first (at the front), the kernel's after them.
@@ -664,7 +710,7 @@ pub(crate) fn epoll_wait(
             // (only if none was collected above: an event is reported once per call)
             if !collected && total < max {
                 let mut more = Vec::new();
-                collect(epfd, &mut more, max - total);
+                collect(epfd, &mut more, max - total, false);
                 out[total..total + more.len()].copy_from_slice(&more);
                 total += more.len();
             }
