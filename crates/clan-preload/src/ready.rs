@@ -337,9 +337,18 @@ impl Set {
         }
     }
 
+    /// Whether the set is small enough to look at all its members on every wait, as if all
+    /// were hot, arming them only before a sleep ([`SMALL_SET`]).
+    fn small(&self) -> bool {
+        self.members.len() <= SMALL_SET
+    }
+
     /// Members `cool` (each with the `woken` seen when it was armed) go cold, but those made
-    /// hot since.
+    /// hot since. (None in a small set: all its members are looked at anyway.)
     fn make_cold(&mut self, cool: &[(c_int, u64)]) {
+        if self.small() {
+            return;
+        }
         let mut any = false;
         for (fd, woken) in cool {
             if let Some(m) = self.members.get_mut(fd) {
@@ -393,6 +402,11 @@ fn set_mixed(epfd: c_int, on: bool) {
 /// woken, quiet since).
 type Snapshot = (c_int, Arc<Conn>, u32, u64, (u32, u64, u64), bool, u64, Option<Instant>);
 
+/// Sets of at most this many members are looked at whole on every wait (the cost of the
+/// cold members' wake-ups is not worth it: with every member of a 50-connection redis armed
+/// whenever quiet, 0.55 signals per request against 0.20, and 16 % fewer requests/s).
+const SMALL_SET: usize = 64;
+
 /// How long a hot member may stay quiet before a wait that does not sleep arms it and makes
 /// it cold ([`Member::quiet_since`]).
 const COOL_AFTER: Duration = Duration::from_millis(2);
@@ -401,11 +415,12 @@ const COOL_AFTER: Duration = Duration::from_millis(2);
 fn hot_members(epfd: c_int) -> Vec<Snapshot> {
     let all = sets();
     let Some(s) = all.get(&epfd) else { return Vec::new() };
-    s.hot
-        .iter()
-        .filter_map(|fd| s.members.get(fd).map(|m| (*fd, m)))
-        .map(|(fd, m)| (fd, m.conn.clone(), m.events, m.data, m.last, m.disabled, m.woken, m.quiet_since))
-        .collect()
+    let snap =
+        |(fd, m): (c_int, &Member)| (fd, m.conn.clone(), m.events, m.data, m.last, m.disabled, m.woken, m.quiet_since);
+    if s.small() {
+        return s.members.iter().map(|(fd, m)| snap((*fd, m))).collect();
+    }
+    s.hot.iter().filter_map(|fd| s.members.get(fd).map(|m| (*fd, m))).map(snap).collect()
 }
 
 /// `epoll_ctl` on an accelerated descriptor `fd`: kept here, its queue in the kernel's set.
@@ -505,7 +520,9 @@ fn epoll_bits(conn: &Conn, fd: c_int, events: u32) -> Option<(u32, u64, u64)> {
 
 /// Collect the ready hot members of `epfd` into `out` (at most `max`); the quiet ones are
 /// armed, looked at once more, and go cold ([`Set`]).
-fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) {
+fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) -> bool {
+    // (whether every member looked at was armed and found quiet: a sleep then misses nothing)
+    let mut all_armed = true;
     let mut report = Vec::new();
     let mut cool = Vec::new();
     let mut quiet = Vec::new();
@@ -513,6 +530,7 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) 
     let at = Instant::now();
     for (fd, conn, events, data, last, disabled, woken, quiet_since) in hot_members(epfd) {
         if out.len() >= max {
+            all_armed = false;
             break;
         }
         if disabled {
@@ -520,6 +538,7 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) 
             continue;
         }
         let Some(now) = epoll_bits(&conn, fd, events) else {
+            all_armed = false;
             gone.push(conn);
             continue;
         };
@@ -527,6 +546,7 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) 
         let oneshot = events & libc::EPOLLONESHOT as u32 != 0;
         let ready = now.0 != 0 && !(et && now == last);
         if ready {
+            all_armed = false;
             out.push(epoll_event { events: now.0, u64: data });
             report.push((fd, now, oneshot));
             if oneshot {
@@ -546,23 +566,29 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) 
             if quiet_since.is_none() {
                 quiet.push(fd);
             }
+            all_armed = false;
             continue;
         }
         if !conn.queue.arm() {
             conn.drain_quiet();
+            all_armed = false;
             continue;
         }
         let want_r = events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0;
         let want_w = events & libc::EPOLLOUT as u32 != 0;
         if !conn.arm(want_r, want_w) {
+            all_armed = false;
             continue;
         }
         let Some(again) = epoll_bits(&conn, fd, events) else {
+            all_armed = false;
             gone.push(conn);
             continue;
         };
         let moved = if ready { again != now } else { again.0 != 0 && !(et && again == last) };
-        if !moved {
+        if moved {
+            all_armed = false;
+        } else {
             cool.push((fd, woken));
         }
     }
@@ -587,6 +613,7 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) 
             set.make_cold(&cool);
         }
     }
+    all_armed
 }
 
 /// A wake-up of `conn`'s queue was taken outside an epoll wait (`poll`, a blocking read or
@@ -606,7 +633,7 @@ pub(crate) fn touch(conn: &Conn) {
 
 /// Whether every member of `epfd` is cold (armed: a sleep misses nothing).
 fn all_cold(epfd: c_int) -> bool {
-    sets().get(&epfd).is_none_or(|s| s.hot.is_empty())
+    sets().get(&epfd).is_none_or(|s| s.small() || s.hot.is_empty())
 }
 
 /// Whether `epfd` holds accelerated descriptors (no lock: the engine threads of clan itself
@@ -640,13 +667,14 @@ pub(crate) fn epoll_wait(
         got.clear();
         collect(epfd, &mut got, max, false);
         let mut sleep = got.is_empty() && Instant::now() >= spin_until && timeout != 0;
+        let mut all_armed = false;
         if sleep {
             // (the quiet members armed, before the sleep: one may have moved meanwhile)
-            collect(epfd, &mut got, max, true);
+            all_armed = collect(epfd, &mut got, max, true);
             sleep = got.is_empty();
         }
         let collected = !got.is_empty();
-        let armed = sleep && all_cold(epfd);
+        let armed = sleep && all_armed && all_cold(epfd);
         let wait = if armed { ms_left(end) } else { 0 };
         // Ours first (at the front), the kernel's after them.
         let room = max - got.len();
