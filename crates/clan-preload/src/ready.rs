@@ -8,12 +8,12 @@
 //! descriptors together with the connections' event queues (whose descriptors the tripwires
 //! make readable).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use libc::{c_int, epoll_event, pollfd};
+use rustc_hash::FxHashMap;
 
 use crate::conn::Conn;
 use crate::{real, table};
@@ -298,10 +298,10 @@ struct Member {
 /// thousands of idle connections looks at the few that moved.
 #[derive(Debug, Default)]
 struct Set {
-    members: HashMap<c_int, Member>,
+    members: FxHashMap<c_int, Member>,
     hot: Vec<c_int>,
     /// The members of each queue (by its descriptor: what a wake-up names).
-    by_queue: HashMap<c_int, Vec<c_int>>,
+    by_queue: FxHashMap<c_int, Vec<c_int>>,
 }
 
 impl Set {
@@ -366,11 +366,12 @@ impl Set {
     }
 }
 
-type Sets = HashMap<c_int, Set>;
+/// (Keyed by descriptor numbers: a fast hash, looked up on every wait.)
+type Sets = FxHashMap<c_int, Set>;
 /// The accelerated members of each epoll set. Never held across a call into clan (whose
 /// engine thread waits in `epoll_wait` too: it must find out without this lock that its set
 /// is not ours, [`is_mixed`]).
-static SETS: LazyLock<Mutex<Sets>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+static SETS: LazyLock<Mutex<Sets>> = LazyLock::new(|| Mutex::new(FxHashMap::default()));
 
 fn sets() -> std::sync::MutexGuard<'static, Sets> {
     SETS.lock().unwrap_or_else(|e| e.into_inner())
