@@ -387,6 +387,11 @@ fn rights_are_checked_by_the_exporter_not_the_importer() {
         assert!(Instant::now() < deadline, "the granted write never landed");
         std::thread::sleep(Duration::from_millis(1));
     }
+    // The count is raised just after the data is visible: wait for it, then check it is one.
+    while watched.count() < 1 {
+        assert!(Instant::now() < deadline, "the granted write fired no tripwire");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(watched.count(), 1);
 }
 
