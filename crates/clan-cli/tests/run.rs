@@ -26,6 +26,11 @@ impl Proc {
         } else {
             Command::new(exe)
         };
+        Proc::from_command(&mut c, role, args)
+    }
+
+    /// `c` (a command that runs this test binary: [`unprivileged`]) in `role`.
+    fn from_command(c: &mut Command, role: &str, args: &[&str]) -> Proc {
         c.args(["--exact", "child", "--nocapture", "--test-threads=1"])
             .env("RUN_ROLE", role)
             .env("RUN_ARGS", args.join(" "))
@@ -244,12 +249,12 @@ fn child() {
                 clan_shm::seqpacket::SeqPacket::connect_abstract(format!("clan-run/127.0.0.1:{port}").as_bytes())
                     .unwrap();
             let sock = TcpListener::bind("127.0.0.1:0").unwrap();
-            chan.send(b"CLAIM", &[sock.as_fd()]).unwrap();
+            chan.send(b"CLAIM\x01\x02\x03\x04\x05\x06\x07\x08", &[sock.as_fd()]).unwrap();
             let mut buf = [0u8; 256];
             let m = chan.recv(&mut buf).unwrap();
             let r = &buf[..m.len];
-            assert!(r.starts_with(b"OK") && r.len() > 10, "the claim was refused");
-            let addr: clan::EndpointAddr = std::str::from_utf8(&r[10..]).unwrap().parse().unwrap();
+            assert!(r.starts_with(b"OK") && r.len() > 2, "the claim was refused");
+            let addr: clan::EndpointAddr = std::str::from_utf8(&r[2..]).unwrap().parse().unwrap();
             let nic = clan::Nic::open_default().unwrap();
             let q = nic.event_queue(clan::EventQueueConfig::default()).unwrap();
             let cfg = clan_proto::stream::StreamConfig::default();
@@ -263,6 +268,62 @@ fn child() {
                 .collect();
             println!("silent {n}");
             std::thread::sleep(Duration::from_secs(50));
+        }
+        "claim_then_kernel" => {
+            // Claim a kernel socket of ours (a token we choose) as a clan-run client would,
+            // print the token and the server's clan address, wait for `go`, then connect the
+            // socket with the kernel and talk over it: the server must read our bytes from
+            // the kernel, whoever brought our token in a stream.
+            use std::os::fd::AsFd;
+            let (port, go) = (args[0].parse::<u16>().unwrap(), &args[1]);
+            let chan =
+                clan_shm::seqpacket::SeqPacket::connect_abstract(format!("clan-run/127.0.0.1:{port}").as_bytes())
+                    .unwrap();
+            let sock =
+                rustix::net::socket(rustix::net::AddressFamily::INET, rustix::net::SocketType::STREAM, None).unwrap();
+            rustix::net::bind(&sock, &"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap()).unwrap();
+            let token = 0x5eed_0000_0000_0001u64;
+            let mut msg = b"CLAIM".to_vec();
+            msg.extend_from_slice(&token.to_le_bytes());
+            chan.send(&msg, &[sock.as_fd()]).unwrap();
+            let mut buf = [0u8; 256];
+            let m = chan.recv(&mut buf).unwrap();
+            let r = &buf[..m.len];
+            assert!(r.starts_with(b"OK") && r.len() > 2, "the claim was refused");
+            println!("claimed {token} {}", std::str::from_utf8(&r[2..]).unwrap());
+            while !std::path::Path::new(go).exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            rustix::net::connect(&sock, &format!("127.0.0.1:{port}").parse::<std::net::SocketAddr>().unwrap()).unwrap();
+            let mut s = TcpStream::from(sock);
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut hello = [0u8; 6];
+            s.read_exact(&mut hello).expect("the server's greeting over the kernel");
+            assert_eq!(&hello, b"hello\n");
+            s.write_all(b"mine!").unwrap();
+            let mut back = [0u8; 5];
+            s.read_exact(&mut back).unwrap();
+            assert_eq!(&back, b"mine!");
+            s.shutdown(Shutdown::Write).unwrap();
+            assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0);
+            println!("kernel ok");
+        }
+        "stream_with_token" => {
+            // Connect a clan stream to a runtime, bringing a token that is not ours, and say
+            // what the server sends on it (it must send nothing: the stream is not taken).
+            let (addr, token): (clan::EndpointAddr, u64) = (args[0].parse().unwrap(), args[1].parse().unwrap());
+            let nic = clan::Nic::open_default().unwrap();
+            let q = nic.event_queue(clan::EventQueueConfig::default()).unwrap();
+            let cfg = clan_proto::stream::StreamConfig::default();
+            let mut s =
+                clan_proto::stream::Stream::connect_to_with_data(&nic, addr, &cfg, &q, &token.to_le_bytes()).unwrap();
+            println!("connected");
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let mut b = [0u8; 6];
+            match s.read(&mut b) {
+                Ok(0) | Err(_) => println!("got nothing"),
+                Ok(n) => println!("got {}", String::from_utf8_lossy(&b[..n])),
+            }
         }
         "echo_client" => {
             let port: u16 = args[0].parse().unwrap();
@@ -1098,6 +1159,34 @@ fn silent_streams_to_the_runtime_hold_up_nobody() {
     drop(silent);
 }
 
+/// A stream that brings a claimed connection's token but comes from another user (a process
+/// as `nobody` that learned it) before the claimant's is not taken: the server's `accept`
+/// gives the connection to the kernel, reads the claimant's bytes there, and sends nothing
+/// on the stranger's stream. (The runtime once took any stream with a known token, the
+/// last to come replacing the first, and tokens were a counter.)
+#[test]
+fn a_stream_from_another_user_with_a_claimed_token_is_not_taken() {
+    let Some(mut nobody) = unprivileged() else { return };
+    let go = std::env::temp_dir().join(format!("clan-run-token-go-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let mut server = Proc::spawn("echo_server", &[], true);
+    let port = server.expect("port");
+    let mut claimant = Proc::spawn("claim_then_kernel", &[&port, go.to_str().unwrap()], false);
+    let claimed = claimant.expect("claimed");
+    let (token, addr) = claimed.split_once(' ').unwrap();
+    let mut stranger = Proc::from_command(&mut nobody, "stream_with_token", &[addr, token]);
+    stranger.expect("connected");
+    std::fs::write(&go, b"").unwrap();
+    claimant.expect("kernel ok");
+    let _ = std::fs::remove_file(&go);
+    assert_eq!(server.expect("echoed"), "5");
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!(over_clan(&serr), 0, "server: {serr}");
+    assert!(serr.contains("came from another user"), "server: {serr}");
+    assert_eq!(stranger.expect("got"), "nothing");
+    claimant.finish(Duration::from_secs(60));
+}
+
 /// A C program (`tests/run/echo.c`: a server thread with epoll, a client with poll, 64-byte
 /// round trips over loopback TCP) under `clan run` and valgrind's memcheck, `clan` and the
 /// program both traced: its connection goes over clan, every byte comes back, and memcheck
@@ -1369,6 +1458,20 @@ fn sockperf_over_clan() {
         let want = if mode == "ping-pong" { "avg-latency" } else { "Message Rate" };
         assert!(text.contains(want), "sockperf {mode} reported nothing: {text}");
     }
+}
+
+/// A command that runs this test binary as `nobody` (through `setpriv`), for the tests of
+/// what another user can do. None when we are not root (the test is then skipped; under `CI`,
+/// which runs as root, that is a failure).
+fn unprivileged() -> Option<Command> {
+    if !rustix::process::geteuid().is_root() {
+        assert!(std::env::var_os("CI").is_none(), "CI runs as root: this test cannot be skipped");
+        eprintln!("not root: cannot run a child as another user; skipped");
+        return None;
+    }
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]).arg(std::env::current_exe().unwrap());
+    Some(c)
 }
 
 fn have(prog: &str) -> bool {

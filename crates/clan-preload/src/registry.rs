@@ -4,11 +4,14 @@
 //! name (`clan-run/<ip>:<port>`, in its network namespace, gone when the process is) served
 //! by a thread of this library, never by the application. A clan-run client connecting to
 //! a local address looks the name up **before** its kernel `connect` and *claims* the
-//! connection: it passes its socket itself (`SCM_RIGHTS`: proof of what it claims) and
-//! gets a token and the server's clan address back. Then it connects a clan stream to the
-//! server's runtime, the token in the stream's connect hand-shake, and the kernel socket. The server's
-//! `accept` finds the accepted connection's peer socket (its inode, from `/proc/net/tcp`)
-//! among the claims, and takes the clan stream that brought that token. Any failure on the
+//! connection: it passes its socket itself (`SCM_RIGHTS`: proof of what it claims) with a
+//! random token of its own, and learns the server's clan address from the answer. Then it
+//! connects a clan stream to the server's runtime, the token in the stream's connect
+//! hand-shake, and the kernel socket (on a channel kept from an earlier claim, the address is
+//! known and the stream is connected while the server looks at the claim). The server's
+//! `accept` finds the accepted connection's peer socket (its inode, asked of the kernel)
+//! among the claims, and takes the clan stream that brought that token, if it came from the
+//! claimant's user, and was the first to bring it. Any failure on the
 //! way leaves the connection to the kernel, on both sides, before a byte was sent; a plain
 //! client (no claim) costs the server's `accept` nothing when no claim is pending.
 
@@ -16,7 +19,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -52,7 +55,6 @@ pub(crate) struct Runtime {
     cv: Condvar,
     /// Queues of closed connections ([`QUEUES_KEPT`] at most), for new ones.
     queues: Mutex<Vec<EventQueue>>,
-    next_token: AtomicU64,
 }
 
 enum Attach {
@@ -140,7 +142,6 @@ impl Runtime {
             attached: Mutex::new(HashMap::new()),
             cv: Condvar::new(),
             queues: Mutex::new(Vec::new()),
-            next_token: AtomicU64::new(u64::from(std::process::id()) << 32 | 1),
         });
         let weak = Arc::downgrade(&rt);
         std::thread::Builder::new().name("clan-run-accept".into()).spawn(move || take_streams(weak, listener))?;
@@ -156,10 +157,6 @@ impl Runtime {
             return Ok(q);
         }
         small_queue(&self.nic)
-    }
-
-    fn token(&self) -> u64 {
-        self.next_token.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Wait for the clan stream that brings `token` (None: declined, or not in time).
@@ -189,11 +186,13 @@ impl Runtime {
     }
 
     /// The stream that brings `token` came: filed for `accept`, unless its claim was
-    /// withdrawn meanwhile (then dropped).
+    /// withdrawn meanwhile or another stream brought that token first (then dropped: a
+    /// stream never replaces one filed, so one that comes late with a token it learned or
+    /// guessed cannot take a connection over; `accept` also checks the stream's user).
     fn attach(&self, token: u64, s: Stream, q: EventQueue) {
         let mut m = lock(&self.attached);
-        if !matches!(m.get(&token), Some(Attach::Declined)) {
-            m.insert(token, Attach::Ready(s, q));
+        if let std::collections::hash_map::Entry::Vacant(e) = m.entry(token) {
+            e.insert(Attach::Ready(s, q));
         }
         drop(m);
         self.cv.notify_all();
@@ -248,9 +247,17 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
 /// A registered listening socket.
 #[derive(Debug)]
 pub(crate) struct Registered {
-    /// Claims not yet accepted: the claimant's socket inode → token ([`MAX_CLAIMS`]).
-    pending: Mutex<HashMap<u64, u64>>,
+    /// Claims not yet accepted, by the claimant's socket inode ([`MAX_CLAIMS`]).
+    pending: Mutex<HashMap<u64, Claim>>,
     closed: AtomicBool,
+}
+
+/// A claim the registry took: the token its stream will bring, and the claimant's user (the
+/// owner of the socket it passed), whose stream alone may carry the connection.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    token: u64,
+    uid: u32,
 }
 
 static LISTENERS: OnceLock<Mutex<HashMap<c_int, Arc<Registered>>>> = OnceLock::new();
@@ -389,7 +396,7 @@ pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
     }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let inode = crate::procnet::inode_of(peer_of(fd)?, local)?;
-    pending.get(&inode).copied()
+    pending.get(&inode).map(|c| c.token)
 }
 
 /// In the parent: a child accepted the claimed connection `token`: hand its clan stream over
@@ -397,7 +404,7 @@ pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
 pub(crate) fn hand_over_claimed(token: u64) {
     if let Some(m) = LISTENERS.get() {
         for r in lock(m).values() {
-            lock(&r.pending).retain(|_, t| *t != token);
+            lock(&r.pending).retain(|_, c| c.token != token);
         }
     }
     let Some(rt) = runtime() else { return };
@@ -428,9 +435,10 @@ pub(crate) fn on_close(fd: c_int) {
 /// never comes for [`ATTACH_WAIT`] and then is the kernel's.)
 const TOKENS_PER_CHANNEL: usize = 4096;
 
-/// Claims for one listener: `CLAIM` + the claimant's socket (SCM_RIGHTS) → `OK` + token +
-/// our clan address; `DECLINE` + token → the claim is dropped. A client keeps its channel
-/// for its next claims.
+/// Claims for one listener: `CLAIM` + the client's token (8 bytes) + the claimant's socket
+/// (SCM_RIGHTS) → `OK` + our clan address, or `NO` (and a stream that brings the token is
+/// dropped); `DECLINE` + token → the claim is dropped. A client keeps its channel for its
+/// next claims.
 fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
     let _ = sock.set_timeouts(Duration::from_millis(200));
     let _ = sock.set_nonblocking(true);
@@ -447,8 +455,9 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
             Ok(m) => {
                 busy = true;
                 let msg = &buf[..m.len];
-                if msg.starts_with(b"CLAIM") && m.fds.len() == 1 && !m.truncated {
-                    let reply = claim(&rt, &reg, &m.fds[0], c);
+                if msg.len() == CLAIM_LEN && msg.starts_with(b"CLAIM") && m.fds.len() == 1 && !m.truncated {
+                    let token = u64::from_le_bytes(msg[5..CLAIM_LEN].try_into().unwrap_or_default());
+                    let reply = claim(&rt, &reg, &m.fds[0], c, token);
                     if let Some(t) = reply.1 {
                         // (a client keeps its channel for its next claims: the tokens it
                         // may still withdraw are its last ones)
@@ -461,7 +470,7 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
                 } else if msg.starts_with(b"DECLINE") && msg.len() == 15 {
                     let t = u64::from_le_bytes(msg[7..15].try_into().unwrap_or_default());
                     if tokens.contains(&t) {
-                        lock(&reg.pending).retain(|_, tok| *tok != t);
+                        lock(&reg.pending).retain(|_, c| c.token != t);
                         rt.decline(t);
                     }
                 }
@@ -485,26 +494,40 @@ fn raw(s: &SeqPacket) -> c_int {
     s.as_fd().as_raw_fd()
 }
 
-/// Answer one claim: verify the socket passed is what it says (its inode), record it.
-fn claim(rt: &Runtime, reg: &Registered, sock: &std::os::fd::OwnedFd, from: &SeqPacket) -> (Vec<u8>, Option<u64>) {
-    let Ok(st) = rustix::fs::fstat(sock) else { return (b"NO".to_vec(), None) };
+/// A claim: `CLAIM` and the client's token.
+const CLAIM_LEN: usize = 13;
+
+/// Answer one claim: verify the socket passed is what it says (its inode, its owner), record
+/// it. A claim refused declines its token: the stream the client may have sent already is
+/// dropped.
+fn claim(
+    rt: &Runtime,
+    reg: &Registered,
+    sock: &std::os::fd::OwnedFd,
+    from: &SeqPacket,
+    token: u64,
+) -> (Vec<u8>, Option<u64>) {
+    let no = || {
+        rt.decline(token);
+        (b"NO".to_vec(), None)
+    };
+    let Ok(st) = rustix::fs::fstat(sock) else { return no() };
     // The claimant must own the socket it passed: same user.
     match from.peer_cred() {
         Ok(c) if c.uid == st.st_uid => {}
-        _ => return (b"NO".to_vec(), None),
+        _ => return no(),
     }
     // (no room for the stream's descriptors: the connection is the kernel's)
     if !fd_room(sock.as_fd()) {
-        return (b"NO".to_vec(), None);
+        return no();
     }
-    let token = rt.token();
     let mut p = lock(&reg.pending);
     if p.len() >= MAX_CLAIMS {
-        return (b"NO".to_vec(), None);
+        drop(p);
+        return no();
     }
-    p.insert(st.st_ino, token);
+    p.insert(st.st_ino, Claim { token, uid: st.st_uid });
     let mut reply = b"OK".to_vec();
-    reply.extend_from_slice(&token.to_le_bytes());
     reply.extend_from_slice(rt.addr.to_string().as_bytes());
     (reply, Some(token))
 }
@@ -531,6 +554,7 @@ pub(crate) struct Claimed {
     token: u64,
     dest: SocketAddr,
     chan: SeqPacket,
+    server: EndpointAddr,
     stream: (Stream, EventQueue),
 }
 
@@ -542,45 +566,129 @@ pub(crate) struct Claimed {
 /// the kernel's connection, the stream's whole set-up was spent in the server's `accept`, and
 /// a single-threaded server took one connection at a time).
 pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claimed> {
-    let (token, server, chan) = match make_claim(fd, dest) {
-        Ok(c) => c,
+    match claim_and_connect(fd, dest) {
+        Ok(c) => Some(c),
         Err(why) => {
             crate::say(format_args!("connection to {dest} left to the kernel: {why}"));
-            return None;
-        }
-    };
-    let stream = (|| {
-        let rt = runtime()?;
-        let q = rt.queue().ok()?;
-        let s =
-            Stream::connect_to_with_data(&rt.nic, server, &StreamConfig::default(), &q, &token.to_le_bytes()).ok()?;
-        Some((s, q))
-    })();
-    match stream {
-        Some(stream) => Some(Claimed { token, dest, chan, stream }),
-        None => {
-            withdraw(dest, chan, token);
-            crate::say(format_args!("connection to {dest} left to the kernel (the clan stream failed)"));
             None
         }
     }
 }
 
-/// Claim channels not in use, by the address their claims were for: a client that connects
-/// again to the same server claims on one of these (a claim is then a message each way, not
-/// a socket, a connect and a close on both sides).
-static CHANNELS: Mutex<Vec<(SocketAddr, SeqPacket)>> = Mutex::new(Vec::new());
+/// A token for a claim: random, so that nobody can bring it in a stream of their own
+/// before ours (the server also takes only the first stream with a token, and only from
+/// the claimant's user).
+fn random_token() -> u64 {
+    let mut b = [0u8; 8];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    u64::from_le_bytes(b)
+}
+
+/// Our clan stream to the runtime at `server`, the token in its hand-shake.
+fn connect_stream(rt: &Runtime, server: EndpointAddr, token: u64) -> Option<(Stream, EventQueue)> {
+    let q = rt.queue().ok()?;
+    let s = Stream::connect_to_with_data(&rt.nic, server, &StreamConfig::default(), &q, &token.to_le_bytes()).ok()?;
+    Some((s, q))
+}
+
+/// How a claim was answered, when it was not taken.
+enum NotTaken {
+    /// The listener declined (it has forked, is full, or has no room for descriptors): it
+    /// declined the token too (a stream that brings it is dropped). The channel is fine.
+    Declined,
+    /// The channel failed (its server went away, or answered nonsense): unfit for more.
+    Broken(&'static str),
+}
+
+/// The answer to the claim just sent on `chan`: the server's clan address.
+fn read_answer(chan: &SeqPacket) -> Result<EndpointAddr, NotTaken> {
+    let mut buf = [0u8; 256];
+    let m = chan.recv(&mut buf).map_err(|_| NotTaken::Broken("the listener's registry did not answer"))?;
+    let r = &buf[..m.len];
+    if m.len == 0 {
+        return Err(NotTaken::Broken("the listener's registry closed"));
+    }
+    if r == b"NO" {
+        return Err(NotTaken::Declined);
+    }
+    r.strip_prefix(b"OK")
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .and_then(|a| a.parse().ok())
+        .ok_or(NotTaken::Broken("a malformed answer"))
+}
+
+/// Claim the connection of `fd` to `dest`, and connect its stream.
+///
+/// On a channel kept from an earlier claim, the server's address is known: the stream is
+/// connected right after the claim is sent, while the server's registry looks at it (its
+/// answer is read after), so a claim costs no round trip of its own. On a new channel the
+/// answer comes first, with the address.
+fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
+    tcp_local(fd).ok_or("not a TCP socket")?;
+    if !is_local(dest.ip()) {
+        return Err("not an address of this host");
+    }
+    let rt = runtime().ok_or("clan is not available in this process")?;
+    if !real::with_fd(fd, fd_room) {
+        return Err("few descriptors left for clan (a connection holds about eight)");
+    }
+    loop {
+        let (chan, known) = channel(dest)?;
+        let token = random_token();
+        let mut msg = [0u8; CLAIM_LEN];
+        msg[..5].copy_from_slice(b"CLAIM");
+        msg[5..].copy_from_slice(&token.to_le_bytes());
+        if real::with_fd(fd, |b| chan.send(&msg, &[b])).is_err() {
+            // A kept channel whose listener went away (closed, or its process restarted):
+            // a new one, to whoever listens there now.
+            if known.is_some() {
+                continue;
+            }
+            return Err("the listener's registry did not take the claim");
+        }
+        let early = known.map(|server| (server, connect_stream(rt, server, token)));
+        let server = match read_answer(&chan) {
+            Ok(server) => server,
+            // (a stream connected early is dropped here; the server drops its side)
+            Err(NotTaken::Declined) => {
+                keep_channel(dest, chan, known);
+                return Err("the listener declined (it has forked, is full, or has few descriptors left)");
+            }
+            Err(NotTaken::Broken(_)) if known.is_some() => continue,
+            Err(NotTaken::Broken(why)) => return Err(why),
+        };
+        let stream = match early {
+            Some((s, stream)) if s == server => stream,
+            _ => connect_stream(rt, server, token),
+        };
+        return match stream {
+            Some(stream) => Ok(Claimed { token, dest, chan, server, stream }),
+            None => {
+                withdraw(dest, chan, server, token);
+                Err("the clan stream failed")
+            }
+        };
+    }
+}
+
+/// Claim channels not in use, by the address their claims were for, with the clan address of
+/// the server that answered on them: a client that connects again to the same server claims
+/// on one of these (a claim is then a message each way, not a socket, a connect and a close
+/// on both sides, and the stream need not wait for the answer).
+type KeptChannel = (SocketAddr, SeqPacket, EndpointAddr);
+static CHANNELS: Mutex<Vec<KeptChannel>> = Mutex::new(Vec::new());
 /// Claim channels kept at most (by all the addresses together).
 const CHANNELS_KEPT: usize = 16;
 
-/// A claim channel to the registry of whoever listens at `dest`: one kept, or a new one.
-fn channel(dest: SocketAddr) -> Result<(SeqPacket, bool), &'static str> {
+/// A claim channel to the registry of whoever listens at `dest`: one kept (with the server's
+/// address), or a new one.
+fn channel(dest: SocketAddr) -> Result<(SeqPacket, Option<EndpointAddr>), &'static str> {
     let kept = {
         let mut v = lock(&CHANNELS);
-        v.iter().rposition(|(d, _)| *d == dest).map(|i| v.swap_remove(i).1)
+        v.iter().rposition(|(d, _, _)| *d == dest).map(|i| v.swap_remove(i))
     };
-    if let Some(c) = kept {
-        return Ok((c, true));
+    if let Some((_, c, server)) = kept {
+        return Ok((c, Some(server)));
     }
     let unspecified = match dest {
         SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), dest.port()),
@@ -592,65 +700,27 @@ fn channel(dest: SocketAddr) -> Result<(SeqPacket, bool), &'static str> {
         .find_map(|a| SeqPacket::connect_abstract(&name(a)).ok())
         .ok_or("no process under clan run listens there")?;
     let _ = chan.set_timeouts(Duration::from_secs(5));
-    Ok((chan, false))
+    Ok((chan, None))
 }
 
-/// A claim channel whose last exchange went as it should: kept for the next claim to `dest`.
-fn keep_channel(dest: SocketAddr, chan: SeqPacket) {
+/// A claim channel whose last exchange went as it should: kept for the next claim to `dest`
+/// (with the server's address, once an answer gave it).
+fn keep_channel(dest: SocketAddr, chan: SeqPacket, server: Option<EndpointAddr>) {
+    let Some(server) = server else { return };
     let mut v = lock(&CHANNELS);
     if v.len() >= CHANNELS_KEPT {
         v.remove(0);
     }
-    v.push((dest, chan));
-}
-
-fn make_claim(fd: c_int, dest: SocketAddr) -> Result<(u64, EndpointAddr, SeqPacket), &'static str> {
-    tcp_local(fd).ok_or("not a TCP socket")?;
-    if !is_local(dest.ip()) {
-        return Err("not an address of this host");
-    }
-    runtime().ok_or("clan is not available in this process")?;
-    if !real::with_fd(fd, fd_room) {
-        return Err("few descriptors left for clan (a connection holds about eight)");
-    }
-    loop {
-        let (chan, kept) = channel(dest)?;
-        match claim_on(&chan, fd) {
-            Ok((token, server)) => return Ok((token, server, chan)),
-            // A kept channel whose listener went away (closed, or its process restarted): a
-            // new one, to whoever listens there now.
-            Err(_) if kept => continue,
-            Err(why) => return Err(why),
-        }
-    }
-}
-
-/// One claim on `chan`: the token and the server's clan address. (An error leaves the
-/// channel unfit for another claim: an answer may still come on it.)
-fn claim_on(chan: &SeqPacket, fd: c_int) -> Result<(u64, EndpointAddr), &'static str> {
-    real::with_fd(fd, |b| chan.send(b"CLAIM", &[b])).map_err(|_| "the listener's registry did not take the claim")?;
-    let mut buf = [0u8; 256];
-    let m = chan.recv(&mut buf).map_err(|_| "the listener's registry did not answer")?;
-    let r = &buf[..m.len];
-    if m.len == 0 {
-        return Err("the listener's registry closed");
-    }
-    if !r.starts_with(b"OK") || r.len() < 10 {
-        return Err("the listener declined (it has forked, or is full)");
-    }
-    let token = u64::from_le_bytes(r[2..10].try_into().map_err(|_| "a malformed answer")?);
-    let server: EndpointAddr =
-        std::str::from_utf8(&r[10..]).ok().and_then(|a| a.parse().ok()).ok_or("a malformed answer")?;
-    Ok((token, server))
+    v.push((dest, chan, server));
 }
 
 /// The connection will not be accelerated: tell the server now (its `accept` need not wait
 /// for a stream, and drops the one that came).
-fn withdraw(dest: SocketAddr, chan: SeqPacket, token: u64) {
+fn withdraw(dest: SocketAddr, chan: SeqPacket, server: EndpointAddr, token: u64) {
     let mut m = b"DECLINE".to_vec();
     m.extend_from_slice(&token.to_le_bytes());
     if chan.send(&m, &[]).is_ok() {
-        keep_channel(dest, chan);
+        keep_channel(dest, chan, Some(server));
     }
 }
 
@@ -658,12 +728,12 @@ impl Claimed {
     /// The kernel connection is up: the connection goes over the clan stream. None: the
     /// claim is withdrawn and the connection stays with the kernel.
     pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
-        let Claimed { token, dest: claimed, chan, stream: (s, q) } = self;
+        let Claimed { token, dest: claimed, chan, server, stream: (s, q) } = self;
         let r = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
         if r.is_none() {
-            withdraw(claimed, chan, token);
+            withdraw(claimed, chan, server, token);
         } else {
-            keep_channel(claimed, chan);
+            keep_channel(claimed, chan, Some(server));
         }
         r
     }
@@ -671,7 +741,7 @@ impl Claimed {
     /// The connection will not be accelerated (its kernel `connect` failed): tell the
     /// server now, which drops the stream.
     pub(crate) fn withdraw(self) {
-        withdraw(self.dest, self.chan, self.token);
+        withdraw(self.dest, self.chan, self.server, self.token);
     }
 }
 
@@ -685,9 +755,15 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let peer = peer_of(fd)?;
     let inode = crate::procnet::inode_of(peer, local)?;
-    let token = lock(&reg.pending).remove(&inode)?;
+    let claim = lock(&reg.pending).remove(&inode)?;
     let rt = runtime()?;
-    let (s, q) = rt.wait_attached(token)?;
+    let (s, q) = rt.wait_attached(claim.token)?;
+    // Only the claimant's user may carry the connection (a stream from anyone else that
+    // brought the token is dropped, and the connection is the kernel's).
+    if !matches!(s.peer_identity(), clan::PeerIdentity::Process { uid, .. } if uid == claim.uid) {
+        crate::say(format_args!("a claimed connection's stream came from another user: the kernel's"));
+        return None;
+    }
     match Conn::new(s, q, nonblock) {
         Ok(c) => Some(c),
         Err(e) => {
