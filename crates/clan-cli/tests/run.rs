@@ -271,11 +271,13 @@ fn child() {
         }
         "claim_then_kernel" => {
             // Claim a kernel socket of ours (a token we choose) as a clan-run client would,
-            // print the token and the server's clan address, wait for `go`, then connect the
-            // socket with the kernel and talk over it: the server must read our bytes from
-            // the kernel, whoever brought our token in a stream.
+            // and, with `stream`, bring the token in a clan stream of ours at once; print the
+            // token and the server's clan address, wait for `go`, then connect the socket
+            // with the kernel and talk: over our stream if we brought one (the server must
+            // have taken it), else over the kernel (the server must read our bytes there,
+            // whoever brought our token in a stream).
             use std::os::fd::AsFd;
-            let (port, go) = (args[0].parse::<u16>().unwrap(), &args[1]);
+            let (port, go, own_stream) = (args[0].parse::<u16>().unwrap(), &args[1], args[2] == "stream");
             let chan =
                 clan_shm::seqpacket::SeqPacket::connect_abstract(format!("clan-run/127.0.0.1:{port}").as_bytes())
                     .unwrap();
@@ -290,11 +292,33 @@ fn child() {
             let m = chan.recv(&mut buf).unwrap();
             let r = &buf[..m.len];
             assert!(r.starts_with(b"OK") && r.len() > 2, "the claim was refused");
-            println!("claimed {token} {}", std::str::from_utf8(&r[2..]).unwrap());
+            let addr = std::str::from_utf8(&r[2..]).unwrap().to_string();
+            let nic = clan::Nic::open_default().unwrap();
+            let q = nic.event_queue(clan::EventQueueConfig::default()).unwrap();
+            let mine = own_stream.then(|| {
+                let cfg = clan_proto::stream::StreamConfig::default();
+                let to: clan::EndpointAddr = addr.parse().unwrap();
+                clan_proto::stream::Stream::connect_to_with_data(&nic, to, &cfg, &q, &token.to_le_bytes()).unwrap()
+            });
+            println!("claimed {token} {addr}");
             while !std::path::Path::new(go).exists() {
                 std::thread::sleep(Duration::from_millis(10));
             }
             rustix::net::connect(&sock, &format!("127.0.0.1:{port}").parse::<std::net::SocketAddr>().unwrap()).unwrap();
+            if let Some(mut s) = mine {
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let mut hello = [0u8; 6];
+                s.read_exact(&mut hello).expect("the server's greeting over our stream");
+                assert_eq!(&hello, b"hello\n");
+                s.write_all(b"mine!").unwrap();
+                let mut back = [0u8; 5];
+                s.read_exact(&mut back).unwrap();
+                assert_eq!(&back, b"mine!");
+                s.shutdown(Shutdown::Write).unwrap();
+                assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0);
+                println!("stream ok");
+                return;
+            }
             let mut s = TcpStream::from(sock);
             s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
             let mut hello = [0u8; 6];
@@ -1160,31 +1184,38 @@ fn silent_streams_to_the_runtime_hold_up_nobody() {
 }
 
 /// A stream that brings a claimed connection's token but comes from another user (a process
-/// as `nobody` that learned it) before the claimant's is not taken: the server's `accept`
-/// gives the connection to the kernel, reads the claimant's bytes there, and sends nothing
-/// on the stranger's stream. (The runtime once took any stream with a known token, the
+/// as `nobody` that learned it) is never taken. Before the claimant's own stream: the
+/// server's `accept` gives the connection to the kernel and reads the claimant's bytes there.
+/// After it: the claimant's stream, filed first, carries the connection. Either way the
+/// stranger's stream gets nothing. (The runtime once took any stream with a known token, the
 /// last to come replacing the first, and tokens were a counter.)
 #[test]
 fn a_stream_from_another_user_with_a_claimed_token_is_not_taken() {
-    let Some(mut nobody) = unprivileged() else { return };
-    let go = std::env::temp_dir().join(format!("clan-run-token-go-{}", std::process::id()));
-    let _ = std::fs::remove_file(&go);
-    let mut server = Proc::spawn("echo_server", &[], true);
-    let port = server.expect("port");
-    let mut claimant = Proc::spawn("claim_then_kernel", &[&port, go.to_str().unwrap()], false);
-    let claimed = claimant.expect("claimed");
-    let (token, addr) = claimed.split_once(' ').unwrap();
-    let mut stranger = Proc::from_command(&mut nobody, "stream_with_token", &[addr, token]);
-    stranger.expect("connected");
-    std::fs::write(&go, b"").unwrap();
-    claimant.expect("kernel ok");
-    let _ = std::fs::remove_file(&go);
-    assert_eq!(server.expect("echoed"), "5");
-    let serr = server.finish(Duration::from_secs(60));
-    assert_eq!(over_clan(&serr), 0, "server: {serr}");
-    assert!(serr.contains("came from another user"), "server: {serr}");
-    assert_eq!(stranger.expect("got"), "nothing");
-    claimant.finish(Duration::from_secs(60));
+    for (mode, done) in [("kernel", "kernel ok"), ("stream", "stream ok")] {
+        let Some(mut nobody) = unprivileged() else { return };
+        let go = std::env::temp_dir().join(format!("clan-run-token-go-{}-{mode}", std::process::id()));
+        let _ = std::fs::remove_file(&go);
+        let mut server = Proc::spawn("echo_server", &[], true);
+        let port = server.expect("port");
+        let mut claimant = Proc::spawn("claim_then_kernel", &[&port, go.to_str().unwrap(), mode], false);
+        let claimed = claimant.expect("claimed");
+        let (token, addr) = claimed.split_once(' ').unwrap();
+        let mut stranger = Proc::from_command(&mut nobody, "stream_with_token", &[addr, token]);
+        stranger.expect("connected");
+        std::fs::write(&go, b"").unwrap();
+        claimant.expect(done);
+        let _ = std::fs::remove_file(&go);
+        assert_eq!(server.expect("echoed"), "5", "{mode}");
+        let serr = server.finish(Duration::from_secs(60));
+        if mode == "kernel" {
+            assert_eq!(over_clan(&serr), 0, "server: {serr}");
+            assert!(serr.contains("came from another user"), "server: {serr}");
+        } else {
+            assert_eq!(over_clan(&serr), 1, "server: {serr}");
+        }
+        assert_eq!(stranger.expect("got"), "nothing", "{mode}");
+        claimant.finish(Duration::from_secs(60));
+    }
 }
 
 /// A C program (`tests/run/echo.c`: a server thread with epoll, a client with poll, 64-byte
