@@ -92,7 +92,7 @@ const FD_PER_CONNECTION: i32 = 16;
 /// Whether there is room for another connection's descriptors in clan's share of the
 /// numbers: half of those between the floor and the limit (`fd`: any descriptor, to
 /// duplicate there once and close). Without room, a new connection stays with the kernel
-/// (one descriptor) rather than set up clan's (about eight), which would fill the numbers
+/// (one descriptor) rather than set up clan's (about six), which would fill the numbers
 /// the program counts on and bring its `EMFILE` at a fraction of the connections the kernel
 /// allows.
 fn fd_room(fd: BorrowedFd<'_>) -> bool {
@@ -630,7 +630,7 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
     }
     let rt = runtime().ok_or("clan is not available in this process")?;
     if !real::with_fd(fd, fd_room) {
-        return Err("few descriptors left for clan (a connection holds about eight)");
+        return Err("few descriptors left for clan (a connection holds about six)");
     }
     loop {
         let (chan, known) = channel(dest)?;
@@ -652,7 +652,7 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
             // (a stream connected early is dropped here; the server drops its side)
             Err(NotTaken::Declined) => {
                 keep_channel(dest, chan, known);
-                return Err("the listener declined (it has forked, is full, or has few descriptors left)");
+                return Err("the listener declined (it has forked, is full, or is short of descriptors)");
             }
             Err(NotTaken::Broken(_)) if known.is_some() => continue,
             Err(NotTaken::Broken(why)) => return Err(why),

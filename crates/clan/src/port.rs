@@ -62,7 +62,7 @@ pub(crate) struct PortRec {
     pub pid: u32,
     pub uid: u32,
     pub memfd: Memfd,
-    pub eventfd: EventFd,
+    pub eventfd: Arc<EventFd>,
     map: EqMap,
     /// The consumer side: taken while pumping (by one thread at a time).
     side: Mutex<PortSide>,
@@ -163,9 +163,9 @@ impl EqInner {
         // Armed from the start: a sleeper that armed the ports before this one existed is
         // woken by its first post (one signal; later ones only while armed again).
         map.view().header.words.armed.store(ring::ARM_FD, Ordering::Relaxed);
-        let eventfd = EventFd::new().map_err(|_| Refusal::TooMany)?;
+        let eventfd = Arc::new(EventFd::new().map_err(|_| Refusal::TooMany)?);
         let id = self.ports.next_id.fetch_add(1, Ordering::Relaxed) + 1;
-        self.sleepers.watch(eventfd.as_fd(), id).map_err(|_| Refusal::TooMany)?;
+        self.sleepers.watch(&eventfd, id).map_err(|_| Refusal::TooMany)?;
         let p = Arc::new(PortRec {
             id,
             pid,
@@ -249,7 +249,7 @@ impl EqInner {
             // A producer killed between publishing and setting its summary bit: set it.
             p.map.view().header.words.summary[0].fetch_or(1, Ordering::AcqRel);
             self.pump_port(&p, &mut lock(&p.side), None);
-            self.sleepers.unwatch(p.eventfd.as_fd());
+            self.sleepers.unwatch(&p.eventfd);
             tracing::debug!(queue = self.id, pid = p.pid, port = p.id, "port retired");
         }
     }

@@ -34,10 +34,15 @@
 //! The queue's descriptor for epoll/mio/tokio users ([`Sleepers::fd`]) is a second epoll set,
 //! over the queue's own eventfd (signalled by posts to our ring while it is armed for it) and
 //! the ports' eventfds.
+//!
+//! The leader's epoll set and eventfd are made by the first leader ([`Sleepers::lead`]):
+//! most queues never have one (a queue with few ports, or one an event loop waits on through
+//! its descriptor), and a queue per connection (`clan run`) would otherwise hold two
+//! descriptors more per connection for nothing.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use clan_shm::eventfd::EventFd;
@@ -63,10 +68,11 @@ pub(crate) struct Sleepers {
     followers: AtomicU32,
     /// Followers' futex word.
     bell: AtomicU32,
-    /// The leader's: over `kick` and every port's eventfd.
-    epoll: OwnedFd,
-    /// Signalled by local wakes while the leader sleeps.
-    kick: EventFd,
+    /// The leader's epoll set and eventfd, made by the first leader.
+    lead: OnceLock<Lead>,
+    /// The ports' eventfds watched, with their ids (for a leader's set made after them), and
+    /// the lock under which `lead` is made, so that a port watched meanwhile is in it.
+    watched: std::sync::Mutex<Vec<(Weak<EventFd>, u64)>>,
     /// The descriptor's: over `notify` and every port's eventfd.
     api: OwnedFd,
     /// The queue's own eventfd.
@@ -84,11 +90,15 @@ impl std::fmt::Debug for Sleepers {
     }
 }
 
+/// The leader's: an epoll set over `kick` and every port's eventfd (and, for a driving
+/// leader, the NIC's link sockets), and the eventfd local wakes signal while it sleeps.
+struct Lead {
+    epoll: OwnedFd,
+    kick: EventFd,
+}
+
 impl Sleepers {
     pub fn new(notify: Arc<EventFd>) -> std::io::Result<Sleepers> {
-        let kick = EventFd::new()?;
-        let ep = clan_shm::fdfloor::lift(epoll::create(epoll::CreateFlags::CLOEXEC)?);
-        epoll::add(&ep, kick.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
         let api = clan_shm::fdfloor::lift(epoll::create(epoll::CreateFlags::CLOEXEC)?);
         epoll::add(&api, notify.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
         Ok(Sleepers {
@@ -96,17 +106,39 @@ impl Sleepers {
             leader_sleeping: AtomicU32::new(0),
             followers: AtomicU32::new(0),
             bell: AtomicU32::new(0),
-            epoll: ep,
-            kick,
+            lead: OnceLock::new(),
+            watched: std::sync::Mutex::new(Vec::new()),
             api,
             notify,
             links: std::sync::Mutex::new(Vec::new()),
         })
     }
 
+    /// The leader's set and eventfd, made now if no leader made them yet (with every port
+    /// watched so far in the set; `watch` adds later ones under the same lock).
+    fn lead(&self) -> std::io::Result<&Lead> {
+        if let Some(l) = self.lead.get() {
+            return Ok(l);
+        }
+        let watched = crate::lock(&self.watched);
+        if let Some(l) = self.lead.get() {
+            return Ok(l);
+        }
+        let kick = EventFd::new()?;
+        let ep = clan_shm::fdfloor::lift(epoll::create(epoll::CreateFlags::CLOEXEC)?);
+        epoll::add(&ep, kick.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
+        for (fd, id) in watched.iter() {
+            // (a port's eventfd dropped without `unwatch` is gone from every set already)
+            if let Some(fd) = fd.upgrade() {
+                epoll::add(&ep, fd.as_fd(), epoll::EventData::new_u64(*id), epoll::EventFlags::IN)?;
+            }
+        }
+        Ok(self.lead.get_or_init(|| Lead { epoll: ep, kick }))
+    }
+
     /// Make `epoll`'s link sockets those of `links` (level-triggered readability). False if
     /// one could not be added (the caller sleeps without driving).
-    fn sync_links(&self, links: &[Arc<crate::link::Link>]) -> bool {
+    fn sync_links(&self, lead: &Lead, links: &[Arc<crate::link::Link>]) -> bool {
         let mut have = crate::lock(&self.links);
         if have.len() == links.len() && have.iter().zip(links).all(|((id, _), l)| *id == l.id) {
             return true;
@@ -115,12 +147,12 @@ impl Sleepers {
             if let Some(l) = w.upgrade().filter(|l| !links.iter().any(|n| n.id == id) || l.is_closed()) {
                 // Still open (the link lives): out of the set. A dropped link's descriptor
                 // was closed, which took it out.
-                let _ = epoll::delete(&self.epoll, l.sock.as_fd());
+                let _ = epoll::delete(&lead.epoll, l.sock.as_fd());
             }
         }
         for l in links {
             let r =
-                epoll::add(&self.epoll, l.sock.as_fd(), epoll::EventData::new_u64(LINK | l.id), epoll::EventFlags::IN);
+                epoll::add(&lead.epoll, l.sock.as_fd(), epoll::EventData::new_u64(LINK | l.id), epoll::EventFlags::IN);
             if r.is_err() && r != Err(rustix::io::Errno::EXIST) {
                 return false;
             }
@@ -135,26 +167,39 @@ impl Sleepers {
     }
 
     /// Watch a port's eventfd.
-    pub fn watch(&self, fd: BorrowedFd<'_>, id: u64) -> std::io::Result<()> {
-        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(id), epoll::EventFlags::IN)?;
-        if let Err(e) = epoll::add(&self.api, fd, epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
-            let _ = epoll::delete(&self.epoll, fd);
-            return Err(e.into());
+    pub fn watch(&self, fd: &Arc<EventFd>, id: u64) -> std::io::Result<()> {
+        let mut watched = crate::lock(&self.watched);
+        epoll::add(&self.api, fd.as_fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN)?;
+        if let Some(l) = self.lead.get() {
+            if let Err(e) = epoll::add(&l.epoll, fd.as_fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
+                let _ = epoll::delete(&self.api, fd.as_fd());
+                return Err(e.into());
+            }
         }
+        watched.retain(|(w, _)| w.strong_count() > 0);
+        watched.push((Arc::downgrade(fd), id));
         Ok(())
     }
 
     /// Stop watching a port's eventfd.
-    pub fn unwatch(&self, fd: BorrowedFd<'_>) {
-        let _ = epoll::delete(&self.epoll, fd);
-        let _ = epoll::delete(&self.api, fd);
+    pub fn unwatch(&self, fd: &Arc<EventFd>) {
+        let mut watched = crate::lock(&self.watched);
+        watched.retain(|(w, _)| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(fd)));
+        if let Some(l) = self.lead.get() {
+            let _ = epoll::delete(&l.epoll, fd.as_fd());
+        }
+        let _ = epoll::delete(&self.api, fd.as_fd());
     }
 
     /// After a local change a sleeper may wait for: wake the sleepers that do not sleep on
     /// the changed word itself. The caller changed the word and fenced (`SeqCst`) before.
     pub fn kick(&self) {
-        if self.leader_sleeping.load(Ordering::Relaxed) != 0 {
-            self.kick.signal();
+        // SYNC POINT: pairs with the leader's Release store of `leader_sleeping`, made after
+        // it made `lead`: a leader seen asleep has its eventfd.
+        if self.leader_sleeping.load(Ordering::Acquire) != 0 {
+            if let Some(l) = self.lead.get() {
+                l.kick.signal();
+            }
         }
         if self.followers.load(Ordering::Relaxed) != 0 {
             self.ring();
@@ -190,14 +235,37 @@ impl Sleepers {
         driving: Option<Driving<'_>>,
         asleep: impl FnOnce() -> crate::progress::Sleeper,
     ) {
-        if self.leader.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            let driving = driving.filter(|d| self.sync_links(d.links));
+        let lead = match self.leader.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => match self.lead() {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    // No descriptor for the leader's set: sleep as a follower would, for a
+                    // moment at a time (what the ports bring is seen at the next look).
+                    tracing::debug!("no epoll set for the queue's leader ({e}): napping");
+                    // SYNC POINT: pairs with the followers' Acquire load of `leader`.
+                    self.leader.store(false, Ordering::Release);
+                    // (as a leader leaving: a follower that saw us lead is rung)
+                    fence(Ordering::SeqCst);
+                    if self.followers.load(Ordering::Relaxed) != 0 {
+                        self.ring();
+                    }
+                    let nap = timeout.map_or(LEADERLESS_NAP, |t| t.min(LEADERLESS_NAP));
+                    let _asleep = asleep();
+                    clan_shm::futex::wait(&self.bell, self.bell.load(Ordering::Acquire), Some(nap));
+                    return;
+                }
+            },
+            Err(_) => None,
+        };
+        if let Some(lead) = lead {
+            let driving = driving.filter(|d| self.sync_links(lead, d.links));
             let _asleep = if driving.is_none() { Some(asleep()) } else { None };
             if let Some(d) = &driving {
                 d.nic.spinners.begin();
             }
             let mut link_ready = false;
-            self.leader_sleeping.store(1, Ordering::Relaxed);
+            // SYNC POINT: pairs with `kick`'s Acquire load (`lead` is made before this).
+            self.leader_sleeping.store(1, Ordering::Release);
             let quiet = arm_ports();
             // Dekker with `kick`'s "word changed, fence, load leader_sleeping".
             fence(Ordering::SeqCst);
@@ -208,11 +276,11 @@ impl Sleepers {
                     tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
                     tv_nsec: d.subsec_nanos().into(),
                 });
-                if epoll::wait(&self.epoll, spare(&mut events), ts.as_ref()).is_ok() {
+                if epoll::wait(&lead.epoll, spare(&mut events), ts.as_ref()).is_ok() {
                     for ev in &events {
                         match ev.data.u64() {
                             OWN => {
-                                self.kick.drain();
+                                lead.kick.drain();
                             }
                             id if id & LINK != 0 => link_ready = true,
                             id => drained(id),
@@ -249,6 +317,9 @@ impl Sleepers {
     }
 }
 
+/// How long a would-be leader that could not make its epoll set sleeps before it looks again.
+const LEADERLESS_NAP: Duration = Duration::from_millis(1);
+
 fn spare(v: &mut Vec<epoll::Event>) -> rustix::buffer::SpareCapacity<'_, epoll::Event> {
     rustix::buffer::spare_capacity(v)
 }
@@ -269,5 +340,64 @@ impl Futex for QueueFutex<'_> {
         if let Some(s) = self.sleepers {
             s.kick();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sleep as the leader until a port wakes it: the ids it drained.
+    fn lead_once(s: &Sleepers) -> Vec<u64> {
+        let word = AtomicU32::new(0);
+        let mut woke = Vec::new();
+        let nobody = std::sync::Weak::new();
+        let links = std::sync::atomic::AtomicUsize::new(0);
+        s.sleep(
+            &word,
+            0,
+            Some(Duration::from_secs(30)),
+            || true,
+            |id| woke.push(id),
+            None,
+            || crate::progress::Sleeper::enter(&nobody, &links),
+        );
+        woke
+    }
+
+    /// The leader's set is made by the first leader, with the ports watched before it, and
+    /// takes the ports watched after; a port unwatched leaves it; a local wake reaches the
+    /// leader through its eventfd.
+    #[test]
+    fn the_leaders_set_is_made_at_the_first_leader_with_every_port_watched() {
+        let s = Arc::new(Sleepers::new(Arc::new(EventFd::new().unwrap())).unwrap());
+        let (early, late) = (Arc::new(EventFd::new().unwrap()), Arc::new(EventFd::new().unwrap()));
+        s.watch(&early, 7).unwrap();
+        assert!(s.lead.get().is_none(), "no leader yet: no set");
+        early.signal();
+        assert_eq!(lead_once(&s), vec![7], "a port watched before the set was made wakes the leader");
+        assert!(s.lead.get().is_some());
+        early.drain();
+        s.watch(&late, 9).unwrap();
+        late.signal();
+        assert_eq!(lead_once(&s), vec![9], "a port watched after wakes it too");
+        late.drain();
+        s.unwatch(&late);
+        late.signal();
+        // A local wake while the leader sleeps (the set holds `early`, quiet, and the kick).
+        let kicker = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let t = std::time::Instant::now();
+                while s.leader_sleeping.load(Ordering::Acquire) == 0 && t.elapsed() < Duration::from_secs(30) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                fence(Ordering::SeqCst);
+                s.kick();
+            })
+        };
+        assert_eq!(lead_once(&s), Vec::<u64>::new(), "woken by the kick, not by the unwatched port");
+        kicker.join().unwrap();
+        assert_eq!(s.watched.lock().unwrap().len(), 1);
     }
 }
