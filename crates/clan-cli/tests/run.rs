@@ -349,6 +349,92 @@ fn child() {
                 Ok(n) => println!("got {}", String::from_utf8_lossy(&b[..n])),
             }
         }
+        "stale_queue_server" => {
+            // Three connections in an epoll set, each closed without leaving the set; then
+            // one never added to it, waited on with `poll` by another thread (which arms its
+            // queue's descriptor) while the main thread waits on the set, which holds only a
+            // pipe nobody writes: how often those waits return, and their CPU time.
+            use std::os::fd::AsRawFd;
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            // SAFETY: epoll and poll calls on our own descriptors and buffers.
+            let ep = unsafe { libc::epoll_create1(0) };
+            assert!(ep >= 0);
+            let add = |fd: i32, data: u64| {
+                let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: data };
+                // SAFETY: as above.
+                assert_eq!(unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) }, 0);
+            };
+            let wait = |ms: i32| -> i32 {
+                let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 8];
+                // SAFETY: as above.
+                unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), 8, ms) }
+            };
+            for i in 0..3 {
+                let (mut s, _) = l.accept().unwrap();
+                add(s.as_raw_fd(), i);
+                assert!(wait(20_000) >= 1, "connection {i} never became readable");
+                let mut b = [0u8; 5];
+                s.read_exact(&mut b).unwrap();
+                s.write_all(&b).unwrap();
+                assert_eq!(s.read(&mut b).unwrap(), 0);
+                drop(s);
+            }
+            let (mut b, _) = l.accept().unwrap();
+            let echo = std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                loop {
+                    let mut p = libc::pollfd { fd: b.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: as above.
+                    unsafe { libc::poll(&mut p, 1, 20_000) };
+                    let n = b.read(&mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    b.write_all(&buf[..n]).unwrap();
+                }
+            });
+            let mut pipe = [0i32; 2];
+            // SAFETY: as above.
+            assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+            add(pipe[0], 99);
+            let cpu = || {
+                // SAFETY: as above (a struct of plain integers).
+                let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
+                let t =
+                    |v: libc::timeval| Duration::from_secs(v.tv_sec as u64) + Duration::from_micros(v.tv_usec as u64);
+                t(u.ru_utime) + t(u.ru_stime)
+            };
+            let (cpu0, start) = (cpu(), Instant::now());
+            let mut waits = 0;
+            while start.elapsed() < Duration::from_millis(1500) {
+                assert_eq!(wait(100), 0, "the set reported an event");
+                waits += 1;
+            }
+            println!("waits {waits} cpu_ms {}", (cpu() - cpu0).as_millis());
+            echo.join().unwrap();
+        }
+        "stale_queue_client" => {
+            // Three connections closed after one echo, then one that echoes every 10 ms for
+            // 2.5 s.
+            let port: u16 = args[0].parse().unwrap();
+            for _ in 0..3 {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.write_all(b"hello").unwrap();
+                let mut b = [0u8; 5];
+                s.read_exact(&mut b).unwrap();
+            }
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            for _ in 0..250 {
+                s.write_all(b"again").unwrap();
+                let mut b = [0u8; 5];
+                s.read_exact(&mut b).unwrap();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            println!("client done");
+        }
         "echo_client" => {
             let port: u16 = args[0].parse().unwrap();
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -1216,6 +1302,28 @@ fn a_stream_from_another_user_with_a_claimed_token_is_not_taken() {
         assert_eq!(stranger.expect("got"), "nothing", "{mode}");
         claimant.finish(Duration::from_secs(60));
     }
+}
+
+/// A connection's queue outlives it (the next connection reuses it), and so does its place
+/// in the epoll sets the connection was in: a reused queue made readable for a connection not
+/// in the set wakes the set, and left there it would wake every wait on it at once. The
+/// first wake-up through a queue no member of the set has takes it out: waits on the set
+/// sleep their whole timeout, and the waiting thread's CPU time stays small. (Checked with
+/// the removal taken out: the waits spin.)
+#[test]
+fn a_closed_connections_queue_left_in_an_epoll_set_does_not_wake_it_for_good() {
+    let mut server = Proc::spawn("stale_queue_server", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("stale_queue_client", &[&port], true);
+    let got = server.expect("waits");
+    client.expect("client done");
+    let cerr = client.finish(Duration::from_secs(60));
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (4, 4), "client: {cerr}\nserver: {serr}");
+    let (waits, cpu) = got.split_once(" cpu_ms ").unwrap();
+    let (waits, cpu): (u32, u64) = (waits.parse().unwrap(), cpu.parse().unwrap());
+    // 1.5 s of 100 ms waits: 15 or fewer, and little CPU (a spinning wait takes most of it).
+    assert!(waits <= 30 && cpu < 500, "{waits} waits, {cpu} ms of CPU: {serr}");
 }
 
 /// A C program (`tests/run/echo.c`: a server thread with epoll, a client with poll, 64-byte
