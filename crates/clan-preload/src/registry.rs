@@ -498,8 +498,10 @@ fn raw(s: &SeqPacket) -> c_int {
 const CLAIM_LEN: usize = 13;
 
 /// Answer one claim: verify the socket passed is what it says (its inode, its owner), record
-/// it. A claim refused declines its token: the stream the client may have sent already is
-/// dropped.
+/// it. A claim refused for our own reasons declines its token: the stream the client may
+/// have sent already is dropped. (One refused because the claimant does not own the socket
+/// declines nothing: a process that lies about its socket could otherwise fill the list of
+/// declined tokens at the cost of a message each.)
 fn claim(
     rt: &Runtime,
     reg: &Registered,
@@ -507,24 +509,26 @@ fn claim(
     from: &SeqPacket,
     token: u64,
 ) -> (Vec<u8>, Option<u64>) {
-    let no = || {
-        rt.decline(token);
+    let no = |decline: bool| {
+        if decline {
+            rt.decline(token);
+        }
         (b"NO".to_vec(), None)
     };
-    let Ok(st) = rustix::fs::fstat(sock) else { return no() };
+    let Ok(st) = rustix::fs::fstat(sock) else { return no(false) };
     // The claimant must own the socket it passed: same user.
     match from.peer_cred() {
         Ok(c) if c.uid == st.st_uid => {}
-        _ => return no(),
+        _ => return no(false),
     }
     // (no room for the stream's descriptors: the connection is the kernel's)
     if !fd_room(sock.as_fd()) {
-        return no();
+        return no(true);
     }
     let mut p = lock(&reg.pending);
     if p.len() >= MAX_CLAIMS {
         drop(p);
-        return no();
+        return no(true);
     }
     p.insert(st.st_ino, Claim { token, uid: st.st_uid });
     let mut reply = b"OK".to_vec();
