@@ -48,7 +48,11 @@ impl Proc {
         let mut line = String::new();
         loop {
             line.clear();
-            assert!(self.out.read_line(&mut line).unwrap() > 0, "the program ended before printing {want}");
+            if self.out.read_line(&mut line).unwrap() == 0 {
+                let mut err = String::new();
+                let _ = self.child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+                panic!("the program ended before printing {want}: {err}");
+            }
             // (libtest may have printed "test child ... " before it on the same line)
             if let Some(at) = line.find(want) {
                 return line[at + want.len()..].trim().to_string();
@@ -339,9 +343,18 @@ fn child() {
             let nic = clan::Nic::open_default().unwrap();
             let q = nic.event_queue(clan::EventQueueConfig::default()).unwrap();
             let cfg = clan_proto::stream::StreamConfig::default();
+            // (A stream that comes after the claimant's may be dropped before its connect
+            // returns.)
             let mut s =
-                clan_proto::stream::Stream::connect_to_with_data(&nic, addr, &cfg, &q, &token.to_le_bytes()).unwrap();
-            println!("connected");
+                match clan_proto::stream::Stream::connect_to_with_data(&nic, addr, &cfg, &q, &token.to_le_bytes()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        println!("stream dropped at once ({e})");
+                        println!("got nothing");
+                        return;
+                    }
+                };
+            println!("stream connected");
             s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
             let mut b = [0u8; 6];
             match s.read(&mut b) {
@@ -1287,7 +1300,7 @@ fn a_stream_from_another_user_with_a_claimed_token_is_not_taken() {
         let claimed = claimant.expect("claimed");
         let (token, addr) = claimed.split_once(' ').unwrap();
         let mut stranger = Proc::from_command(&mut nobody, "stream_with_token", &[addr, token]);
-        stranger.expect("connected");
+        stranger.expect("stream");
         std::fs::write(&go, b"").unwrap();
         claimant.expect(done);
         let _ = std::fs::remove_file(&go);
