@@ -51,7 +51,7 @@ pub(crate) struct Runtime {
     nic: Nic,
     addr: EndpointAddr,
     /// Streams that arrived with a token, until their connection is accepted.
-    attached: Mutex<HashMap<u64, Attach>>,
+    attached: Mutex<Filed>,
     cv: Condvar,
     /// Queues of closed connections ([`QUEUES_KEPT`] at most), for new ones.
     queues: Mutex<Vec<EventQueue>>,
@@ -60,6 +60,42 @@ pub(crate) struct Runtime {
 enum Attach {
     Ready(Stream, EventQueue),
     Declined,
+}
+
+/// Streams filed by token (and tokens declined), at most [`MAX_CLAIMS`]: past that, the
+/// oldest go first (a stream whose client died between its claim and its `connect`, or a
+/// decline whose stream never came, is never taken; a burst of them costs the oldest
+/// entries, not every stream filed).
+#[derive(Default)]
+struct Filed {
+    map: HashMap<u64, Attach>,
+    /// Tokens in the order they were filed (some taken since: skipped when met).
+    order: std::collections::VecDeque<u64>,
+}
+
+impl Filed {
+    fn insert(&mut self, token: u64, a: Attach) {
+        if self.map.insert(token, a).is_none() {
+            self.order.push_back(token);
+        }
+        while self.map.len() > MAX_CLAIMS {
+            let Some(t) = self.order.pop_front() else { break };
+            self.map.remove(&t);
+        }
+        // (tokens taken leave the order list only when met: compact it now and then)
+        if self.order.len() > 2 * MAX_CLAIMS {
+            let map = &self.map;
+            self.order.retain(|t| map.contains_key(t));
+        }
+    }
+
+    fn remove(&mut self, token: &u64) -> Option<Attach> {
+        self.map.remove(token)
+    }
+
+    fn is_vacant(&self, token: &u64) -> bool {
+        !self.map.contains_key(token)
+    }
 }
 
 impl std::fmt::Debug for Runtime {
@@ -139,7 +175,7 @@ impl Runtime {
         let rt = Arc::new(Runtime {
             addr: listener.local_addr(),
             nic,
-            attached: Mutex::new(HashMap::new()),
+            attached: Mutex::new(Filed::default()),
             cv: Condvar::new(),
             queues: Mutex::new(Vec::new()),
         });
@@ -191,8 +227,8 @@ impl Runtime {
     /// guessed cannot take a connection over; `accept` also checks the stream's user).
     fn attach(&self, token: u64, s: Stream, q: EventQueue) {
         let mut m = lock(&self.attached);
-        if let std::collections::hash_map::Entry::Vacant(e) = m.entry(token) {
-            e.insert(Attach::Ready(s, q));
+        if m.is_vacant(&token) {
+            m.insert(token, Attach::Ready(s, q));
         }
         drop(m);
         self.cv.notify_all();
@@ -234,13 +270,8 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
-        // Streams wait for their connection's `accept` as long as its claim does; past as
-        // many as a listener may hold claims, forget them all (clients that died between
-        // their claim and their `connect` left them).
-        let mut m = lock(&r.attached);
-        if m.len() > MAX_CLAIMS {
-            m.clear();
-        }
+        // (Streams wait for their connection's `accept` as long as its claim does; past as
+        // many as a listener may hold claims, the oldest are forgotten: `Filed`.)
     }
 }
 
@@ -774,5 +805,41 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
             crate::say(format_args!("a claimed connection could not be set up ({e}): the kernel's"));
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past `MAX_CLAIMS` entries, the oldest go, one for each new one; entries taken meanwhile
+    /// are skipped, and the order list stays bounded.
+    #[test]
+    fn filed_streams_past_the_bound_lose_their_oldest_not_all() {
+        let mut f = Filed::default();
+        let n = MAX_CLAIMS as u64;
+        for t in 0..n {
+            f.insert(t, Attach::Declined);
+        }
+        // Some taken (as `accept` takes them).
+        for t in (0..100).step_by(2) {
+            assert!(f.remove(&t).is_some());
+        }
+        for t in n..n + 120 {
+            f.insert(t, Attach::Declined);
+        }
+        assert_eq!(f.map.len(), MAX_CLAIMS);
+        // 120 new over 50 free places: the 70 oldest still there went (the 50 odd tokens
+        // below 100, then 100..120).
+        assert!((0..120).all(|t| f.is_vacant(&t)));
+        assert!((120..n + 120).all(|t| !f.is_vacant(&t)));
+        // Taking and filing many times over keeps the order list bounded.
+        for t in n + 120..4 * n {
+            f.insert(t, Attach::Declined);
+            f.remove(&t);
+        }
+        assert!(f.order.len() <= 2 * MAX_CLAIMS + 1, "{}", f.order.len());
+        // (the first of those filings, over a full list, cost one old entry)
+        assert_eq!(f.map.len(), MAX_CLAIMS - 1);
     }
 }
