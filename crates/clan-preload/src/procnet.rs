@@ -40,11 +40,46 @@ fn id_bytes(a: SocketAddr, family: u8) -> [u8; 16] {
     b
 }
 
+/// The diag socket, kept for the next lookup (a socket and a close per `accept` were
+/// about 10 µs), with the process it was made in (a child after `fork` makes its own: the
+/// two would read each other's answers).
+static DIAG: std::sync::Mutex<Option<(u32, std::os::fd::OwnedFd)>> = std::sync::Mutex::new(None);
+/// Sequence numbers of the lookups: an answer is taken only for its own request.
+static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
 /// One exact `inet_diag` lookup (`struct inet_diag_req_v2` after a `nlmsghdr`).
 fn diag(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
-    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketType};
-    let nl =
-        rustix::net::socket(AddressFamily::NETLINK, SocketType::DGRAM, Some(rustix::net::netlink::SOCK_DIAG)).ok()?;
+    use rustix::net::{AddressFamily, SocketType};
+    let pid = std::process::id();
+    let mut kept = DIAG.lock().unwrap_or_else(|e| e.into_inner());
+    let nl = match kept.take() {
+        Some((p, fd)) if p == pid => fd,
+        _ => {
+            let fd =
+                rustix::net::socket(AddressFamily::NETLINK, SocketType::DGRAM, Some(rustix::net::netlink::SOCK_DIAG))
+                    .ok()?;
+            // (never a wait without end: an answer that does not come fails the lookup)
+            rustix::net::sockopt::set_socket_timeout(
+                &fd,
+                rustix::net::sockopt::Timeout::Recv,
+                Some(std::time::Duration::from_secs(1)),
+            )
+            .ok()?;
+            clan_shm::fdfloor::lift(fd)
+        }
+    };
+    let found = query(&nl, local, remote);
+    // (a socket that failed is not kept: it may hold an answer no one will read)
+    if let Ok(found) = found {
+        *kept = Some((pid, nl));
+        return found;
+    }
+    None
+}
+
+/// The lookup on the diag socket `nl`: Err if the socket failed.
+fn query(nl: &std::os::fd::OwnedFd, local: SocketAddr, remote: SocketAddr) -> Result<Option<u64>, ()> {
+    use rustix::net::{RecvFlags, SendFlags};
     // The socket could be IPv4 or IPv6 (dual stack): ask as each.
     let families: &[u8] = if local.is_ipv4() && remote.is_ipv4() {
         &[libc::AF_INET as u8, libc::AF_INET6 as u8]
@@ -52,11 +87,12 @@ fn diag(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
         &[libc::AF_INET6 as u8, libc::AF_INET as u8]
     };
     for &family in families {
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut req = Vec::with_capacity(72);
         req.extend_from_slice(&72u32.to_ne_bytes()); // nlmsg_len
         req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
         req.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-        req.extend_from_slice(&1u32.to_ne_bytes()); // seq
+        req.extend_from_slice(&seq.to_ne_bytes());
         req.extend_from_slice(&0u32.to_ne_bytes()); // pid
         req.push(family);
         req.push(libc::IPPROTO_TCP as u8);
@@ -71,23 +107,32 @@ fn diag(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
         req.extend_from_slice(&u32::MAX.to_ne_bytes()); // no cookie
         req.extend_from_slice(&u32::MAX.to_ne_bytes());
         debug_assert_eq!(req.len(), 72);
-        rustix::net::send(&nl, &req, SendFlags::empty()).ok()?;
+        rustix::net::send(nl, &req, SendFlags::empty()).map_err(|_| ())?;
         let mut buf = [0u8; 512];
-        let (n, _) = rustix::net::recv(&nl, &mut buf, RecvFlags::empty()).ok()?;
-        let r = &buf[..n];
+        // Our answer (one message: the socket's, or an error); an older one, left by a
+        // lookup whose answer came late, is skipped.
+        let r = loop {
+            let (n, _) = rustix::net::recv(nl, &mut buf, RecvFlags::empty()).map_err(|_| ())?;
+            if n < 16 {
+                return Err(());
+            }
+            if u32::from_ne_bytes([buf[8], buf[9], buf[10], buf[11]]) == seq {
+                break &buf[..n];
+            }
+        };
         // nlmsghdr (16) + inet_diag_msg: family, state, timer, retrans (4), id (48),
         // expires, rqueue, wqueue, uid (16), inode (4).
-        if n >= 16 + 88 && u16::from_ne_bytes([r[4], r[5]]) == SOCK_DIAG_BY_FAMILY {
+        if r.len() >= 16 + 88 && u16::from_ne_bytes([r[4], r[5]]) == SOCK_DIAG_BY_FAMILY {
             let at = 16 + 4 + 48 + 16;
-            let inode = u32::from_ne_bytes(r[at..at + 4].try_into().ok()?);
+            let inode = u32::from_ne_bytes(r[at..at + 4].try_into().map_err(|_| ())?);
             if inode != 0 {
-                return Some(u64::from(inode));
+                return Ok(Some(u64::from(inode)));
             }
-        } else if n >= 16 && u16::from_ne_bytes([r[4], r[5]]) != NLMSG_ERROR {
-            return None;
+        } else if u16::from_ne_bytes([r[4], r[5]]) != NLMSG_ERROR {
+            return Ok(None);
         }
     }
-    None
+    Ok(None)
 }
 
 /// The inode on the line of `text` (a `/proc/net/tcp*` table) for `local` → `remote`.
