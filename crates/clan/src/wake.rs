@@ -72,7 +72,8 @@ pub(crate) struct Sleepers {
     lead: OnceLock<Lead>,
     /// The ports' eventfds watched, with their ids (for a leader's set made after them), and
     /// the lock under which `lead` is made, so that a port watched meanwhile is in it.
-    watched: std::sync::Mutex<Vec<(Weak<EventFd>, u64)>>,
+    /// (Keyed by the eventfd's allocation, which its `Weak` keeps.)
+    watched: std::sync::Mutex<std::collections::HashMap<usize, (Weak<EventFd>, u64)>>,
     /// The descriptor's: over `notify` and every port's eventfd.
     api: OwnedFd,
     /// The queue's own eventfd.
@@ -107,7 +108,7 @@ impl Sleepers {
             followers: AtomicU32::new(0),
             bell: AtomicU32::new(0),
             lead: OnceLock::new(),
-            watched: std::sync::Mutex::new(Vec::new()),
+            watched: std::sync::Mutex::new(std::collections::HashMap::new()),
             api,
             notify,
             links: std::sync::Mutex::new(Vec::new()),
@@ -127,7 +128,7 @@ impl Sleepers {
         let kick = EventFd::new()?;
         let ep = clan_shm::fdfloor::lift(epoll::create(epoll::CreateFlags::CLOEXEC)?);
         epoll::add(&ep, kick.as_fd(), epoll::EventData::new_u64(OWN), epoll::EventFlags::IN)?;
-        for (fd, id) in watched.iter() {
+        for (fd, id) in watched.values() {
             // (a port's eventfd dropped without `unwatch` is gone from every set already)
             if let Some(fd) = fd.upgrade() {
                 epoll::add(&ep, fd.as_fd(), epoll::EventData::new_u64(*id), epoll::EventFlags::IN)?;
@@ -176,15 +177,14 @@ impl Sleepers {
                 return Err(e.into());
             }
         }
-        watched.retain(|(w, _)| w.strong_count() > 0);
-        watched.push((Arc::downgrade(fd), id));
+        watched.insert(Arc::as_ptr(fd) as usize, (Arc::downgrade(fd), id));
         Ok(())
     }
 
     /// Stop watching a port's eventfd.
     pub fn unwatch(&self, fd: &Arc<EventFd>) {
         let mut watched = crate::lock(&self.watched);
-        watched.retain(|(w, _)| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(fd)));
+        watched.remove(&(Arc::as_ptr(fd) as usize));
         if let Some(l) = self.lead.get() {
             let _ = epoll::delete(&l.epoll, fd.as_fd());
         }
