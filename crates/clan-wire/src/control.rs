@@ -17,7 +17,15 @@
 //!  5 OobOneWay  the same, no reply
 //!  6 OobBatch   from, to_port u32, n u8, n × payload [40]   (in order; one reply)
 //!  7 OobBatchOneWay  the same, no reply
+//!  8 ImportOnAccept importer, token u64      (replied ImportOk/Err when the connect
+//!                                              with that token is accepted, or never)
 //! ```
+//!
+//! `ImportOnAccept` comes before a connect request with `token` sent on the same
+//! connection: the server answers it with the grant of the descriptor it accepts with, sent
+//! before its answer to the connect, so the client needs no import round trip of its own. A
+//! connect answered without it (the server did not file it, or refused) leaves it unanswered:
+//! the client then imports as usual, and drops a late reply (giving its grant back).
 //!
 //! ## A connection on the serving side ([`Session`])
 //!
@@ -104,6 +112,15 @@ pub enum Request {
         payloads: Vec<[u8; OOB_PAYLOAD]>,
         /// Whether the sender waits for the result.
         reply: bool,
+    },
+    /// Import, for endpoint `importer`, the descriptor the serving NIC accepts the connect
+    /// request with `token` with (sent before that request, on the same connection). The
+    /// reply, `ImportOk` or `Err`, comes before the connect's answer, or never.
+    ImportOnAccept {
+        /// The importing endpoint (the one connecting).
+        importer: EndpointId,
+        /// The connect request's token.
+        token: u64,
     },
 }
 
@@ -268,6 +285,7 @@ impl Request {
             Request::Oob { reply: false, .. } => 5,
             Request::OobBatch { reply: true, .. } => 6,
             Request::OobBatch { reply: false, .. } => 7,
+            Request::ImportOnAccept { .. } => 8,
         };
         w.push(kind);
         w.extend_from_slice(&id.to_le_bytes());
@@ -298,6 +316,10 @@ impl Request {
                 for p in &payloads[..n] {
                     w.extend_from_slice(p);
                 }
+            }
+            Request::ImportOnAccept { importer, token } => {
+                put_ep(&mut w, *importer);
+                w.extend_from_slice(&token.to_le_bytes());
             }
         }
         w
@@ -335,6 +357,7 @@ impl Request {
                 }
                 Request::OobBatch { from, to_port, payloads, reply: k == 6 }
             }
+            8 => Request::ImportOnAccept { importer: get_ep(&mut r)?, token: r.u64()? },
             k => return Err(WireError::UnknownKind(k)),
         };
         r.done()?;
@@ -666,6 +689,7 @@ mod tests {
             Request::Oob { from: ep, to_port: 3, payload: [7; 40], reply: false },
             Request::OobBatch { from: ep, to_port: 3, payloads: vec![[1; 40], [2; 40], [3; 40]], reply: true },
             Request::OobBatch { from: ep, to_port: 3, payloads: vec![[1; 40]], reply: false },
+            Request::ImportOnAccept { importer: ep, token: 0x0123_4567_89ab_cdef },
         ];
         for q in reqs {
             assert_eq!(Request::decode(&q.encode(7)).unwrap(), (7, q));

@@ -395,6 +395,9 @@ impl ConnectRequest {
         }
         let nic = &ep.inner.nic;
         let shared = nic.conns.insert(ep.port(), self.token, self.from);
+        // The import the client asked for on accept, if it did: its grant goes before the
+        // answer, so that it is there when the answer wakes the client.
+        nic.grant_on_accept(self.from, self.token, local);
         nic.send_oneway(ep.addr(), self.from, &connect::encode_accept(self.token, &blob(local, data)));
         tracing::debug!(local = %ep.addr(), peer = %self.from, token = self.token, "connection accepted");
         Ok(Connection {
@@ -658,6 +661,13 @@ impl Endpoint {
     ) -> Result<(Connection, crate::PendingImport), ConnectError> {
         let (conn, begun) = self.connect_inner(to, local, data, timeout, true)?;
         let pending = match begun {
+            // Asked on accept and not granted before the answer (the server did not take the
+            // request, or refused): asked for now (the request given up: a late grant would
+            // be given back).
+            Some(p) if !p.answered_on_accept() => {
+                drop(p);
+                self.import_begin(conn.peer_descriptor())
+            }
             Some(p) => crate::endpoint::PendingImport::begun(&self.inner, conn.peer_descriptor(), p),
             None => self.import_begin(conn.peer_descriptor()),
         };
@@ -686,7 +696,11 @@ impl Endpoint {
         let nic = &self.inner.nic;
         let msgs = lock(&conns.state).dial(to, token, &blob(local, data), timeout).ok_or(ConnectError::TooMany)?;
         if import {
-            lock(&conns.prefetch).insert(token, None);
+            // The server's NIC is asked to grant the import as it accepts, on the connection
+            // the request then goes on, just before it (`crate::onaccept`); failing that, the
+            // import is begun as the answer comes in (`on_message`).
+            let on_accept = crate::peer::try_begin_on_accept(&self.inner, to.nic, token);
+            lock(&conns.prefetch).insert(token, on_accept);
         }
         // Whatever the outcome, the dial's import slot goes (an import begun for a dial that
         // failed is given back when dropped).

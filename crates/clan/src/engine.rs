@@ -34,7 +34,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -48,7 +48,9 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use crate::addr::{EndpointAddr, NicAddr, PeerIdentity};
 use crate::config::{LocalTransport, Progress};
 use crate::link::{Link, LinkError};
+use crate::lock;
 use crate::nic::{Cmd, NicInner};
+use crate::onaccept::{Grantee, HostGrants};
 
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
@@ -74,13 +76,15 @@ const PARK_CHECK_MAX: Duration = Duration::from_millis(5);
 /// Server-side state of one host connection.
 #[derive(Debug)]
 pub(crate) struct Conn {
-    pub sock: SeqPacket,
+    /// The only strong reference: requests filed to be granted on accept hold weak ones
+    /// (`crate::onaccept`), so the socket closes when the engine drops the connection.
+    pub sock: Arc<SeqPacket>,
     pub cred: PeerCred,
     pub id: u64,
     /// The peer NIC, once its hello is verified.
     pub hello: Option<NicAddr>,
-    pub imports: HashMap<u64, (u32, u32)>,
-    pub eqs: HashSet<u32>,
+    /// What was granted through it (shared with threads that grant on accept).
+    pub grants: Arc<Mutex<HostGrants>>,
     session: Session,
     /// A hello whose NIC could not be verified yet (its listener's backlog was full): the
     /// NIC claimed and when to try again. Nothing more is read from the connection until
@@ -92,6 +96,11 @@ impl Conn {
     /// Who the connecting process is: its credentials, which the kernel recorded.
     fn identity(&self) -> PeerIdentity {
         PeerIdentity::Process { pid: self.cred.pid, uid: self.cred.uid }
+    }
+
+    /// Who what is granted through it goes to.
+    pub fn grantee(&self) -> Grantee {
+        Grantee { cred: self.cred, id: self.id, hello: self.hello }
     }
 }
 
@@ -772,12 +781,11 @@ impl Run {
                     self.entries.insert(
                         token,
                         Entry::Host(Conn {
-                            sock,
+                            sock: Arc::new(sock),
                             cred,
                             id,
                             hello: None,
-                            imports: HashMap::new(),
-                            eqs: HashSet::new(),
+                            grants: Arc::default(),
                             session,
                             verify: None,
                         }),
@@ -1113,15 +1121,22 @@ impl Run {
                 }
                 Step::Serve(id, req) => match req {
                     Request::Import { importer, desc } => {
-                        match nic.grant_import(c, EndpointAddr::from(importer), &desc) {
+                        let mut g = lock(&c.grants);
+                        match nic.grant_import(&c.grantee(), &mut g, EndpointAddr::from(importer), &desc) {
                             Ok((grant, fds)) => (Some((id, Reply::ImportOk(grant))), Some(fds)),
                             Err((code, detail)) => (Some((id, Reply::Err { code, detail })), None),
                         }
                     }
                     Request::Unimport { import_id } => {
-                        if let Some((ap, generation)) = c.imports.remove(&import_id) {
+                        let gone = lock(&c.grants).imports.remove(&import_id);
+                        if let Some((ap, generation)) = gone {
                             nic.remote_unref(ap, generation, c.id);
                         }
+                        (None, None)
+                    }
+                    // Granted (or not) by the thread that accepts that connect: no reply now.
+                    Request::ImportOnAccept { importer, token } => {
+                        nic.file_on_accept(c, EndpointAddr::from(importer), token, id);
                         (None, None)
                     }
                     // The session verified that `from` is on the NIC its hello named, which is

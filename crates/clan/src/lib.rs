@@ -71,6 +71,7 @@ mod event_queue;
 mod link;
 mod mapping;
 mod nic;
+mod onaccept;
 mod peer;
 mod pool;
 mod port;

@@ -12,7 +12,7 @@ use clan_wire::{ImportReply, Status};
 
 use clan_shm::cam::live_state;
 use clan_shm::seqpacket::{PeerCred, SeqPacket};
-use clan_wire::control::{Code, ImportGrant, OOB_PAYLOAD};
+use clan_wire::control::{Code, ImportGrant, OOB_PAYLOAD, Reply};
 use clan_wire::grant::{Importer, Refusal};
 
 use crate::addr::{EndpointAddr, NicAddr, PeerIdentity};
@@ -25,6 +25,7 @@ use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
 use crate::event_queue::{EqInner, EqPort, EventQueue};
 use crate::link::{ExportRec, Link, LinkError};
 use crate::lock;
+use crate::onaccept::{Filed, Grantee, HostGrants};
 use crate::peer::PeerConn;
 use crate::tripwire::WatchOwner;
 use crate::window::Window;
@@ -215,6 +216,9 @@ pub struct NicStats {
     pub imports_granted: u64,
     /// Imports refused (stale, forged, denied, malformed).
     pub imports_refused: u64,
+    /// Of `imports_granted`: those granted as a connection was accepted, before the client
+    /// asked (a connect with [`crate::Endpoint::connect_importing`] from a NIC of this host).
+    pub imports_granted_on_accept: u64,
     /// Bytes of memory held in the cache.
     pub cached_bytes: u64,
     /// Open endpoints.
@@ -304,6 +308,9 @@ pub(crate) struct NicInner {
     exports_cached: AtomicU64,
     imports_granted: AtomicU64,
     imports_refused: AtomicU64,
+    imports_granted_on_accept: AtomicU64,
+    /// Imports to grant when the connects they name are accepted (`crate::onaccept`).
+    on_accept: Mutex<crate::onaccept::OnAccept>,
 }
 
 impl std::fmt::Debug for NicInner {
@@ -1008,6 +1015,13 @@ impl NicInner {
             // A later process on that address gets a pool of its own, never this memory.
             self.pools.retire(peer);
         }
+        // No grant on accept is made through it from now on (one made before is released
+        // below with the rest).
+        let eqs = {
+            let mut g = lock(&c.grants);
+            g.closed = true;
+            std::mem::take(&mut g.eqs)
+        };
         let mut recycle = Vec::new();
         {
             let mut t = lock(&self.apertures);
@@ -1026,7 +1040,7 @@ impl NicInner {
         }
         // Retire the ports of that process (if this was its last connection) in every queue
         // it was given one.
-        for a in self.all_queues(&c.eqs) {
+        for a in self.all_queues(&eqs) {
             a.release_conn(c.id);
         }
     }
@@ -1039,11 +1053,12 @@ impl NicInner {
     /// Serve an import request from connection `c`.
     pub fn grant_import(
         &self,
-        c: &mut Conn,
+        c: &Grantee,
+        grants: &mut HostGrants,
         importer: EndpointAddr,
         desc: &[u8],
     ) -> Result<(ImportGrant, GrantFds), (Code, String)> {
-        let r = self.grant_import_inner(c, importer, desc);
+        let r = self.grant_import_inner(c, grants, importer, desc);
         match &r {
             Ok((g, _)) => {
                 self.imports_granted.fetch_add(1, Ordering::Relaxed);
@@ -1059,10 +1074,14 @@ impl NicInner {
 
     fn grant_import_inner(
         &self,
-        c: &mut Conn,
+        c: &Grantee,
+        grants: &mut HostGrants,
         importer: EndpointAddr,
         desc: &[u8],
     ) -> Result<(ImportGrant, GrantFds), (Code, String)> {
+        if grants.closed {
+            return Err((Code::Internal, "the connection is closing".into()));
+        }
         let refused = |r: Refusal| (Code::from(r), r.to_string());
         let desc = Descriptor::from_bytes(desc).map_err(|_| refused(Refusal::Malformed))?;
         // The importing endpoint's NIC is the one the connection's hello named, which the
@@ -1111,10 +1130,10 @@ impl NicInner {
         let port = eq.port_for(c.cred.pid, c.cred.uid, c.id).map_err(refused)?;
         eq.grant(&port, &ap, desc.rights());
         let fds = GrantFds { mem: mem.clone(), port: port.clone(), data_ro, index_ro };
-        c.eqs.insert(eq.id);
+        grants.eqs.insert(eq.id);
         self.remember_queue(&eq);
         let import_id = self.next_serial();
-        c.imports.insert(import_id, (ap.id, ap.generation));
+        grants.imports.insert(import_id, (ap.id, ap.generation));
         {
             let mut t = lock(&self.apertures);
             if let Some(s) = t.slots.get_mut(ap.id as usize).filter(|s| s.generation == ap.generation) {
@@ -1139,6 +1158,46 @@ impl NicInner {
             },
             fds,
         ))
+    }
+
+    /// File an `ImportOnAccept` that came on host connection `c` (`crate::onaccept`): the
+    /// import, for `importer`, of what the connect with `token` from `c`'s NIC is accepted
+    /// with. Request `id` is answered then, or never.
+    pub fn file_on_accept(&self, c: &Conn, importer: EndpointAddr, token: u64, id: u32) {
+        // (the session serves nothing before a verified hello)
+        let Some(nic) = c.hello else { return };
+        let f =
+            Filed { sock: Arc::downgrade(&c.sock), grants: Arc::downgrade(&c.grants), who: c.grantee(), id, importer };
+        lock(&self.on_accept).file(nic, token, f);
+    }
+
+    /// The connect with `token` from `from` is being accepted with `local`: if its client
+    /// asked for that import on accept, grant it now and send the grant (or the refusal) on
+    /// the control connection it asked on, before the answer to the connect goes out. Never
+    /// waits; any failure leaves the client to import as usual.
+    pub fn grant_on_accept(&self, from: EndpointAddr, token: u64, local: &Descriptor) {
+        let Some(f) = lock(&self.on_accept).take(from.nic, token) else { return };
+        let (Some(sock), Some(grants)) = (f.sock.upgrade(), f.grants.upgrade()) else { return };
+        let mut g = lock(&grants);
+        let (reply, fds) = match self.grant_import(&f.who, &mut g, f.importer, &local.to_bytes()) {
+            Ok((grant, fds)) => (Reply::ImportOk(grant), Some(fds)),
+            Err((code, detail)) => (Reply::Err { code, detail }, None),
+        };
+        let borrowed = fds.as_ref().map(GrantFds::borrowed).unwrap_or_default();
+        if sock.send(&reply.encode(f.id), &borrowed).is_err() {
+            // (its socket is full: the client does not read, or is gone) Not granted after
+            // all; the client imports as usual if it is still there.
+            if let Reply::ImportOk(grant) = reply {
+                if let Some((ap, generation)) = g.imports.remove(&grant.import_id) {
+                    drop(g);
+                    self.remote_unref(ap, generation, f.who.id);
+                }
+            }
+            return;
+        }
+        if matches!(reply, Reply::ImportOk(_)) {
+            self.imports_granted_on_accept.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     fn remember_queue(&self, eq: &Arc<EqInner>) {
@@ -1247,6 +1306,8 @@ impl Nic {
             exports_cached: AtomicU64::new(0),
             imports_granted: AtomicU64::new(0),
             imports_refused: AtomicU64::new(0),
+            imports_granted_on_accept: AtomicU64::new(0),
+            on_accept: Mutex::default(),
         });
         let q = EqInner::create(0, Arc::downgrade(&inner), inner.links.open().clone(), default_config)
             .map_err(|e| NicError::Config(format!("default event queue: {e}")))?;
@@ -1420,6 +1481,7 @@ impl Nic {
             exports_cached: i.exports_cached.load(Ordering::Relaxed),
             imports_granted: i.imports_granted.load(Ordering::Relaxed),
             imports_refused: i.imports_refused.load(Ordering::Relaxed),
+            imports_granted_on_accept: i.imports_granted_on_accept.load(Ordering::Relaxed),
             cached_bytes: lock(&i.cache).bytes,
             pools: i.pools.counts().0,
             pool_chunks: i.pools.counts().1,

@@ -353,10 +353,35 @@ impl PeerConn {
         }
     }
 
+    /// Whether the reply to `sent` is here, after taking in what the socket holds, never
+    /// waiting: not if another thread is reading the socket (it may hold the reply).
+    pub fn arrived(&self, sent: &Sent) -> bool {
+        let chan = &sent.chan;
+        let mut m = lock(&chan.mail);
+        if m.arrived.contains_key(&sent.id) {
+            return true;
+        }
+        if m.reading || self.is_broken() {
+            return false;
+        }
+        m.reading = true;
+        drop(m);
+        let r = self.take_in(chan);
+        let mut m = lock(&chan.mail);
+        m.reading = false;
+        chan.cv.notify_all();
+        r.is_ok() && m.arrived.contains_key(&sent.id)
+    }
+
     /// Wait for the socket to be readable (until `deadline`), then take every reply there is
     /// and hand it to its waiter.
     fn read(&self, chan: &Channel, deadline: Instant) -> Result<(), PeerError> {
         poll_one(&chan.sock, rustix::event::PollFlags::IN, deadline)?;
+        self.take_in(chan)
+    }
+
+    /// Take every reply the socket holds (never waiting) and hand each to its waiter.
+    fn take_in(&self, chan: &Channel) -> Result<(), PeerError> {
         let mut buf = [0u8; MAX_MSG];
         loop {
             let got = match chan.sock.recv(&mut buf) {
@@ -460,6 +485,19 @@ pub(crate) struct PendingImport {
     peer: Arc<PeerConn>,
     /// Taken by [`finish_import`]; one never finished is abandoned when dropped.
     sent: Option<Sent>,
+    /// Asked to be granted on accept ([`try_begin_on_accept`]): answered before the connect
+    /// is, or never.
+    on_accept: bool,
+}
+
+impl PendingImport {
+    /// Whether it will complete without waiting on the exporter: always for an import
+    /// requested as such; for one asked on accept, whether its reply came already (the
+    /// exporter sends it before the connect's answer: once that came, a grant not here is
+    /// not coming).
+    pub(crate) fn answered_on_accept(&self) -> bool {
+        !self.on_accept || self.sent.as_ref().is_some_and(|s| self.peer.arrived(s))
+    }
 }
 
 impl Drop for PendingImport {
@@ -499,7 +537,7 @@ pub(crate) fn begin_import(
 ) -> Result<PendingImport, PeerError> {
     let peer = ep.nic.peer(desc.nic());
     let sent = peer.begin(&request(ep, desc), deadline)?;
-    Ok(PendingImport { peer, sent: Some(sent) })
+    Ok(PendingImport { peer, sent: Some(sent), on_accept: false })
 }
 
 /// Send the import request for `desc` only if that needs no wait at all (a connection to
@@ -511,7 +549,20 @@ pub(crate) fn try_begin_import(ep: &EndpointInner, desc: &Descriptor) -> Option<
     }
     let peer = lock(ep.nic.peers_table()).get(&desc.nic()).cloned()?;
     let sent = peer.try_begin(&request(ep, desc))?;
-    Some(PendingImport { peer, sent: Some(sent) })
+    Some(PendingImport { peer, sent: Some(sent), on_accept: false })
+}
+
+/// Ask NIC `to` of this host to grant endpoint `ep`, when it accepts our connect with
+/// `token`, the import of what it accepts it with (`Request::ImportOnAccept`, see
+/// `crate::onaccept`). Sent only if that needs no wait at all, on the connection the connect
+/// then goes on (straight after, [`crate::nic::NicInner::send_oneway_direct`]).
+pub(crate) fn try_begin_on_accept(ep: &EndpointInner, to: NicAddr, token: u64) -> Option<PendingImport> {
+    if ep.nic.config.local_transport != crate::config::LocalTransport::SharedMemory || to == ep.nic.addr {
+        return None;
+    }
+    let peer = lock(ep.nic.peers_table()).get(&to).cloned()?;
+    let sent = peer.try_begin(&Request::ImportOnAccept { importer: ep.addr.into(), token })?;
+    Some(PendingImport { peer, sent: Some(sent), on_accept: true })
 }
 
 /// The reply to an import request, checked and mapped.

@@ -368,3 +368,53 @@ fn an_import_begun_and_dropped_is_given_back() {
     settle(0);
     assert!(fds() <= before + 4, "{} descriptors before, {} after", before, fds());
 }
+
+/// A connect with `Endpoint::connect_importing` to another NIC of this host asks that NIC,
+/// on the control connection the connect goes on, to grant the import as it accepts: the
+/// grant is there when the answer comes (no import request of the client's own), the
+/// mapping works, and dropping it gives the grant back as for any import.
+#[test]
+fn a_connect_importing_finds_its_grant_waiting_and_gives_it_back() {
+    use std::time::{Duration, Instant};
+    let (sn, cn) = (nic(), nic());
+    let server = sn.endpoint().unwrap();
+    server.listen();
+    let to = server.addr();
+    let t = Some(Duration::from_secs(20));
+    let n = 40u64;
+    let srv = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for _ in 0..=n {
+            let req = server.accept(t).unwrap();
+            let ap = server.export(4096).unwrap();
+            let conn = req.accept(&server, &ap.descriptor()).unwrap();
+            held.push((ap, conn));
+        }
+        (server, held)
+    });
+    let client = cn.endpoint().unwrap();
+    let mine = client.export(4096).unwrap();
+    let mut maps = Vec::new();
+    for i in 0..=n {
+        let (conn, pending) = client.connect_importing(to, &mine.descriptor(), &[], t).unwrap();
+        let m = pending.finish(Duration::from_secs(20)).unwrap();
+        m.store_u64(0, i + 1).unwrap();
+        maps.push((conn, m));
+    }
+    let (_server, held) = srv.join().unwrap();
+    for (i, (ap, _)) in held.iter().enumerate() {
+        assert_eq!(ap.load_u64(0).unwrap(), i as u64 + 1, "connection {i}");
+    }
+    // The first connect opened the control connection between the NICs (a request on
+    // accept goes only on one that is up): every later one was granted on accept.
+    let s = sn.stats();
+    assert_eq!((s.imports_granted, s.imports_granted_on_accept), (n + 1, n));
+    drop(maps);
+    let w = Instant::now();
+    for (i, (ap, _)) in held.iter().enumerate() {
+        while ap.remote_imports() != 0 {
+            assert!(w.elapsed() < Duration::from_secs(20), "connection {i}'s import was not given back");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}

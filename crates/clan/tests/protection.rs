@@ -150,7 +150,48 @@ fn child() {
             });
             while hear().is_some() {}
         }
+        "file_on_accept" => file_on_accept(),
         other => panic!("unknown role {other}"),
+    }
+}
+
+/// A process that speaks the control protocol itself to the server NIC named on its first
+/// line, hello'd as its own NIC, and files requests to be granted on accept as told:
+/// `steal TOKEN` (another client's connect token), `flood N` (N made-up ones). After each, a
+/// request with a reply shows the server took everything before it; what comes back first
+/// must be that reply, never a grant: it says `clean` or what came instead.
+fn file_on_accept() {
+    use clan_wire::control::{Reply, Request};
+    let own = nic_or_die();
+    let ep = own.endpoint().unwrap();
+    let server: clan::NicAddr = hear().unwrap().parse().unwrap();
+    let sock = clan_shm::seqpacket::SeqPacket::connect_abstract(&server.abstract_name()).unwrap();
+    sock.set_timeouts(Duration::from_secs(20)).unwrap();
+    let mut buf = vec![0u8; 1 << 16];
+    let mut next = |sock: &clan_shm::seqpacket::SeqPacket| -> (u32, Reply, usize) {
+        let got = sock.recv(&mut buf).unwrap();
+        let (id, r) = Reply::decode(&buf[..got.len]).unwrap();
+        (id, r, got.fds.len())
+    };
+    sock.send(&Request::Hello { nic: own.addr().socket_addr(), pid: std::process::id() }.encode(1), &[]).unwrap();
+    assert!(matches!(next(&sock), (1, Reply::HelloOk { .. }, 0)));
+    let mut sync = 1_000_000u32;
+    while let Some(line) = hear() {
+        let (what, n) = line.split_once(' ').unwrap();
+        let n: u64 = n.parse().unwrap();
+        let tokens: Vec<u64> = if what == "steal" { vec![n] } else { (0..n).map(|i| 0x5eed_0000 + i).collect() };
+        for (i, token) in tokens.into_iter().enumerate() {
+            let r = Request::ImportOnAccept { importer: ep.addr().into(), token };
+            sock.send(&r.encode(10 + i as u32), &[]).unwrap();
+        }
+        sync += 1;
+        // (to a port that is not there: refused, after what came before it was taken)
+        let probe = Request::Oob { from: ep.addr().into(), to_port: u32::MAX, payload: [0; 40], reply: true };
+        sock.send(&probe.encode(sync), &[]).unwrap();
+        match next(&sock) {
+            (id, _, 0) if id == sync => say("clean"),
+            (id, r, fds) => say(format!("got {id} {r:?} with {fds} descriptors")),
+        }
     }
 }
 
@@ -586,4 +627,64 @@ fn one_port_per_process_and_a_bounded_share_per_user() {
     other.send(&ap.descriptor().to_string());
     assert_eq!(other.expect("result"), "ok");
     assert_eq!(q.stats().producers, 3);
+}
+
+/// Requests to be granted on accept (`Request::ImportOnAccept`) are filed under the NIC
+/// whose verified hello they came after: another process that files one with a client's
+/// token gets nothing when that client's connect is accepted (the client gets its grant);
+/// one that floods them pushes others' out, and that costs those clients only the round
+/// trip the request saves: their connects import as usual.
+#[test]
+fn import_on_accept_requests_are_the_senders_own_and_a_flood_costs_only_speed() {
+    let _wd = Watchdog::new("import on accept", Duration::from_secs(120));
+    let (sn, cn) = (nic_or_die(), nic_or_die());
+    let server = sn.endpoint().unwrap();
+    server.listen();
+    let to = server.addr();
+    let client = cn.endpoint().unwrap();
+    let mine = client.export(4096).unwrap();
+    let t = Some(Duration::from_secs(20));
+    let mut hostile = Peer::spawn(ENTRY, "file_on_accept", &[]);
+    hostile.send(&sn.addr().to_string());
+    // Each connect: accepted after `meanwhile` had its way with the request's token; the
+    // client then writes through the import it was given.
+    let connect = |n: u64, meanwhile: &mut dyn FnMut(u64)| {
+        std::thread::scope(|s| {
+            let c = s.spawn(|| {
+                let (conn, pending) = client.connect_importing(to, &mine.descriptor(), &[], t).unwrap();
+                let m = pending.finish(Duration::from_secs(20)).unwrap();
+                m.store_u64(0, n).unwrap();
+                (conn, m)
+            });
+            let req = server.accept(t).unwrap();
+            meanwhile(req.token());
+            let ap = server.export(4096).unwrap();
+            let conn = req.accept(&server, &ap.descriptor()).unwrap();
+            let kept = c.join().unwrap();
+            assert_eq!(ap.load_u64(0).unwrap(), n, "connect {n}");
+            (ap, conn, kept)
+        })
+    };
+    let on_accept = || sn.stats().imports_granted_on_accept;
+    // (the first opens the client's control connection: nothing asked on accept)
+    let _first = connect(1, &mut |_| {});
+    assert_eq!(on_accept(), 0);
+    let _own = connect(2, &mut |_| {});
+    assert_eq!(on_accept(), 1, "a client's own request is granted on accept");
+    let _stolen = connect(3, &mut |token| {
+        hostile.send(&format!("steal {token}"));
+        assert_eq!(hostile.expect("clean"), "clean");
+    });
+    assert_eq!(on_accept(), 2, "the client's request was granted, not the thief's");
+    hostile.send("check 0");
+    assert_eq!(hostile.expect("clean"), "clean", "the thief was granted nothing");
+    let _flooded = connect(4, &mut |_| {
+        hostile.send(&format!("flood {}", 2 * 1024 + 10));
+        assert_eq!(hostile.expect("clean"), "clean");
+    });
+    assert_eq!(on_accept(), 2, "the flood pushed the client's request out: imported as usual");
+    let _after = connect(5, &mut |_| {});
+    assert_eq!(on_accept(), 3);
+    hostile.send("check 0");
+    assert_eq!(hostile.expect("clean"), "clean", "nothing was ever granted to the thief");
 }
