@@ -25,6 +25,9 @@ use rustix::fs::{FallocateFlags, MemfdFlags, OFlags, SealFlags};
 pub struct Memfd {
     fd: OwnedFd,
     len: u64,
+    /// The file's identity (device, inode), when known already (an adopted memfd's, read
+    /// with its size).
+    ident: Option<(u64, u64)>,
 }
 
 impl Memfd {
@@ -35,7 +38,7 @@ impl Memfd {
         rustix::fs::fchmod(&fd, rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR)?;
         rustix::fs::ftruncate(&fd, len)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        Ok(Memfd { fd, len })
+        Ok(Memfd { fd, len, ident: None })
     }
 
     /// Adopt a memfd received from another process, checking that it is sealed against
@@ -54,7 +57,20 @@ impl Memfd {
                 format!("received memfd holds {len} bytes, {min_len} expected"),
             ));
         }
-        Ok(Memfd { fd, len })
+        #[allow(clippy::unnecessary_cast)]
+        let ident = Some((st.st_dev as u64, st.st_ino as u64));
+        Ok(Memfd { fd, len, ident })
+    }
+
+    /// The file's identity: (device, inode). A file's identity is not reused while a
+    /// descriptor or a mapping of it is open.
+    pub fn identity(&self) -> io::Result<(u64, u64)> {
+        if let Some(i) = self.ident {
+            return Ok(i);
+        }
+        let st = rustix::fs::fstat(&self.fd)?;
+        #[allow(clippy::unnecessary_cast)]
+        Ok((st.st_dev as u64, st.st_ino as u64))
     }
 
     /// Size in bytes.

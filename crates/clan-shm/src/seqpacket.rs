@@ -154,8 +154,19 @@ impl SeqPacket {
         }
     }
 
-    /// Receive one message into `buf`.
+    /// Receive one message into `buf` (the descriptors it brings lifted above the floor:
+    /// [`crate::fdfloor`]).
     pub fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        self.recv_lifting(buf, true)
+    }
+
+    /// [`SeqPacket::recv`], the descriptors left where the kernel put them (low numbers):
+    /// for a receiver that closes most of them at once, and lifts those it keeps.
+    pub fn recv_unlifted(&self, buf: &mut [u8]) -> io::Result<Received> {
+        self.recv_lifting(buf, false)
+    }
+
+    fn recv_lifting(&self, buf: &mut [u8], lift: bool) -> io::Result<Received> {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let mut iov = [io::IoSliceMut::new(buf)];
@@ -169,7 +180,11 @@ impl SeqPacket {
         let mut fds = Vec::new();
         for m in control.drain() {
             if let RecvAncillaryMessage::ScmRights(rights) = m {
-                fds.extend(rights.map(crate::fdfloor::lift));
+                if lift {
+                    fds.extend(rights.map(crate::fdfloor::lift));
+                } else {
+                    fds.extend(rights);
+                }
             }
         }
         let truncated = msg.flags.contains(ReturnFlags::TRUNC) || msg.flags.contains(ReturnFlags::CTRUNC);

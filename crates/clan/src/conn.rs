@@ -544,7 +544,8 @@ impl Drop for Connection {
         let Some(nic) = self.nic.upgrade() else { return };
         let was = lock(&nic.conns.map).remove(&(self.local.port, self.token)).is_some();
         if was && self.is_alive() {
-            nic.send_oneway(self.local, self.peer, &[connect::encode_close(self.token)]);
+            // (nothing waits for it: the peer's streams end in their own memory)
+            nic.send_oneway_lazy(self.local, self.peer, connect::encode_close(self.token));
         }
     }
 }

@@ -55,6 +55,8 @@ use crate::onaccept::{Grantee, HostGrants};
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
 const TCP_LISTENER: Token = Token(2);
+/// The timer of the messages that may wait (`crate::lazy`).
+const LAZY_TIMER: Token = Token(3);
 /// Bytes of incoming link traffic processed per link before looking at the others.
 const BUDGET: usize = 1 << 20;
 /// Links being set up at once, at most: more connections are closed at once.
@@ -169,6 +171,7 @@ impl Engine {
         nic: Weak<NicInner>,
         listener: SeqPacket,
         tcp: Option<std::net::TcpListener>,
+        lazy_timer: std::os::fd::RawFd,
         cpu: Option<usize>,
         admission: AdmissionLimits,
     ) -> std::io::Result<(Engine, Arc<Waker>)> {
@@ -176,6 +179,7 @@ impl Engine {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         poll.registry().register(&mut SourceFd(&listener.as_raw_fd()), LISTENER, Interest::READABLE)?;
+        poll.registry().register(&mut SourceFd(&lazy_timer), LAZY_TIMER, Interest::READABLE)?;
         let tcp = match tcp {
             Some(l) => {
                 l.set_nonblocking(true)?;
@@ -200,7 +204,7 @@ impl Engine {
                 poll,
                 stop: s,
                 entries: HashMap::new(),
-                next_token: 3,
+                next_token: 4,
                 admission: Admission::new(admission),
                 outs: HashMap::new(),
                 parked: HashMap::new(),
@@ -376,6 +380,7 @@ impl Run {
                         self.route_outbox(&nic);
                     }
                     LISTENER => self.accept_host(&nic),
+                    LAZY_TIMER => nic.flush_lazy(),
                     TCP_LISTENER => self.accept_tcp(&nic),
                     t => {
                         if self.service(&nic, t, readable, writable) {

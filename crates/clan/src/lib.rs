@@ -68,6 +68,7 @@ mod endpoint;
 mod engine;
 mod error;
 mod event_queue;
+mod lazy;
 mod link;
 mod mapping;
 mod nic;

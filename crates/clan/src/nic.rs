@@ -311,6 +311,8 @@ pub(crate) struct NicInner {
     imports_granted_on_accept: AtomicU64,
     /// Imports to grant when the connects they name are accepted (`crate::onaccept`).
     on_accept: Mutex<crate::onaccept::OnAccept>,
+    /// Messages to other NICs of this host that may wait (`crate::lazy`): their timer.
+    pub(crate) lazy: Arc<crate::lazy::Lazy>,
 }
 
 impl std::fmt::Debug for NicInner {
@@ -640,7 +642,7 @@ impl NicInner {
                 return p.clone();
             }
         }
-        let p = Arc::new(PeerConn::new(self.addr, addr));
+        let p = Arc::new(PeerConn::new(self.addr, addr, self.lazy.clone()));
         peers.insert(addr, p.clone());
         p
     }
@@ -777,6 +779,36 @@ impl NicInner {
                 self.outbox(from, to, *p);
             }
         }
+    }
+
+    /// Send a one-way message that may wait (`crate::lazy`: a connection's close): queued on
+    /// our control connection to `to`'s NIC when one is up, to go with the next message sent
+    /// there or within [`crate::lazy::DELAY`]; else as [`NicInner::send_oneway`].
+    pub fn send_oneway_lazy(&self, from: EndpointAddr, to: EndpointAddr, payload: [u8; OOB_PAYLOAD]) {
+        if to.nic != self.addr && self.config.local_transport == crate::config::LocalTransport::SharedMemory {
+            if let Some(p) = lock(&self.peers).get(&to.nic).cloned() {
+                let req = clan_wire::control::Request::OobBatch {
+                    from: from.into(),
+                    to_port: to.port,
+                    payloads: vec![payload],
+                    reply: false,
+                };
+                if p.queue(&req) {
+                    return;
+                }
+            }
+        }
+        self.send_oneway(from, to, &[payload]);
+    }
+
+    /// The timer of the messages that may wait fired: send every queue (the engine).
+    pub fn flush_lazy(&self) {
+        self.lazy.fired();
+        let peers: Vec<Arc<PeerConn>> = lock(&self.peers).values().cloned().collect();
+        for p in peers {
+            p.flush_queued();
+        }
+        self.lazy.still_queued();
     }
 
     /// Send one-way messages straight on our control connection to `to`'s NIC, if one is up
@@ -1279,6 +1311,9 @@ impl Nic {
             .map_err(|e| NicError::Io { context: "reading random bytes for the NIC secret", source: e.into() })?;
         crate::event_queue::params_of(&config.default_queue).map_err(|e| NicError::Config(e.to_string()))?;
         let default_config = config.default_queue.clone();
+        let lazy = Arc::new(
+            crate::lazy::Lazy::new().map_err(|source| NicError::Io { context: "creating the NIC's timer", source })?,
+        );
         let inner = Arc::new(NicInner {
             addr,
             config,
@@ -1308,14 +1343,21 @@ impl Nic {
             imports_refused: AtomicU64::new(0),
             imports_granted_on_accept: AtomicU64::new(0),
             on_accept: Mutex::default(),
+            lazy,
         });
         let q = EqInner::create(0, Arc::downgrade(&inner), inner.links.open().clone(), default_config)
             .map_err(|e| NicError::Config(format!("default event queue: {e}")))?;
         inner.remember_queue(&q);
         let _ = inner.default_queue.set(EventQueue { inner: q });
-        let (engine, waker) =
-            Engine::start(Arc::downgrade(&inner), listener, tcp, inner.config.engine_cpu, inner.config.admission)
-                .map_err(|source| NicError::Io { context: "starting the NIC engine", source })?;
+        let (engine, waker) = Engine::start(
+            Arc::downgrade(&inner),
+            listener,
+            tcp,
+            inner.lazy.fd(),
+            inner.config.engine_cpu,
+            inner.config.admission,
+        )
+        .map_err(|source| NicError::Io { context: "starting the NIC engine", source })?;
         tracing::info!(addr = %inner.addr, tcp = inner.config.tcp, "NIC open");
         let _ = inner.waker.set(waker);
         *lock(&inner.engine) = Some(engine);

@@ -16,7 +16,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,7 @@ use crate::addr::NicAddr;
 use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::EndpointInner;
 use crate::error::ImportError;
+use crate::lazy::Lazy;
 use crate::lock;
 use crate::mapping::{Keep, Mapping};
 use crate::window::Window;
@@ -117,6 +118,18 @@ pub(crate) struct PeerConn {
     pub alive: Arc<AtomicBool>,
     /// Told the engine to watch this peer's liveness.
     watched: AtomicBool,
+    /// Messages that may wait for the next one sent here, or the NIC's timer
+    /// (`crate::lazy`), encoded; and how many (read without the lock).
+    queue: Mutex<Vec<Vec<u8>>>,
+    queued: AtomicUsize,
+    lazy: Arc<Lazy>,
+}
+
+impl Drop for PeerConn {
+    fn drop(&mut self) {
+        // (what is still queued goes unsent: the connection closes with it)
+        self.lazy.gone(self.queue.get_mut().map_or(0, |q| q.len()));
+    }
 }
 
 impl std::fmt::Debug for PeerConn {
@@ -144,8 +157,11 @@ fn poll_one(sock: &SeqPacket, flags: rustix::event::PollFlags, deadline: Instant
 
 impl PeerConn {
     /// A connection to `addr`, made (and said hello on) by its first request.
-    pub fn new(local: NicAddr, addr: NicAddr) -> PeerConn {
+    pub fn new(local: NicAddr, addr: NicAddr, lazy: Arc<Lazy>) -> PeerConn {
         PeerConn {
+            queue: Mutex::new(Vec::new()),
+            queued: AtomicUsize::new(0),
+            lazy,
             addr,
             local,
             connecting: Gate::default(),
@@ -274,6 +290,7 @@ impl PeerConn {
     }
 
     fn send(&self, chan: &Arc<Channel>, req: &Request, deadline: Instant) -> Result<Sent, PeerError> {
+        self.flush_queued();
         let id = self.id();
         // Registered first: a reply faster than this thread is kept for it.
         lock(&chan.mail).waiting.insert(id);
@@ -304,6 +321,7 @@ impl PeerConn {
 
     /// Send `req` only if that costs no wait at all (connected, room in the socket).
     pub fn try_begin(&self, req: &Request) -> Option<Sent> {
+        self.flush_queued();
         let chan = self.connected()?;
         let id = self.id();
         lock(&chan.mail).waiting.insert(id);
@@ -384,7 +402,8 @@ impl PeerConn {
     fn take_in(&self, chan: &Channel) -> Result<(), PeerError> {
         let mut buf = [0u8; MAX_MSG];
         loop {
-            let got = match chan.sock.recv(&mut buf) {
+            // (descriptors unlifted: an import keeps few of them, and lifts those)
+            let got = match chan.sock.recv_unlifted(&mut buf) {
                 Ok(g) => g,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -433,8 +452,48 @@ impl PeerConn {
     /// Send a one-way message at once if the connection is up and its socket has room:
     /// whether it went.
     pub fn try_send_oneway(&self, req: &Request) -> bool {
+        self.flush_queued();
         let Some(chan) = self.connected() else { return false };
         !req.wants_reply() && chan.sock.send(&req.encode(0), &[]).is_ok()
+    }
+
+    /// Queue a message that has no reply and may wait (`crate::lazy`): it goes with the next
+    /// message sent here, or when the NIC's timer fires. Whether it was queued (not: no
+    /// connection is up, send it otherwise).
+    pub fn queue(&self, req: &Request) -> bool {
+        if req.wants_reply() || self.connected().is_none() {
+            return false;
+        }
+        let n = {
+            let mut q = lock(&self.queue);
+            q.push(req.encode(0));
+            self.queued.store(q.len(), Ordering::Relaxed);
+            q.len()
+        };
+        self.lazy.queued(1);
+        if n >= crate::lazy::MAX_QUEUED {
+            self.flush_queued();
+        }
+        true
+    }
+
+    /// Send what is queued, never waiting: what the socket has no room for stays queued.
+    /// Dropped if the connection is gone (its end releases what the messages would have).
+    pub fn flush_queued(&self) {
+        // (a load, on every send: the common case is an empty queue; a count missed here
+        // is sent by the next flush, or the timer's: the queue itself is under its lock)
+        if self.queued.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut q = lock(&self.queue);
+        let went = match self.connected() {
+            Some(chan) => q.iter().take_while(|m| chan.sock.send(m, &[]).is_ok()).count(),
+            None => q.len(),
+        };
+        q.drain(..went);
+        self.queued.store(q.len(), Ordering::Relaxed);
+        drop(q);
+        self.lazy.gone(went);
     }
 
     /// Send a message that has no reply, without waiting (dropped if the socket is full).
@@ -455,7 +514,10 @@ pub(crate) struct ImportGuard {
 impl Drop for ImportGuard {
     fn drop(&mut self) {
         tracing::debug!(exporter = %self.peer.addr, import = self.import_id, "unimported");
-        self.peer.notify(&Request::Unimport { import_id: self.import_id });
+        let r = Request::Unimport { import_id: self.import_id };
+        if !self.peer.queue(&r) {
+            self.peer.notify(&r);
+        }
     }
 }
 
@@ -674,15 +736,14 @@ fn chunk_part(
     off: u64,
     len: u64,
 ) -> std::io::Result<(Segment, Option<Arc<Segment>>)> {
-    let st = rustix::fs::fstat(fd)?;
+    let (dev, ino) = fd.identity()?;
     if fd.len() > MAX_CHUNK {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             "a pool chunk larger than any exporter makes",
         ));
     }
-    #[allow(clippy::unnecessary_cast)]
-    let key = (st.st_dev as u64, st.st_ino as u64, access == SegAccess::ReadWrite);
+    let key = (dev, ino, access == SegAccess::ReadWrite);
     let whole = {
         let mut m = lock(&nic.chunk_maps);
         match m.get(&key).and_then(std::sync::Weak::upgrade) {

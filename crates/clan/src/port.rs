@@ -580,7 +580,8 @@ pub(crate) fn attach(
     let p = Arc::new(EqPort {
         map,
         producer: Mutex::new(Producer::resume(0, head)),
-        eventfd: Arc::new(EventFd::from_owned(eventfd)),
+        // (kept: above the floor, as a descriptor we make would be)
+        eventfd: Arc::new(EventFd::from_owned(clan_shm::fdfloor::lift(eventfd))),
         sleepers: None,
     });
     all.insert(key, Arc::downgrade(&p));

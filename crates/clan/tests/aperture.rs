@@ -418,3 +418,49 @@ fn a_connect_importing_finds_its_grant_waiting_and_gives_it_back() {
         }
     }
 }
+
+/// What ends a connection to another NIC of this host (its close, the release of its
+/// import) may wait to go with the next message to that NIC: with nothing else ever sent, it
+/// still goes (the NIC's timer), one connection or a hundred (past a control connection's
+/// queue bound) at a time.
+#[test]
+fn a_connections_end_reaches_the_peer_when_nothing_else_is_sent() {
+    use std::time::{Duration, Instant};
+    let (sn, cn) = (nic(), nic());
+    let server = sn.endpoint().unwrap();
+    server.listen();
+    let to = server.addr();
+    let t = Some(Duration::from_secs(20));
+    let client = cn.endpoint().unwrap();
+    let mine = client.export(4096).unwrap();
+    for n in [1, 1, 100] {
+        let (conns, held) = std::thread::scope(|s| {
+            let c = s.spawn(|| {
+                (0..n)
+                    .map(|_| {
+                        let (conn, p) = client.connect_importing(to, &mine.descriptor(), &[], t).unwrap();
+                        (conn, p.finish(Duration::from_secs(20)).unwrap())
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let held: Vec<_> = (0..n)
+                .map(|_| {
+                    let req = server.accept(t).unwrap();
+                    let ap = server.export(4096).unwrap();
+                    let conn = req.accept(&server, &ap.descriptor()).unwrap();
+                    (ap, conn)
+                })
+                .collect();
+            (c.join().unwrap(), held)
+        });
+        assert!(held.iter().all(|(ap, c)| c.is_alive() && ap.remote_imports() == 1));
+        drop(conns);
+        let w = Instant::now();
+        for (i, (ap, c)) in held.iter().enumerate() {
+            while c.is_alive() || ap.remote_imports() != 0 {
+                assert!(w.elapsed() < Duration::from_secs(20), "connection {i} of {n}: its end never came");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
