@@ -9,7 +9,9 @@
 //!   listeners, answered by a thread of the library, not by the application), passing its
 //!   socket as proof; the server's `accept` recognises the claimed connection by its peer
 //!   socket's inode. No byte ever travels on two paths, and neither side waits for the
-//!   other's application (a slow acceptor, a server that speaks first).
+//!   other's application (a slow acceptor, a server that speaks first). A process that
+//!   connects again and again to one server has its next connection's stream made ahead
+//!   (`spares.rs`).
 //! - **The descriptor** stays the kernel's TCP socket: `getpeername`, socket options, `dup`
 //!   and the listening socket's readiness keep working; its bytes move over the stream.
 //! - **Readiness** (`ready.rs`): `poll`, `select` and `epoll` read accelerated descriptors'
@@ -46,4 +48,5 @@ mod procnet;
 mod ready;
 mod real;
 mod registry;
+mod spares;
 mod table;

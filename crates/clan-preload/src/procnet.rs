@@ -1,15 +1,40 @@
-//! Which socket is at the other end of a local TCP connection: its inode, asked of the
-//! kernel by an exact `NETLINK_SOCK_DIAG` lookup of the 4-tuple (one round trip, whatever
-//! the number of sockets), or, where that is not available, found in the kernel's tables
-//! of this network namespace (`/proc/net/tcp`, `/proc/net/tcp6`).
+//! Which socket is at the other end of a local TCP connection: its cookie (and inode),
+//! asked of the kernel by an exact `NETLINK_SOCK_DIAG` lookup of the 4-tuple (one round
+//! trip, whatever the number of sockets), or, where that is not available, its inode, found
+//! in the kernel's tables of this network namespace (`/proc/net/tcp`, `/proc/net/tcp6`).
+//! A socket its process closed keeps its cookie (and its place in the lookup) while the
+//! connection ends, but no longer has an inode.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-/// The inode of the socket whose local address is `local` and remote address `remote`.
-pub(crate) fn inode_of(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
-    if let Some(i) = diag(local, remote) {
-        return Some(i);
+/// How the socket at the other end was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// Its cookie (`SO_COOKIE`).
+    Cookie(u64),
+    /// Its inode only (no `NETLINK_SOCK_DIAG`).
+    Inode(u64),
+}
+
+/// The socket whose local address is `local` and remote address `remote`.
+pub(crate) fn peer_socket(local: SocketAddr, remote: SocketAddr) -> Option<Found> {
+    if let Some((_, cookie)) = diag(local, remote) {
+        return Some(Found::Cookie(cookie));
     }
+    proc_tables(local, remote).map(Found::Inode)
+}
+
+/// The inode of the socket whose local address is `local` and remote address `remote`
+/// (none once its process closed it).
+#[cfg(test)]
+pub(crate) fn inode_of(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
+    if let Some((i, _)) = diag(local, remote) {
+        return (i != 0).then_some(i);
+    }
+    proc_tables(local, remote)
+}
+
+fn proc_tables(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
     for file in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(file) else { continue };
         if let Some(i) = find(&text, local, remote) {
@@ -47,8 +72,9 @@ static DIAG: std::sync::Mutex<Option<(u32, std::os::fd::OwnedFd)>> = std::sync::
 /// Sequence numbers of the lookups: an answer is taken only for its own request.
 static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
 
-/// One exact `inet_diag` lookup (`struct inet_diag_req_v2` after a `nlmsghdr`).
-fn diag(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
+/// One exact `inet_diag` lookup (`struct inet_diag_req_v2` after a `nlmsghdr`): the socket's
+/// inode (0 once closed) and cookie.
+fn diag(local: SocketAddr, remote: SocketAddr) -> Option<(u64, u64)> {
     use rustix::net::{AddressFamily, SocketType};
     let pid = std::process::id();
     let mut kept = DIAG.lock().unwrap_or_else(|e| e.into_inner());
@@ -78,7 +104,7 @@ fn diag(local: SocketAddr, remote: SocketAddr) -> Option<u64> {
 }
 
 /// The lookup on the diag socket `nl`: Err if the socket failed.
-fn query(nl: &std::os::fd::OwnedFd, local: SocketAddr, remote: SocketAddr) -> Result<Option<u64>, ()> {
+fn query(nl: &std::os::fd::OwnedFd, local: SocketAddr, remote: SocketAddr) -> Result<Option<(u64, u64)>, ()> {
     use rustix::net::{RecvFlags, SendFlags};
     // The socket could be IPv4 or IPv6 (dual stack): ask as each.
     let families: &[u8] = if local.is_ipv4() && remote.is_ipv4() {
@@ -120,14 +146,15 @@ fn query(nl: &std::os::fd::OwnedFd, local: SocketAddr, remote: SocketAddr) -> Re
                 break &buf[..n];
             }
         };
-        // nlmsghdr (16) + inet_diag_msg: family, state, timer, retrans (4), id (48),
-        // expires, rqueue, wqueue, uid (16), inode (4).
-        if r.len() >= 16 + 88 && u16::from_ne_bytes([r[4], r[5]]) == SOCK_DIAG_BY_FAMILY {
-            let at = 16 + 4 + 48 + 16;
-            let inode = u32::from_ne_bytes(r[at..at + 4].try_into().map_err(|_| ())?);
-            if inode != 0 {
-                return Ok(Some(u64::from(inode)));
-            }
+        // nlmsghdr (16) + inet_diag_msg: family, state, timer, retrans (4), id (48: ports 4,
+        // addresses 32, interface 4, cookie 8 as two native words, low first), expires,
+        // rqueue, wqueue, uid (16), inode (4).
+        // (72 bytes: a connection in its time-wait state has no attributes after them)
+        if r.len() >= 16 + 72 && u16::from_ne_bytes([r[4], r[5]]) == SOCK_DIAG_BY_FAMILY {
+            let word = |at: usize| r[at..at + 4].try_into().map(u32::from_ne_bytes).map_err(|_| ());
+            let cookie = u64::from(word(16 + 4 + 40)?) | u64::from(word(16 + 4 + 44)?) << 32;
+            let inode = u64::from(word(16 + 4 + 48 + 16)?);
+            return Ok(Some((inode, cookie)));
         } else if u16::from_ne_bytes([r[4], r[5]]) != NLMSG_ERROR {
             return Ok(None);
         }
@@ -196,23 +223,36 @@ mod tests {
     #[test]
     fn sock_diag_finds_a_real_loopback_connection() {
         use std::os::unix::fs::MetadataExt;
+        let cookie = |s: &std::net::TcpStream| rustix::net::sockopt::socket_cookie(s).unwrap();
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();
-        let ino = diag(s.peer_addr().unwrap(), s.local_addr().unwrap()).unwrap();
+        let (ino, ck) = diag(s.peer_addr().unwrap(), s.local_addr().unwrap()).unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&c);
         assert_eq!(ino, std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino());
+        assert_eq!(ck, cookie(&c));
         // And the server's own socket, seen the other way round.
-        let ino = diag(s.local_addr().unwrap(), s.peer_addr().unwrap()).unwrap();
+        let (ino, ck) = diag(s.local_addr().unwrap(), s.peer_addr().unwrap()).unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
         assert_eq!(ino, std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino());
+        assert_eq!(ck, cookie(&s));
+        // A socket its process closed: no inode any more, the same cookie.
+        let want = cookie(&c);
+        let (peer, local) = (s.peer_addr().unwrap(), s.local_addr().unwrap());
+        drop(c);
+        assert_eq!(peer_socket(peer, local), Some(Found::Cookie(want)));
+        // (and once the connection is in its time-wait state, which carries the cookie)
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert_eq!(peer_socket(peer, local), Some(Found::Cookie(want)));
+        assert_eq!(diag(peer, local).map(|(i, _)| i), Some(0));
         // IPv6.
         if let Ok(l) = std::net::TcpListener::bind("[::1]:0") {
             let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
             let (s, _) = l.accept().unwrap();
-            let ino = diag(s.peer_addr().unwrap(), s.local_addr().unwrap()).unwrap();
+            let (ino, ck) = diag(s.peer_addr().unwrap(), s.local_addr().unwrap()).unwrap();
             let fd = std::os::fd::AsRawFd::as_raw_fd(&c);
             assert_eq!(ino, std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino());
+            assert_eq!(ck, cookie(&c));
         }
     }
 

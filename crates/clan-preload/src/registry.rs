@@ -9,7 +9,7 @@
 //! connects a clan stream to the server's runtime, the token in the stream's connect
 //! hand-shake, and the kernel socket (on a channel kept from an earlier claim, the address is
 //! known and the stream is connected while the server looks at the claim). The server's
-//! `accept` finds the accepted connection's peer socket (its inode, asked of the kernel)
+//! `accept` finds the accepted connection's peer socket (its cookie, asked of the kernel)
 //! among the claims, and takes the clan stream that brought that token, if it came from the
 //! claimant's user, and was the first to bring it. Any failure on the
 //! way leaves the connection to the kernel, on both sides, before a byte was sent; a plain
@@ -68,16 +68,28 @@ enum Attach {
 /// entries, not every stream filed).
 #[derive(Default)]
 struct Filed {
-    map: HashMap<u64, Attach>,
+    /// By token: the entry, and when it was filed.
+    map: HashMap<u64, (Attach, Instant)>,
     /// Tokens in the order they were filed (some taken since: skipped when met).
     order: std::collections::VecDeque<u64>,
+    /// Filings since the last look for streams their clients closed.
+    since_sweep: usize,
 }
+
+/// Filings between two looks for filed streams whose clients closed them (spares a client
+/// let go unused, `spares.rs`; streams of clients that died before their `connect`); the
+/// runtime's thread also looks whenever it has been quiet for a while.
+const SWEEP_EVERY: usize = 64;
+/// A stream filed this long ago at least, closed by its client and claimed by nobody, is
+/// dropped (younger ones may be waiting for their claim, sent at the same time).
+const SWEEP_AGE: Duration = Duration::from_secs(1);
 
 impl Filed {
     fn insert(&mut self, token: u64, a: Attach) {
-        if self.map.insert(token, a).is_none() {
+        if self.map.insert(token, (a, Instant::now())).is_none() {
             self.order.push_back(token);
         }
+        self.since_sweep += 1;
         while self.map.len() > MAX_CLAIMS {
             let Some(t) = self.order.pop_front() else { break };
             self.map.remove(&t);
@@ -90,7 +102,21 @@ impl Filed {
     }
 
     fn remove(&mut self, token: &u64) -> Option<Attach> {
-        self.map.remove(token)
+        self.map.remove(token).map(|(a, _)| a)
+    }
+
+    /// Drop the filed streams their clients closed, filed [`SWEEP_AGE`] ago at least, that
+    /// no pending claim names (`claimed`): a claimed connection's stream stays however it
+    /// ended, for its `accept` to read what it brought.
+    fn sweep(&mut self, claimed: &std::collections::HashSet<u64>, now: Instant) {
+        self.since_sweep = 0;
+        self.map.retain(|token, (a, filed)| match a {
+            Attach::Ready(s, _) if now.duration_since(*filed) >= SWEEP_AGE && !claimed.contains(token) => {
+                let r = s.readiness();
+                !(r.error || r.eof)
+            }
+            _ => true,
+        });
     }
 
     fn is_vacant(&self, token: &u64) -> bool {
@@ -131,7 +157,7 @@ const FD_PER_CONNECTION: i32 = 16;
 /// (one descriptor) rather than set up clan's (about six), which would fill the numbers
 /// the program counts on and bring its `EMFILE` at a fraction of the connections the kernel
 /// allows.
-fn fd_room(fd: BorrowedFd<'_>) -> bool {
+pub(crate) fn fd_room(fd: BorrowedFd<'_>) -> bool {
     let floor = clan_shm::fdfloor::get();
     if floor == 0 {
         return true;
@@ -230,8 +256,21 @@ impl Runtime {
         if m.is_vacant(&token) {
             m.insert(token, Attach::Ready(s, q));
         }
+        let sweep = m.since_sweep >= SWEEP_EVERY;
         drop(m);
         self.cv.notify_all();
+        if sweep {
+            self.sweep();
+        }
+    }
+
+    /// Drop the filed streams their clients closed, unclaimed (`Filed::sweep`).
+    fn sweep(&self) {
+        // (the claims first, their locks let go: `accept` takes them before this one)
+        let regs: Vec<Arc<Registered>> = lock(listeners()).values().cloned().collect();
+        let claimed: std::collections::HashSet<u64> =
+            regs.iter().flat_map(|r| lock(&r.pending).values().map(|c| c.token).collect::<Vec<_>>()).collect();
+        lock(&self.attached).sweep(&claimed, Instant::now());
     }
 }
 
@@ -267,7 +306,8 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
                     r.attach(u64::from_le_bytes(token), stream, queue);
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
+            // (quiet for a while: a look for streams whose clients closed them)
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => r.sweep(),
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
         // (Streams wait for their connection's `accept` as long as its claim does; past as
@@ -278,7 +318,7 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
 /// A registered listening socket.
 #[derive(Debug)]
 pub(crate) struct Registered {
-    /// Claims not yet accepted, by the claimant's socket inode ([`MAX_CLAIMS`]).
+    /// Claims not yet accepted, by the claimant's socket's cookie ([`MAX_CLAIMS`]).
     pending: Mutex<HashMap<u64, Claim>>,
     closed: AtomicBool,
 }
@@ -289,6 +329,9 @@ pub(crate) struct Registered {
 struct Claim {
     token: u64,
     uid: u32,
+    /// The claimant's socket's inode (for a kernel without `NETLINK_SOCK_DIAG`, whose
+    /// tables give only that).
+    inode: u64,
 }
 
 static LISTENERS: OnceLock<Mutex<HashMap<c_int, Arc<Registered>>>> = OnceLock::new();
@@ -426,8 +469,17 @@ pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
         return None;
     }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
-    let inode = crate::procnet::inode_of(peer_of(fd)?, local)?;
-    pending.get(&inode).map(|c| c.token)
+    let key = claim_key(&pending, crate::procnet::peer_socket(peer_of(fd)?, local)?)?;
+    pending.get(&key).map(|c| c.token)
+}
+
+/// The key of the claim of the socket found at the other end of a connection: its cookie,
+/// or (the kernel's tables gave only its inode) the claim with that inode.
+fn claim_key(pending: &HashMap<u64, Claim>, found: crate::procnet::Found) -> Option<u64> {
+    match found {
+        crate::procnet::Found::Cookie(c) => Some(c),
+        crate::procnet::Found::Inode(i) => pending.iter().find(|(_, c)| c.inode == i).map(|(k, _)| *k),
+    }
 }
 
 /// In the parent: a child accepted the claimed connection `token`: hand its clan stream over
@@ -528,7 +580,7 @@ fn raw(s: &SeqPacket) -> c_int {
 /// A claim: `CLAIM` and the client's token.
 const CLAIM_LEN: usize = 13;
 
-/// Answer one claim: verify the socket passed is what it says (its inode, its owner), record
+/// Answer one claim: verify the socket passed is what it says (its identity, its owner), record
 /// it. A claim refused for our own reasons declines its token: the stream the client may
 /// have sent already is dropped. (One refused because the claimant does not own the socket
 /// declines nothing: a process that lies about its socket could otherwise fill the list of
@@ -547,6 +599,9 @@ fn claim(
         (b"NO".to_vec(), None)
     };
     let Ok(st) = rustix::fs::fstat(sock) else { return no(false) };
+    // (the socket's cookie: what `accept` finds it by, even once its client closed it, when
+    // the kernel's tables no longer give its inode)
+    let Ok(cookie) = rustix::net::sockopt::socket_cookie(sock) else { return no(false) };
     // The claimant must own the socket it passed: same user.
     match from.peer_cred() {
         Ok(c) if c.uid == st.st_uid => {}
@@ -561,7 +616,8 @@ fn claim(
         drop(p);
         return no(true);
     }
-    p.insert(st.st_ino, Claim { token, uid: st.st_uid });
+    #[allow(clippy::unnecessary_cast)]
+    p.insert(cookie, Claim { token, uid: st.st_uid, inode: st.st_ino as u64 });
     let mut reply = b"OK".to_vec();
     reply.extend_from_slice(rt.addr.to_string().as_bytes());
     (reply, Some(token))
@@ -613,14 +669,14 @@ pub(crate) fn claim_before_connect(fd: c_int, dest: SocketAddr) -> Option<Claime
 /// A token for a claim: random, so that nobody can bring it in a stream of their own
 /// before ours (the server also takes only the first stream with a token, and only from
 /// the claimant's user).
-fn random_token() -> u64 {
+pub(crate) fn random_token() -> u64 {
     let mut b = [0u8; 8];
     let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
     u64::from_le_bytes(b)
 }
 
 /// Our clan stream to the runtime at `server`, the token in its hand-shake.
-fn connect_stream(rt: &Runtime, server: EndpointAddr, token: u64) -> Option<(Stream, EventQueue)> {
+pub(crate) fn connect_stream(rt: &Runtime, server: EndpointAddr, token: u64) -> Option<(Stream, EventQueue)> {
     let q = rt.queue().ok()?;
     let s = Stream::connect_to_with_data(&rt.nic, server, &StreamConfig::default(), &q, &token.to_le_bytes()).ok()?;
     Some((s, q))
@@ -669,7 +725,9 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
     }
     loop {
         let (chan, known) = channel(dest)?;
-        let token = random_token();
+        // A stream connected ahead to that server (`spares.rs`): the claim names its token.
+        let spare = known.and_then(|server| crate::spares::take(rt, server));
+        let token = spare.as_ref().map_or_else(random_token, |s| s.token);
         let mut msg = [0u8; CLAIM_LEN];
         msg[..5].copy_from_slice(b"CLAIM");
         msg[5..].copy_from_slice(&token.to_le_bytes());
@@ -681,7 +739,13 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
             }
             return Err("the listener's registry did not take the claim");
         }
-        let early = known.map(|server| (server, connect_stream(rt, server, token)));
+        let early = match spare {
+            Some(s) => {
+                crate::say(format_args!("connection to {dest}: its clan stream was made ahead"));
+                Some((s.server, Some(s.stream)))
+            }
+            None => known.map(|server| (server, connect_stream(rt, server, token))),
+        };
         let server = match read_answer(&chan) {
             Ok(server) => server,
             // (a stream connected early is dropped here; the server drops its side)
@@ -697,7 +761,13 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
             _ => connect_stream(rt, server, token),
         };
         return match stream {
-            Some(stream) => Ok(Claimed { token, dest, chan, server, stream }),
+            Some(stream) => {
+                if known.is_some() {
+                    // A repeat: the next connection's stream is made meanwhile.
+                    crate::spares::want(rt, server);
+                }
+                Ok(Claimed { token, dest, chan, server, stream })
+            }
             None => {
                 withdraw(dest, chan, server, token);
                 Err("the clan stream failed")
@@ -789,13 +859,17 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let peer = peer_of(fd)?;
-    let inode = crate::procnet::inode_of(peer, local)?;
-    let claim = lock(&reg.pending).remove(&inode)?;
+    let key = claim_key(&lock(&reg.pending), crate::procnet::peer_socket(peer, local)?)?;
+    // (the claim stays pending until its stream is taken: a stream a claim names is never
+    // swept, `Filed::sweep`)
+    let (token, uid) = lock(&reg.pending).get(&key).map(|c| (c.token, c.uid))?;
     let rt = runtime()?;
-    let (s, q) = rt.wait_attached(claim.token)?;
+    let attached = rt.wait_attached(token);
+    lock(&reg.pending).remove(&key);
+    let (s, q) = attached?;
     // Only the claimant's user may carry the connection (a stream from anyone else that
     // brought the token is dropped, and the connection is the kernel's).
-    if !matches!(s.peer_identity(), clan::PeerIdentity::Process { uid, .. } if uid == claim.uid) {
+    if !matches!(s.peer_identity(), clan::PeerIdentity::Process { uid: u, .. } if u == uid) {
         crate::say(format_args!("a claimed connection's stream came from another user: the kernel's"));
         return None;
     }
