@@ -321,6 +321,11 @@ pub(crate) struct Registered {
     /// Claims not yet accepted, by the claimant's socket's cookie ([`MAX_CLAIMS`]).
     pending: Mutex<HashMap<u64, Claim>>,
     closed: AtomicBool,
+    /// The claim channels of clients, with the tokens each may still withdraw: served by the
+    /// listener's thread, and by an `accept` that finds no claim for its connection (a claim
+    /// on a kept channel is answered after its client's kernel `connect`, which may reach
+    /// the `accept` first: the claim is in its channel by then, sent before the `connect`).
+    channels: Mutex<Vec<(SeqPacket, Vec<u64>)>>,
 }
 
 /// A claim the registry took: the token its stream will bring, and the claimant's user (the
@@ -373,7 +378,11 @@ pub(crate) fn on_listen(fd: c_int) {
             return;
         }
     };
-    let reg = Arc::new(Registered { pending: Mutex::new(HashMap::new()), closed: AtomicBool::new(false) });
+    let reg = Arc::new(Registered {
+        pending: Mutex::new(HashMap::new()),
+        closed: AtomicBool::new(false),
+        channels: Mutex::new(Vec::new()),
+    });
     lock(listeners()).insert(fd, reg.clone());
     let rt = rt.clone();
     let _ = real::with_signals_blocked(|| {
@@ -443,7 +452,11 @@ pub(crate) fn resume_claims() {
         };
         // The claims made before the stop stay (a connection in the accept queue may be one).
         let pending = std::mem::take(&mut *lock(&old.pending));
-        let reg = Arc::new(Registered { pending: Mutex::new(pending), closed: AtomicBool::new(false) });
+        let reg = Arc::new(Registered {
+            pending: Mutex::new(pending),
+            closed: AtomicBool::new(false),
+            channels: Mutex::new(Vec::new()),
+        });
         lock(m).insert(fd, reg.clone());
         let rt = rt.clone();
         let _ = real::with_signals_blocked(|| {
@@ -473,11 +486,11 @@ pub(crate) fn claimed_token(lfd: c_int, fd: c_int) -> Option<u64> {
     pending.get(&key).map(|c| c.token)
 }
 
-/// The key of the claim of the socket found at the other end of a connection: its cookie,
-/// or (the kernel's tables gave only its inode) the claim with that inode.
+/// The key of the claim of the socket found at the other end of a connection, if it has
+/// one: its cookie, or (the kernel's tables gave only its inode) the claim with that inode.
 fn claim_key(pending: &HashMap<u64, Claim>, found: crate::procnet::Found) -> Option<u64> {
     match found {
-        crate::procnet::Found::Cookie(c) => Some(c),
+        crate::procnet::Found::Cookie(c) => pending.contains_key(&c).then_some(c),
         crate::procnet::Found::Inode(i) => pending.iter().find(|(_, c)| c.inode == i).map(|(k, _)| *k),
     }
 }
@@ -525,51 +538,69 @@ const TOKENS_PER_CHANNEL: usize = 4096;
 fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
     let _ = sock.set_timeouts(Duration::from_millis(200));
     let _ = sock.set_nonblocking(true);
-    let mut conns: Vec<(SeqPacket, Vec<u64>)> = Vec::new();
-    let mut buf = [0u8; 256];
     while !reg.closed.load(Ordering::Acquire) {
         while let Ok(Some(c)) = sock.accept() {
             let _ = c.set_nonblocking(true);
-            conns.push((c, Vec::new()));
+            lock(&reg.channels).push((c, Vec::new()));
         }
-        let mut busy = false;
-        conns.retain_mut(|(c, tokens)| match c.recv(&mut buf) {
-            Ok(m) if m.len == 0 => false,
-            Ok(m) => {
-                busy = true;
-                let msg = &buf[..m.len];
-                if msg.len() == CLAIM_LEN && msg.starts_with(b"CLAIM") && m.fds.len() == 1 && !m.truncated {
-                    let token = u64::from_le_bytes(msg[5..CLAIM_LEN].try_into().unwrap_or_default());
-                    let reply = claim(&rt, &reg, &m.fds[0], c, token);
-                    if let Some(t) = reply.1 {
-                        // (a client keeps its channel for its next claims: the tokens it
-                        // may still withdraw are its last ones)
-                        if tokens.len() >= TOKENS_PER_CHANNEL {
-                            tokens.drain(..TOKENS_PER_CHANNEL / 2);
-                        }
-                        tokens.push(t);
-                    }
-                    let _ = c.send(&reply.0, &[]);
-                } else if msg.starts_with(b"DECLINE") && msg.len() == 15 {
-                    let t = u64::from_le_bytes(msg[7..15].try_into().unwrap_or_default());
-                    if tokens.contains(&t) {
-                        lock(&reg.pending).retain(|_, c| c.token != t);
-                        rt.decline(t);
-                    }
-                }
-                true
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => true,
-            Err(_) => false,
-        });
-        if !busy {
+        if !serve_channels(&rt, &reg) {
             // No claim in flight: look again soon (a claim costs its client one round trip
-            // to this thread; a sleeping thread answers within this pause).
+            // to this thread; a sleeping thread answers within this pause). (A channel an
+            // `accept` closes meanwhile only wakes this poll.)
             let mut fds = vec![libc::pollfd { fd: raw(&sock), events: libc::POLLIN, revents: 0 }];
-            fds.extend(conns.iter().map(|(c, _)| libc::pollfd { fd: raw(c), events: libc::POLLIN, revents: 0 }));
+            fds.extend(lock(&reg.channels).iter().map(|(c, _)| libc::pollfd {
+                fd: raw(c),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
             let _ = real::poll_fds(&mut fds, 200);
         }
     }
+    // (the channels close: their clients claim no more here)
+    lock(&reg.channels).clear();
+}
+
+/// Take every message the claim channels hold (never waiting): answer the claims, take the
+/// withdrawals, drop the channels their clients closed. Whether any message came.
+fn serve_channels(rt: &Runtime, reg: &Registered) -> bool {
+    let mut buf = [0u8; 256];
+    let mut busy = false;
+    // (one message a channel a pass: a client that floods its channel holds up no other)
+    lock(&reg.channels).retain_mut(|(c, tokens)| {
+        loop {
+            match c.recv(&mut buf) {
+                Ok(m) if m.len == 0 => break false,
+                Ok(m) => {
+                    busy = true;
+                    let msg = &buf[..m.len];
+                    if msg.len() == CLAIM_LEN && msg.starts_with(b"CLAIM") && m.fds.len() == 1 && !m.truncated {
+                        let token = u64::from_le_bytes(msg[5..CLAIM_LEN].try_into().unwrap_or_default());
+                        let reply = claim(rt, reg, &m.fds[0], c, token);
+                        if let Some(t) = reply.1 {
+                            // (a client keeps its channel for its next claims: the tokens it
+                            // may still withdraw are its last ones)
+                            if tokens.len() >= TOKENS_PER_CHANNEL {
+                                tokens.drain(..TOKENS_PER_CHANNEL / 2);
+                            }
+                            tokens.push(t);
+                        }
+                        let _ = c.send(&reply.0, &[]);
+                    } else if msg.starts_with(b"DECLINE") && msg.len() == 15 {
+                        let t = u64::from_le_bytes(msg[7..15].try_into().unwrap_or_default());
+                        if tokens.contains(&t) {
+                            lock(&reg.pending).retain(|_, c| c.token != t);
+                            rt.decline(t);
+                        }
+                    }
+                    break true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break true,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break false,
+            }
+        }
+    });
+    busy
 }
 
 fn raw(s: &SeqPacket) -> c_int {
@@ -647,6 +678,8 @@ pub(crate) struct Claimed {
     chan: SeqPacket,
     server: EndpointAddr,
     stream: (Stream, EventQueue),
+    /// The claim's answer was read (false: it is still in the channel, read by `attach`).
+    answered: bool,
 }
 
 /// Before the kernel `connect` of `fd` to `dest`: claim the connection if a clan-run
@@ -711,9 +744,10 @@ fn read_answer(chan: &SeqPacket) -> Result<EndpointAddr, NotTaken> {
 /// Claim the connection of `fd` to `dest`, and connect its stream.
 ///
 /// On a channel kept from an earlier claim, the server's address is known: the stream is
-/// connected right after the claim is sent, while the server's registry looks at it (its
-/// answer is read after), so a claim costs no round trip of its own. On a new channel the
-/// answer comes first, with the address.
+/// connected right after the claim is sent (or was made ahead, `spares.rs`), and the answer
+/// is read after the kernel's `connect` ([`Claimed::attach`]; the server's `accept`, if it
+/// comes first, takes the claim from the channel itself), so a claim costs no round trip of
+/// its own. On a new channel the answer comes first, with the address.
 fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
     tcp_local(fd).ok_or("not a TCP socket")?;
     if !is_local(dest.ip()) {
@@ -746,6 +780,16 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
             }
             None => known.map(|server| (server, connect_stream(rt, server, token))),
         };
+        // On a kept channel, the answer is read after the kernel's `connect` (`attach`): the
+        // server's `accept` takes the claim from the channel itself if it comes first.
+        let early = match (known, early) {
+            (Some(server), Some((_, Some(stream)))) => {
+                // A repeat: the next connection's stream is made meanwhile.
+                crate::spares::want(rt, server);
+                return Ok(Claimed { token, dest, chan, server, stream, answered: false });
+            }
+            (_, early) => early,
+        };
         let server = match read_answer(&chan) {
             Ok(server) => server,
             // (a stream connected early is dropped here; the server drops its side)
@@ -766,7 +810,7 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
                     // A repeat: the next connection's stream is made meanwhile.
                     crate::spares::want(rt, server);
                 }
-                Ok(Claimed { token, dest, chan, server, stream })
+                Ok(Claimed { token, dest, chan, server, stream, answered: true })
             }
             None => {
                 withdraw(dest, chan, server, token);
@@ -833,7 +877,22 @@ impl Claimed {
     /// The kernel connection is up: the connection goes over the clan stream. None: the
     /// claim is withdrawn and the connection stays with the kernel.
     pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
-        let Claimed { token, dest: claimed, chan, server, stream: (s, q) } = self;
+        let Claimed { token, dest: claimed, chan, server, stream: (s, q), answered } = self;
+        if !answered {
+            match read_answer(&chan) {
+                Ok(a) if a == server => {}
+                // (another runtime answered: not the one our stream went to)
+                Ok(_) => {
+                    withdraw(claimed, chan, server, token);
+                    return None;
+                }
+                Err(NotTaken::Declined) => {
+                    keep_channel(claimed, chan, Some(server));
+                    return None;
+                }
+                Err(NotTaken::Broken(_)) => return None,
+            }
+        }
         let r = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
         if r.is_none() {
             withdraw(claimed, chan, server, token);
@@ -844,8 +903,15 @@ impl Claimed {
     }
 
     /// The connection will not be accelerated (its kernel `connect` failed): tell the
-    /// server now, which drops the stream.
+    /// server now, which drops the stream (the claim's answer read first, if it was not).
     pub(crate) fn withdraw(self) {
+        if !self.answered {
+            match read_answer(&self.chan) {
+                Ok(_) => {}
+                Err(NotTaken::Declined) => return keep_channel(self.dest, self.chan, Some(self.server)),
+                Err(NotTaken::Broken(_)) => return,
+            }
+        }
         withdraw(self.dest, self.chan, self.server, self.token);
     }
 }
@@ -854,16 +920,35 @@ impl Claimed {
 /// claimed. None: a plain connection.
 pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     let reg = lock(listeners()).get(&lfd).cloned()?;
-    if lock(&reg.pending).is_empty() {
+    // (claims come on channels: none, nothing to look for; a plain client costs nothing.
+    // One lock at a time: the listener's thread takes `pending` under `channels`.)
+    let no_claims = lock(&reg.pending).is_empty();
+    if no_claims && lock(&reg.channels).is_empty() {
         return None;
     }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let peer = peer_of(fd)?;
-    let key = claim_key(&lock(&reg.pending), crate::procnet::peer_socket(peer, local)?)?;
+    let found = crate::procnet::peer_socket(peer, local)?;
+    let mut key = claim_key(&lock(&reg.pending), found);
+    // Not (yet) taken by the listener's thread: a claim on a kept channel is answered after
+    // its client's kernel `connect`, and that `connect` may come here first. The claim was
+    // sent before it: it is in its channel, taken now.
+    let rt = runtime()?;
+    // (the listener's thread may be taking it: its pass holds the channels, so the claim is
+    // in `pending` when this one gets them; looked for after every pass)
+    let mut passes = 0;
+    while key.is_none() && !reg.closed.load(Ordering::Acquire) && passes < 16 {
+        let more = serve_channels(rt, &reg);
+        key = claim_key(&lock(&reg.pending), found);
+        passes += 1;
+        if !more {
+            break;
+        }
+    }
+    let key = key?;
     // (the claim stays pending until its stream is taken: a stream a claim names is never
     // swept, `Filed::sweep`)
     let (token, uid) = lock(&reg.pending).get(&key).map(|c| (c.token, c.uid))?;
-    let rt = runtime()?;
     let attached = rt.wait_attached(token);
     lock(&reg.pending).remove(&key);
     let (s, q) = attached?;
