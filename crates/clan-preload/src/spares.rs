@@ -126,8 +126,13 @@ fn make(rt: Weak<Runtime>) {
                 if let Some(s) = st.wanted.pop() {
                     break s;
                 }
-                let wait = st.ready.iter().map(|s| (s.made + TTL).saturating_duration_since(now)).min().unwrap_or(TTL);
-                st = CV.wait_timeout(st, wait.max(Duration::from_millis(10))).unwrap_or_else(|e| e.into_inner()).0;
+                // (nothing kept: asleep until wanted; else until the first kept expires)
+                st = match st.ready.iter().map(|s| (s.made + TTL).saturating_duration_since(now)).min() {
+                    None => CV.wait(st).unwrap_or_else(|e| e.into_inner()),
+                    Some(wait) => {
+                        CV.wait_timeout(st, wait.max(Duration::from_millis(10))).unwrap_or_else(|e| e.into_inner()).0
+                    }
+                };
             }
         };
         let Some(r) = rt.upgrade() else {
