@@ -234,6 +234,51 @@ fn child() {
                 s.write_all(&b).unwrap();
             }
         }
+        "reuseport_server" => {
+            // Two listeners sharing a port (`SO_REUSEPORT`), each accepting on its own thread:
+            // echo five bytes on each connection, `n` in all.
+            use rustix::net::{AddressFamily, SocketType, bind, socket, sockopt};
+            let n: usize = args[0].parse().unwrap();
+            let make = |port: u16| {
+                let s = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+                sockopt::set_socket_reuseport(&s, true).unwrap();
+                bind(&s, &std::net::SocketAddr::from(([127, 0, 0, 1], port))).unwrap();
+                // (through the C library, as a program's `listen` goes: interposed)
+                // SAFETY: a socket of ours, bound.
+                assert_eq!(unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&s), 128) }, 0);
+                TcpListener::from(s)
+            };
+            let a = make(0);
+            let port = a.local_addr().unwrap().port();
+            let b = make(port);
+            println!("port {port}");
+            let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let threads: Vec<_> = [a, b]
+                .into_iter()
+                .map(|l| {
+                    let served = served.clone();
+                    l.set_nonblocking(true).unwrap();
+                    std::thread::spawn(move || {
+                        while served.load(std::sync::atomic::Ordering::SeqCst) < n {
+                            match l.accept() {
+                                Ok((mut s, _)) => {
+                                    s.set_nonblocking(false).unwrap();
+                                    let mut b = [0u8; 5];
+                                    s.read_exact(&mut b).unwrap();
+                                    s.write_all(&b).unwrap();
+                                    served.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                                }
+                                Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            println!("served {n}");
+        }
         "late_reader" => {
             // Accept one connection 1.5 s after listening, and read it to its end.
             let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
@@ -1287,6 +1332,25 @@ fn a_claim_channel_kept_for_a_server_that_went_is_replaced() {
         (5, 3, 2),
         "client: {cerr}\nfirst server: {ferr}\nsecond server: {serr}"
     );
+}
+
+/// A server whose listeners share their port (`SO_REUSEPORT`, two of them): the kernel
+/// hands each connection to either, so none is claimed (a claim made with one listener's
+/// registry and accepted on the other would go over clan on the client's side only). Every
+/// connection goes over the kernel, and every byte arrives.
+#[test]
+fn listeners_that_share_their_port_leave_their_connections_to_the_kernel() {
+    let mut server = Proc::spawn("reuseport_server", &["20"], true);
+    let port = server.expect("port");
+    let go = std::env::temp_dir().join(format!("clan-run-reuseport-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let mut client = Proc::spawn("connect_n", &[&port, "20", "99", go.to_str().unwrap()], true);
+    client.expect("connected 20");
+    let cerr = client.finish(Duration::from_secs(60));
+    server.expect("served 20");
+    let serr = server.finish(Duration::from_secs(60));
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (0, 0), "client: {cerr}\nserver: {serr}");
+    assert!(serr.contains("SO_REUSEPORT"), "{serr}");
 }
 
 /// A client that writes and closes long before the server accepts: its stream, ended, waits

@@ -370,6 +370,16 @@ pub(crate) fn on_listen(fd: c_int) {
     if lock(listeners()).contains_key(&fd) {
         return;
     }
+    // A listener that shares its port (`SO_REUSEPORT`) may not be the one the kernel hands a
+    // connection to: a claim made here would be accepted elsewhere (another listener, another
+    // process), where it is a plain connection, while its client sends over clan. Its
+    // connections stay with the kernel.
+    if real::with_fd(fd, |b| rustix::net::sockopt::socket_reuseport(b).unwrap_or(true)) {
+        crate::say(format_args!(
+            "listener {local} not registered (it shares its port, SO_REUSEPORT): its connections stay with the kernel"
+        ));
+        return;
+    }
     let Some(rt) = runtime() else { return };
     let sock = match SeqPacket::listen_abstract(&name(local)) {
         Ok(s) => s,
