@@ -321,6 +321,77 @@ fn child() {
             }
             println!("done");
         }
+        "connect_while_stopped" => {
+            // One connection to the port (the server is then known), then, once the file
+            // `go` exists (the server stopped meanwhile), two more: `a` non-blocking, waited
+            // for in epoll; `b` blocking. Each echoes five bytes once the server runs again.
+            let (port, go) = (args[0].parse::<u16>().unwrap(), &args[1]);
+            let echo = |s: &mut TcpStream, what: &[u8; 5]| {
+                s.write_all(what).unwrap();
+                let mut r = [0u8; 5];
+                s.read_exact(&mut r).unwrap();
+                assert_eq!(&r, what);
+            };
+            // (a few, apart: the next one's stream is made ahead meanwhile, `spares.rs`)
+            for _ in 0..3 {
+                echo(&mut TcpStream::connect(("127.0.0.1", port)).unwrap(), b"first");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            println!("first ok");
+            while !std::path::Path::new(go).exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            // (through the C library, as a program's `connect` goes: interposed)
+            // SAFETY: a socket of our own; the address and its length are a `sockaddr_in`'s.
+            let a = unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0);
+                assert!(fd >= 0);
+                let sin = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: port.to_be(),
+                    sin_addr: libc::in_addr { s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be() },
+                    sin_zero: [0; 8],
+                };
+                let r = libc::connect(
+                    fd,
+                    (&sin as *const libc::sockaddr_in).cast(),
+                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                );
+                let e = std::io::Error::last_os_error();
+                assert!(r == 0 || e.raw_os_error() == Some(libc::EINPROGRESS), "{e}");
+                <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd)
+            };
+            println!("connected a");
+            // Nothing goes before the server's answer: while it is stopped, the connection is
+            // not writable. (Its stream made ahead, `connect` returned at once; else it waited
+            // for the server to make one.)
+            let early = (&a).write(b"sentA");
+            match &early {
+                Ok(n) => assert_eq!(*n, 5),
+                Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}"),
+            }
+            eprintln!("a: {}", if early.is_ok() { "written at once" } else { "waits for the answer" });
+            let mut b = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            println!("connected b");
+            let mut poll = mio::Poll::new().unwrap();
+            let mut a = mio::net::TcpStream::from_std(a);
+            poll.registry().register(&mut a, mio::Token(1), mio::Interest::WRITABLE).unwrap();
+            let mut events = mio::Events::with_capacity(4);
+            while events.is_empty() {
+                poll.poll(&mut events, None).unwrap();
+            }
+            let mut a = TcpStream::from(std::os::fd::OwnedFd::from(a));
+            a.set_nonblocking(false).unwrap();
+            if early.is_err() {
+                a.write_all(b"sentA").unwrap();
+            }
+            let mut r = [0u8; 5];
+            a.read_exact(&mut r).unwrap();
+            assert_eq!(&r, b"sentA");
+            println!("a ok");
+            echo(&mut b, b"sentB");
+            println!("b ok");
+        }
         "connect_n" => {
             // Connections to the port, one after the other, each echoing five bytes; before
             // the `from`-th, wait for the file `go` to exist.
@@ -1402,6 +1473,37 @@ fn a_client_that_connects_again_and_again_has_its_streams_made_ahead() {
     // (a few for the queues the server keeps for new connections, whose number moves: a
     // spare kept for good would cost four or five a batch)
     assert!(after[batches - 1] <= after[0] + 8, "the server's descriptors after each batch: {after:?}");
+}
+
+/// A client connecting to a server that is stopped (`SIGSTOP`: a debugger, a pause) neither
+/// blocks in `connect` nor gives up: its claim's answer comes when the server runs again, and
+/// until then the connection awaits it (not writable; a blocking write waits). (It used to wait
+/// in `connect` for the answer, 5 s at most, then go to the kernel, while the server, once
+/// running again, took the claim and the clan stream: the two ends disagreed, and the
+/// connection's bytes were never read.)
+#[test]
+fn a_connection_to_a_stopped_server_waits_for_it_and_keeps_its_bytes() {
+    let go = std::env::temp_dir().join(format!("clan-run-stopped-{}", std::process::id()));
+    let mut server = Proc::spawn("serve_until_killed", &[], true);
+    let port = server.expect("port");
+    let spid = server.child.id() as i32;
+    let mut client = Proc::spawn("connect_while_stopped", &[&port, go.to_str().unwrap()], true);
+    client.expect("first ok");
+    // SAFETY: a signal to our own child.
+    assert_eq!(unsafe { libc::kill(spid, libc::SIGSTOP) }, 0);
+    std::fs::write(&go, b"").unwrap();
+    // (longer than the client's channel ever waited for an answer)
+    std::thread::sleep(Duration::from_secs(6));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(spid, libc::SIGCONT) }, 0);
+    client.expect("connected a");
+    client.expect("connected b");
+    client.expect("a ok");
+    client.expect("b ok");
+    let cerr = client.finish(Duration::from_secs(60));
+    let _ = std::fs::remove_file(&go);
+    assert_eq!(over_clan(&cerr), 5, "{cerr}");
+    assert!(!cerr.contains("left to the kernel") && went_over(&cerr) == 0, "{cerr}");
 }
 
 /// A client whose descriptor limit is 1024 (2048 hard) holds 400 connections at once, as it

@@ -45,6 +45,13 @@ pub(crate) struct Conn {
     prefix_len: AtomicUsize,
     /// Serialises going over.
     switching: Mutex<()>,
+    /// The claim of a connection this process made, while its answer has not come
+    /// ([`Conn::await_claim`]): until then no byte goes either way.
+    claim: Mutex<Option<crate::registry::Unanswered>>,
+    /// `claim` holds one (set once before the connection is shared; cleared with Release once
+    /// the answer was read, after `kernel` if it went to the kernel: pairs with the Acquire
+    /// in `awaiting` / `over`).
+    awaiting: AtomicBool,
 }
 
 impl Drop for Conn {
@@ -154,13 +161,78 @@ impl Conn {
             prefix: Mutex::new(VecDeque::new()),
             prefix_len: AtomicUsize::new(0),
             switching: Mutex::new(()),
+            claim: Mutex::new(None),
+            awaiting: AtomicBool::new(false),
         })
+    }
+
+    /// The connection waits for its claim's answer `u` before its first byte (called before
+    /// it is shared).
+    pub fn await_claim(&self, u: crate::registry::Unanswered) {
+        *lock(&self.claim) = Some(u);
+        self.awaiting.store(true, Ordering::Release);
+    }
+
+    /// Whether the claim's answer has not come yet (not looked for: [`Conn::settle_claim`]).
+    pub fn awaiting(&self) -> bool {
+        // SYNC POINT: pairs with the Release stores in `await_claim` / `settle_claim`.
+        self.awaiting.load(Ordering::Acquire)
+    }
+
+    /// The descriptor the claim's answer comes on, while it has not come.
+    pub fn claim_fd(&self) -> Option<c_int> {
+        if !self.awaiting() {
+            return None;
+        }
+        lock(&self.claim).as_ref().and_then(|u| u.channel_fd())
+    }
+
+    /// Read the claim's answer if it came (never blocks): the connection is then over clan,
+    /// or the kernel's. True if it has come (now or before). Whoever waits on the connection
+    /// is woken.
+    pub fn settle_claim(&self) -> bool {
+        if !self.awaiting() {
+            return true;
+        }
+        // (a child after `fork` never reads the parent's channels: it asks the parent to hand
+        // the connection over, `fork.rs`)
+        if crate::table::forked() {
+            return false;
+        }
+        let mut g = lock(&self.claim);
+        let Some(answer) = g.as_mut().and_then(|u| u.try_answer()) else {
+            return g.is_none();
+        };
+        *g = None;
+        match answer {
+            crate::registry::Answer::Taken => {
+                crate::say(format_args!("a connection's claim was taken"));
+                // (the waiters' wake-up; `went_over` posts one itself)
+                let _ = self.queue.post_user(0);
+            }
+            crate::registry::Answer::Refused(why) => {
+                // (nothing was sent or read over the stream: the kernel's socket as it is)
+                let _g = lock(&self.switching);
+                self.went_over(why);
+            }
+        }
+        // SYNC POINT: Release, pairs with the Acquire in `awaiting` (after `kernel`'s store).
+        self.awaiting.store(false, Ordering::Release);
+        true
     }
 
     /// Whether the kernel's socket `fd` carries the bytes now. If the peer has handed the
     /// stream over, take it over first (one load of our own memory when it has not).
     pub fn over(&self, fd: c_int) -> bool {
         // SYNC POINT: pairs with the Release in `went_over`.
+        if self.kernel.load(Ordering::Acquire) {
+            return true;
+        }
+        // (while the claim's answer has not come: neither, the callers wait, `awaiting`)
+        if self.awaiting() && !self.settle_claim() {
+            return false;
+        }
+        // SYNC POINT: pairs with the Release in `went_over` (a refused claim).
         if self.kernel.load(Ordering::Acquire) {
             return true;
         }
@@ -285,6 +357,9 @@ impl Conn {
     /// whole story now (the caller waits on it as on any other, [`crate::ready::retire`]).
     pub fn state(&self, fd: c_int) -> Option<Readiness> {
         if !self.over(fd) {
+            if self.awaiting() {
+                return Some(Readiness::default());
+            }
             return Some(self.stream.readiness());
         }
         if self.prefix_len.load(Ordering::Acquire) == 0 {
@@ -322,7 +397,12 @@ impl Conn {
     /// socket's `SO_RCVTIMEO` / `SO_SNDTIMEO` (set on the kernel socket `fd`) passed.
     fn block(&self, fd: c_int, read: bool, since: Instant) -> Result<(), c_int> {
         // Going over to the kernel counts as ready: the caller looks again.
+        // (so does the claim's answer: the caller looks again, and finds the stream or the
+        // kernel's socket)
         let ready = |r: Readiness| {
+            if self.awaiting() {
+                return self.settle_claim();
+            }
             (if read { r.readable } else { r.writable })
                 || self.kernel.load(Ordering::Relaxed)
                 || self.stream.peer_left()
@@ -358,7 +438,13 @@ impl Conn {
                 }
             };
             use std::os::fd::AsRawFd;
-            let mut p = [libc::pollfd { fd: self.queue.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            let mut p = [
+                libc::pollfd { fd: self.queue.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                // (the claim's answer: woken by it directly, not through `answers.rs`'s thread.
+                // A number closed meanwhile only wakes this early: whoever read the answer
+                // posts to the queue.)
+                libc::pollfd { fd: self.claim_fd().unwrap_or(-1), events: libc::POLLIN, revents: 0 },
+            ];
             match crate::real::poll_fds(&mut p, ms) {
                 Ok(_) => {
                     self.drain();
@@ -388,6 +474,13 @@ impl Conn {
                     crate::ready::retire(self);
                 }
                 return r;
+            }
+            if self.awaiting() {
+                if nb {
+                    return Err(libc::EAGAIN);
+                }
+                self.block(fd, true, since)?;
+                continue;
             }
             let r = if f.peek { self.stream.peek(&mut buf[done..]) } else { (&self.stream).read(&mut buf[done..]) };
             match r {
@@ -429,6 +522,13 @@ impl Conn {
                 }
                 return r;
             }
+            if self.awaiting() {
+                if nb {
+                    return Err(libc::EAGAIN);
+                }
+                self.block(fd, false, since)?;
+                continue;
+            }
             match (&self.stream).write(&buf[done..]) {
                 Ok(n) => {
                     done += n;
@@ -460,6 +560,11 @@ impl Conn {
     }
 
     pub fn shutdown(&self, fd: c_int, how: c_int) -> Result<(), c_int> {
+        // (the end-of-stream mark goes where the bytes go: known once the claim's answer
+        // came, waited for here, as a blocking write would)
+        while !self.over(fd) && self.awaiting() {
+            self.block(fd, false, Instant::now())?;
+        }
         if self.over(fd) {
             return crate::real::shutdown_fd(fd, how);
         }
@@ -484,6 +589,9 @@ impl Conn {
     pub fn available(&self, fd: c_int) -> usize {
         if self.over(fd) {
             return self.prefix_len.load(Ordering::Acquire) + crate::real::fionread(fd);
+        }
+        if self.awaiting() {
+            return 0;
         }
         self.stream.available().unwrap_or(0) as usize
     }

@@ -41,6 +41,7 @@ pub(crate) fn say(what: std::fmt::Arguments<'_>) {
     }
 }
 
+mod answers;
 mod conn;
 mod fork;
 mod hooks;

@@ -199,6 +199,13 @@ fn poll_round(
         }
         let mut sleep = kern.clone();
         sleep.extend(accel.iter().map(|(_, c)| pollfd { fd: queue_fd(c), events: libc::POLLIN, revents: 0 }));
+        // (and the channels of claims not answered yet: `Conn::block` says why a number
+        // closed meanwhile is harmless)
+        sleep.extend(accel.iter().filter_map(|(_, c)| c.claim_fd()).map(|fd| pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }));
         let slept = real::poll_masked(&mut sleep, ms_left(end), mask);
         for (_, c) in &accel {
             c.drain();

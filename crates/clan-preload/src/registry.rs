@@ -326,6 +326,20 @@ pub(crate) struct Registered {
     /// on a kept channel is answered after its client's kernel `connect`, which may reach
     /// the `accept` first: the claim is in its channel by then, sent before the `connect`).
     channels: Mutex<Vec<(SeqPacket, Vec<u64>)>>,
+    /// The registered name's socket, whose connections are the channels (None once the
+    /// listener's thread ended: the name is free again). An `accept` that finds no claim
+    /// takes new channels from it too: a client that knew the server's address sent its claim
+    /// on a new channel before its `connect`, without waiting for an answer.
+    listener: Mutex<Option<SeqPacket>>,
+}
+
+impl Registered {
+    /// Whether a channel waits to be taken in (never blocks).
+    fn new_channels(&self) -> bool {
+        let Some(fd) = lock(&self.listener).as_ref().map(raw) else { return false };
+        let mut p = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
+        real::poll_fds(&mut p, 0).is_ok_and(|n| n > 0)
+    }
 }
 
 /// A claim the registry took: the token its stream will bring, and the claimant's user (the
@@ -392,11 +406,12 @@ pub(crate) fn on_listen(fd: c_int) {
         pending: Mutex::new(HashMap::new()),
         closed: AtomicBool::new(false),
         channels: Mutex::new(Vec::new()),
+        listener: Mutex::new(Some(sock)),
     });
     lock(listeners()).insert(fd, reg.clone());
     let rt = rt.clone();
     let _ = real::with_signals_blocked(|| {
-        std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg, sock))
+        std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg))
     });
     crate::say(format_args!("listener {local} registered: connections from clan-run clients will be claimed"));
 }
@@ -466,11 +481,12 @@ pub(crate) fn resume_claims() {
             pending: Mutex::new(pending),
             closed: AtomicBool::new(false),
             channels: Mutex::new(Vec::new()),
+            listener: Mutex::new(Some(sock)),
         });
         lock(m).insert(fd, reg.clone());
         let rt = rt.clone();
         let _ = real::with_signals_blocked(|| {
-            std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg, sock))
+            std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg))
         });
         crate::say(format_args!("listener {local}: claims resumed (the children of the fork are gone)"));
     }
@@ -545,19 +561,21 @@ const TOKENS_PER_CHANNEL: usize = 4096;
 /// (SCM_RIGHTS) → `OK` + our clan address, or `NO` (and a stream that brings the token is
 /// dropped); `DECLINE` + token → the claim is dropped. A client keeps its channel for its
 /// next claims.
-fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
-    let _ = sock.set_timeouts(Duration::from_millis(200));
-    let _ = sock.set_nonblocking(true);
+fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>) {
+    if let Some(sock) = lock(&reg.listener).as_ref() {
+        let _ = sock.set_timeouts(Duration::from_millis(200));
+        let _ = sock.set_nonblocking(true);
+    }
     while !reg.closed.load(Ordering::Acquire) {
-        while let Ok(Some(c)) = sock.accept() {
-            let _ = c.set_nonblocking(true);
-            lock(&reg.channels).push((c, Vec::new()));
-        }
         if !serve_channels(&rt, &reg) {
             // No claim in flight: look again soon (a claim costs its client one round trip
             // to this thread; a sleeping thread answers within this pause). (A channel an
             // `accept` closes meanwhile only wakes this poll.)
-            let mut fds = vec![libc::pollfd { fd: raw(&sock), events: libc::POLLIN, revents: 0 }];
+            let mut fds: Vec<libc::pollfd> = lock(&reg.listener)
+                .as_ref()
+                .map(|l| libc::pollfd { fd: raw(l), events: libc::POLLIN, revents: 0 })
+                .into_iter()
+                .collect();
             fds.extend(lock(&reg.channels).iter().map(|(c, _)| libc::pollfd {
                 fd: raw(c),
                 events: libc::POLLIN,
@@ -566,8 +584,9 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
             let _ = real::poll_fds(&mut fds, 200);
         }
     }
-    // (the channels close: their clients claim no more here)
+    // (the channels close: their clients claim no more here; and the name is let go)
     lock(&reg.channels).clear();
+    *lock(&reg.listener) = None;
 }
 
 /// Take every message the claim channels hold (never waiting): answer the claims, take the
@@ -575,8 +594,16 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>, sock: SeqPacket) {
 fn serve_channels(rt: &Runtime, reg: &Registered) -> bool {
     let mut buf = [0u8; 256];
     let mut busy = false;
+    let mut channels = lock(&reg.channels);
+    // (new channels first: a claim may wait in one, `Registered::listener`)
+    if let Some(l) = lock(&reg.listener).as_ref() {
+        while let Ok(Some(c)) = l.accept() {
+            let _ = c.set_nonblocking(true);
+            channels.push((c, Vec::new()));
+        }
+    }
     // (one message a channel a pass: a client that floods its channel holds up no other)
-    lock(&reg.channels).retain_mut(|(c, tokens)| {
+    channels.retain_mut(|(c, tokens)| {
         loop {
             match c.recv(&mut buf) {
                 Ok(m) if m.len == 0 => break false,
@@ -738,8 +765,12 @@ enum NotTaken {
 fn read_answer(chan: &SeqPacket) -> Result<EndpointAddr, NotTaken> {
     let mut buf = [0u8; 256];
     let m = chan.recv(&mut buf).map_err(|_| NotTaken::Broken("the listener's registry did not answer"))?;
-    let r = &buf[..m.len];
-    if m.len == 0 {
+    parse_answer(&buf[..m.len])
+}
+
+/// A claim's answer as received (empty: the channel's end).
+fn parse_answer(r: &[u8]) -> Result<EndpointAddr, NotTaken> {
+    if r.is_empty() {
         return Err(NotTaken::Broken("the listener's registry closed"));
     }
     if r == b"NO" {
@@ -753,11 +784,12 @@ fn read_answer(chan: &SeqPacket) -> Result<EndpointAddr, NotTaken> {
 
 /// Claim the connection of `fd` to `dest`, and connect its stream.
 ///
-/// On a channel kept from an earlier claim, the server's address is known: the stream is
+/// When the server's address is known (an earlier claim's answer gave it), the stream is
 /// connected right after the claim is sent (or was made ahead, `spares.rs`), and the answer
-/// is read after the kernel's `connect` ([`Claimed::attach`]; the server's `accept`, if it
-/// comes first, takes the claim from the channel itself), so a claim costs no round trip of
-/// its own. On a new channel the answer comes first, with the address.
+/// is read after the kernel's `connect`, when it is in ([`Claimed::attach`]; else the
+/// connection awaits it, [`Unanswered`]; the server's `accept`, if it comes first, takes the
+/// claim from the channel itself), so a claim costs no round trip of its own. Else the
+/// answer comes first, with the address.
 fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
     tcp_local(fd).ok_or("not a TCP socket")?;
     if !is_local(dest.ip()) {
@@ -767,61 +799,78 @@ fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static st
     if !real::with_fd(fd, fd_room) {
         return Err("few descriptors left for clan (a connection holds about six)");
     }
+    // (once a stream to the server known could not be made: that address is asked anew)
+    let mut ask = false;
     loop {
-        let (chan, known) = channel(dest)?;
-        // A stream connected ahead to that server (`spares.rs`): the claim names its token.
-        let spare = known.and_then(|server| crate::spares::take(rt, server));
-        let token = spare.as_ref().map_or_else(random_token, |s| s.token);
-        let mut msg = [0u8; CLAIM_LEN];
-        msg[..5].copy_from_slice(b"CLAIM");
-        msg[5..].copy_from_slice(&token.to_le_bytes());
-        if real::with_fd(fd, |b| chan.send(&msg, &[b])).is_err() {
-            // A kept channel whose listener went away (closed, or its process restarted):
-            // a new one, to whoever listens there now.
-            if known.is_some() {
+        let (chan, known, kept) = channel(dest)?;
+        let known = known.filter(|_| !ask);
+        let claim = |token: u64| {
+            let mut msg = [0u8; CLAIM_LEN];
+            msg[..5].copy_from_slice(b"CLAIM");
+            msg[5..].copy_from_slice(&token.to_le_bytes());
+            real::with_fd(fd, |b| chan.send(&msg, &[b])).is_ok()
+        };
+        if let Some(server) = known {
+            // The server known: its stream first (made ahead, `spares.rs`, or now), then the
+            // claim, whose answer is read after the kernel's `connect`, then or later
+            // (`attach`, `Unanswered`; the server's `accept` takes the claim from the channel
+            // itself if it comes first). A claim is never sent for a stream that could not
+            // be made: giving up on one whose stream the server may take would let the two
+            // ends disagree.
+            let (token, stream) = match crate::spares::take(rt, server) {
+                Some(s) => {
+                    crate::say(format_args!("connection to {dest}: its clan stream was made ahead"));
+                    (s.token, s.stream)
+                }
+                None => {
+                    let token = random_token();
+                    match connect_stream(rt, server, token) {
+                        Some(s) => (token, s),
+                        None => {
+                            // (that server gone, or not answering: the address asked again)
+                            ask = true;
+                            continue;
+                        }
+                    }
+                }
+            };
+            if !claim(token) {
+                // A kept channel whose listener went away (closed, or its process
+                // restarted): a new one, to whoever listens there now.
+                if kept {
+                    continue;
+                }
+                return Err("the listener's registry did not take the claim");
+            }
+            // A repeat: the next connection's stream is made meanwhile.
+            crate::spares::want(rt, server);
+            return Ok(Claimed { token, dest, chan, server, stream, answered: false });
+        }
+        // The server not known: the claim, its answer (the address), then the stream. (No
+        // stream exists before the answer: a claim not answered in time is withdrawn, and the
+        // server, whenever it gets to it, finds it so, and its `accept` waits for nothing.)
+        let token = random_token();
+        if !claim(token) {
+            if kept {
                 continue;
             }
             return Err("the listener's registry did not take the claim");
         }
-        let early = match spare {
-            Some(s) => {
-                crate::say(format_args!("connection to {dest}: its clan stream was made ahead"));
-                Some((s.server, Some(s.stream)))
-            }
-            None => known.map(|server| (server, connect_stream(rt, server, token))),
-        };
-        // On a kept channel, the answer is read after the kernel's `connect` (`attach`): the
-        // server's `accept` takes the claim from the channel itself if it comes first.
-        let early = match (known, early) {
-            (Some(server), Some((_, Some(stream)))) => {
-                // A repeat: the next connection's stream is made meanwhile.
-                crate::spares::want(rt, server);
-                return Ok(Claimed { token, dest, chan, server, stream, answered: false });
-            }
-            (_, early) => early,
-        };
         let server = match read_answer(&chan) {
             Ok(server) => server,
-            // (a stream connected early is dropped here; the server drops its side)
             Err(NotTaken::Declined) => {
-                keep_channel(dest, chan, known);
                 return Err("the listener declined (it has forked, is full, or is short of descriptors)");
             }
-            Err(NotTaken::Broken(_)) if known.is_some() => continue,
-            Err(NotTaken::Broken(why)) => return Err(why),
-        };
-        let stream = match early {
-            Some((s, stream)) if s == server => stream,
-            _ => connect_stream(rt, server, token),
-        };
-        return match stream {
-            Some(stream) => {
-                if known.is_some() {
-                    // A repeat: the next connection's stream is made meanwhile.
-                    crate::spares::want(rt, server);
+            Err(NotTaken::Broken(why)) => {
+                withdraw_unread(chan, token);
+                if kept {
+                    continue;
                 }
-                Ok(Claimed { token, dest, chan, server, stream, answered: true })
+                return Err(why);
             }
+        };
+        return match connect_stream(rt, server, token) {
+            Some(stream) => Ok(Claimed { token, dest, chan, server, stream, answered: true }),
             None => {
                 withdraw(dest, chan, server, token);
                 Err("the clan stream failed")
@@ -838,16 +887,37 @@ type KeptChannel = (SocketAddr, SeqPacket, EndpointAddr);
 static CHANNELS: Mutex<Vec<KeptChannel>> = Mutex::new(Vec::new());
 /// Claim channels kept at most (by all the addresses together).
 const CHANNELS_KEPT: usize = 16;
+/// The server that last answered for each address ([`KNOWN_KEPT`] addresses at most): a new
+/// channel to it need not wait for an answer before the stream either (its kept channels may
+/// all be in use by claims not answered yet, `Unanswered`). Wrong once another process
+/// listens there: that claim's answer names another server, and its connection is the
+/// kernel's.
+static KNOWN: Mutex<Vec<(SocketAddr, EndpointAddr)>> = Mutex::new(Vec::new());
+const KNOWN_KEPT: usize = 64;
 
-/// A claim channel to the registry of whoever listens at `dest`: one kept (with the server's
-/// address), or a new one.
-fn channel(dest: SocketAddr) -> Result<(SeqPacket, Option<EndpointAddr>), &'static str> {
+fn known(dest: SocketAddr) -> Option<EndpointAddr> {
+    lock(&KNOWN).iter().rev().find(|(d, _)| *d == dest).map(|(_, s)| *s)
+}
+
+fn learn(dest: SocketAddr, server: EndpointAddr) {
+    let mut k = lock(&KNOWN);
+    if let Some(i) = k.iter().position(|(d, _)| *d == dest) {
+        k.remove(i);
+    } else if k.len() >= KNOWN_KEPT {
+        k.remove(0);
+    }
+    k.push((dest, server));
+}
+
+/// A claim channel to the registry of whoever listens at `dest`: one kept (true), or a new
+/// one; with the server's address when known.
+fn channel(dest: SocketAddr) -> Result<(SeqPacket, Option<EndpointAddr>, bool), &'static str> {
     let kept = {
         let mut v = lock(&CHANNELS);
         v.iter().rposition(|(d, _, _)| *d == dest).map(|i| v.swap_remove(i))
     };
     if let Some((_, c, server)) = kept {
-        return Ok((c, Some(server)));
+        return Ok((c, Some(server), true));
     }
     let unspecified = match dest {
         SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), dest.port()),
@@ -859,13 +929,14 @@ fn channel(dest: SocketAddr) -> Result<(SeqPacket, Option<EndpointAddr>), &'stat
         .find_map(|a| SeqPacket::connect_abstract(&name(a)).ok())
         .ok_or("no process under clan run listens there")?;
     let _ = chan.set_timeouts(Duration::from_secs(5));
-    Ok((chan, None))
+    Ok((chan, known(dest), false))
 }
 
-/// A claim channel whose last exchange went as it should: kept for the next claim to `dest`
-/// (with the server's address, once an answer gave it).
+/// A claim channel whose last exchange went as it should (its answers all read): kept for
+/// the next claim to `dest` (with the server's address, once an answer gave it).
 fn keep_channel(dest: SocketAddr, chan: SeqPacket, server: Option<EndpointAddr>) {
     let Some(server) = server else { return };
+    learn(dest, server);
     let mut v = lock(&CHANNELS);
     if v.len() >= CHANNELS_KEPT {
         v.remove(0);
@@ -873,56 +944,133 @@ fn keep_channel(dest: SocketAddr, chan: SeqPacket, server: Option<EndpointAddr>)
     v.push((dest, chan, server));
 }
 
+fn decline_message(token: u64) -> Vec<u8> {
+    let mut m = b"DECLINE".to_vec();
+    m.extend_from_slice(&token.to_le_bytes());
+    m
+}
+
 /// The connection will not be accelerated: tell the server now (its `accept` need not wait
 /// for a stream, and drops the one that came).
 fn withdraw(dest: SocketAddr, chan: SeqPacket, server: EndpointAddr, token: u64) {
-    let mut m = b"DECLINE".to_vec();
-    m.extend_from_slice(&token.to_le_bytes());
-    if chan.send(&m, &[]).is_ok() {
+    if chan.send(&decline_message(token), &[]).is_ok() {
         keep_channel(dest, chan, Some(server));
     }
 }
 
+/// A claim whose answer was not read yet: withdrawn without waiting for it (the server
+/// takes the claim, then the withdrawal, in that order). The answer stays in the channel,
+/// which is not kept.
+fn withdraw_unread(chan: SeqPacket, token: u64) {
+    let _ = chan.send(&decline_message(token), &[]);
+}
+
+/// A claim made on `connect` whose answer is read later (`conn.rs`: the connection waits for
+/// it before its first byte, [`Conn::awaiting`]): by the program's next call on the
+/// connection, or by the thread that watches such claims (`answers.rs`). No deadline: giving
+/// up on the answer would let the two ends disagree on where the bytes go (the server files
+/// the claim when it gets to it, and takes the stream), so the connection waits for the
+/// server as a kernel one would wait for its reads.
+#[derive(Debug)]
+pub(crate) struct Unanswered {
+    token: u64,
+    dest: SocketAddr,
+    server: EndpointAddr,
+    /// (None once the answer was read)
+    chan: Option<SeqPacket>,
+}
+
+/// What the server said to an [`Unanswered`] claim.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// The connection goes over clan.
+    Taken,
+    /// The connection is the kernel's (why).
+    Refused(&'static str),
+}
+
+impl Unanswered {
+    fn new(token: u64, dest: SocketAddr, server: EndpointAddr, chan: SeqPacket) -> Unanswered {
+        let _ = chan.set_nonblocking(true);
+        Unanswered { token, dest, server, chan: Some(chan) }
+    }
+
+    /// The channel's descriptor (to sleep on until the answer comes).
+    pub(crate) fn channel_fd(&self) -> Option<c_int> {
+        self.chan.as_ref().map(raw)
+    }
+
+    /// The answer, if it came (never blocks; once given, None after).
+    pub(crate) fn try_answer(&mut self) -> Option<Answer> {
+        let mut buf = [0u8; 256];
+        let got = match self.chan.as_ref()?.recv(&mut buf) {
+            Ok(m) => parse_answer(&buf[..m.len]),
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => return None,
+            Err(_) => Err(NotTaken::Broken("the listener's registry did not answer")),
+        };
+        let chan = self.chan.take()?;
+        let _ = chan.set_nonblocking(false);
+        Some(match got {
+            Ok(a) if a == self.server => {
+                keep_channel(self.dest, chan, Some(self.server));
+                Answer::Taken
+            }
+            // (another runtime answered: not the one our stream went to)
+            Ok(_) => {
+                withdraw(self.dest, chan, self.server, self.token);
+                Answer::Refused("another process answered the claim")
+            }
+            Err(NotTaken::Declined) => {
+                keep_channel(self.dest, chan, Some(self.server));
+                Answer::Refused("the listener declined (it has forked, is full, or is short of descriptors)")
+            }
+            Err(NotTaken::Broken(why)) => Answer::Refused(why),
+        })
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        // (its channel is kept if the answer is in; else it goes, with the answer to come)
+        let _ = self.try_answer();
+    }
+}
+
 impl Claimed {
-    /// The kernel connection is up: the connection goes over the clan stream. None: the
-    /// claim is withdrawn and the connection stays with the kernel.
+    /// The kernel connection is up: the connection goes over the clan stream (awaiting its
+    /// claim's answer if that is not in yet). None: the claim is withdrawn and the connection
+    /// stays with the kernel.
     pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
         let Claimed { token, dest: claimed, chan, server, stream: (s, q), answered } = self;
-        if !answered {
-            match read_answer(&chan) {
-                Ok(a) if a == server => {}
-                // (another runtime answered: not the one our stream went to)
-                Ok(_) => {
-                    withdraw(claimed, chan, server, token);
-                    return None;
-                }
-                Err(NotTaken::Declined) => {
-                    keep_channel(claimed, chan, Some(server));
-                    return None;
-                }
-                Err(NotTaken::Broken(_)) => return None,
+        let c = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
+        match (c, answered) {
+            (None, true) => {
+                withdraw(claimed, chan, server, token);
+                None
+            }
+            (None, false) => {
+                withdraw_unread(chan, token);
+                None
+            }
+            (Some(c), true) => {
+                keep_channel(claimed, chan, Some(server));
+                Some(c)
+            }
+            (Some(c), false) => {
+                c.await_claim(Unanswered::new(token, claimed, server, chan));
+                Some(c)
             }
         }
-        let r = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
-        if r.is_none() {
-            withdraw(claimed, chan, server, token);
-        } else {
-            keep_channel(claimed, chan, Some(server));
-        }
-        r
     }
 
     /// The connection will not be accelerated (its kernel `connect` failed): tell the
-    /// server now, which drops the stream (the claim's answer read first, if it was not).
+    /// server now, which drops the stream.
     pub(crate) fn withdraw(self) {
-        if !self.answered {
-            match read_answer(&self.chan) {
-                Ok(_) => {}
-                Err(NotTaken::Declined) => return keep_channel(self.dest, self.chan, Some(self.server)),
-                Err(NotTaken::Broken(_)) => return,
-            }
+        if self.answered {
+            withdraw(self.dest, self.chan, self.server, self.token);
+        } else {
+            withdraw_unread(self.chan, self.token);
         }
-        withdraw(self.dest, self.chan, self.server, self.token);
     }
 }
 
@@ -933,7 +1081,7 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     // (claims come on channels: none, nothing to look for; a plain client costs nothing.
     // One lock at a time: the listener's thread takes `pending` under `channels`.)
     let no_claims = lock(&reg.pending).is_empty();
-    if no_claims && lock(&reg.channels).is_empty() {
+    if no_claims && lock(&reg.channels).is_empty() && !reg.new_channels() {
         return None;
     }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
