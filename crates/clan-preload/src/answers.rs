@@ -6,7 +6,10 @@
 //! (`Conn::block`), and so does a `poll` (`ready.rs`); but a program that waits in `epoll`
 //! sleeps on its set, where the channel is not. This thread sleeps on every such channel and,
 //! when an answer comes, reads it ([`Conn::settle_claim`]), which wakes the connection's
-//! waiters through its queue (whose descriptor is in their sets).
+//! waiters through its queue (whose descriptor is in their sets). A connection is watched
+//! only once an epoll wait is about to sleep with it awaiting (`ready.rs`): most answers
+//! are read by the program's next call, and waking this thread for each connection cost a
+//! context switch per connection.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -39,7 +42,13 @@ pub(crate) fn watch(c: &Arc<Conn>) {
         Some(ev)
     });
     let Some(wake) = wake else { return };
-    lock().push(Arc::downgrade(c));
+    {
+        let mut w = lock();
+        if w.iter().any(|x| std::ptr::eq(x.as_ptr(), Arc::as_ptr(c))) {
+            return;
+        }
+        w.push(Arc::downgrade(c));
+    }
     let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
 }
 
@@ -70,7 +79,7 @@ fn run(wake: OwnedFd) {
         if ready {
             let waiting: Vec<Arc<Conn>> = lock().iter().filter_map(Weak::upgrade).collect();
             for c in waiting {
-                c.settle_claim();
+                c.settle_claim(true);
             }
         }
     }

@@ -188,9 +188,11 @@ impl Conn {
     }
 
     /// Read the claim's answer if it came (never blocks): the connection is then over clan,
-    /// or the kernel's. True if it has come (now or before). Whoever waits on the connection
-    /// is woken.
-    pub fn settle_claim(&self) -> bool {
+    /// or the kernel's. True if it has come (now or before). With `wake`, whoever waits on
+    /// the connection's queue is woken (`answers.rs`: an epoll set's waiter; the program's
+    /// own calls need none, and a wake-up nobody waits for costs the next wait a spin of its
+    /// own).
+    pub fn settle_claim(&self, wake: bool) -> bool {
         if !self.awaiting() {
             return true;
         }
@@ -207,8 +209,10 @@ impl Conn {
         match answer {
             crate::registry::Answer::Taken => {
                 crate::say(format_args!("a connection's claim was taken"));
-                // (the waiters' wake-up; `went_over` posts one itself)
-                let _ = self.queue.post_user(0);
+                // (`went_over` posts one itself)
+                if wake {
+                    let _ = self.queue.post_user(0);
+                }
             }
             crate::registry::Answer::Refused(why) => {
                 // (nothing was sent or read over the stream: the kernel's socket as it is)
@@ -229,7 +233,7 @@ impl Conn {
             return true;
         }
         // (while the claim's answer has not come: neither, the callers wait, `awaiting`)
-        if self.awaiting() && !self.settle_claim() {
+        if self.awaiting() && !self.settle_claim(false) {
             return false;
         }
         // SYNC POINT: pairs with the Release in `went_over` (a refused claim).
@@ -397,12 +401,7 @@ impl Conn {
     /// socket's `SO_RCVTIMEO` / `SO_SNDTIMEO` (set on the kernel socket `fd`) passed.
     fn block(&self, fd: c_int, read: bool, since: Instant) -> Result<(), c_int> {
         // Going over to the kernel counts as ready: the caller looks again.
-        // (so does the claim's answer: the caller looks again, and finds the stream or the
-        // kernel's socket)
         let ready = |r: Readiness| {
-            if self.awaiting() {
-                return self.settle_claim();
-            }
             (if read { r.readable } else { r.writable })
                 || self.kernel.load(Ordering::Relaxed)
                 || self.stream.peer_left()
@@ -438,13 +437,7 @@ impl Conn {
                 }
             };
             use std::os::fd::AsRawFd;
-            let mut p = [
-                libc::pollfd { fd: self.queue.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-                // (the claim's answer: woken by it directly, not through `answers.rs`'s thread.
-                // A number closed meanwhile only wakes this early: whoever read the answer
-                // posts to the queue.)
-                libc::pollfd { fd: self.claim_fd().unwrap_or(-1), events: libc::POLLIN, revents: 0 },
-            ];
+            let mut p = [libc::pollfd { fd: self.queue.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
             match crate::real::poll_fds(&mut p, ms) {
                 Ok(_) => {
                     self.drain();
@@ -453,6 +446,40 @@ impl Conn {
                 Err(libc::EINTR) if crate::real::any_handler_without_restart() => return Err(libc::EINTR),
                 Err(libc::EINTR) => continue,
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Wait (a blocking call, the caller having just looked) until the claim's answer has
+    /// come: sleeps on its channel, without spinning (it comes from another process's
+    /// sleeping thread, and a spin takes the CPU that thread needs) or arming anything (one
+    /// system call to sleep, one to read it). `EINTR` and `EAGAIN` as [`Conn::block`]'s.
+    fn await_answer(&self, fd: c_int, read: bool, since: Instant) -> Result<(), c_int> {
+        let limit = crate::real::with_fd(fd, |b| {
+            let dir = if read { rustix::net::sockopt::Timeout::Recv } else { rustix::net::sockopt::Timeout::Send };
+            rustix::net::sockopt::socket_timeout(b, dir).ok().flatten()
+        });
+        loop {
+            let Some(chan) = self.claim_fd() else { return Ok(()) };
+            // (10 ms at most: another thread may read the answer first, and the channel then
+            // stays quiet; a number it closed meanwhile only wakes this early)
+            let mut ms = 10;
+            if let Some(l) = limit {
+                let left = l.saturating_sub(since.elapsed());
+                if left.is_zero() {
+                    return Err(libc::EAGAIN);
+                }
+                ms = left.as_millis().clamp(1, 10) as c_int;
+            }
+            let mut p = [libc::pollfd { fd: chan, events: libc::POLLIN, revents: 0 }];
+            match crate::real::poll_fds(&mut p, ms) {
+                Ok(_) => {}
+                Err(libc::EINTR) if crate::real::any_handler_without_restart() => return Err(libc::EINTR),
+                Err(libc::EINTR) => {}
+                Err(e) => return Err(e),
+            }
+            if self.settle_claim(false) {
+                return Ok(());
             }
         }
     }
@@ -479,7 +506,7 @@ impl Conn {
                 if nb {
                     return Err(libc::EAGAIN);
                 }
-                self.block(fd, true, since)?;
+                self.await_answer(fd, true, since)?;
                 continue;
             }
             let r = if f.peek { self.stream.peek(&mut buf[done..]) } else { (&self.stream).read(&mut buf[done..]) };
@@ -526,7 +553,7 @@ impl Conn {
                 if nb {
                     return Err(libc::EAGAIN);
                 }
-                self.block(fd, false, since)?;
+                self.await_answer(fd, false, since)?;
                 continue;
             }
             match (&self.stream).write(&buf[done..]) {
@@ -563,7 +590,7 @@ impl Conn {
         // (the end-of-stream mark goes where the bytes go: known once the claim's answer
         // came, waited for here, as a blocking write would)
         while !self.over(fd) && self.awaiting() {
-            self.block(fd, false, Instant::now())?;
+            self.await_answer(fd, false, Instant::now())?;
         }
         if self.over(fd) {
             return crate::real::shutdown_fd(fd, how);

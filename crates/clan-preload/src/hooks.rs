@@ -135,9 +135,6 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             table::insert(fd, c.clone());
             crate::say(format_args!("connection to {dest} over clan"));
             ready::adopt(fd, &c);
-            if c.awaiting() {
-                crate::answers::watch(&c);
-            }
         }
         None => crate::say(format_args!("connection to {dest} left to the kernel (the clan stream failed)")),
     }

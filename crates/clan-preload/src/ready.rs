@@ -577,6 +577,10 @@ fn collect(epfd: c_int, out: &mut Vec<epoll_event>, max: usize, to_sleep: bool) 
             all_armed = false;
             continue;
         }
+        // (a claim's answer to come: this set does not hold its channel, `answers.rs` does)
+        if conn.awaiting() {
+            crate::answers::watch(&conn);
+        }
         if !conn.queue.arm() {
             conn.drain_quiet();
             all_armed = false;
