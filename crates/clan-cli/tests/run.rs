@@ -235,10 +235,13 @@ fn child() {
             }
         }
         "reuseport_server" => {
-            // Two listeners sharing a port (`SO_REUSEPORT`), each accepting on its own thread:
-            // echo five bytes on each connection, `n` in all.
+            // Two listeners sharing a port (`SO_REUSEPORT`; the port given, or a new one),
+            // each accepting on its own thread: echo five bytes on each connection, `n` in all
+            // (0: until killed).
             use rustix::net::{AddressFamily, SocketType, bind, socket, sockopt};
             let n: usize = args[0].parse().unwrap();
+            let n = if n == 0 { usize::MAX } else { n };
+            let given: u16 = args.get(1).map_or(0, |p| p.parse().unwrap());
             let make = |port: u16| {
                 let s = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
                 sockopt::set_socket_reuseport(&s, true).unwrap();
@@ -248,7 +251,7 @@ fn child() {
                 assert_eq!(unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&s), 128) }, 0);
                 TcpListener::from(s)
             };
-            let a = make(0);
+            let a = make(given);
             let port = a.local_addr().unwrap().port();
             let b = make(port);
             println!("port {port}");
@@ -1406,11 +1409,12 @@ fn a_claim_channel_kept_for_a_server_that_went_is_replaced() {
 }
 
 /// A server whose listeners share their port (`SO_REUSEPORT`, two of them): the kernel
-/// hands each connection to either, so none is claimed (a claim made with one listener's
-/// registry and accepted on the other would go over clan on the client's side only). Every
-/// connection goes over the kernel, and every byte arrives.
+/// hands each connection to either, so they share one registration, and every connection
+/// goes over clan whichever listener accepts it. (Each used to register alone: the second
+/// failed, and a claimed connection handed to it was taken for a plain one while its client
+/// sent over clan, which then waited for good. Then neither was registered.)
 #[test]
-fn listeners_that_share_their_port_leave_their_connections_to_the_kernel() {
+fn listeners_that_share_their_port_in_one_process_share_their_claims() {
     let mut server = Proc::spawn("reuseport_server", &["20"], true);
     let port = server.expect("port");
     let go = std::env::temp_dir().join(format!("clan-run-reuseport-{}", std::process::id()));
@@ -1420,8 +1424,27 @@ fn listeners_that_share_their_port_leave_their_connections_to_the_kernel() {
     let cerr = client.finish(Duration::from_secs(60));
     server.expect("served 20");
     let serr = server.finish(Duration::from_secs(60));
-    assert_eq!((over_clan(&cerr), over_clan(&serr)), (0, 0), "client: {cerr}\nserver: {serr}");
-    assert!(serr.contains("SO_REUSEPORT"), "{serr}");
+    assert_eq!((over_clan(&cerr), over_clan(&serr)), (20, 20), "client: {cerr}\nserver: {serr}");
+    assert!(serr.contains("registered with the others"), "{serr}");
+}
+
+/// A port shared (`SO_REUSEPORT`) by a clan-run server and a process not under clan: the
+/// kernel may hand a connection to either, so the clan-run server takes no claim while the
+/// other listens (it looks at the port's listeners for each), and every connection goes
+/// over the kernel, echoed by whichever got it.
+#[test]
+fn a_port_shared_with_another_process_leaves_its_connections_to_the_kernel() {
+    let mut server = Proc::spawn("reuseport_server", &["0"], true);
+    let port = server.expect("port");
+    let mut other = Proc::spawn("reuseport_server", &["0", &port], false);
+    other.expect("port");
+    let go = std::env::temp_dir().join(format!("clan-run-reuseport2-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let mut client = Proc::spawn("connect_n", &[&port, "20", "99", go.to_str().unwrap()], true);
+    client.expect("connected 20");
+    let cerr = client.finish(Duration::from_secs(60));
+    assert_eq!(over_clan(&cerr), 0, "{cerr}");
+    assert_eq!(cerr.matches("the listener declined").count(), 20, "{cerr}");
 }
 
 /// A client that writes and closes long before the server accepts: its stream, ended, waits

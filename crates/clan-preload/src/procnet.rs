@@ -162,6 +162,72 @@ fn query(nl: &std::os::fd::OwnedFd, local: SocketAddr, remote: SocketAddr) -> Re
     Ok(None)
 }
 
+/// The inodes of every TCP socket listening on `port` in this network namespace (any
+/// address, IPv4 and IPv6): one `NETLINK_SOCK_DIAG` dump of the listening sockets per family.
+/// None if the kernel could not be asked.
+pub(crate) fn listening_inodes(port: u16) -> Option<Vec<u64>> {
+    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketType};
+    const NLM_F_DUMP: u16 = 0x300;
+    const NLMSG_DONE: u16 = 3;
+    const TCP_LISTEN: u32 = 10;
+    // (a socket of its own: a dump answers in many messages, which a lookup must not meet)
+    let nl =
+        rustix::net::socket(AddressFamily::NETLINK, SocketType::DGRAM, Some(rustix::net::netlink::SOCK_DIAG)).ok()?;
+    rustix::net::sockopt::set_socket_timeout(
+        &nl,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(std::time::Duration::from_secs(1)),
+    )
+    .ok()?;
+    let mut inodes = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut req = Vec::with_capacity(72);
+        req.extend_from_slice(&72u32.to_ne_bytes()); // nlmsg_len
+        req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+        req.extend_from_slice(&seq.to_ne_bytes());
+        req.extend_from_slice(&0u32.to_ne_bytes()); // pid
+        req.push(family);
+        req.push(libc::IPPROTO_TCP as u8);
+        req.push(0); // ext
+        req.push(0); // pad
+        req.extend_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+        req.resize(72, 0); // the socket id: unused by a dump
+        rustix::net::send(&nl, &req, SendFlags::empty()).ok()?;
+        'answers: loop {
+            let (n, _) = rustix::net::recv(&nl, &mut buf, RecvFlags::empty()).ok()?;
+            let mut at = 0;
+            while at + 16 <= n {
+                let word = |i: usize| u32::from_ne_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+                let len = word(at) as usize;
+                let kind = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
+                if len < 16 || at + len > n {
+                    return None;
+                }
+                if word(at + 8) == seq {
+                    match kind {
+                        NLMSG_DONE => break 'answers,
+                        NLMSG_ERROR => return None,
+                        SOCK_DIAG_BY_FAMILY if len >= 16 + 72 => {
+                            // (inet_diag_msg: the id's source port at 4, big-endian; the
+                            // inode at 68)
+                            let m = at + 16;
+                            if u16::from_be_bytes([buf[m + 4], buf[m + 5]]) == port {
+                                inodes.push(u64::from(word(m + 68)));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                at += len.div_ceil(4) * 4;
+            }
+        }
+    }
+    Some(inodes)
+}
+
 /// The inode on the line of `text` (a `/proc/net/tcp*` table) for `local` → `remote`.
 pub(crate) fn find(text: &str, local: SocketAddr, remote: SocketAddr) -> Option<u64> {
     for line in text.lines().skip(1) {
@@ -218,6 +284,34 @@ mod tests {
         let a6: SocketAddr = "[::1]:8080".parse().unwrap();
         let b6: SocketAddr = "[::1]:54321".parse().unwrap();
         assert_eq!(find(t6, a6, b6), Some(777));
+    }
+
+    /// The listeners of a port, found by a dump: both of a `SO_REUSEPORT` pair, an IPv6 one
+    /// on another port not, nor a connection on the port.
+    #[test]
+    fn sock_diag_lists_the_listeners_of_a_port() {
+        use rustix::net::{AddressFamily, SocketType, bind, listen, socket, sockopt};
+        use std::os::unix::fs::MetadataExt;
+        let make = |port: u16| {
+            let s = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+            sockopt::set_socket_reuseport(&s, true).unwrap();
+            bind(&s, &SocketAddr::from(([127, 0, 0, 1], port))).unwrap();
+            listen(&s, 16).unwrap();
+            std::net::TcpListener::from(s)
+        };
+        let a = make(0);
+        let port = a.local_addr().unwrap().port();
+        let b = make(port);
+        let other = std::net::TcpListener::bind("[::1]:0").unwrap();
+        let _c = std::net::TcpStream::connect(a.local_addr().unwrap()).unwrap();
+        let ino = |fd: i32| std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino();
+        let mut found = listening_inodes(port).unwrap();
+        found.sort_unstable();
+        let mut want = vec![ino(std::os::fd::AsRawFd::as_raw_fd(&a)), ino(std::os::fd::AsRawFd::as_raw_fd(&b))];
+        want.sort_unstable();
+        assert_eq!(found, want);
+        let o = listening_inodes(other.local_addr().unwrap().port()).unwrap();
+        assert_eq!(o, vec![ino(std::os::fd::AsRawFd::as_raw_fd(&other))]);
     }
 
     #[test]

@@ -331,9 +331,28 @@ pub(crate) struct Registered {
     /// takes new channels from it too: a client that knew the server's address sent its claim
     /// on a new channel before its `connect`, without waiting for an answer.
     listener: Mutex<Option<SeqPacket>>,
+    /// The port its listeners share with others (`SO_REUSEPORT`; several of this process's
+    /// listening sockets may then be registered under this one registration): a claim is
+    /// taken only while every socket listening on the port is one of those
+    /// ([`Registered::ours_alone`]).
+    shared: Option<u16>,
 }
 
 impl Registered {
+    /// Whether the kernel can hand a connection to the port only to a listener registered
+    /// here (`shared`: some other socket, another process's, may have joined the port since;
+    /// a claim accepted there would go over clan on its client's side only).
+    fn ours_alone(&self) -> bool {
+        let Some(port) = self.shared else { return true };
+        let Some(on_port) = crate::procnet::listening_inodes(port) else { return false };
+        let ours: Vec<u64> = lock(listeners())
+            .iter()
+            .filter(|(_, r)| std::ptr::eq(Arc::as_ptr(r), self))
+            .filter_map(|(fd, _)| real::with_fd(*fd, |b| rustix::fs::fstat(b).ok()).map(|st| st.st_ino))
+            .collect();
+        on_port.iter().all(|i| ours.contains(i))
+    }
+
     /// Whether a channel waits to be taken in (never blocks).
     fn new_channels(&self) -> bool {
         let Some(fd) = lock(&self.listener).as_ref().map(raw) else { return false };
@@ -385,14 +404,20 @@ pub(crate) fn on_listen(fd: c_int) {
         return;
     }
     // A listener that shares its port (`SO_REUSEPORT`) may not be the one the kernel hands a
-    // connection to: a claim made here would be accepted elsewhere (another listener, another
-    // process), where it is a plain connection, while its client sends over clan. Its
-    // connections stay with the kernel.
-    if real::with_fd(fd, |b| rustix::net::sockopt::socket_reuseport(b).unwrap_or(true)) {
-        crate::say(format_args!(
-            "listener {local} not registered (it shares its port, SO_REUSEPORT): its connections stay with the kernel"
-        ));
-        return;
+    // connection to: a claim made here would be accepted elsewhere (another process), where
+    // it is a plain connection, while its client sends over clan. The listeners of this
+    // process on that address share one registration, whose claims are taken only while
+    // nobody else listens on the port (`Registered::ours_alone`).
+    let shared = real::with_fd(fd, |b| rustix::net::sockopt::socket_reuseport(b).unwrap_or(true)).then(|| local.port());
+    if shared.is_some() {
+        let mut m = lock(listeners());
+        let same = m.iter().find(|(l, r)| r.shared.is_some() && tcp_local(**l) == Some(local)).map(|(_, r)| r.clone());
+        if let Some(r) = same {
+            m.insert(fd, r);
+            drop(m);
+            crate::say(format_args!("listener {local} registered with the others of this process on its port"));
+            return;
+        }
     }
     let Some(rt) = runtime() else { return };
     let sock = match SeqPacket::listen_abstract(&name(local)) {
@@ -407,6 +432,7 @@ pub(crate) fn on_listen(fd: c_int) {
         closed: AtomicBool::new(false),
         channels: Mutex::new(Vec::new()),
         listener: Mutex::new(Some(sock)),
+        shared,
     });
     lock(listeners()).insert(fd, reg.clone());
     let rt = rt.clone();
@@ -454,7 +480,13 @@ pub(crate) fn resume_claims() {
     let Some(m) = LISTENERS.get() else { return };
     let stopped: Vec<(c_int, Arc<Registered>)> =
         lock(m).iter().filter(|(_, r)| r.closed.load(Ordering::Acquire)).map(|(fd, r)| (*fd, r.clone())).collect();
+    // (listeners that shared a registration share the new one)
+    let mut renewed: Vec<(Arc<Registered>, Arc<Registered>)> = Vec::new();
     for (fd, old) in stopped {
+        if let Some((_, new)) = renewed.iter().find(|(o, _)| Arc::ptr_eq(o, &old)) {
+            lock(m).insert(fd, new.clone());
+            continue;
+        }
         let listening = real::with_fd(fd, |b| rustix::net::sockopt::socket_acceptconn(b).unwrap_or(false));
         let Some(local) = tcp_local(fd).filter(|_| listening) else {
             lock(m).remove(&fd);
@@ -482,8 +514,10 @@ pub(crate) fn resume_claims() {
             closed: AtomicBool::new(false),
             channels: Mutex::new(Vec::new()),
             listener: Mutex::new(Some(sock)),
+            shared: old.shared,
         });
         lock(m).insert(fd, reg.clone());
+        renewed.push((old, reg.clone()));
         let rt = rt.clone();
         let _ = real::with_signals_blocked(|| {
             std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg))
@@ -546,8 +580,12 @@ pub(crate) fn hand_over_claimed(token: u64) {
 /// The listening socket `fd` is being closed.
 pub(crate) fn on_close(fd: c_int) {
     if let Some(m) = LISTENERS.get() {
-        if let Some(r) = lock(m).remove(&fd) {
-            r.closed.store(true, Ordering::Release);
+        let mut m = lock(m);
+        if let Some(r) = m.remove(&fd) {
+            // (the registration stays while another of its listeners is open)
+            if !m.values().any(|o| Arc::ptr_eq(o, &r)) {
+                r.closed.store(true, Ordering::Release);
+            }
         }
     }
 }
@@ -677,6 +715,10 @@ fn claim(
     }
     // (no room for the stream's descriptors: the connection is the kernel's)
     if !fd_room(sock.as_fd()) {
+        return no(true);
+    }
+    // (another process listens on the shared port too: its connections are the kernel's)
+    if !reg.ours_alone() {
         return no(true);
     }
     let mut p = lock(&reg.pending);
