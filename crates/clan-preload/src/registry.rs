@@ -1073,8 +1073,11 @@ impl Unanswered {
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
-        // (its channel is kept if the answer is in; else it goes, with the answer to come)
-        let _ = self.try_answer();
+        // (its channel is kept if the answer is in; else it goes, with the answer to come.
+        // Never in a child after `fork`: the channel is the parent's too, and the answer its)
+        if !crate::table::forked() {
+            let _ = self.try_answer();
+        }
     }
 }
 
