@@ -395,6 +395,35 @@ fn child() {
             echo(&mut b, b"sentB");
             println!("b ok");
         }
+        "await_a_dead_server" => {
+            // Connections to the port (the server is then known, its streams made ahead),
+            // then, once the file `go` exists (the server stopped, and killed after), one
+            // more: its connect, write and read must each end, however.
+            let (port, go) = (args[0].parse::<u16>().unwrap(), &args[1]);
+            for _ in 0..3 {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.write_all(b"first").unwrap();
+                let mut r = [0u8; 5];
+                s.read_exact(&mut r).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            println!("first ok");
+            while !std::path::Path::new(go).exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Err(e) => eprintln!("connect: {e}"),
+                Ok(mut s) => {
+                    println!("connected");
+                    let w = s.write_all(b"lost!");
+                    let mut r = [0u8; 5];
+                    let got = s.read(&mut r);
+                    eprintln!("write: {w:?}, read: {got:?}");
+                    assert!(w.is_err() || got.is_err() || matches!(got, Ok(0)), "{w:?} {got:?}");
+                }
+            }
+            println!("ended");
+        }
         "connect_n" => {
             // Connections to the port, one after the other, each echoing five bytes; before
             // the `from`-th, wait for the file `go` to exist.
@@ -1527,6 +1556,30 @@ fn a_connection_to_a_stopped_server_waits_for_it_and_keeps_its_bytes() {
     let _ = std::fs::remove_file(&go);
     assert_eq!(over_clan(&cerr), 5, "{cerr}");
     assert!(!cerr.contains("left to the kernel") && went_over(&cerr) == 0, "{cerr}");
+}
+
+/// A server that dies (stopped, then killed) while a client's connection awaits its claim's
+/// answer: the client's calls end (the answer's channel closes with the server, and the
+/// connection goes to the kernel's socket, which the server's end reset), never hang.
+#[test]
+fn a_server_that_dies_before_answering_ends_its_clients_calls() {
+    let go = std::env::temp_dir().join(format!("clan-run-dead-{}", std::process::id()));
+    let mut server = Proc::spawn("serve_until_killed", &[], true);
+    let port = server.expect("port");
+    let spid = server.child.id() as i32;
+    let mut client = Proc::spawn("await_a_dead_server", &[&port, go.to_str().unwrap()], true);
+    client.expect("first ok");
+    // SAFETY: a signal to our own child.
+    assert_eq!(unsafe { libc::kill(spid, libc::SIGSTOP) }, 0);
+    std::fs::write(&go, b"").unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(spid, libc::SIGKILL) }, 0);
+    let _ = server.child.wait();
+    client.expect("ended");
+    let cerr = client.finish(Duration::from_secs(60));
+    let _ = std::fs::remove_file(&go);
+    eprintln!("{cerr}");
 }
 
 /// A client whose descriptor limit is 1024 (2048 hard) holds 400 connections at once, as it
