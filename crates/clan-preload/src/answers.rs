@@ -42,13 +42,11 @@ pub(crate) fn watch(c: &Arc<Conn>) {
         Some(ev)
     });
     let Some(wake) = wake else { return };
-    {
-        let mut w = lock();
-        if w.iter().any(|x| std::ptr::eq(x.as_ptr(), Arc::as_ptr(c))) {
-            return;
-        }
-        w.push(Arc::downgrade(c));
+    // (once: an epoll wait asks on each sleep while the answer has not come)
+    if c.watched.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
     }
+    lock().push(Arc::downgrade(c));
     let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
 }
 

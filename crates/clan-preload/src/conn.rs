@@ -52,6 +52,8 @@ pub(crate) struct Conn {
     /// the answer was read, after `kernel` if it went to the kernel: pairs with the Acquire
     /// in `awaiting` / `over`).
     awaiting: AtomicBool,
+    /// Handed to `answers.rs`'s thread (once).
+    pub watched: AtomicBool,
 }
 
 impl Drop for Conn {
@@ -163,6 +165,7 @@ impl Conn {
             switching: Mutex::new(()),
             claim: Mutex::new(None),
             awaiting: AtomicBool::new(false),
+            watched: AtomicBool::new(false),
         })
     }
 
