@@ -18,13 +18,14 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use clan::{EndpointAddr, EventQueue, EventQueueConfig, Nic, NicConfig};
 use clan_proto::stream::{Listener, Stream, StreamConfig};
+use clan_shm::eventfd::EventFd;
 use clan_shm::seqpacket::SeqPacket;
 use libc::c_int;
 
@@ -122,7 +123,18 @@ impl Filed {
     fn is_vacant(&self, token: &u64) -> bool {
         !self.map.contains_key(token)
     }
+
+    /// Whether a stream is filed (something a sweep could drop).
+    fn has_streams(&self) -> bool {
+        self.map.values().any(|(a, _)| matches!(a, Attach::Ready(..)))
+    }
 }
+
+/// How long the runtime's thread waits for a stream before it sweeps, while streams are
+/// filed; with none filed it waits [`IDLE_WAIT`] (a sweep would find nothing): an idle
+/// process's thread sleeps.
+const QUIET: Duration = Duration::from_millis(500);
+const IDLE_WAIT: Duration = Duration::from_secs(60);
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -299,7 +311,8 @@ fn take_streams(rt: Weak<Runtime>, listener: Listener) {
             std::thread::sleep(Duration::from_millis(100));
             continue;
         };
-        match listener.accept_to(q, Duration::from_millis(500)) {
+        let wait = if lock(&r.attached).has_streams() { QUIET } else { IDLE_WAIT };
+        match listener.accept_to(q, wait) {
             Ok((stream, _)) => {
                 let queue = queue.take().expect("a queue");
                 if let Ok(token) = <[u8; 8]>::try_from(stream.peer_data()) {
@@ -336,9 +349,41 @@ pub(crate) struct Registered {
     /// taken only while every socket listening on the port is one of those
     /// ([`Registered::ours_alone`]).
     shared: Option<u16>,
+    /// Wakes the listener's thread, which sleeps on its channels until a message comes: the
+    /// registration closed, or an `accept` changed the channels it sleeps on (None: no
+    /// eventfd could be made; the thread then looks again every [`CLAIMS_NAP`]).
+    kick: Option<EventFd>,
 }
 
+/// How long the listener's thread sleeps at most when it has no eventfd to be woken by.
+const CLAIMS_NAP: c_int = 200;
+
 impl Registered {
+    fn new(pending: HashMap<u64, Claim>, sock: SeqPacket, shared: Option<u16>) -> Registered {
+        Registered {
+            pending: Mutex::new(pending),
+            closed: AtomicBool::new(false),
+            channels: Mutex::new(Vec::new()),
+            listener: Mutex::new(Some(sock)),
+            shared,
+            kick: EventFd::new().ok(),
+        }
+    }
+
+    /// Close the registration: its thread lets the name go and ends. (No allocation and no
+    /// lock: called in the parent at a `fork`.)
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    /// Wake the listener's thread (it looks at its channels again).
+    fn wake(&self) {
+        if let Some(k) = &self.kick {
+            k.signal();
+        }
+    }
+
     /// Whether the kernel can hand a connection to the port only to a listener registered
     /// here (`shared`: some other socket, another process's, may have joined the port since;
     /// a claim accepted there would go over clan on its client's side only).
@@ -413,8 +458,9 @@ pub(crate) fn on_listen(fd: c_int) {
         let mut m = lock(listeners());
         let same = m.iter().find(|(l, r)| r.shared.is_some() && tcp_local(**l) == Some(local)).map(|(_, r)| r.clone());
         if let Some(r) = same {
-            m.insert(fd, r);
+            let old = m.insert(fd, r);
             drop(m);
+            drop(old);
             crate::say(format_args!("listener {local} registered with the others of this process on its port"));
             return;
         }
@@ -427,14 +473,9 @@ pub(crate) fn on_listen(fd: c_int) {
             return;
         }
     };
-    let reg = Arc::new(Registered {
-        pending: Mutex::new(HashMap::new()),
-        closed: AtomicBool::new(false),
-        channels: Mutex::new(Vec::new()),
-        listener: Mutex::new(Some(sock)),
-        shared,
-    });
-    lock(listeners()).insert(fd, reg.clone());
+    let reg = Arc::new(Registered::new(HashMap::new(), sock, shared));
+    let old = lock(listeners()).insert(fd, reg.clone());
+    drop(old);
     let rt = rt.clone();
     let _ = real::with_signals_blocked(|| {
         std::thread::Builder::new().name("clan-run-claims".into()).spawn(move || serve_claims(rt, reg))
@@ -451,7 +492,7 @@ pub(crate) fn stop_claims() {
         // is only ever held briefly, and this runs in the parent, whose threads go on)
         if let Ok(m) = m.try_lock() {
             for r in m.values() {
-                r.closed.store(true, Ordering::Release);
+                r.close();
             }
         }
     }
@@ -471,8 +512,8 @@ pub(crate) fn pin_stop() {
 }
 
 /// The children a `fork` made are all gone (or exec'ed without a listener): the listeners
-/// still open take claims again, each under a new registration (the old one's thread lets go
-/// of the name within its poll period, so binding it is retried for a while).
+/// still open take claims again, each under a new registration (the old one's thread, woken
+/// by the stop, lets go of the name soon after; binding it is retried for a while).
 pub(crate) fn resume_claims() {
     if PINNED.load(Ordering::Acquire) {
         return;
@@ -484,12 +525,14 @@ pub(crate) fn resume_claims() {
     let mut renewed: Vec<(Arc<Registered>, Arc<Registered>)> = Vec::new();
     for (fd, old) in stopped {
         if let Some((_, new)) = renewed.iter().find(|(o, _)| Arc::ptr_eq(o, &old)) {
-            lock(m).insert(fd, new.clone());
+            let replaced = lock(m).insert(fd, new.clone());
+            drop(replaced); // (after the lock: see `on_close`)
             continue;
         }
         let listening = real::with_fd(fd, |b| rustix::net::sockopt::socket_acceptconn(b).unwrap_or(false));
         let Some(local) = tcp_local(fd).filter(|_| listening) else {
-            lock(m).remove(&fd);
+            let gone = lock(m).remove(&fd);
+            drop(gone);
             continue;
         };
         let Some(rt) = runtime() else { return };
@@ -509,14 +552,9 @@ pub(crate) fn resume_claims() {
         };
         // The claims made before the stop stay (a connection in the accept queue may be one).
         let pending = std::mem::take(&mut *lock(&old.pending));
-        let reg = Arc::new(Registered {
-            pending: Mutex::new(pending),
-            closed: AtomicBool::new(false),
-            channels: Mutex::new(Vec::new()),
-            listener: Mutex::new(Some(sock)),
-            shared: old.shared,
-        });
-        lock(m).insert(fd, reg.clone());
+        let reg = Arc::new(Registered::new(pending, sock, old.shared));
+        let replaced = lock(m).insert(fd, reg.clone());
+        drop(replaced);
         renewed.push((old, reg.clone()));
         let rt = rt.clone();
         let _ = real::with_signals_blocked(|| {
@@ -580,13 +618,20 @@ pub(crate) fn hand_over_claimed(token: u64) {
 /// The listening socket `fd` is being closed.
 pub(crate) fn on_close(fd: c_int) {
     if let Some(m) = LISTENERS.get() {
-        let mut m = lock(m);
-        if let Some(r) = m.remove(&fd) {
+        // The registration is let go of after the lock: its last reference drops its
+        // eventfd, whose `close` comes back here.
+        let removed = {
+            let mut m = lock(m);
+            let r = m.remove(&fd);
             // (the registration stays while another of its listeners is open)
-            if !m.values().any(|o| Arc::ptr_eq(o, &r)) {
-                r.closed.store(true, Ordering::Release);
+            if let Some(r) = &r
+                && !m.values().any(|o| Arc::ptr_eq(o, r))
+            {
+                r.close();
             }
-        }
+            r
+        };
+        drop(removed);
     }
 }
 
@@ -605,21 +650,32 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>) {
         let _ = sock.set_nonblocking(true);
     }
     while !reg.closed.load(Ordering::Acquire) {
-        if !serve_channels(&rt, &reg) {
-            // No claim in flight: look again soon (a claim costs its client one round trip
-            // to this thread; a sleeping thread answers within this pause). (A channel an
-            // `accept` closes meanwhile only wakes this poll.)
-            let mut fds: Vec<libc::pollfd> = lock(&reg.listener)
+        if !serve_channels(&rt, &reg, false) {
+            // No claim in flight: sleep until a message, a new channel or a kick comes. The
+            // set is rebuilt after every wake: an `accept` that takes in new channels or
+            // drops closed ones (`on_accept`) kicks, and so does closing the registration.
+            let mut fds: Vec<libc::pollfd> = reg
+                .kick
                 .as_ref()
-                .map(|l| libc::pollfd { fd: raw(l), events: libc::POLLIN, revents: 0 })
+                .map(|k| libc::pollfd { fd: k.as_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 })
                 .into_iter()
                 .collect();
+            fds.extend(lock(&reg.listener).as_ref().map(|l| libc::pollfd {
+                fd: raw(l),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
             fds.extend(lock(&reg.channels).iter().map(|(c, _)| libc::pollfd {
                 fd: raw(c),
                 events: libc::POLLIN,
                 revents: 0,
             }));
-            let _ = real::poll_fds(&mut fds, 200);
+            // (the registration may have closed between the look above and the set: its
+            // kick is in the eventfd then, and the poll returns at once)
+            let _ = real::poll_fds(&mut fds, if reg.kick.is_some() { -1 } else { CLAIMS_NAP });
+            if let Some(k) = &reg.kick {
+                k.drain();
+            }
         }
     }
     // (the channels close: their clients claim no more here; and the name is let go)
@@ -628,16 +684,20 @@ fn serve_claims(rt: Arc<Runtime>, reg: Arc<Registered>) {
 }
 
 /// Take every message the claim channels hold (never waiting): answer the claims, take the
-/// withdrawals, drop the channels their clients closed. Whether any message came.
-fn serve_channels(rt: &Runtime, reg: &Registered) -> bool {
+/// withdrawals, drop the channels their clients closed. Whether any message came. With
+/// `wake`, the listener's thread is woken if the channels changed (it sleeps on their set).
+fn serve_channels(rt: &Runtime, reg: &Registered, wake: bool) -> bool {
     let mut buf = [0u8; 256];
     let mut busy = false;
     let mut channels = lock(&reg.channels);
+    let before = channels.len();
+    let mut added = false;
     // (new channels first: a claim may wait in one, `Registered::listener`)
     if let Some(l) = lock(&reg.listener).as_ref() {
         while let Ok(Some(c)) = l.accept() {
             let _ = c.set_nonblocking(true);
             channels.push((c, Vec::new()));
+            added = true;
         }
     }
     // (one message a channel a pass: a client that floods its channel holds up no other)
@@ -675,6 +735,11 @@ fn serve_channels(rt: &Runtime, reg: &Registered) -> bool {
             }
         }
     });
+    // (a channel dropped here closed a descriptor the thread may be polling)
+    if wake && (added || channels.len() < before) {
+        drop(channels);
+        reg.wake();
+    }
     busy
 }
 
@@ -1141,7 +1206,7 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     // in `pending` when this one gets them; looked for after every pass)
     let mut passes = 0;
     while key.is_none() && !reg.closed.load(Ordering::Acquire) && passes < 16 {
-        let more = serve_channels(rt, &reg);
+        let more = serve_channels(rt, &reg, true);
         key = claim_key(&lock(&reg.pending), found);
         passes += 1;
         if !more {

@@ -39,9 +39,6 @@ pub const MAX_PRIVATE_DATA: usize = 256;
 /// How long [`Endpoint::connect`] waits when given no timeout.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The longest a thread waiting in a hand-shake sleeps before it looks again.
-const HANDSHAKE_SLICE: Duration = Duration::from_millis(100);
-
 /// With manual progress, how long a thread waiting in a hand-shake that found nothing to do
 /// on the links naps before it looks again.
 const HANDSHAKE_NAP: Duration = Duration::from_micros(100);
@@ -176,11 +173,12 @@ fn drive(ep: &EndpointInner, st: &mut Handshakes<EndpointAddr, PeerIdentity>) ->
 }
 
 fn act(ep: &EndpointInner, events: Vec<HsEvent<EndpointAddr>>) {
-    let mut wake = false;
+    // (any event may be what a waiter looks for: a request, an answer, a close that ends a
+    // dial; waiters sleep until told, with no period)
+    let wake = !events.is_empty();
     for e in events {
-        match e {
-            HsEvent::Request | HsEvent::Answered(_) => wake = true,
-            HsEvent::Closed { from, token } => ep.nic.conns.disconnect(&ep.nic, ep.addr.port, token, Some(from)),
+        if let HsEvent::Closed { from, token } = e {
+            ep.nic.conns.disconnect(&ep.nic, ep.addr.port, token, Some(from));
         }
     }
     if wake {
@@ -265,6 +263,11 @@ impl ConnRegistry {
             tracing::debug!(port, token, %peer, "connection ended");
             if let Some(ep) = nic.endpoint(port) {
                 ep.queue.inner.post_local(Word::Disconnect { endpoint: port, token });
+                // A `connect` still waiting for its answer looks at `alive` under the
+                // hand-shakes' lock and sleeps until told: taken here (never held by a
+                // caller of this), so that it either saw the store or is told now.
+                drop(lock(&ep.conns.state));
+                ep.conns.cv.notify_all();
             }
         }
     }
@@ -579,7 +582,10 @@ impl Endpoint {
         } else {
             progress::Drive::Others
         };
-        progress::wait_locked(&conns.state, &conns.cv, deadline, Some(HANDSHAKE_SLICE), drive, check)
+        // Without a period: every change a waiter looks for notifies the condition variable
+        // (an event of the hand-shakes, `act`; a peer gone, `peer_gone`; the endpoint closed,
+        // `EndpointInner::close`), so a thread blocked in `accept` sleeps until then.
+        progress::wait_locked(&conns.state, &conns.cv, deadline, None, drive, check)
     }
 
     /// Accept connection requests from now on (they queue until [`Endpoint::accept`]).

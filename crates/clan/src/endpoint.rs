@@ -154,6 +154,10 @@ impl EndpointInner {
         }
         self.nic.endpoint_closed(self.addr.port);
         self.oob_cv.notify_all();
+        // (a thread waiting in `accept` or `connect` on this endpoint sleeps until told:
+        // wake it to find the endpoint closed)
+        drop(lock(&self.conns.state));
+        self.conns.cv.notify_all();
     }
 }
 
