@@ -44,6 +44,7 @@ pub mod ring;
 pub mod snoop;
 pub mod sync;
 pub mod trip;
+pub mod waiters;
 
 #[cfg(not(loom))]
 pub mod eventfd;

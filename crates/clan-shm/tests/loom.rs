@@ -717,3 +717,34 @@ fn handoff_last_driver_vs_sleeper() {
         h.sleep_end();
     });
 }
+
+/// A changer tells waiters only when `Waiters` counts some (`clan::conn`'s dials and the
+/// connections that end under them): a waiter that looked before the change is told, one
+/// that looks after sees it; never asleep for good.
+#[test]
+fn waiters_no_lost_wakeup() {
+    use clan_shm::waiters::Waiters;
+    use loom::sync::atomic::AtomicBool;
+    use loom::sync::{Condvar, Mutex};
+    model(|| {
+        let s = Arc::new((Mutex::new(()), Condvar::new(), AtomicBool::new(false), Waiters::new()));
+        let s2 = s.clone();
+        let waiter = thread::spawn(move || {
+            let (lock, cv, done, waiters) = &*s2;
+            waiters.enter();
+            let mut g = lock.lock().unwrap();
+            while !done.load(Ordering::Acquire) {
+                g = cv.wait(g).unwrap();
+            }
+            drop(g);
+            waiters.leave();
+        });
+        let (lock, cv, done, waiters) = &*s;
+        done.store(true, Ordering::Release);
+        if waiters.any_after_change() {
+            drop(lock.lock().unwrap());
+            cv.notify_all();
+        }
+        waiter.join().unwrap();
+    });
+}

@@ -126,6 +126,10 @@ pub(crate) struct EndpointConns {
     /// descriptor, begun by whichever thread takes the answer in (`on_message`), before the
     /// dialling thread is woken for it.
     prefetch: Mutex<HashMap<u64, Option<crate::peer::PendingImport>>>,
+    /// Threads waiting in `connect` for their answer: a connection that ends
+    /// ([`Conns::disconnect`]) wakes the waiters only if there are any (most end long after
+    /// their dial, and a wake-up of an accepting thread for each would cost a context switch).
+    dialling: clan_shm::waiters::Waiters,
 }
 
 impl Default for EndpointConns {
@@ -134,6 +138,7 @@ impl Default for EndpointConns {
             state: Mutex::new(Handshakes::new(Limits::default())),
             cv: Condvar::new(),
             prefetch: Mutex::new(HashMap::new()),
+            dialling: clan_shm::waiters::Waiters::new(),
         }
     }
 }
@@ -173,12 +178,13 @@ fn drive(ep: &EndpointInner, st: &mut Handshakes<EndpointAddr, PeerIdentity>) ->
 }
 
 fn act(ep: &EndpointInner, events: Vec<HsEvent<EndpointAddr>>) {
-    // (any event may be what a waiter looks for: a request, an answer, a close that ends a
-    // dial; waiters sleep until told, with no period)
-    let wake = !events.is_empty();
+    // (waiters sleep until told, with no period: a request or an answer wakes them here, a
+    // close that ends a dial in `Conns::disconnect`)
+    let mut wake = false;
     for e in events {
-        if let HsEvent::Closed { from, token } = e {
-            ep.nic.conns.disconnect(&ep.nic, ep.addr.port, token, Some(from));
+        match e {
+            HsEvent::Request | HsEvent::Answered(_) => wake = true,
+            HsEvent::Closed { from, token } => ep.nic.conns.disconnect(&ep.nic, ep.addr.port, token, Some(from)),
         }
     }
     if wake {
@@ -264,10 +270,14 @@ impl ConnRegistry {
             if let Some(ep) = nic.endpoint(port) {
                 ep.queue.inner.post_local(Word::Disconnect { endpoint: port, token });
                 // A `connect` still waiting for its answer looks at `alive` under the
-                // hand-shakes' lock and sleeps until told: taken here (never held by a
-                // caller of this), so that it either saw the store or is told now.
-                drop(lock(&ep.conns.state));
-                ep.conns.cv.notify_all();
+                // hand-shakes' lock and sleeps until told: told if one is counted
+                // (`clan_shm::waiters`: either it sees `alive` false, or it is counted here).
+                // The lock is taken (never held by a caller of this) so that a dial that
+                // looked before the store is asleep when told.
+                if ep.conns.dialling.any_after_change() {
+                    drop(lock(&ep.conns.state));
+                    ep.conns.cv.notify_all();
+                }
             }
         }
     }
@@ -739,6 +749,8 @@ impl Endpoint {
             Gone,
             Closed,
         }
+        // (counted before it looks at `alive`: `Conns::disconnect` tells it then)
+        conns.dialling.enter();
         let outcome = self.await_handshake(Deadline::at(deadline), |st| {
             if let Some(a) = st.take_answer(token) {
                 return Some(Outcome::Answer(a));
@@ -748,6 +760,7 @@ impl Endpoint {
             }
             self.is_closed().then_some(Outcome::Closed)
         });
+        conns.dialling.leave();
         let begun = take_import();
         match outcome {
             Some(Outcome::Answer(Answer::Accepted { from, who, desc })) => match unblob(&desc) {
