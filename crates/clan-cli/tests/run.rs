@@ -1230,7 +1230,7 @@ fn went_over(err: &str) -> usize {
 }
 
 /// The threads `clan run` adds to a server sleep while it waits: no period of theirs wakes
-/// them (they woke 30 times a second: the claims thread every 200 ms to see whether its
+/// them (they woke 15 times a second: the claims thread every 200 ms to see whether its
 /// listener closed, the runtime's accepting thread every 100 ms).
 #[test]
 fn an_idle_servers_threads_sleep() {
