@@ -69,8 +69,10 @@ fn run(wake: OwnedFd) {
             revents: 0,
         }));
         drop(waiting);
-        // (a second at most: a pass also drops the entries of connections gone)
-        let _ = crate::real::poll_fds(&mut fds, 1000);
+        // (a second at most while it watches: a pass also drops the entries of connections
+        // gone; watching none, until one is added, which writes `wake`)
+        let timeout = if fds.len() == 1 { -1 } else { 1000 };
+        let _ = crate::real::poll_fds(&mut fds, timeout);
         let mut b = [0u8; 8];
         let _ = rustix::io::read(&wake, &mut b);
         let ready = fds.iter().skip(1).any(|p| p.revents != 0);
