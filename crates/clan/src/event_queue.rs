@@ -837,7 +837,9 @@ impl EventQueue {
             let seen = words.wake.load(Ordering::Acquire);
             // The ports are armed by the sleep itself (as the leader).
             if i.arm_own(ARM_FUTEX) {
-                i.sleep(&words.wake, seen, nap);
+                if let Some(nic) = i.sleep(&words.wake, seen, nap) {
+                    nic.progress();
+                }
             }
         };
         progress::wait(spin, Deadline::after(timeout), None, poll, sleep).ok_or(EventQueueError::Timeout)

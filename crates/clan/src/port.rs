@@ -417,16 +417,27 @@ impl EqInner {
         list.iter().all(|p| ring::still_armed(&p.map.view().rings(), mode))
     }
 
-    /// The NIC and its links, if a sleeper of this queue should drive them: engine progress
-    /// (manual progress has its own way, `progress::sleep_on_links`; a busy-polling engine
-    /// needs no help) and a few links at most (each is one more descriptor in the sleep).
+    /// Whether a sleeper of this queue may drive its NIC's links as the queue's leader
+    /// ([`EqInner::sleep`]): some are open, and a few at most. A hint (Relaxed): a link
+    /// opened meanwhile is served by the engine, or, with manual progress, seen at the
+    /// sleeper's next look (`sleep` caps its nap then).
+    pub(crate) fn drives_links_asleep(&self) -> bool {
+        (1..=DRIVEN_LINKS).contains(&self.links_open.load(Ordering::Relaxed))
+    }
+
+    /// Whether this queue's NIC makes progress manually (its waits drive the links).
+    fn manual(&self) -> bool {
+        self.nic.upgrade().is_some_and(|n| n.manual_progress())
+    }
+
+    /// The NIC and its links, if a sleeper of this queue should drive them: engine or manual
+    /// progress (a busy-polling engine needs no help) and a few links at most (each is one
+    /// more descriptor in the sleep).
     fn link_driver(&self) -> Option<(Arc<crate::nic::NicInner>, Vec<Arc<crate::link::Link>>)> {
-        // A hint (Relaxed): a link opened meanwhile is served by the engine.
-        let open = self.links_open.load(Ordering::Relaxed);
-        if open == 0 || open > DRIVEN_LINKS {
+        if !self.drives_links_asleep() {
             return None;
         }
-        let nic = self.nic.upgrade().filter(|n| n.config.progress == crate::config::Progress::Engine)?;
+        let nic = self.nic.upgrade().filter(|n| !matches!(n.config.progress, crate::config::Progress::BusyPoll(_)))?;
         let links: Vec<Arc<crate::link::Link>> = nic.links.all().iter().filter(|l| !l.is_closed()).cloned().collect();
         if links.is_empty() || links.len() > DRIVEN_LINKS {
             return None;
@@ -435,11 +446,17 @@ impl EqInner {
     }
 
     /// Sleep while `word` holds `expected` (at most `timeout`), woken by this process's
-    /// firings and posts (on `word`) and by the ports. The caller registered as a waiter on
+    /// firings and posts (on `word`) and by the ports; the NIC whose links woke it, if the
+    /// sleep drove them: the caller applies what came (`NicInner::progress`). The caller registered as a waiter on
     /// `word` and re-checks (pumping) afterwards. Up to [`WAITV_PORTS`] ports, one
     /// `futex_waitv` on `word`, the ports' wake words (armed first: their producers wake
     /// them, `clan_shm::ring`) and the port epoch; beyond, as `crate::wake` says.
-    pub fn sleep(&self, word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+    pub fn sleep(
+        &self,
+        word: &AtomicU32,
+        expected: u32,
+        timeout: Option<Duration>,
+    ) -> Option<Arc<crate::nic::NicInner>> {
         // SYNC POINT: read before the list (pairs with `port_for`'s Release increment).
         let epoch = self.ports.epoch.load(Ordering::Acquire);
         let ports: Vec<Arc<PortRec>> = if self.ports.count.load(Ordering::Acquire) == 0 {
@@ -450,11 +467,18 @@ impl EqInner {
         let asleep = || crate::progress::Sleeper::enter(&self.nic, &self.links_open);
         // A sleeper that can drive the NIC's links sleeps on their sockets too (as the leader).
         let driver = self.link_driver();
+        // Manual progress, and links this sleep does not drive: nobody else reads them, so
+        // look again soon (the caller drives them at each look).
+        let timeout = if driver.is_none() && self.links_open.load(Ordering::Relaxed) != 0 && self.manual() {
+            Some(timeout.map_or(crate::progress::MANUAL_NAP, |t| t.min(crate::progress::MANUAL_NAP)))
+        } else {
+            timeout
+        };
         if ports.len() > WAITV_PORTS || driver.is_some() {
             let driving = driver.as_ref().map(|(nic, links)| crate::wake::Driving { nic, links });
             let arm = || self.arm_ports(ring::ARM_FD);
-            self.sleepers.sleep(word, expected, timeout, arm, |id| self.drain(id), driving, asleep);
-            return;
+            let link_ready = self.sleepers.sleep(word, expected, timeout, arm, |id| self.drain(id), driving, asleep);
+            return driver.filter(|_| link_ready).map(|(nic, _)| nic);
         }
         let _asleep = asleep();
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(ports.len() + 2);
@@ -478,6 +502,7 @@ impl EqInner {
         if quiet {
             clan_shm::futex::wait_any(&words, timeout);
         }
+        None
     }
 
     /// Wait until `ready()` (a change of the futex word `seq`, whose sleepers `waiters`
@@ -517,8 +542,12 @@ impl EqInner {
                 }
                 None => None,
             };
-            self.sleep(seq, seen, left);
+            let drive = self.sleep(seq, seen, left);
             waiters.fetch_sub(1, Ordering::AcqRel);
+            // Uncounted now: a firing of `seq` by what the links brought wakes nobody.
+            if let Some(nic) = drive {
+                nic.progress();
+            }
         }
     }
 

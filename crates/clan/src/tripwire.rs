@@ -643,9 +643,17 @@ impl Tripwire {
         let slept = std::cell::Cell::new(false);
         let eq = &self.owner.eq;
         let links = progress::SpinLinks::new(&eq.nic, &eq.links_open, spin);
+        // Manual progress with a few links: the queue's sleep drives them (below), woken by
+        // what comes on them, and applies it as it wakes. A look that follows such a sleep,
+        // or that would go straight to one (no spin), need not read the sockets first: one
+        // receive call less each way, which would hear only EAGAIN.
+        let sleep_drives = || nic.is_some() && eq.drives_links_asleep();
+        let skip_drive = std::cell::Cell::new(spin.is_zero() && sleep_drives());
         let poll = || {
             if let Some(n) = &nic {
-                n.progress();
+                if !skip_drive.replace(false) {
+                    n.progress();
+                }
             }
             links.poll();
             eq.pump();
@@ -662,11 +670,15 @@ impl Tripwire {
         let sleep = |nap: Option<Duration>| {
             links.sleeping();
             slept.set(true);
-            // Manual progress: drive the links while waiting (see `EventQueue::wait_spin`).
-            if nic.as_ref().is_some_and(|n| progress::sleep_on_links(n, None, nap)) {
+            // Manual progress: drive the links while waiting. A few links are driven by the
+            // queue's sleep below, as its leader, which local firings wake too; with more,
+            // sleep on them all, looking again soon for local firings (nothing wakes this
+            // sleep for them).
+            if !eq.drives_links_asleep() && nic.as_ref().is_some_and(|n| progress::sleep_on_links(n, None, nap)) {
                 return;
             }
             let until = nap.map(|n| Instant::now() + n);
+            skip_drive.set(sleep_drives());
             eq.wait_word(&e.seq, &e.waiters, until, || e.seq.load(Ordering::Acquire) != seen);
         };
         // Sleep in slices to look at the exporter, if there is one to look at.

@@ -223,7 +223,10 @@ impl Sleepers {
     /// what arrives on them itself when they wake it: one wake-up for a byte from another
     /// host instead of two (the engine's, then this thread's). Nothing is missed if the
     /// engine or another thread applies those bytes meanwhile: their firing kicks the leader
-    /// like any local firing. A sleeper that does not drive is counted by `asleep`.
+    /// like any local firing. A sleeper that does not drive is counted by `asleep`. True if
+    /// it drove and a link woke it: the caller applies what came (`NicInner::progress`),
+    /// once it no longer counts itself among the word's waiters, so that its own firings
+    /// make no system call to wake it.
     #[allow(clippy::too_many_arguments)]
     pub fn sleep(
         &self,
@@ -234,7 +237,7 @@ impl Sleepers {
         mut drained: impl FnMut(u64),
         driving: Option<Driving<'_>>,
         asleep: impl FnOnce() -> crate::progress::Sleeper,
-    ) {
+    ) -> bool {
         let lead = match self.leader.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed) {
             Ok(_) => match self.lead() {
                 Ok(l) => Some(l),
@@ -252,13 +255,21 @@ impl Sleepers {
                     let nap = timeout.map_or(LEADERLESS_NAP, |t| t.min(LEADERLESS_NAP));
                     let _asleep = asleep();
                     clan_shm::futex::wait(&self.bell, self.bell.load(Ordering::Acquire), Some(nap));
-                    return;
+                    return false;
                 }
             },
             Err(_) => None,
         };
         if let Some(lead) = lead {
+            // With manual progress nobody else reads the links: a leader that could not add
+            // them to its set looks again soon (its caller drives them at each look).
+            let manual = driving.as_ref().is_some_and(|d| d.nic.manual_progress());
             let driving = driving.filter(|d| self.sync_links(lead, d.links));
+            let timeout = if manual && driving.is_none() {
+                Some(timeout.map_or(crate::progress::MANUAL_NAP, |t| t.min(crate::progress::MANUAL_NAP)))
+            } else {
+                timeout
+            };
             let _asleep = if driving.is_none() { Some(asleep()) } else { None };
             if let Some(d) = &driving {
                 d.nic.spinners.begin();
@@ -290,9 +301,6 @@ impl Sleepers {
             }
             self.leader_sleeping.store(0, Ordering::Relaxed);
             if let Some(d) = &driving {
-                if link_ready {
-                    d.nic.progress();
-                }
                 if d.nic.spinners.end(false) {
                     d.nic.command(crate::nic::Cmd::Unpark);
                 }
@@ -304,6 +312,7 @@ impl Sleepers {
             if self.followers.load(Ordering::Relaxed) != 0 {
                 self.ring();
             }
+            driving.is_some() && link_ready
         } else {
             let _asleep = asleep();
             self.followers.fetch_add(1, Ordering::AcqRel);
@@ -313,6 +322,7 @@ impl Sleepers {
                 clan_shm::futex::wait(&self.bell, bell, timeout);
             }
             self.followers.fetch_sub(1, Ordering::AcqRel);
+            false
         }
     }
 }

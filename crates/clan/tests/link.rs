@@ -404,8 +404,19 @@ fn a_spinning_thread_takes_the_link_over_and_gives_it_back() {
 /// the other on its own word): each is woken for its own word, whichever comes first.
 #[test]
 fn threads_asleep_on_one_queue_are_woken_for_what_comes_over_a_link() {
+    sleepers_on_one_queue(Progress::Engine);
+}
+
+/// The same with manual progress: the leader drives the link for both.
+#[test]
+fn threads_asleep_on_one_queue_are_woken_for_what_comes_over_a_link_with_manual_progress() {
+    sleepers_on_one_queue(Progress::Manual);
+}
+
+fn sleepers_on_one_queue(progress: Progress) {
     let _wd = Watchdog::new("link sleepers", Duration::from_secs(120));
-    let (a, b) = (nic(), nic());
+    let a = Nic::open(NicConfig { local_transport: LocalTransport::Link, progress, ..NicConfig::default() }).unwrap();
+    let b = nic();
     let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
     let ap = std::sync::Arc::new(ea.export(8192).unwrap());
     let m = eb.import(&ap.descriptor()).unwrap();
@@ -462,4 +473,73 @@ fn a_remote_peer_is_known_by_where_its_link_comes_from_not_by_its_claim() {
     let _conn = req.accept(&listener, &sap.descriptor()).unwrap();
     let (cconn, _ep) = t.join().unwrap().unwrap();
     assert_eq!(cconn.peer_identity(), PeerIdentity::Remote { nic: server.addr(), source: server.addr().ip() });
+}
+
+/// With manual progress and a link open, a thread blocked on a tripwire sleeps on the link's
+/// socket and its queue's kick together (as the queue's leader): it does not wake to look
+/// again (it napped a millisecond at a time), yet what comes over the link and a write by
+/// another NIC of this host through shared memory wake it.
+#[test]
+fn a_manual_progress_waiter_sleeps_on_its_link_without_napping() {
+    let _wd = Watchdog::new("manual sleeper", Duration::from_secs(120));
+    let a = Nic::open(NicConfig {
+        local_transport: LocalTransport::Link,
+        progress: Progress::Manual,
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let b = nic();
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let ap = std::sync::Arc::new(ea.export(4096).unwrap());
+    let m = eb.import(&ap.descriptor()).unwrap();
+    assert!(m.is_remote());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let w = {
+        let ap = ap.clone();
+        std::thread::spawn(move || {
+            let from_link = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
+            let local = ap.tripwire(TripwireConfig::writes(8..16)).unwrap();
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get()).unwrap();
+            while ap.load_u64(0).unwrap() == 0 {
+                from_link.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("woken by the link");
+            }
+            while ap.load_u64(8).unwrap() == 0 {
+                local.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("woken by a local firing");
+            }
+        })
+    };
+    let tid = rx.recv().unwrap();
+    let status = || std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    let asleep = || {
+        // Bounded: the watchdog ends a test whose waiter never sleeps.
+        while !status().lines().any(|l| l.starts_with("State:") && l.contains("S (sleeping)")) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let switches = || {
+        status()
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:").map(|v| v.trim().parse::<u64>().unwrap()))
+            .unwrap()
+    };
+    asleep();
+    let before = switches();
+    std::thread::sleep(Duration::from_millis(300));
+    let woke = switches() - before;
+    // A thread napping a millisecond at a time wakes about 300 times here.
+    assert!(woke <= 20, "the waiter woke {woke} times in 300 ms with nothing to do");
+    m.store_u64(0, 1).unwrap();
+    // Its second wait, on a tripwire this process fires.
+    while ap.load_u64(0).unwrap() == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    asleep();
+    // A write through shared memory by another NIC of this host (as another process's
+    // would be): snooped there, and announced through its port of our queue.
+    let c = Nic::open_default().unwrap();
+    let local = c.endpoint().unwrap().import(&ap.descriptor()).unwrap();
+    assert!(!local.is_remote());
+    local.store_u64(8, 1).unwrap();
+    w.join().unwrap();
 }
