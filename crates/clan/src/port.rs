@@ -425,11 +425,6 @@ impl EqInner {
         (1..=DRIVEN_LINKS).contains(&self.links_open.load(Ordering::Relaxed))
     }
 
-    /// Whether this queue's NIC makes progress manually (its waits drive the links).
-    fn manual(&self) -> bool {
-        self.nic.upgrade().is_some_and(|n| n.manual_progress())
-    }
-
     /// The NIC and its links, if a sleeper of this queue should drive them: engine or manual
     /// progress (a busy-polling engine needs no help) and a few links at most (each is one
     /// more descriptor in the sleep).
@@ -446,8 +441,9 @@ impl EqInner {
     }
 
     /// Sleep while `word` holds `expected` (at most `timeout`), woken by this process's
-    /// firings and posts (on `word`) and by the ports; the NIC whose links woke it, if the
-    /// sleep drove them: the caller applies what came (`NicInner::progress`). The caller registered as a waiter on
+    /// firings and posts (on `word`) and by the ports; the NIC whose links the caller is to
+    /// drive (`NicInner::progress`): the sleep drove them and they woke it, or, with manual
+    /// progress, it could not listen to them (it was short then). The caller registered as a waiter on
     /// `word` and re-checks (pumping) afterwards. Up to [`WAITV_PORTS`] ports, one
     /// `futex_waitv` on `word`, the ports' wake words (armed first: their producers wake
     /// them, `clan_shm::ring`) and the port epoch; beyond, as `crate::wake` says.
@@ -468,8 +464,13 @@ impl EqInner {
         // A sleeper that can drive the NIC's links sleeps on their sockets too (as the leader).
         let driver = self.link_driver();
         // Manual progress, and links this sleep does not drive: nobody else reads them, so
-        // look again soon (the caller drives them at each look).
-        let timeout = if driver.is_none() && self.links_open.load(Ordering::Relaxed) != 0 && self.manual() {
+        // look again soon, and have the caller drive them.
+        let undriven = if driver.is_none() && self.links_open.load(Ordering::Relaxed) != 0 {
+            self.nic.upgrade().filter(|n| n.manual_progress())
+        } else {
+            None
+        };
+        let timeout = if undriven.is_some() {
             Some(timeout.map_or(crate::progress::MANUAL_NAP, |t| t.min(crate::progress::MANUAL_NAP)))
         } else {
             timeout
@@ -477,8 +478,8 @@ impl EqInner {
         if ports.len() > WAITV_PORTS || driver.is_some() {
             let driving = driver.as_ref().map(|(nic, links)| crate::wake::Driving { nic, links });
             let arm = || self.arm_ports(ring::ARM_FD);
-            let link_ready = self.sleepers.sleep(word, expected, timeout, arm, |id| self.drain(id), driving, asleep);
-            return driver.filter(|_| link_ready).map(|(nic, _)| nic);
+            let drive = self.sleepers.sleep(word, expected, timeout, arm, |id| self.drain(id), driving, asleep);
+            return if drive { driver.map(|(nic, _)| nic).or(undriven) } else { undriven };
         }
         let _asleep = asleep();
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(ports.len() + 2);
@@ -502,7 +503,7 @@ impl EqInner {
         if quiet {
             clan_shm::futex::wait_any(&words, timeout);
         }
-        None
+        undriven
     }
 
     /// Wait until `ready()` (a change of the futex word `seq`, whose sleepers `waiters`

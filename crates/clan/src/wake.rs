@@ -224,8 +224,9 @@ impl Sleepers {
     /// host instead of two (the engine's, then this thread's). Nothing is missed if the
     /// engine or another thread applies those bytes meanwhile: their firing kicks the leader
     /// like any local firing. A sleeper that does not drive is counted by `asleep`. True if
-    /// it drove and a link woke it: the caller applies what came (`NicInner::progress`),
-    /// once it no longer counts itself among the word's waiters, so that its own firings
+    /// the caller is to apply what came on the links (`NicInner::progress`): it drove and a
+    /// link woke it, or, with manual progress, it could not listen to them. The caller does
+    /// so once it no longer counts itself among the word's waiters, so that its own firings
     /// make no system call to wake it.
     #[allow(clippy::too_many_arguments)]
     pub fn sleep(
@@ -238,6 +239,9 @@ impl Sleepers {
         driving: Option<Driving<'_>>,
         asleep: impl FnOnce() -> crate::progress::Sleeper,
     ) -> bool {
+        // With manual progress nobody else reads the links: a sleep that cannot listen to
+        // them is short, and its caller drives them after it.
+        let manual = driving.as_ref().is_some_and(|d| d.nic.manual_progress());
         let lead = match self.leader.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed) {
             Ok(_) => match self.lead() {
                 Ok(l) => Some(l),
@@ -255,15 +259,14 @@ impl Sleepers {
                     let nap = timeout.map_or(LEADERLESS_NAP, |t| t.min(LEADERLESS_NAP));
                     let _asleep = asleep();
                     clan_shm::futex::wait(&self.bell, self.bell.load(Ordering::Acquire), Some(nap));
-                    return false;
+                    return manual;
                 }
             },
             Err(_) => None,
         };
         if let Some(lead) = lead {
-            // With manual progress nobody else reads the links: a leader that could not add
-            // them to its set looks again soon (its caller drives them at each look).
-            let manual = driving.as_ref().is_some_and(|d| d.nic.manual_progress());
+            // A leader that could not add the links to its set, with manual progress, looks
+            // again soon, and its caller drives them.
             let driving = driving.filter(|d| self.sync_links(lead, d.links));
             let timeout = if manual && driving.is_none() {
                 Some(timeout.map_or(crate::progress::MANUAL_NAP, |t| t.min(crate::progress::MANUAL_NAP)))
@@ -312,7 +315,7 @@ impl Sleepers {
             if self.followers.load(Ordering::Relaxed) != 0 {
                 self.ring();
             }
-            driving.is_some() && link_ready
+            (driving.is_some() && link_ready) || (manual && driving.is_none())
         } else {
             let _asleep = asleep();
             self.followers.fetch_add(1, Ordering::AcqRel);
