@@ -39,8 +39,8 @@ pub const MAX_PRIVATE_DATA: usize = 256;
 /// How long [`Endpoint::connect`] waits when given no timeout.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// With manual progress, how long a thread waiting in a hand-shake that found nothing to do
-/// on the links naps before it looks again.
+/// With manual progress, how long a thread waiting in a hand-shake naps before it looks
+/// again when it has no eventfd to be told on (it sleeps until told otherwise).
 const HANDSHAKE_NAP: Duration = Duration::from_micros(100);
 
 /// Why connecting or accepting failed.
@@ -143,6 +143,19 @@ impl Default for EndpointConns {
     }
 }
 
+impl EndpointConns {
+    /// Wake the threads waiting on the hand-shakes, after a change made under `state`: those
+    /// on the condition variable, and with manual progress those asleep on the links
+    /// ([`crate::nic::LinkTable::park`]; every such thread of the NIC is woken, and looks
+    /// again).
+    pub fn notify(&self, nic: &NicInner) {
+        self.cv.notify_all();
+        if nic.manual_progress() {
+            nic.links.kick_parked();
+        }
+    }
+}
+
 /// Whether an OOB payload belongs to this protocol.
 pub(crate) fn is_handshake(payload: &[u8; connect::PAYLOAD]) -> bool {
     connect::is_handshake(payload)
@@ -188,7 +201,7 @@ fn act(ep: &EndpointInner, events: Vec<HsEvent<EndpointAddr>>) {
         }
     }
     if wake {
-        ep.conns.cv.notify_all();
+        ep.conns.notify(&ep.nic);
     }
 }
 
@@ -276,7 +289,7 @@ impl ConnRegistry {
                 // looked before the store is asleep when told.
                 if ep.conns.dialling.any_after_change() {
                     drop(lock(&ep.conns.state));
-                    ep.conns.cv.notify_all();
+                    ep.conns.notify(nic);
                 }
             }
         }
@@ -311,7 +324,7 @@ pub(crate) fn peer_gone(nic: &NicInner, peer: NicAddr, endpoints: &[Arc<Endpoint
             drive(ep, &mut st)
         };
         act(ep, events);
-        ep.conns.cv.notify_all();
+        ep.conns.notify(nic);
     }
 }
 
@@ -584,9 +597,16 @@ impl Endpoint {
         let conns = &self.inner.conns;
         let nic = &self.inner.nic;
         let step = || nic.progress();
-        // Replies from this host come through the engine, which notifies the condition
-        // variable this thread is not on now: nap briefly.
-        let park = |nap: Option<Duration>| std::thread::sleep(nap.map_or(HANDSHAKE_NAP, |n| n.min(HANDSHAKE_NAP)));
+        // With manual progress the thread sleeps on the links (it must read them) and on
+        // its eventfd, which whatever changes the hand-shakes signals (`Conns::notify`), as
+        // does a link opening. Registered before the first check: a change after it leaves
+        // the eventfd readable.
+        let parked = nic.manual_progress().then(|| nic.links.park()).flatten();
+        let park = |nap: Option<Duration>| match &parked {
+            Some(p) => p.sleep(nic, nap),
+            // No eventfd to be told on (none could be made): look again soon.
+            None => std::thread::sleep(nap.map_or(HANDSHAKE_NAP, |n| n.min(HANDSHAKE_NAP))),
+        };
         let drive = if nic.manual_progress() {
             progress::Drive::Itself { step: &step, park: Some(&park) }
         } else {

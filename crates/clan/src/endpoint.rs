@@ -135,6 +135,9 @@ impl EndpointInner {
             q.push_back(msg);
         }
         self.oob_cv.notify_all();
+        if self.nic.manual_progress() {
+            self.nic.links.kick_parked();
+        }
         self.queue.inner.post_local(Word::Oob { endpoint: self.addr.port });
         Ok(())
     }
@@ -153,11 +156,16 @@ impl EndpointInner {
             a.unexport();
         }
         self.nic.endpoint_closed(self.addr.port);
+        // (the lock: a waiter that looked at `closed` before the store is asleep when told)
+        drop(lock(&self.oob));
         self.oob_cv.notify_all();
+        if self.nic.manual_progress() {
+            self.nic.links.kick_parked();
+        }
         // (a thread waiting in `accept` or `connect` on this endpoint sleeps until told:
         // wake it to find the endpoint closed)
         drop(lock(&self.conns.state));
-        self.conns.cv.notify_all();
+        self.conns.notify(&self.nic);
     }
 }
 
@@ -513,7 +521,23 @@ impl Endpoint {
     /// ```
     pub fn wait_oob(&self, timeout: Option<Duration>) -> Result<OobMessage, OobError> {
         let i = &self.inner;
-        let drive = crate::progress::Drive::Others;
+        let nic = &i.nic;
+        // With manual progress this thread reads the links (a message from another host
+        // comes over one), and sleeps on them and on its eventfd, which a message delivered
+        // by the engine signals (`deliver_oob`), as does a link opening. Registered before
+        // the first look.
+        let parked = nic.manual_progress().then(|| nic.links.park()).flatten();
+        let step = || nic.progress();
+        let park = |nap: Option<Duration>| match &parked {
+            Some(p) => p.sleep(nic, nap),
+            None => std::thread::sleep(nap.map_or(NAP, |n| n.min(NAP))),
+        };
+        const NAP: Duration = Duration::from_micros(100);
+        let drive = if nic.manual_progress() {
+            crate::progress::Drive::Itself { step: &step, park: Some(&park) }
+        } else {
+            crate::progress::Drive::Others
+        };
         crate::progress::wait_locked(&i.oob, &i.oob_cv, crate::progress::Deadline::after(timeout), None, drive, |q| {
             match q.pop_front() {
                 Some(m) => Some(Ok(m)),

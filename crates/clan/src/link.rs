@@ -812,13 +812,21 @@ impl Link {
         window: bool,
     ) -> Result<T, LinkError> {
         let step = || self.progress(nic);
-        // Nobody else reads the link with manual progress: sleep on the socket itself.
+        // Nobody else reads the link with manual progress: sleep on the sockets, and on this
+        // thread's eventfd, which another thread that takes our reply in signals
+        // (`Link::wake_waiters`). Registered before the first check.
+        let parked = nic.manual_progress().then(|| nic.links.park()).flatten();
         let park = |nap: Option<Duration>| {
-            use rustix::event::{PollFd, PollFlags, poll};
-            let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
             let nap = nap.unwrap_or(WAIT_SLICE);
-            let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: nap.as_nanos() as i64 };
-            let _ = poll(&mut fds, Some(&ts));
+            match &parked {
+                Some(p) => p.sleep(nic, Some(nap)),
+                None => {
+                    use rustix::event::{PollFd, PollFlags, poll};
+                    let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
+                    let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: nap.as_nanos() as i64 };
+                    let _ = poll(&mut fds, Some(&ts));
+                }
+            }
         };
         let drive = progress::Drive::Itself {
             step: &step,
@@ -835,6 +843,15 @@ impl Link {
             self.is_closed().then(|| Err(self.down()))
         })
         .unwrap_or(Err(LinkError::Timeout))
+    }
+
+    /// Wake the threads waiting for replies (`waits` changed): those on the condition
+    /// variable, and with manual progress those asleep on the links.
+    fn wake_waiters(&self, nic: &NicInner) {
+        self.cv.notify_all();
+        if nic.manual_progress() {
+            nic.links.kick_parked();
+        }
     }
 
     /// Ask for an ordering barrier: returns once every write sent before has been applied.
@@ -1276,7 +1293,7 @@ impl Link {
                         if let Some((eq, token)) = s.notify.take() {
                             eq.post_local(crate::event_queue::Word::ReadComplete { token });
                         }
-                        self.cv.notify_all();
+                        self.wake_waiters(nic);
                     }
                 }
             }
@@ -1310,7 +1327,7 @@ impl Link {
                         if let Some((eq, token)) = s.notify.take() {
                             eq.post_local(crate::event_queue::Word::ReadComplete { token });
                         }
-                        self.cv.notify_all();
+                        self.wake_waiters(nic);
                     }
                 }
             }
@@ -1369,7 +1386,7 @@ impl Link {
                     let mut w = lock(&self.waits);
                     if let Some(slot) = w.imports.get_mut(&r.id) {
                         *slot = Some(r);
-                        self.cv.notify_all();
+                        self.wake_waiters(nic);
                     }
                 }
                 SmallOwned::Unimport { key } => {
@@ -1379,7 +1396,7 @@ impl Link {
                 SmallOwned::Ack(a) => {
                     lock(&self.state).on_ack(a)?;
                     let _g = lock(&self.waits);
-                    self.cv.notify_all();
+                    self.wake_waiters(nic);
                 }
                 SmallOwned::Credit { bytes } => lock(&self.state).on_credit(bytes),
                 SmallOwned::Refused(r) => {
@@ -1397,7 +1414,7 @@ impl Link {
                     let mut w = lock(&self.waits);
                     if let Some(p) = w.pongs.get_mut(&token) {
                         *p = true;
-                        self.cv.notify_all();
+                        self.wake_waiters(nic);
                     }
                 }
                 SmallOwned::Oob(o) => {
@@ -1429,7 +1446,7 @@ impl Link {
                     let mut w = lock(&self.waits);
                     if let Some(slot) = w.oobs.get_mut(&id) {
                         *slot = Some(status);
-                        self.cv.notify_all();
+                        self.wake_waiters(nic);
                     }
                 }
                 SmallOwned::Close { status } => {

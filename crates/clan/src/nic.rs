@@ -85,6 +85,48 @@ pub(crate) struct LinkTable {
     /// queues, `EqInner::links_open`): spin loops ask it before they drive links
     /// (`NicInner::progress`), so that a NIC without links pays one load for the asking.
     open: Arc<AtomicUsize>,
+    /// The eventfds of threads of a manual-progress NIC asleep in a hand-shake on the links
+    /// and their own eventfd ([`LinkTable::park`]): signalled when a link opens (they must
+    /// listen to it too) and when the hand-shakes change ([`LinkTable::kick_parked`]).
+    parked: Mutex<Vec<Arc<clan_shm::eventfd::EventFd>>>,
+}
+
+thread_local! {
+    /// The eventfd this thread sleeps on when parked ([`LinkTable::park`]), made at its
+    /// first park (None: it could not be).
+    static PARK_KICK: std::cell::OnceCell<Option<Arc<clan_shm::eventfd::EventFd>>> =
+        const { std::cell::OnceCell::new() };
+}
+
+/// A thread registered as asleep on the links in a hand-shake ([`LinkTable::park`]): it
+/// sleeps on the links and on its eventfd; dropping it ends the registration.
+pub(crate) struct Parked<'a> {
+    table: &'a LinkTable,
+    kick: Arc<clan_shm::eventfd::EventFd>,
+}
+
+impl Parked<'_> {
+    /// Sleep until a link or the eventfd is readable (the links' list is read now: a link
+    /// opened since signals the eventfd), at most `nap`, then reset the eventfd. Whatever
+    /// was told before the reset is looked at by the caller's next check; whatever is told
+    /// after it leaves the eventfd readable for the next sleep.
+    pub fn sleep(&self, nic: &NicInner, nap: Option<std::time::Duration>) {
+        use std::os::fd::AsFd;
+        if !nic.wait_links(Some(self.kick.as_fd()), nap) {
+            self.kick.wait_readable(nap);
+        }
+        self.kick.drain();
+    }
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        // One entry (a thread parked in a wait within a wait is in the list twice).
+        let mut parked = lock(&self.table.parked);
+        if let Some(i) = parked.iter().position(|k| Arc::ptr_eq(k, &self.kick)) {
+            parked.swap_remove(i);
+        }
+    }
 }
 
 impl LinkTable {
@@ -109,6 +151,36 @@ impl LinkTable {
         }
         self.map().insert(peer, Slot::Ready(link));
         self.cv.notify_all();
+        // After the list's write lock: a parked thread either read the list after it (and
+        // polls the new link) or registered before its read, so before this look.
+        self.kick_parked();
+    }
+
+    /// Register this thread as asleep on the links in a hand-shake, for as long as the
+    /// guard lives (its eventfd is the thread's, made at its first park). Register before
+    /// the first check of what is awaited: what changes after it signals the eventfd. None
+    /// if the eventfd cannot be made (the caller naps instead).
+    pub fn park(&self) -> Option<Parked<'_>> {
+        let kick = PARK_KICK.with(|k| k.get_or_init(|| clan_shm::eventfd::EventFd::new().ok().map(Arc::new)).clone())?;
+        kick.drain();
+        lock(&self.parked).push(kick.clone());
+        Some(Parked { table: self, kick })
+    }
+
+    /// Wake the threads asleep on the links in a hand-shake: a link opened, or the
+    /// hand-shakes changed (called after the change, under the hand-shakes' lock or after
+    /// it).
+    pub fn kick_parked(&self) {
+        let parked = lock(&self.parked);
+        if parked.is_empty() {
+            return;
+        }
+        // Not the calling thread's own: it is awake, and looks again before it sleeps (a
+        // waiter that took its own reply in would otherwise pay a write and a read).
+        let own = PARK_KICK.with(|k| k.get().cloned().flatten());
+        for k in parked.iter().filter(|k| !own.as_ref().is_some_and(|o| Arc::ptr_eq(o, k))) {
+            k.signal();
+        }
     }
 
     /// Wake the threads waiting for a link.

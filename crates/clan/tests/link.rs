@@ -479,6 +479,72 @@ fn a_remote_peer_is_known_by_where_its_link_comes_from_not_by_its_claim() {
 /// socket and its queue's kick together (as the queue's leader): it does not wake to look
 /// again (it napped a millisecond at a time), yet what comes over the link and a write by
 /// another NIC of this host through shared memory wake it.
+/// A thread blocked in `accept` with manual progress sleeps until something comes: first
+/// with no link open (on its eventfd alone), then on the link a client opens meanwhile, and
+/// it is woken both by a request over that link and by one from this host's engine.
+#[test]
+fn a_manual_progress_accept_sleeps_until_a_request_comes() {
+    let _wd = Watchdog::new("manual accept", Duration::from_secs(120));
+    let a = Nic::open(NicConfig {
+        local_transport: LocalTransport::Link,
+        progress: Progress::Manual,
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let server = a.endpoint().unwrap();
+    server.listen();
+    let to = server.addr();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let acceptor = std::thread::spawn(move || {
+        tx.send(rustix::thread::gettid().as_raw_nonzero().get()).unwrap();
+        let inbox = server.export(4096).unwrap();
+        let mut conns = Vec::new();
+        for _ in 0..2 {
+            let req = server.accept(Some(Duration::from_secs(60))).expect("a request");
+            conns.push(req.accept(&server, &inbox.descriptor()).unwrap());
+        }
+        (conns, server)
+    });
+    let tid = rx.recv().unwrap();
+    let status = || std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    let asleep = || {
+        // Bounded: the watchdog ends a test whose acceptor never sleeps.
+        while !status().lines().any(|l| l.starts_with("State:") && l.contains("S (sleeping)")) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let switches = || {
+        status()
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:").map(|v| v.trim().parse::<u64>().unwrap()))
+            .unwrap()
+    };
+    let idle = |what: &str| {
+        asleep();
+        let before = switches();
+        std::thread::sleep(Duration::from_millis(300));
+        let woke = switches() - before;
+        // A thread napping 100 µs at a time wakes about 3000 times here.
+        assert!(woke <= 20, "the acceptor woke {woke} times in 300 ms with nothing to do ({what})");
+    };
+    idle("no link open");
+    // A client across a link (its NIC reaches this host's NICs over TCP, as other hosts').
+    let b = nic();
+    let eb = b.endpoint().unwrap();
+    let mine = eb.export(4096).unwrap();
+    let over_link = eb.connect(to, &mine.descriptor(), Some(Duration::from_secs(60))).expect("connect over a link");
+    std::thread::sleep(Duration::from_millis(20));
+    idle("a link open");
+    // A client of this host that reaches it through its engine, not over a link.
+    let c = Nic::open_default().unwrap();
+    let ec = c.endpoint().unwrap();
+    let theirs = ec.export(4096).unwrap();
+    let local = ec.connect(to, &theirs.descriptor(), Some(Duration::from_secs(60))).expect("connect from this host");
+    let (conns, _server) = acceptor.join().unwrap();
+    assert_eq!(conns.len(), 2);
+    assert!(over_link.is_alive() && local.is_alive());
+}
+
 #[test]
 fn a_manual_progress_waiter_sleeps_on_its_link_without_napping() {
     let _wd = Watchdog::new("manual sleeper", Duration::from_secs(120));
@@ -542,4 +608,49 @@ fn a_manual_progress_waiter_sleeps_on_its_link_without_napping() {
     assert!(!local.is_remote());
     local.store_u64(8, 1).unwrap();
     w.join().unwrap();
+}
+
+/// An OOB wait with manual progress reads the links itself (nobody else does), and sleeps
+/// until a message comes: over a link, or from this host through the engine.
+#[test]
+fn a_manual_progress_oob_wait_reads_its_links_and_sleeps_between() {
+    let _wd = Watchdog::new("manual oob", Duration::from_secs(120));
+    let a = Nic::open(NicConfig {
+        local_transport: LocalTransport::Link,
+        progress: Progress::Manual,
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let ea = a.endpoint().unwrap();
+    let to = ea.addr();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        tx.send(rustix::thread::gettid().as_raw_nonzero().get()).unwrap();
+        let got: Vec<Vec<u8>> = (0..2)
+            .map(|_| ea.wait_oob(Some(Duration::from_secs(60))).expect("a message").payload[..5].to_vec())
+            .collect();
+        got
+    });
+    let tid = rx.recv().unwrap();
+    let status = || std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    while !status().lines().any(|l| l.starts_with("State:") && l.contains("S (sleeping)")) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let switches = || {
+        status()
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:").map(|v| v.trim().parse::<u64>().unwrap()))
+            .unwrap()
+    };
+    let before = switches();
+    std::thread::sleep(Duration::from_millis(300));
+    let woke = switches() - before;
+    assert!(woke <= 20, "the waiter woke {woke} times in 300 ms with nothing to do");
+    // Over a link (its NIC reaches this host's NICs over TCP), then from this host.
+    let b = nic();
+    b.endpoint().unwrap().send_oob(to, b"link!").expect("sent over a link");
+    let c = Nic::open_default().unwrap();
+    c.endpoint().unwrap().send_oob(to, b"local").expect("sent from this host");
+    let got = waiter.join().unwrap();
+    assert!(got.contains(&b"link!".to_vec()) && got.contains(&b"local".to_vec()), "{got:?}");
 }
