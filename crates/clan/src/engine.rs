@@ -337,6 +337,13 @@ fn oob_frame(from: EndpointAddr, to: EndpointAddr, payload: [u8; 40]) -> Frame<'
     })
 }
 
+/// The longest the engine's thread sleeps when nothing is timed (a safety net: every
+/// deadline it keeps is counted in `Run::timers`).
+const IDLE_TICK: Duration = Duration::from_secs(30);
+/// With manual progress, how often the engine reads the links itself at least (their
+/// keepalives; the application's threads read them when they wait).
+const MANUAL_LINK_TICK: Duration = Duration::from_secs(1);
+
 impl Run {
     fn token(&mut self) -> Token {
         let t = Token(self.next_token);
@@ -425,7 +432,9 @@ impl Run {
 
     /// Every entry's timers; returns when to look again.
     fn timers(&mut self, nic: &Arc<NicInner>, now: Instant, more: &mut Vec<Token>) -> Instant {
-        let mut next = now + Duration::from_secs(1);
+        // Every deadline of the entries is counted below: with none, nothing is timed, and the
+        // thread sleeps until told (the bound is a safety net, not a period).
+        let mut next = now + IDLE_TICK;
         let manual = nic.manual_progress();
         let mut dead: Vec<(Token, &'static str)> = Vec::new();
         let mut probes: Vec<(Token, Option<bool>)> = Vec::new();
@@ -437,8 +446,10 @@ impl Run {
             match e {
                 Entry::Link(l) => {
                     if manual {
-                        // A silent application must not let its links die.
+                        // A silent application must not let its links die: their keepalives
+                        // are read and answered here, every `MANUAL_LINK_TICK` at least.
                         l.progress(nic);
+                        next = next.min(now + MANUAL_LINK_TICK);
                     }
                     next = next.min(l.handle_timeout(now));
                     if l.is_closed() {
@@ -494,6 +505,8 @@ impl Run {
                             retry.push(*t);
                         } else if let Some(r) = o.retry_at {
                             next = next.min(r);
+                        } else {
+                            next = next.min(o.opened + timeout);
                         }
                     } else if !o.hello_ok && now >= o.opened + timeout {
                         out_dead.push((*t, true, "it did not answer our hello"));

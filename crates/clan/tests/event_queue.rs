@@ -223,3 +223,47 @@ fn bad_queue_geometry_is_a_clear_error() {
     let r = nic.event_queue(EventQueueConfig { producers: 0, ..EventQueueConfig::default() });
     assert!(matches!(r, Err(EventQueueError::Config(_))));
 }
+
+/// An idle NIC's engine sleeps until something comes: no clock of its own wakes it (it
+/// woke once a second to look at its timers).
+#[test]
+fn an_idle_engine_sleeps() {
+    let _wd = Watchdog::new("idle engine", Duration::from_secs(60));
+    let (a, b) = (Nic::open_default().unwrap(), Nic::open_default().unwrap());
+    let ea = a.endpoint().unwrap();
+    let ap = ea.export(4096).unwrap();
+    // A control connection between the two NICs, an import over it, a write.
+    let m = b.endpoint().unwrap().import(&ap.descriptor()).unwrap();
+    m.store_u64(0, 1).unwrap();
+    let engines = || -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| {
+                let t = t.ok()?.path();
+                let comm = std::fs::read_to_string(t.join("comm")).ok()?;
+                (comm.trim() == "clan-engine").then(|| t.join("status").to_string_lossy().into_owned())
+            })
+            .collect()
+    };
+    let switches = |status: &[String]| -> u64 {
+        status
+            .iter()
+            .filter_map(|s| std::fs::read_to_string(s).ok())
+            .filter_map(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:").map(|v| v.trim().parse::<u64>().unwrap()))
+            })
+            .sum()
+    };
+    let threads = engines();
+    assert!(threads.len() >= 2, "the engines' threads: {threads:?}");
+    // Settled: what the set-up left to do later (a lazy message's 2 ms timer) is done.
+    std::thread::sleep(Duration::from_millis(200));
+    let before = switches(&threads);
+    std::thread::sleep(Duration::from_millis(3500));
+    let woke = switches(&threads) - before;
+    // Two engines waking once a second each: 7 here.
+    assert!(woke <= 2, "the idle engines woke {woke} times in 3.5 s");
+    assert_eq!(ap.load_u64(0).unwrap(), 1);
+    drop(m);
+}
