@@ -383,7 +383,7 @@ pub fn run(a: &StreamArgs) -> Result<()> {
     );
     let link_manual = OverLink::new(
         "the same with Progress::Manual: the application's thread receives from the link while it waits \
-         (spinning: it polls the socket; blocking: it sleeps in poll on it), as a thread reading a TCP socket does",
+         (spinning: it polls the socket; blocking: it sleeps in epoll on the socket, its queue's kick and its ports, as its queue's leader), as a thread reading a TCP socket does",
         [ms, mb, ts, tb],
         [bm, bt],
         a.bw_size,
