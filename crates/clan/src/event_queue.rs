@@ -838,7 +838,7 @@ impl EventQueue {
             // The ports are armed by the sleep itself (as the leader).
             if i.arm_own(ARM_FUTEX) {
                 if let Some(nic) = i.sleep(&words.wake, seen, nap) {
-                    nic.progress();
+                    nic.progress_woken();
                 }
             }
         };

@@ -89,6 +89,9 @@ pub(crate) struct LinkTable {
     /// and their own eventfd ([`LinkTable::park`]): signalled when a link opens (they must
     /// listen to it too) and when the hand-shakes change ([`LinkTable::kick_parked`]).
     parked: Mutex<Vec<Arc<clan_shm::eventfd::EventFd>>>,
+    /// Bumped whenever `list` changes (under its write lock): a queue's leader that sleeps
+    /// on the link sockets re-reads the list only when it moved (`wake.rs::sync_links`).
+    generation: AtomicU64,
 }
 
 thread_local! {
@@ -148,6 +151,8 @@ impl LinkTable {
             let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
             l.push(link.clone());
             self.open.store(l.len(), Ordering::Relaxed);
+            // SYNC POINT: pairs with `generation()`'s Acquire load.
+            self.generation.fetch_add(1, Ordering::Release);
         }
         self.map().insert(peer, Slot::Ready(link));
         self.cv.notify_all();
@@ -161,7 +166,8 @@ impl LinkTable {
     /// the first check of what is awaited: what changes after it signals the eventfd. None
     /// if the eventfd cannot be made (the caller naps instead).
     pub fn park(&self) -> Option<Parked<'_>> {
-        let kick = PARK_KICK.with(|k| k.get_or_init(|| clan_shm::eventfd::EventFd::new().ok().map(Arc::new)).clone())?;
+        let kick =
+            PARK_KICK.with(|k| k.get_or_init(|| clan_shm::eventfd::EventFd::new().ok().map(Arc::new)).clone())?;
         kick.drain();
         lock(&self.parked).push(kick.clone());
         Some(Parked { table: self, kick })
@@ -219,6 +225,8 @@ impl LinkTable {
             let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
             l.retain(|l| !Arc::ptr_eq(l, link));
             self.open.store(l.len(), Ordering::Relaxed);
+            // SYNC POINT: pairs with `generation()`'s Acquire load.
+            self.generation.fetch_add(1, Ordering::Release);
         }
         let mut m = self.map();
         if matches!(m.get(&link.peer), Some(Slot::Ready(l)) if Arc::ptr_eq(l, link)) {
@@ -230,6 +238,13 @@ impl LinkTable {
     /// The count of open links, shared.
     pub fn open(&self) -> &Arc<AtomicUsize> {
         &self.open
+    }
+
+    /// Changes of the list so far: a reader that saw this value before reading the list
+    /// has it as of then at least.
+    pub fn generation(&self) -> u64 {
+        // SYNC POINT: pairs with the Release increments of `ready_now` and `remove`.
+        self.generation.load(Ordering::Acquire)
     }
 
     /// All open links.
@@ -536,6 +551,32 @@ impl NicInner {
         });
         let _ = poll(&mut fds, ts.as_ref());
         true
+    }
+
+    /// Process what came on the links whose sockets woke this thread's last sleep as its
+    /// queue's leader (`wake.rs::Sleepers::sleep` notes them), or on every link if it noted
+    /// none (a nap that did not listen to them). One receive call per link that has bytes,
+    /// not per link open.
+    pub fn progress_woken(&self) -> bool {
+        let mut ids = crate::wake::take_woken_links();
+        if ids.is_empty() {
+            return self.progress();
+        }
+        let mut did = false;
+        let mut closed = false;
+        for l in self.links.all().iter().filter(|l| ids.contains(&l.id)) {
+            did |= l.progress(self);
+            closed |= l.is_closed();
+        }
+        if closed {
+            // (as in `progress`: the engine tells the link's connections at once)
+            if let Some(w) = self.waker.get() {
+                let _ = w.wake();
+            }
+        }
+        ids.clear();
+        crate::wake::give_back_woken_links(ids);
+        did
     }
 
     /// Process incoming link traffic in this thread (see [`crate::Nic::progress`]).

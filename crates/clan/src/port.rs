@@ -48,8 +48,10 @@ const PUMP_BATCH: usize = 256;
 /// a queue with more sleeps through its epoll descriptor (`crate::wake`).
 pub(crate) const WAITV_PORTS: usize = clan_shm::futex::WAIT_ANY_MAX - 2;
 /// Links a queue's sleeper drives itself at most (`EqInner::link_driver`): beyond, the
-/// engine alone serves them while threads sleep.
-const DRIVEN_LINKS: usize = 16;
+/// engine alone serves them while threads sleep. (A sleep costs the same whatever their
+/// number: the set is synchronised when the links change, and a wake-up reads only the
+/// sockets that woke it.)
+const DRIVEN_LINKS: usize = 4096;
 
 /// The geometry of a port of a queue whose rings hold `ring_cap` events.
 pub(crate) fn port_layout(ring_cap: u32) -> EqLayout {
@@ -425,19 +427,14 @@ impl EqInner {
         (1..=DRIVEN_LINKS).contains(&self.links_open.load(Ordering::Relaxed))
     }
 
-    /// The NIC and its links, if a sleeper of this queue should drive them: engine or manual
-    /// progress (a busy-polling engine needs no help) and a few links at most (each is one
-    /// more descriptor in the sleep).
-    fn link_driver(&self) -> Option<(Arc<crate::nic::NicInner>, Vec<Arc<crate::link::Link>>)> {
+    /// The NIC, if a sleeper of this queue should drive its links: engine or manual progress
+    /// (a busy-polling engine needs no help), links open and at most [`DRIVEN_LINKS`] (the
+    /// leader's set takes them, `wake.rs::sync_links`, which says no otherwise).
+    fn link_driver(&self) -> Option<Arc<crate::nic::NicInner>> {
         if !self.drives_links_asleep() {
             return None;
         }
-        let nic = self.nic.upgrade().filter(|n| !matches!(n.config.progress, crate::config::Progress::BusyPoll(_)))?;
-        let links: Vec<Arc<crate::link::Link>> = nic.links.all().iter().filter(|l| !l.is_closed()).cloned().collect();
-        if links.is_empty() || links.len() > DRIVEN_LINKS {
-            return None;
-        }
-        Some((nic, links))
+        self.nic.upgrade().filter(|n| !matches!(n.config.progress, crate::config::Progress::BusyPoll(_)))
     }
 
     /// Sleep while `word` holds `expected` (at most `timeout`), woken by this process's
@@ -453,6 +450,7 @@ impl EqInner {
         expected: u32,
         timeout: Option<Duration>,
     ) -> Option<Arc<crate::nic::NicInner>> {
+        crate::wake::clear_woken_links();
         // SYNC POINT: read before the list (pairs with `port_for`'s Release increment).
         let epoch = self.ports.epoch.load(Ordering::Acquire);
         let ports: Vec<Arc<PortRec>> = if self.ports.count.load(Ordering::Acquire) == 0 {
@@ -476,10 +474,10 @@ impl EqInner {
             timeout
         };
         if ports.len() > WAITV_PORTS || driver.is_some() {
-            let driving = driver.as_ref().map(|(nic, links)| crate::wake::Driving { nic, links });
+            let driving = driver.as_ref().map(|nic| crate::wake::Driving { nic, most: DRIVEN_LINKS });
             let arm = || self.arm_ports(ring::ARM_FD);
             let drive = self.sleepers.sleep(word, expected, timeout, arm, |id| self.drain(id), driving, asleep);
-            return if drive { driver.map(|(nic, _)| nic).or(undriven) } else { undriven };
+            return if drive { driver.or(undriven) } else { undriven };
         }
         let _asleep = asleep();
         let mut words: Vec<(&AtomicU32, u32)> = Vec::with_capacity(ports.len() + 2);
@@ -547,7 +545,7 @@ impl EqInner {
             waiters.fetch_sub(1, Ordering::AcqRel);
             // Uncounted now: a firing of `seq` by what the links brought wakes nobody.
             if let Some(nic) = drive {
-                nic.progress();
+                nic.progress_woken();
             }
         }
     }

@@ -55,11 +55,41 @@ pub(crate) const OWN: u64 = 0;
 const LINK: u64 = 1 << 63;
 
 /// A leader that sleeps on its NIC's link sockets too, and applies what arrives on them
-/// (`EqInner::link_driver`): the NIC, its links, and how to count a sleeper otherwise.
+/// (`EqInner::link_driver`): the NIC, and the most links its set takes.
 pub(crate) struct Driving<'a> {
     pub nic: &'a crate::nic::NicInner,
-    pub links: &'a [Arc<crate::link::Link>],
+    pub most: usize,
 }
+
+thread_local! {
+    /// The links whose sockets woke this thread's last sleep as a driving leader, for its
+    /// caller to read (`NicInner::progress_woken`).
+    static WOKEN_LINKS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The links noted by this thread's last driving sleep (emptied).
+pub(crate) fn take_woken_links() -> Vec<u64> {
+    WOKEN_LINKS.with(|w| std::mem::take(&mut *w.borrow_mut()))
+}
+
+/// Forget what an earlier sleep noted (a sleep begins so: what a sleep that did not drive
+/// returns for its caller to apply is every link, `NicInner::progress_woken`).
+pub(crate) fn clear_woken_links() {
+    WOKEN_LINKS.with(|w| w.borrow_mut().clear());
+}
+
+/// An emptied list back, so that its room is used again.
+pub(crate) fn give_back_woken_links(ids: Vec<u64>) {
+    WOKEN_LINKS.with(|w| {
+        let mut w = w.borrow_mut();
+        if w.is_empty() {
+            *w = ids;
+        }
+    });
+}
+
+/// The link sockets in a leader's set: each link's id and the link.
+type LinksInSet = Vec<(u64, std::sync::Weak<crate::link::Link>)>;
 
 /// The sleepers of one queue.
 pub(crate) struct Sleepers {
@@ -78,8 +108,10 @@ pub(crate) struct Sleepers {
     api: OwnedFd,
     /// The queue's own eventfd.
     pub notify: Arc<EventFd>,
-    /// Link sockets in `epoll` (a driving leader's): id and link, removed once closed.
-    links: std::sync::Mutex<Vec<(u64, std::sync::Weak<crate::link::Link>)>>,
+    /// Link sockets in `epoll` (a driving leader's): id and link, removed once closed; and
+    /// the generation of the NIC's links they are (`LinkTable::generation`; None: not yet
+    /// synchronised).
+    links: std::sync::Mutex<(Option<u64>, LinksInSet)>,
 }
 
 impl std::fmt::Debug for Sleepers {
@@ -111,7 +143,7 @@ impl Sleepers {
             watched: std::sync::Mutex::new(std::collections::HashMap::new()),
             api,
             notify,
-            links: std::sync::Mutex::new(Vec::new()),
+            links: std::sync::Mutex::new((None, Vec::new())),
         })
     }
 
@@ -137,13 +169,20 @@ impl Sleepers {
         Ok(self.lead.get_or_init(|| Lead { epoll: ep, kick }))
     }
 
-    /// Make `epoll`'s link sockets those of `links` (level-triggered readability). False if
-    /// one could not be added (the caller sleeps without driving).
-    fn sync_links(&self, lead: &Lead, links: &[Arc<crate::link::Link>]) -> bool {
-        let mut have = crate::lock(&self.links);
-        if have.len() == links.len() && have.iter().zip(links).all(|((id, _), l)| *id == l.id) {
-            return true;
+    /// Make `epoll`'s link sockets those of `nic`'s open links (level-triggered
+    /// readability): nothing to do while the links did not change (one load). False if there
+    /// are none, more than `most`, or one could not be added (the caller sleeps without
+    /// driving).
+    fn sync_links(&self, lead: &Lead, nic: &crate::nic::NicInner, most: usize) -> bool {
+        // Read before the list: a change after it moves it, and the next sleep looks again.
+        let generation = nic.links.generation();
+        let mut guard = crate::lock(&self.links);
+        let (synced, have) = &mut *guard;
+        if *synced == Some(generation) {
+            return !have.is_empty();
         }
+        let links: Vec<Arc<crate::link::Link>> = nic.links.all().iter().filter(|l| !l.is_closed()).cloned().collect();
+        *synced = None;
         for (id, w) in have.drain(..) {
             if let Some(l) = w.upgrade().filter(|l| !links.iter().any(|n| n.id == id) || l.is_closed()) {
                 // Still open (the link lives): out of the set. A dropped link's descriptor
@@ -151,7 +190,11 @@ impl Sleepers {
                 let _ = epoll::delete(&lead.epoll, l.sock.as_fd());
             }
         }
-        for l in links {
+        if links.is_empty() || links.len() > most {
+            // (none in the set now: a later sync with as many adds them)
+            return false;
+        }
+        for l in &links {
             let r =
                 epoll::add(&lead.epoll, l.sock.as_fd(), epoll::EventData::new_u64(LINK | l.id), epoll::EventFlags::IN);
             if r.is_err() && r != Err(rustix::io::Errno::EXIST) {
@@ -159,6 +202,7 @@ impl Sleepers {
             }
             have.push((l.id, Arc::downgrade(l)));
         }
+        *synced = Some(generation);
         true
     }
 
@@ -267,7 +311,7 @@ impl Sleepers {
         if let Some(lead) = lead {
             // A leader that could not add the links to its set, with manual progress, looks
             // again soon, and its caller drives them.
-            let driving = driving.filter(|d| self.sync_links(lead, d.links));
+            let driving = driving.filter(|d| self.sync_links(lead, d.nic, d.most));
             let timeout = if manual && driving.is_none() {
                 Some(timeout.map_or(crate::progress::MANUAL_NAP, |t| t.min(crate::progress::MANUAL_NAP)))
             } else {
@@ -296,7 +340,10 @@ impl Sleepers {
                             OWN => {
                                 lead.kick.drain();
                             }
-                            id if id & LINK != 0 => link_ready = true,
+                            id if id & LINK != 0 => {
+                                link_ready = true;
+                                WOKEN_LINKS.with(|w| w.borrow_mut().push(id & !LINK));
+                            }
                             id => drained(id),
                         }
                     }

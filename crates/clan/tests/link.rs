@@ -545,6 +545,73 @@ fn a_manual_progress_accept_sleeps_until_a_request_comes() {
     assert!(over_link.is_alive() && local.is_alive());
 }
 
+/// A waiter with manual progress and many links (more than the 16 a sleep used to listen
+/// to) sleeps on all of them without napping, and is woken by a write over any.
+#[test]
+fn a_manual_progress_waiter_sleeps_on_many_links() {
+    const LINKS: usize = 24;
+    let _wd = Watchdog::new("manual sleeper, many links", Duration::from_secs(120));
+    let a = Nic::open(NicConfig {
+        local_transport: LocalTransport::Link,
+        progress: Progress::Manual,
+        ..NicConfig::default()
+    })
+    .unwrap();
+    let ea = a.endpoint().unwrap();
+    let ap = std::sync::Arc::new(ea.export(4096).unwrap());
+    // One link from each of as many NICs: each imports over its own.
+    let peers: Vec<(Nic, clan::Mapping)> = (0..LINKS)
+        .map(|_| {
+            let n = nic();
+            let m = n.endpoint().unwrap().import(&ap.descriptor()).unwrap();
+            assert!(m.is_remote());
+            (n, m)
+        })
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let w = {
+        let ap = ap.clone();
+        std::thread::spawn(move || {
+            let tw = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get()).unwrap();
+            for want in 1..=2u64 {
+                while ap.load_u64(0).unwrap() < want {
+                    tw.wait_spin(Duration::ZERO, Some(Duration::from_secs(60))).expect("woken over a link");
+                }
+            }
+        })
+    };
+    let tid = rx.recv().unwrap();
+    let status = || std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    let asleep = || {
+        // Bounded: the watchdog ends a test whose waiter never sleeps.
+        while !status().lines().any(|l| l.starts_with("State:") && l.contains("S (sleeping)")) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let switches = || {
+        status()
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:").map(|v| v.trim().parse::<u64>().unwrap()))
+            .unwrap()
+    };
+    asleep();
+    let before = switches();
+    std::thread::sleep(Duration::from_millis(300));
+    let woke = switches() - before;
+    // A thread napping a millisecond at a time wakes about 300 times here; the links'
+    // keepalives (every 250 ms each, when nothing else moves) a few times (6-7 seen).
+    assert!(woke <= 40, "the waiter woke {woke} times in 300 ms with nothing to do");
+    // Over the last link, then over the first.
+    peers[LINKS - 1].1.store_u64(0, 1).unwrap();
+    while ap.load_u64(0).unwrap() < 1 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    asleep();
+    peers[0].1.store_u64(0, 2).unwrap();
+    w.join().unwrap();
+}
+
 #[test]
 fn a_manual_progress_waiter_sleeps_on_its_link_without_napping() {
     let _wd = Watchdog::new("manual sleeper", Duration::from_secs(120));
