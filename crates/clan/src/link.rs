@@ -163,6 +163,8 @@ pub(crate) struct LinkStats {
     pub bytes_out: AtomicU64,
     pub refused_in: AtomicU64,
     pub refused_out: AtomicU64,
+    /// Receive calls that found nothing.
+    pub empty_receives: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -1043,7 +1045,12 @@ impl Link {
                         drained = true;
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // (only the holder of `rx` writes it: a load and a store)
+                    let e = &self.stats.empty_receives;
+                    e.store(e.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                    break;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     self.close(Status::Other, format!("receive failed: {e}"));

@@ -92,6 +92,41 @@ pub(crate) struct LinkTable {
     /// Bumped whenever `list` changes (under its write lock): a queue's leader that sleeps
     /// on the link sockets re-reads the list only when it moved (`wake.rs::sync_links`).
     generation: AtomicU64,
+    /// An epoll set over the open links' sockets (level-triggered, data: the link's id),
+    /// made with the first link: a thread that drives many links asks it once which have
+    /// bytes ([`NicInner::progress`]) instead of calling receive on each. None: it could
+    /// not be made; `ready_ok` false: a link could not be added (both: every link is read).
+    ready: OnceLock<Option<OwnedFd>>,
+    ready_ok: std::sync::atomic::AtomicBool,
+}
+
+/// Links from which a thread that drives them asks the readiness set which have bytes
+/// ([`LinkTable::ready`]) instead of calling receive on each: one `epoll_wait` against two
+/// receive calls or more.
+const READY_SET_FROM: usize = 3;
+
+thread_local! {
+    /// Room for the ids `ready_links` finds, used again.
+    static READY: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The ids of the links whose sockets the readiness set `ep` says are readable now (no
+/// wait).
+fn ready_links(ep: std::os::fd::BorrowedFd<'_>) -> Vec<u64> {
+    use rustix::event::epoll;
+    let mut ids = READY.with(|r| std::mem::take(&mut *r.borrow_mut()));
+    ids.clear();
+    let mut events = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 64];
+    let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+    // (64 at most a call: the next call reads the others)
+    if let Ok((got, _)) = epoll::wait(ep, &mut events[..], Some(&zero)) {
+        ids.extend(got.iter().map(|e| e.data.u64()));
+    }
+    ids
+}
+
+fn give_back_ready(ids: Vec<u64>) {
+    READY.with(|r| *r.borrow_mut() = ids);
 }
 
 thread_local! {
@@ -150,6 +185,8 @@ impl LinkTable {
         {
             let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
             l.push(link.clone());
+            // (in the set before it is counted: a driver that counts it finds its bytes)
+            self.watch_ready(&link);
             self.open.store(l.len(), Ordering::Relaxed);
             // SYNC POINT: pairs with `generation()`'s Acquire load.
             self.generation.fetch_add(1, Ordering::Release);
@@ -224,6 +261,10 @@ impl LinkTable {
         {
             let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
             l.retain(|l| !Arc::ptr_eq(l, link));
+            if let Some(Some(ep)) = self.ready.get() {
+                use std::os::fd::AsFd;
+                let _ = rustix::event::epoll::delete(ep, link.sock.as_fd());
+            }
             self.open.store(l.len(), Ordering::Relaxed);
             // SYNC POINT: pairs with `generation()`'s Acquire load.
             self.generation.fetch_add(1, Ordering::Release);
@@ -238,6 +279,31 @@ impl LinkTable {
     /// The count of open links, shared.
     pub fn open(&self) -> &Arc<AtomicUsize> {
         &self.open
+    }
+
+    /// Add `link`'s socket to the readiness set (made now if it is not yet).
+    fn watch_ready(&self, link: &Link) {
+        use rustix::event::epoll;
+        use std::os::fd::AsFd;
+        let ep = self.ready.get_or_init(|| {
+            epoll::create(epoll::CreateFlags::CLOEXEC).ok().map(clan_shm::fdfloor::lift).inspect(|_| {
+                self.ready_ok.store(true, Ordering::Relaxed);
+            })
+        });
+        let Some(ep) = ep else { return };
+        if epoll::add(ep, link.sock.as_fd(), epoll::EventData::new_u64(link.id), epoll::EventFlags::IN).is_err() {
+            tracing::debug!(peer = %link.peer, "a link's socket could not join the readiness set: every link is read");
+            self.ready_ok.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// The readiness set, if every open link is in it.
+    fn ready_set(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        if !self.ready_ok.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.ready.get()?.as_ref().map(|f| f.as_fd())
     }
 
     /// Changes of the list so far: a reader that saw this value before reading the list
@@ -319,6 +385,10 @@ pub struct NicStats {
     /// Times the engine left a link's incoming traffic to the threads spinning on it
     /// ([`crate::LinkSpin`]) instead of receiving it itself.
     pub link_parks: u64,
+    /// Receive calls on the open links' sockets that found nothing (the cost of driving links
+    /// that had no bytes: a thread that drives three links or more asks which have bytes
+    /// first, and reads those only).
+    pub link_empty_receives: u64,
 }
 
 /// The four descriptors an import grant hands over, held open until the reply is sent: the
@@ -541,7 +611,12 @@ impl NicInner {
         if links.is_empty() {
             return false;
         }
-        let mut fds: Vec<PollFd<'_>> = links.iter().map(|l| PollFd::new(&l.sock, PollFlags::IN)).collect();
+        // Many links: their readiness set (readable when one is) in their stead.
+        let set = if links.len() >= READY_SET_FROM { self.links.ready_set() } else { None };
+        let mut fds: Vec<PollFd<'_>> = match set {
+            Some(ep) => vec![PollFd::from_borrowed_fd(ep, PollFlags::IN)],
+            None => links.iter().map(|l| PollFd::new(&l.sock, PollFlags::IN)).collect(),
+        };
         if let Some(e) = &extra {
             fds.push(PollFd::from_borrowed_fd(*e, PollFlags::IN));
         }
@@ -583,14 +658,32 @@ impl NicInner {
     pub fn progress(&self) -> bool {
         // A hint only (Relaxed: it orders nothing): a link that opens meanwhile is driven
         // by the next call, and by the engine's thread in any case.
-        if self.links.open.load(Ordering::Relaxed) == 0 {
+        let open = self.links.open.load(Ordering::Relaxed);
+        if open == 0 {
             return false;
         }
         let mut did = false;
         let mut closed = false;
-        for l in self.links.all().iter() {
-            did |= l.progress(self);
-            closed |= l.is_closed();
+        let ready = if open >= READY_SET_FROM { self.links.ready_set() } else { None };
+        match ready {
+            Some(ep) => {
+                // Ask which have bytes (or are closed: a closed socket is readable), and read
+                // those only.
+                let ready = ready_links(ep);
+                for l in self.links.all().iter() {
+                    if ready.contains(&l.id) {
+                        did |= l.progress(self);
+                    }
+                    closed |= l.is_closed();
+                }
+                give_back_ready(ready);
+            }
+            None => {
+                for l in self.links.all().iter() {
+                    did |= l.progress(self);
+                    closed |= l.is_closed();
+                }
+            }
         }
         if closed {
             // A link this thread found closed (or one the engine has not removed yet): the
@@ -1642,6 +1735,7 @@ impl Nic {
             pool_chunks: i.pools.counts().1,
             link_parks: i.spinners.parks(),
             links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
+            link_empty_receives: i.links.all().iter().map(|l| l.stats.empty_receives.load(Ordering::Relaxed)).sum(),
             endpoints: i
                 .endpoints
                 .lock()
