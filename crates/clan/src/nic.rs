@@ -92,12 +92,13 @@ pub(crate) struct LinkTable {
     /// Bumped whenever `list` changes (under its write lock): a queue's leader that sleeps
     /// on the link sockets re-reads the list only when it moved (`wake.rs::sync_links`).
     generation: AtomicU64,
-    /// An epoll set over the open links' sockets (level-triggered, data: the link's id),
-    /// made with the first link: a thread that drives many links asks it once which have
-    /// bytes ([`NicInner::progress`]) instead of calling receive on each. None: it could
-    /// not be made; `ready_ok` false: a link could not be added (both: every link is read).
-    ready: OnceLock<Option<OwnedFd>>,
-    ready_ok: std::sync::atomic::AtomicBool,
+    /// An epoll set over the open links' sockets (level-triggered, data: the link's id)
+    /// while there are [`READY_SET_FROM`] or more: a thread that drives them asks it once
+    /// which have bytes ([`NicInner::progress`]) instead of calling receive on each. Made,
+    /// changed and dropped only under `list`'s write lock, so that a holder of its read
+    /// lock may use it. None: fewer links, or it could not be made or kept whole (then
+    /// every link is read).
+    ready: RwLock<Option<Arc<OwnedFd>>>,
 }
 
 /// Links from which a thread that drives them asks the readiness set which have bytes
@@ -186,7 +187,7 @@ impl LinkTable {
             let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
             l.push(link.clone());
             // (in the set before it is counted: a driver that counts it finds its bytes)
-            self.watch_ready(&link);
+            self.watch_ready(&l);
             self.open.store(l.len(), Ordering::Relaxed);
             // SYNC POINT: pairs with `generation()`'s Acquire load.
             self.generation.fetch_add(1, Ordering::Release);
@@ -261,9 +262,15 @@ impl LinkTable {
         {
             let mut l = self.list.write().unwrap_or_else(|e| e.into_inner());
             l.retain(|l| !Arc::ptr_eq(l, link));
-            if let Some(Some(ep)) = self.ready.get() {
-                use std::os::fd::AsFd;
-                let _ = rustix::event::epoll::delete(ep, link.sock.as_fd());
+            {
+                let mut ready = self.ready.write().unwrap_or_else(|e| e.into_inner());
+                if l.len() < READY_SET_FROM {
+                    // (closed once the last user lets go)
+                    *ready = None;
+                } else if let Some(ep) = ready.as_ref() {
+                    use std::os::fd::AsFd;
+                    let _ = rustix::event::epoll::delete(&**ep, link.sock.as_fd());
+                }
             }
             self.open.store(l.len(), Ordering::Relaxed);
             // SYNC POINT: pairs with `generation()`'s Acquire load.
@@ -281,29 +288,40 @@ impl LinkTable {
         &self.open
     }
 
-    /// Add `link`'s socket to the readiness set (made now if it is not yet).
-    fn watch_ready(&self, link: &Link) {
+    /// Keep the readiness set to the links `list` (just grown by its last): made with all
+    /// of them once there are [`READY_SET_FROM`], then the newcomer added. A failure leaves
+    /// no set (every link is read). Under `list`'s write lock.
+    fn watch_ready(&self, list: &[Arc<Link>]) {
         use rustix::event::epoll;
         use std::os::fd::AsFd;
-        let ep = self.ready.get_or_init(|| {
-            epoll::create(epoll::CreateFlags::CLOEXEC).ok().map(clan_shm::fdfloor::lift).inspect(|_| {
-                self.ready_ok.store(true, Ordering::Relaxed);
-            })
-        });
-        let Some(ep) = ep else { return };
-        if epoll::add(ep, link.sock.as_fd(), epoll::EventData::new_u64(link.id), epoll::EventFlags::IN).is_err() {
-            tracing::debug!(peer = %link.peer, "a link's socket could not join the readiness set: every link is read");
-            self.ready_ok.store(false, Ordering::Relaxed);
+        if list.len() < READY_SET_FROM {
+            return;
+        }
+        let mut ready = self.ready.write().unwrap_or_else(|e| e.into_inner());
+        let add = |ep: &OwnedFd, l: &Link| {
+            epoll::add(ep, l.sock.as_fd(), epoll::EventData::new_u64(l.id), epoll::EventFlags::IN).is_ok()
+        };
+        let ok = match ready.as_ref() {
+            Some(ep) => list.last().is_none_or(|l| add(ep, l)),
+            None => match epoll::create(epoll::CreateFlags::CLOEXEC) {
+                Ok(ep) => {
+                    let ep = clan_shm::fdfloor::lift(ep);
+                    let ok = list.iter().all(|l| add(&ep, l));
+                    *ready = Some(Arc::new(ep));
+                    ok
+                }
+                Err(_) => false,
+            },
+        };
+        if !ok {
+            tracing::debug!("the links' readiness set could not be made or kept whole: every link is read");
+            *ready = None;
         }
     }
 
-    /// The readiness set, if every open link is in it.
-    fn ready_set(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        use std::os::fd::AsFd;
-        if !self.ready_ok.load(Ordering::Relaxed) {
-            return None;
-        }
-        self.ready.get()?.as_ref().map(|f| f.as_fd())
+    /// The readiness set, if there is one (see `ready`).
+    fn ready_set(&self) -> Option<Arc<OwnedFd>> {
+        self.ready.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Changes of the list so far: a reader that saw this value before reading the list
@@ -611,10 +629,12 @@ impl NicInner {
         if links.is_empty() {
             return false;
         }
-        // Many links: their readiness set (readable when one is) in their stead.
+        // Many links: their readiness set (readable when one is) in their stead. (Held: a
+        // set dropped meanwhile stays open for this poll; a link opened meanwhile kicks
+        // parked waiters.)
         let set = if links.len() >= READY_SET_FROM { self.links.ready_set() } else { None };
-        let mut fds: Vec<PollFd<'_>> = match set {
-            Some(ep) => vec![PollFd::from_borrowed_fd(ep, PollFlags::IN)],
+        let mut fds: Vec<PollFd<'_>> = match &set {
+            Some(ep) => vec![PollFd::new(&**ep, PollFlags::IN)],
             None => links.iter().map(|l| PollFd::new(&l.sock, PollFlags::IN)).collect(),
         };
         if let Some(e) = &extra {
@@ -664,13 +684,18 @@ impl NicInner {
         }
         let mut did = false;
         let mut closed = false;
-        let ready = if open >= READY_SET_FROM { self.links.ready_set() } else { None };
-        match ready {
+        let links = self.links.all();
+        // (the set changes only under the list's write lock, excluded while `links` is held:
+        // no clone of it)
+        let set = self.links.ready.read().unwrap_or_else(|e| e.into_inner());
+        match set.as_ref().filter(|_| open >= READY_SET_FROM) {
             Some(ep) => {
+                use std::os::fd::AsFd;
                 // Ask which have bytes (or are closed: a closed socket is readable), and read
                 // those only.
-                let ready = ready_links(ep);
-                for l in self.links.all().iter() {
+                let ready = ready_links(ep.as_fd());
+                drop(set);
+                for l in links.iter() {
                     if ready.contains(&l.id) {
                         did |= l.progress(self);
                     }
@@ -679,12 +704,14 @@ impl NicInner {
                 give_back_ready(ready);
             }
             None => {
-                for l in self.links.all().iter() {
+                drop(set);
+                for l in links.iter() {
                     did |= l.progress(self);
                     closed |= l.is_closed();
                 }
             }
         }
+        drop(links);
         if closed {
             // A link this thread found closed (or one the engine has not removed yet): the
             // engine tells its connections at once, rather than at its next timer (it does
