@@ -887,11 +887,11 @@ impl EventQueue {
         }
         i.signalled.store(false, Ordering::Relaxed);
         // Reset what is readable (the queue's eventfd and the ports'), then arm everything.
-        let mut events = Vec::with_capacity(16);
+        // (on the stack: arming allocates nothing)
+        let mut events = [std::mem::MaybeUninit::<rustix::event::epoll::Event>::uninit(); 16];
         let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
-        if rustix::event::epoll::wait(i.sleepers.fd(), rustix::buffer::spare_capacity(&mut events), Some(&zero)).is_ok()
-        {
-            for ev in &events {
+        if let Ok((events, _)) = rustix::event::epoll::wait(i.sleepers.fd(), &mut events[..], Some(&zero)) {
+            for ev in events.iter() {
                 let id = ev.data.u64();
                 i.drain(id);
             }

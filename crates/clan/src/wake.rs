@@ -329,13 +329,14 @@ impl Sleepers {
             fence(Ordering::SeqCst);
             // SYNC POINT: pairs with the firer's `seq.fetch_add(AcqRel)`.
             if quiet && word.load(Ordering::Acquire) == expected {
-                let mut events = Vec::with_capacity(16);
+                // (on the stack: a sleep allocates nothing)
+                let mut events = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 16];
                 let ts = timeout.map(|d| rustix::time::Timespec {
                     tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
                     tv_nsec: d.subsec_nanos().into(),
                 });
-                if epoll::wait(&lead.epoll, spare(&mut events), ts.as_ref()).is_ok() {
-                    for ev in &events {
+                if let Ok((events, _)) = epoll::wait(&lead.epoll, &mut events[..], ts.as_ref()) {
+                    for ev in events.iter() {
                         match ev.data.u64() {
                             OWN => {
                                 lead.kick.drain();
@@ -379,10 +380,6 @@ impl Sleepers {
 
 /// How long a would-be leader that could not make its epoll set sleeps before it looks again.
 const LEADERLESS_NAP: Duration = Duration::from_millis(1);
-
-fn spare(v: &mut Vec<epoll::Event>) -> rustix::buffer::SpareCapacity<'_, epoll::Event> {
-    rustix::buffer::spare_capacity(v)
-}
 
 /// The futex of a queue of ours: [`Futex::wake`] also reaches the sleepers that do not
 /// sleep on the word itself ([`Sleepers::kick`]).
