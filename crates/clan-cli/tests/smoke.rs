@@ -466,8 +466,9 @@ fn unmodified_programs_with_and_without_clan() {
     }
 }
 
-/// `clan bench fabric`: fi_pingpong over clan, shm and tcp, and Open MPI over clan and vader;
-/// every row's figures finite and positive (CI installs libfabric-bin and Open MPI).
+/// `clan bench fabric`: fi_pingpong over clan, shm and tcp, the message rate through
+/// libfabric over clan and shm, and Open MPI over clan and vader; every row's figures finite
+/// and positive (CI installs libfabric-bin and Open MPI).
 #[test]
 fn fabric_programs_against_their_baselines() {
     if std::process::Command::new("sh").args(["-c", "command -v fi_info"]).output().is_ok_and(|o| !o.status.success())
@@ -482,7 +483,7 @@ fn fabric_programs_against_their_baselines() {
     if std::env::var_os("CI").is_some() {
         assert!(skipped.is_empty(), "CI installs libfabric-bin and Open MPI: {skipped:?}");
         // (CI runs as root: the row between two test hosts is there)
-        assert_eq!(rows.len(), 11, "{v}");
+        assert_eq!(rows.len(), 13, "{v}");
         assert!(
             rows.iter().any(|r| r["measure"].as_str().is_some_and(|m| m.contains("between two hosts"))),
             "the row between two hosts: {v}"

@@ -5,7 +5,10 @@
 //! Same run, same placement: the two sides on CPUs 1 and 0, and, oversubscribed, both on
 //! CPU 0, where a rank that waits a second for its peer also has its CPU time measured. As
 //! root, `fi_pingpong` also runs between two test hosts (network namespaces joined by a veth
-//! pair), the clan provider over its links against libfabric's tcp provider.
+//! pair), the clan provider over its links against libfabric's tcp provider. Message rates:
+//! 8 B tagged injects streamed from one process to another through libfabric (`fi_rate.c`,
+//! built with `cc` at run time), against the shm provider, and Open MPI's in windows of 64
+//! (osu_mbw_mr's pattern, `mpi_pingpong.c rate`), against vader.
 //! Programs that are not installed are skipped and said so.
 
 use std::path::PathBuf;
@@ -51,7 +54,8 @@ pub struct FabricReport {
     pub placement: &'static str,
 }
 
-const PLACEMENT: &str = "fi_pingpong: server on CPU 1, client on CPU 0 (taskset); MPI: 2 ranks bound to CPUs 0 \
+const PLACEMENT: &str = "fi_pingpong: server on CPU 1, client on CPU 0 (taskset); fi_rate: sender on CPU 0, receiver on \
+                         CPU 1 (sched_setaffinity); MPI: 2 ranks bound to CPUs 0 \
                          and 1 (--bind-to hwthread --map-by hwthread, checked by the ranks' affinity), oversubscribed: \
                          both on CPU 0; the providers alternate in rounds; figures are medians over the rounds";
 
@@ -153,34 +157,78 @@ fn fi_pingpong(
     }
 }
 
-/// The MPI ping-pong, built once.
-fn mpi_program() -> Result<PathBuf> {
+/// The bench's C programs are built into this directory (removed at the end of the run).
+fn build_dir() -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("clan-bench-fabric-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let src = dir.join("mpi_pingpong.c");
-    std::fs::write(&src, include_str!("fabric/mpi_pingpong.c"))?;
-    let exe = dir.join("mpi_pingpong");
-    let cc = Command::new("mpicc").args(["-O2", "-o"]).arg(&exe).arg(&src).output()?;
-    if !cc.status.success() {
-        return Err(format!("mpicc: {}", String::from_utf8_lossy(&cc.stderr)).into());
+    Ok(dir)
+}
+
+/// Build the C program `name` (its source `text`) with the compiler `cc` and `libs`.
+fn build_c(cc: &str, name: &str, text: &str, libs: &[&str]) -> Result<PathBuf> {
+    let dir = build_dir()?;
+    let src = dir.join(format!("{name}.c"));
+    std::fs::write(&src, text)?;
+    let exe = dir.join(name);
+    let out = Command::new(cc).args(["-O2", "-o"]).arg(&exe).arg(&src).args(libs).output()?;
+    if !out.status.success() {
+        return Err(format!("{cc} {name}.c: {}", String::from_utf8_lossy(&out.stderr)).into());
     }
     Ok(exe)
 }
 
+/// The MPI ping-pong, built once.
+fn mpi_program() -> Result<PathBuf> {
+    build_c("mpicc", "mpi_pingpong", include_str!("fabric/mpi_pingpong.c"), &[])
+}
+
+/// Messages a message-rate run streams for `iters` ping-pong iterations (2 000 000 for the
+/// default 50 000: a second or so).
+fn rate_count(iters: u64) -> u64 {
+    (iters * 40).max(20_000)
+}
+
+/// One run of `fi_rate.c` over provider `prov` streaming `count` messages: messages/s.
+fn fi_rate(exe: &std::path::Path, prov: &str, dir: &std::path::Path, count: u64) -> Result<f64> {
+    let out = Command::new("timeout")
+        .arg("300")
+        .arg(exe)
+        .args([prov, &count.to_string()])
+        .env("FI_PROVIDER_PATH", dir)
+        .env_remove("FI_PROVIDER")
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rate = text
+        .lines()
+        .find_map(|l| l.strip_prefix("rate msgs_per_s "))
+        .and_then(|l| l.split_whitespace().next()?.parse::<f64>().ok());
+    match rate {
+        Some(r) if out.status.success() => Ok(r),
+        _ => Err(format!("fi_rate {prov} failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into()),
+    }
+}
+
+/// Runs of each message-rate measure per round, clan and its baseline alternating (one
+/// run's figure moves by up to a half with the host's phases).
+const RATE_RUNS: usize = 3;
+
 /// Runs of the MPI 8 B ping-pong per round, clan and vader alternating.
 const MPI_LAT_RUNS: usize = 5;
 
-/// One MPI ping-pong: (one-way µs p50, Mbit/s). `clan`: over the provider, else vader.
-fn mpi(
-    exe: &std::path::Path,
-    dir: &std::path::Path,
-    clan: bool,
-    oversub: bool,
-    size: u64,
-    iters: u64,
-) -> Result<(f64, f64)> {
+/// `mpirun` of the two ranks of `exe` (bounded by `limit` seconds), over the provider
+/// (`clan`) or vader; `oversub`: both on CPU 0 (yielding when idle), else one CPU each.
+fn mpirun(exe: &std::path::Path, dir: &std::path::Path, clan: bool, oversub: bool, limit: u32) -> Command {
     let mut c = Command::new("timeout");
-    c.args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "--mca", "plm", "isolated"]);
+    c.arg(limit.to_string()).args([
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "--mca",
+        "plm",
+        "isolated",
+    ]);
     if oversub {
         c.args(["--cpu-set", "0", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]);
     } else {
@@ -195,19 +243,31 @@ fn mpi(
     } else {
         c.args(["--mca", "pml", "ob1", "--mca", "btl", "vader,self"]);
     }
-    let out = c
-        .arg(exe)
-        .args([size.to_string(), iters.to_string()])
-        .env("FI_PROVIDER_PATH", dir)
-        .env_remove("FI_PROVIDER")
-        .output()?;
+    c.arg(exe).env("FI_PROVIDER_PATH", dir).env_remove("FI_PROVIDER");
+    c
+}
+
+/// Run the MPI program with `args` (see [`mpirun`]); the fields of its line that starts with
+/// `line` (its first word), once the run succeeded and its ranks ran where they were asked to.
+fn mpi_fields(
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    clan: bool,
+    oversub: bool,
+    args: &[String],
+    line: &str,
+) -> Result<std::collections::HashMap<String, f64>> {
+    let out = mpirun(exe, dir, clan, oversub, 300).args(args).output()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let field = |k: &str| -> Option<f64> {
-        let line = text.lines().find(|l| l.starts_with("size "))?;
-        let mut w = line.split_whitespace();
-        w.position(|x| x == k)?;
-        w.next()?.parse().ok()
-    };
+    let fields: std::collections::HashMap<String, f64> = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(line))
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            // (each word followed by a number names it)
+            w.windows(2).filter_map(|kv| Some((kv[0].to_string(), kv[1].parse().ok()?))).collect()
+        })
+        .unwrap_or_default();
     // Where the ranks ran: one CPU each (0 and 1), or both on CPU 0 oversubscribed.
     let cpus: Vec<u64> = text
         .lines()
@@ -216,43 +276,47 @@ fn mpi(
         .unwrap_or_default();
     let one = |m: &u64| m.count_ones() == 1;
     let placed = cpus.len() == 2 && cpus.iter().all(one) && (cpus[0] == cpus[1]) == oversub;
-    match (field("one_way_us_p50"), field("mbit_s")) {
-        (Some(_), Some(_)) if out.status.success() && !placed => Err(format!(
-            "mpirun ({}) did not place the ranks as asked (CPU masks {cpus:x?}, wanted {}): {text}",
-            if clan { "clan" } else { "vader" },
+    let who = if clan { "clan" } else { "vader" };
+    if !out.status.success() || fields.is_empty() {
+        return Err(format!("mpirun ({who}) failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    if !placed {
+        return Err(format!(
+            "mpirun ({who}) did not place the ranks as asked (CPU masks {cpus:x?}, wanted {}): {text}",
             if oversub { "both on one CPU" } else { "one CPU each, not the same" }
         )
-        .into()),
-        (Some(l), Some(b)) if out.status.success() => Ok((l, b)),
-        _ => Err(format!(
-            "mpirun ({}) failed: {text}{}",
-            if clan { "clan" } else { "vader" },
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into()),
+        .into());
     }
+    Ok(fields)
+}
+
+/// One MPI ping-pong: (one-way µs p50, Mbit/s). `clan`: over the provider, else vader.
+fn mpi(
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    clan: bool,
+    oversub: bool,
+    size: u64,
+    iters: u64,
+) -> Result<(f64, f64)> {
+    let f = mpi_fields(exe, dir, clan, oversub, &[size.to_string(), iters.to_string()], "size")?;
+    match (f.get("one_way_us_p50"), f.get("mbit_s")) {
+        (Some(&l), Some(&b)) => Ok((l, b)),
+        _ => Err(format!("the MPI ping-pong printed no figures: {f:?}").into()),
+    }
+}
+
+/// The MPI message rate of 8 B messages in windows of 64 (`mpi_pingpong.c`'s `rate`):
+/// messages/s.
+fn mpi_rate(exe: &std::path::Path, dir: &std::path::Path, clan: bool, count: u64) -> Result<f64> {
+    let f = mpi_fields(exe, dir, clan, false, &["rate".into(), "8".into(), count.to_string()], "rate")?;
+    f.get("msgs_per_s").copied().ok_or_else(|| format!("the MPI message rate printed no figure: {f:?}").into())
 }
 
 /// A rank waiting 1 s in `MPI_Recv` (its peer sleeps before it sends), both ranks on CPU 0:
 /// the CPU its process used over the wait, as a percentage of the wait.
 fn mpi_idle(exe: &std::path::Path, dir: &std::path::Path, clan: bool) -> Result<f64> {
-    let mut c = Command::new("timeout");
-    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "--mca", "plm", "isolated"]).args([
-        "--cpu-set",
-        "0",
-        "--bind-to",
-        "none",
-        "--mca",
-        "mpi_yield_when_idle",
-        "1",
-    ]);
-    if clan {
-        c.args(["--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "mtl_ofi_provider_include", "clan"])
-            .args(["-x", "FI_PROVIDER_PATH"]);
-    } else {
-        c.args(["--mca", "pml", "ob1", "--mca", "btl", "vader,self"]);
-    }
-    let out = c.arg(exe).args(["idle", "1"]).env("FI_PROVIDER_PATH", dir).env_remove("FI_PROVIDER").output()?;
+    let out = mpirun(exe, dir, clan, true, 120).args(["idle", "1"]).output()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let field = |k: &str| -> Option<f64> {
         let line = text.lines().find(|l| l.starts_with("waited_ms "))?;
@@ -283,7 +347,7 @@ pub fn run(a: &FabricArgs) -> Result<()> {
     let mut skipped = Vec::new();
     // Steps: fi_pingpong over three providers and between two hosts, MPI over two (and its
     // 8 B runs), each round.
-    let bar = super::report::progress(rounds as u64 * (6 + 2 * MPI_LAT_RUNS as u64), a.json);
+    let bar = super::report::progress(rounds as u64 * (6 + 2 * MPI_LAT_RUNS as u64 + 4 * RATE_RUNS as u64), a.json);
     let progress = |what: &str| {
         if !a.json {
             bar.suspend(|| eprintln!("clan bench fabric: {what}"));
@@ -374,6 +438,38 @@ pub fn run(a: &FabricArgs) -> Result<()> {
         skipped.push("fi_pingpong (libfabric-bin not installed)".into());
     }
 
+    // The message rate through libfabric, against the shm provider.
+    match have("cc").then(|| build_c("cc", "fi_rate", include_str!("fabric/fi_rate.c"), &["-lfabric"])) {
+        Some(Ok(exe)) => {
+            let provs = ["clan", "shm"];
+            let mut got = vec![Vec::new(); provs.len()];
+            for r in 0..rounds {
+                for k in 0..RATE_RUNS {
+                    for (i, p) in provs.iter().enumerate() {
+                        progress(&format!("fi_rate -p {p}, round {}/{rounds}, run {}", r + 1, k + 1));
+                        got[i].push(fi_rate(&exe, p, &dir, rate_count(iters))?);
+                    }
+                }
+            }
+            let [c, m] = [median(got[0].clone()), median(got[1].clone())];
+            rows.push(Row {
+                program: "fi_rate.c (ours)",
+                measure: format!(
+                    "RDM 8 B tagged injects from one process to another, messages/s (median of {} alternating runs)",
+                    RATE_RUNS * rounds
+                ),
+                clan: c,
+                baseline: m,
+                baseline_name: "libfabric shm provider",
+                ratio: c / m,
+                goal: "—",
+                met: true,
+            });
+        }
+        Some(Err(why)) => skipped.push(format!("the message rate through libfabric ({why})")),
+        None => skipped.push("the message rate through libfabric (no C compiler)".into()),
+    }
+
     if have("mpicc") && have("mpirun") {
         let exe = mpi_program()?;
         let (mut l8, mut b1m, mut over, mut idle) =
@@ -397,7 +493,17 @@ pub fn run(a: &FabricArgs) -> Result<()> {
                 idle[k].push(mpi_idle(&exe, &dir, clan)?);
             }
         }
-        let _ = std::fs::remove_dir_all(exe.parent().unwrap_or(&exe));
+        let mut rate = [Vec::new(), Vec::new()];
+        for r in 0..rounds {
+            for k in 0..RATE_RUNS {
+                for (i, clan) in [true, false].into_iter().enumerate() {
+                    let who = if clan { "clan" } else { "vader" };
+                    progress(&format!("MPI message rate 8 B over {who}, round {}/{rounds}, run {}", r + 1, k + 1));
+                    rate[i].push(mpi_rate(&exe, &dir, clan, rate_count(iters) / 2)?);
+                }
+            }
+        }
+        let [rc, rv] = rate.map(median);
         let [lc, lv] = l8.map(median);
         let [bc, bv] = b1m.map(median);
         let [oc, ov] = over.map(median);
@@ -425,6 +531,19 @@ pub fn run(a: &FabricArgs) -> Result<()> {
         });
         rows.push(Row {
             program: "Open MPI",
+            measure: format!(
+                "message rate 8 B, windows of 64 (osu_mbw_mr's pattern, one pair), messages/s (median of {} alternating runs)",
+                RATE_RUNS * rounds
+            ),
+            clan: rc,
+            baseline: rv,
+            baseline_name: vader,
+            ratio: rc / rv,
+            goal: "—",
+            met: true,
+        });
+        rows.push(Row {
+            program: "Open MPI",
             measure: "ping-pong 8 B, both ranks on one CPU, one-way µs (p50)".into(),
             clan: oc,
             baseline: ov,
@@ -448,6 +567,7 @@ pub fn run(a: &FabricArgs) -> Result<()> {
     }
 
     bar.finish_and_clear();
+    let _ = std::fs::remove_dir_all(build_dir()?);
     let report = FabricReport { bench: "fabric", rows, skipped, placement: PLACEMENT };
     if a.json {
         println!("{}", serde_json::to_string(&report)?);

@@ -1083,7 +1083,7 @@ fn fig_fabric(p: Profile) -> Result<Figure> {
     let ours = if rows.is_empty() {
         "skipped (libfabric's fi_pingpong and Open MPI are not installed)".to_string()
     } else {
-        rows.iter().map(|r| format!("{} {} µs or MB/s ×{}", r.0, r.1, r.3)).collect::<Vec<_>>().join("; ")
+        rows.iter().map(|r| format!("{} {} ×{}", r.0, r.1, r.3)).collect::<Vec<_>>().join("; ")
     };
     Ok(Figure {
         id: "fabric",

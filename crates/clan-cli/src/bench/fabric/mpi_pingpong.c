@@ -11,7 +11,15 @@
  * one message, which rank 0 waits for in MPI_Recv; rank 0 prints
  *   waited_ms W cpu_ms C value V
  * the wall and CPU time of its process over that wait (a rank that blocks uses little CPU;
- * one that spins, all of it), and the value received (42). */
+ * one that spins, all of it), and the value received (42).
+ *
+ * mpi_pingpong rate SIZE ITERS: rank 0 sends ITERS messages of SIZE bytes to rank 1 in
+ * windows of 64 (MPI_Isend, then MPI_Waitall), rank 1 receiving each window the same way
+ * (MPI_Irecv) and answering it with an acknowledgement (OSU's osu_mbw_mr, one pair); rank 0
+ * prints
+ *   rate msgs_per_s R size SIZE
+ *   cpus RANK0 RANK1
+ * R counting from before the first window to the last acknowledgement. */
 #define _GNU_SOURCE
 #include <mpi.h>
 #include <sched.h>
@@ -51,6 +59,48 @@ static int idle(double secs)
 	return 0;
 }
 
+#define WINDOW 64
+
+static unsigned long long cpus(void);
+
+static int rate(size_t size, int iters)
+{
+	int rank, n, ack = 0;
+	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+	MPI_Comm_size(MPI_COMM_WORLD, &n);
+	int windows = iters / WINDOW > 0 ? iters / WINDOW : 1;
+	char *buf = calloc(WINDOW, size ? size : 1);
+	MPI_Request req[WINDOW];
+	double t0 = 0;
+	/* A first window unmeasured (connections, buffers), then the measured ones. */
+	for (int w = -1; w < windows && rank < 2; w++) {
+		if (w == 0)
+			t0 = MPI_Wtime();
+		for (int k = 0; k < WINDOW; k++) {
+			if (rank == 0)
+				MPI_Isend(buf + k * size, size, MPI_BYTE, 1, 3, MPI_COMM_WORLD, &req[k]);
+			else
+				MPI_Irecv(buf + k * size, size, MPI_BYTE, 0, 3, MPI_COMM_WORLD, &req[k]);
+		}
+		MPI_Waitall(WINDOW, req, MPI_STATUSES_IGNORE);
+		if (rank == 0)
+			MPI_Recv(&ack, 1, MPI_INT, 1, 4, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+		else
+			MPI_Send(&ack, 1, MPI_INT, 0, 4, MPI_COMM_WORLD);
+	}
+	double t = MPI_Wtime() - t0;
+	unsigned long long mine = cpus(), all[2] = { 0, 0 };
+	if (n == 2)
+		MPI_Gather(&mine, 1, MPI_UNSIGNED_LONG_LONG, all, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+	if (rank == 0) {
+		printf("rate msgs_per_s %.0f size %zu\n", (double)windows * WINDOW / t, size);
+		printf("cpus %llx %llx\n", all[0], all[1]);
+	}
+	free(buf);
+	MPI_Finalize();
+	return 0;
+}
+
 static int cmp(const void *a, const void *b)
 {
 	double x = *(const double *)a, y = *(const double *)b;
@@ -76,6 +126,8 @@ int main(int argc, char **argv)
 	MPI_Init(&argc, &argv);
 	if (argc > 2 && strcmp(argv[1], "idle") == 0)
 		return idle(atof(argv[2]));
+	if (argc > 3 && strcmp(argv[1], "rate") == 0)
+		return rate(strtoul(argv[2], NULL, 10), atoi(argv[3]));
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	size_t size = argc > 1 ? strtoul(argv[1], NULL, 10) : 8;
 	int iters = argc > 2 ? atoi(argv[2]) : 10000;
