@@ -4,9 +4,10 @@
 //! first, so that receives can be directed by source) and puts the message in the
 //! receiver's ring. Receiving matches arrivals against posted receives in order (tag and
 //! source for tagged receives), keeping unmatched arrivals until a receive is posted.
-//! Progress is made when the application reads a completion queue or posts (the
-//! provider's data progress is manual). Safe Rust: the bytes go to the application's buffers
-//! in `ffi`, which owns the pointers.
+//! Progress is made when the application reads or waits on a completion queue or a counter
+//! (the provider's data progress is manual), and by a send that waits for room in its
+//! peer's ring; a send that finds room makes none. Safe Rust: the bytes go to the
+//! application's buffers in `ffi`, which owns the pointers.
 //!
 //! Waiting: every receiver's endpoint reports to one event queue (the domain's, whose
 //! descriptor is the completion queues' `FI_WAIT_FD`). A waiter arms each receiver's
