@@ -80,3 +80,25 @@ pub fn rss_bytes(pid: u32) -> u64 {
     );
     sys.process(pid).map_or(0, |p| p.memory())
 }
+
+/// The processes descended from `pid` (its children, theirs, …), from `sysinfo`.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    use sysinfo::{ProcessRefreshKind, ProcessesToUpdate};
+    let mut sys = sysinfo::System::new();
+    sys.refresh_processes_specifics(ProcessesToUpdate::All, true, ProcessRefreshKind::nothing());
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let p = found[i];
+        let children: Vec<u32> = sys
+            .processes()
+            .iter()
+            .filter(|(c, proc_)| proc_.parent().map(|x| x.as_u32()) == Some(p) && !found.contains(&c.as_u32()))
+            .map(|(c, _)| c.as_u32())
+            .collect();
+        found.extend(children);
+        i += 1;
+    }
+    found.remove(0);
+    found
+}

@@ -3,12 +3,94 @@
 //! Speed is not asserted here (a figure may be anything above zero on a loaded CI machine):
 //! only that every benchmark works, measures what it says and reports its baseline.
 
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// How long one benchmark of these tests may take before its watchdog stops it (the test
+/// runner's own limit, 300 s, would kill the test without a word of where it stood).
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// The processes descended from `pid` (children first found, then theirs), from `/proc`.
+fn descendants(pid: u32) -> Vec<u32> {
+    let parent = |p: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        // pid (comm) state ppid …: the command may hold spaces and parentheses
+        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    };
+    let all: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let p = found[i];
+        let children: Vec<u32> = all.iter().copied().filter(|&c| parent(c) == Some(p) && !found.contains(&c)).collect();
+        found.extend(children);
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// Run `clan ARGS` with a watchdog: its output once it exits within `limit`. If it does
+/// not, the test fails with what it printed on standard error so far (the benchmarks say
+/// each step as they begin it) and the processes it had running (what each waits in), and
+/// they are all killed.
+fn clan_within(args: &[&str], limit: Duration) -> Output {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("clan-smoke-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a directory for the output");
+    let (out_path, err_path) = (dir.join("stdout"), dir.join("stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_clan"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("run clan");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for clan") {
+            break s;
+        }
+        if start.elapsed() > limit {
+            let below = descendants(child.id());
+            let ps = Command::new("ps")
+                .args(["-o", "pid,ppid,stat,etime,time,wchan:24,args", "-p"])
+                .arg(
+                    std::iter::once(child.id())
+                        .chain(below.iter().copied())
+                        .map(|p| p.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                )
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            for p in std::iter::once(child.id()).chain(below) {
+                let _ = Command::new("kill").args(["-KILL", &p.to_string()]).status();
+            }
+            let _ = child.wait();
+            let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+            let _ = std::fs::remove_dir_all(&dir);
+            panic!("clan {args:?} still running after {limit:?}; its processes:\n{ps}\nits standard error:\n{err}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = Output {
+        status,
+        stdout: std::fs::read(&out_path).unwrap_or_default(),
+        stderr: std::fs::read(&err_path).unwrap_or_default(),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
 fn run(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_clan")).args(args).output().expect("run clan");
+    let out = clan_within(args, LIMIT);
     assert!(out.status.success(), "clan {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).expect("utf-8");
     let v: Value =
@@ -367,11 +449,7 @@ fn tripwires_cost() {
 #[test]
 fn paper_report() {
     let dir = std::env::temp_dir().join(format!("clan-report-test-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_clan"))
-        .args(["bench", "paper", "--smoke", "--out"])
-        .arg(&dir)
-        .output()
-        .expect("run clan");
+    let out = clan_within(&["bench", "paper", "--smoke", "--out", dir.to_str().expect("a UTF-8 path")], LIMIT);
     assert!(out.status.success(), "clan bench paper failed: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("| figure | measure | clan |"), "the table is printed: {text}");

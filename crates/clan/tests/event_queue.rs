@@ -255,7 +255,14 @@ fn an_idle_engine_sleeps() {
             })
             .sum()
     };
-    let threads = engines();
+    // (a thread takes its name once it first runs: on a loaded machine an engine may not
+    // have yet)
+    let named = std::time::Instant::now();
+    let mut threads = engines();
+    while threads.len() < 2 && named.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(10));
+        threads = engines();
+    }
     assert!(threads.len() >= 2, "the engines' threads: {threads:?}");
     // Settled: what the set-up left to do later (a lazy message's 2 ms timer) is done.
     std::thread::sleep(Duration::from_millis(200));

@@ -90,6 +90,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
 }
 
+/// How long (seconds) one program's run of `iters` ping-pong iterations (or their share of
+/// a message-rate run) may take before it is stopped and the bench fails saying so: a
+/// minute, and more for long runs (a run takes a few seconds at most).
+fn limit(iters: u64) -> u32 {
+    (60 + iters / 500).min(300) as u32
+}
+
 fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -118,7 +125,7 @@ fn fi_pingpong(
             }
             None => Command::new("taskset"),
         };
-        c.args(["-c", cpu, "timeout", "120", "fi_pingpong", "-p", prov, "-e", "rdm"])
+        c.args(["-c", cpu, "timeout", "-k", "10", &limit(iters).to_string(), "fi_pingpong", "-p", prov, "-e", "rdm"])
             .args(["-I", &iters.to_string(), "-S", &size.to_string()])
             .env("FI_PROVIDER_PATH", dir)
             .env_remove("FI_PROVIDER");
@@ -191,7 +198,8 @@ fn rate_count(iters: u64) -> u64 {
 /// One run of `fi_rate.c` over provider `prov` streaming `count` messages: messages/s.
 fn fi_rate(exe: &std::path::Path, prov: &str, dir: &std::path::Path, count: u64) -> Result<f64> {
     let out = Command::new("timeout")
-        .arg("300")
+        .args(["-k", "10"])
+        .arg(limit(count / 40).to_string())
         .arg(exe)
         .args([prov, &count.to_string()])
         .env("FI_PROVIDER_PATH", dir)
@@ -219,7 +227,8 @@ const MPI_LAT_RUNS: usize = 5;
 /// (`clan`) or vader; `oversub`: both on CPU 0 (yielding when idle), else one CPU each.
 fn mpirun(exe: &std::path::Path, dir: &std::path::Path, clan: bool, oversub: bool, limit: u32) -> Command {
     let mut c = Command::new("timeout");
-    c.arg(limit.to_string()).args([
+    // (SIGTERM at the limit, SIGKILL 10 s later)
+    c.args(["-k", "10"]).arg(limit.to_string()).args([
         "mpirun",
         "--allow-run-as-root",
         "--oversubscribe",
@@ -256,8 +265,9 @@ fn mpi_fields(
     oversub: bool,
     args: &[String],
     line: &str,
+    iters: u64,
 ) -> Result<std::collections::HashMap<String, f64>> {
-    let out = mpirun(exe, dir, clan, oversub, 300).args(args).output()?;
+    let out = mpirun(exe, dir, clan, oversub, limit(iters)).args(args).output()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let fields: std::collections::HashMap<String, f64> = text
         .lines()
@@ -299,7 +309,7 @@ fn mpi(
     size: u64,
     iters: u64,
 ) -> Result<(f64, f64)> {
-    let f = mpi_fields(exe, dir, clan, oversub, &[size.to_string(), iters.to_string()], "size")?;
+    let f = mpi_fields(exe, dir, clan, oversub, &[size.to_string(), iters.to_string()], "size", iters)?;
     match (f.get("one_way_us_p50"), f.get("mbit_s")) {
         (Some(&l), Some(&b)) => Ok((l, b)),
         _ => Err(format!("the MPI ping-pong printed no figures: {f:?}").into()),
@@ -309,14 +319,14 @@ fn mpi(
 /// The MPI message rate of 8 B messages in windows of 64 (`mpi_pingpong.c`'s `rate`):
 /// messages/s.
 fn mpi_rate(exe: &std::path::Path, dir: &std::path::Path, clan: bool, count: u64) -> Result<f64> {
-    let f = mpi_fields(exe, dir, clan, false, &["rate".into(), "8".into(), count.to_string()], "rate")?;
+    let f = mpi_fields(exe, dir, clan, false, &["rate".into(), "8".into(), count.to_string()], "rate", count / 20)?;
     f.get("msgs_per_s").copied().ok_or_else(|| format!("the MPI message rate printed no figure: {f:?}").into())
 }
 
 /// A rank waiting 1 s in `MPI_Recv` (its peer sleeps before it sends), both ranks on CPU 0:
 /// the CPU its process used over the wait, as a percentage of the wait.
 fn mpi_idle(exe: &std::path::Path, dir: &std::path::Path, clan: bool) -> Result<f64> {
-    let out = mpirun(exe, dir, clan, true, 120).args(["idle", "1"]).output()?;
+    let out = mpirun(exe, dir, clan, true, limit(0)).args(["idle", "1"]).output()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let field = |k: &str| -> Option<f64> {
         let line = text.lines().find(|l| l.starts_with("waited_ms "))?;

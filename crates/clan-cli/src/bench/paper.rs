@@ -8,8 +8,8 @@
 //! listed as skipped otherwise.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Instant;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -74,9 +74,61 @@ struct Figure {
     skipped: Option<String>,
 }
 
-/// Run `clan bench <args> --json` and parse its JSON.
+/// How long one `clan bench …` of the report may run before it is stopped: far above the
+/// longest (`--full`'s server and fabric steps take a few minutes), so that a step that hangs
+/// fails the report saying where, rather than holding it forever.
+const STEP_LIMIT: Duration = Duration::from_secs(30 * 60);
+
+/// Run `clan bench <args> --json` and parse its JSON. Its output goes to files (a process it
+/// leaves behind cannot hold the report up by keeping a pipe open), and it is stopped, with
+/// every process under it, after [`STEP_LIMIT`].
 fn bench(args: &[String]) -> Result<Value> {
-    let out = Command::new(std::env::current_exe()?).arg("bench").args(args).arg("--json").output()?;
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let base = std::env::temp_dir().join(format!("clan-bench-paper-{}-{n}", std::process::id()));
+    let (out_path, err_path) = (base.with_extension("out"), base.with_extension("err"));
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("bench")
+        .args(args)
+        .arg("--json")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path)?)
+        .stderr(std::fs::File::create(&err_path)?)
+        .spawn()?;
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break Some(s);
+        }
+        if start.elapsed() > STEP_LIMIT {
+            for p in sys::descendants(child.id()) {
+                let _ = rustix::process::kill_process(
+                    rustix::process::Pid::from_raw(p as i32).ok_or("pid 0")?,
+                    rustix::process::Signal::KILL,
+                );
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = std::process::Output {
+        status: status.unwrap_or_default(),
+        stdout: std::fs::read(&out_path).unwrap_or_default(),
+        stderr: std::fs::read(&err_path).unwrap_or_default(),
+    };
+    let _ = std::fs::remove_file(&out_path);
+    let _ = std::fs::remove_file(&err_path);
+    if status.is_none() {
+        return Err(format!(
+            "clan bench {} still running after {} s, stopped: {}",
+            args.join(" "),
+            STEP_LIMIT.as_secs(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
     if !out.status.success() {
         return Err(
             format!("clan bench {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()).into()

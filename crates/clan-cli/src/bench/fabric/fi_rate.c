@@ -30,9 +30,29 @@
 #define WINDOW 64
 #define FAIL(...) do { fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } while (0)
 
+static struct fid_fabric *fabric;
+static struct fid_domain *domain;
 static struct fid_ep *ep;
 static struct fid_cq *cq;
 static struct fid_av *av;
+
+/* Close what setup() opened, at exit (also after a failure): a provider may keep state
+ * beyond the process otherwise (the shm provider's regions in /dev/shm, whose names a
+ * later process with the same pid could not take). */
+static void teardown(void)
+{
+	if (ep)
+		fi_close(&ep->fid);
+	if (av)
+		fi_close(&av->fid);
+	if (cq)
+		fi_close(&cq->fid);
+	if (domain)
+		fi_close(&domain->fid);
+	if (fabric)
+		fi_close(&fabric->fid);
+	ep = NULL, av = NULL, cq = NULL, domain = NULL, fabric = NULL;
+}
 
 static double now(void)
 {
@@ -60,8 +80,7 @@ static void setup(const char *prov)
 	int r = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &info);
 	if (r != 0)
 		FAIL("fi_getinfo(%s): %s", prov, fi_strerror(-r));
-	struct fid_fabric *fabric;
-	struct fid_domain *domain;
+	atexit(teardown);
 	struct fi_cq_attr ca = { .format = FI_CQ_FORMAT_TAGGED, .size = 1024 };
 	struct fi_av_attr aa = { .type = FI_AV_TABLE };
 	if (fi_fabric(info->fabric_attr, &fabric, NULL) || fi_domain(fabric, info, &domain, NULL) ||
@@ -146,7 +165,7 @@ int main(int argc, char **argv)
 	if (child < 0)
 		FAIL("fork");
 	if (child == 0)
-		_exit(receiver(prov, count, up[1]));
+		exit(receiver(prov, count, up[1]));
 	pin(0);
 	setup(prov);
 	size_t len;
