@@ -21,7 +21,9 @@ pub mod tripwires;
 pub mod vmmc;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -89,12 +91,21 @@ pub fn args_of<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
     serde_json::from_str(json).map_err(|e| format!("peer arguments {json}: {e}").into())
 }
 
+/// How long a benchmark waits for a line from its peer, or for the peer to exit once told
+/// to finish, before it stops the peer and fails saying so: far above any step of the
+/// benchmarks (the longest, setting up 10 000 endpoints or moving a few GiB, take seconds),
+/// so that only a peer that hangs reaches it.
+pub const PEER_LIMIT: Duration = Duration::from_secs(300);
+
 /// A benchmark peer: this executable re-run as `clan __peer <role> <arguments>`, talking in
-/// lines over its stdin and stdout.
+/// lines over its stdin and stdout (read by a thread of its own, so that waiting for a line
+/// has a limit: [`PEER_LIMIT`]).
 pub struct PeerProc {
     child: Child,
+    role: Role,
     input: Option<ChildStdin>,
-    output: BufReader<ChildStdout>,
+    /// The peer's lines; closed when its stdout ends.
+    lines: mpsc::Receiver<std::io::Result<String>>,
 }
 
 impl PeerProc {
@@ -118,8 +129,26 @@ impl PeerProc {
             .stderr(Stdio::inherit())
             .spawn()?;
         let input = child.stdin.take();
-        let output = BufReader::new(child.stdout.take().ok_or("no stdout")?);
-        Ok(PeerProc { child, input, output })
+        let mut output = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        let (tx, lines) = mpsc::channel();
+        std::thread::Builder::new().name("clan-bench-peer".into()).spawn(move || {
+            loop {
+                let mut l = String::new();
+                match output.read_line(&mut l) {
+                    Ok(0) => break,
+                    Ok(_) => {
+                        if tx.send(Ok(l)).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        break;
+                    }
+                }
+            }
+        })?;
+        Ok(PeerProc { child, role, input, lines })
     }
 
     pub fn send(&mut self, line: impl std::fmt::Display) -> Result<()> {
@@ -129,19 +158,44 @@ impl PeerProc {
         Ok(())
     }
 
+    /// The peer's next line. Fails if it exits first, or says nothing for [`PEER_LIMIT`]
+    /// (then it is stopped).
     pub fn recv(&mut self) -> Result<String> {
-        let mut l = String::new();
-        if self.output.read_line(&mut l)? == 0 {
-            return Err("benchmark peer exited early (see its error above)".into());
+        match self.lines.recv_timeout(PEER_LIMIT) {
+            Ok(l) => Ok(l?.trim_end().to_owned()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(format!("benchmark peer {} exited early (see its error above)", self.role.name()).into())
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let _ = self.child.kill();
+                Err(format!("benchmark peer {} said nothing for {} s: stopped", self.role.name(), PEER_LIMIT.as_secs())
+                    .into())
+            }
         }
-        Ok(l.trim_end().to_owned())
     }
 
+    /// Close its input and wait for it to exit (at most [`PEER_LIMIT`]: then it is stopped):
+    /// whether it succeeded.
     pub fn finish(mut self) -> Result<()> {
         self.input = None;
-        let st = self.child.wait()?;
+        let end = Instant::now() + PEER_LIMIT;
+        let st = loop {
+            if let Some(st) = self.child.try_wait()? {
+                break st;
+            }
+            if Instant::now() > end {
+                let _ = self.child.kill();
+                return Err(format!(
+                    "benchmark peer {} still running {} s after it was told to finish: stopped",
+                    self.role.name(),
+                    PEER_LIMIT.as_secs()
+                )
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
         if !st.success() {
-            return Err(format!("benchmark peer failed: {st}").into());
+            return Err(format!("benchmark peer {} failed: {st}", self.role.name()).into());
         }
         Ok(())
     }
