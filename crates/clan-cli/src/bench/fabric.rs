@@ -79,8 +79,12 @@ pub fn provider_dir() -> Result<PathBuf> {
     std::fs::create_dir_all(&prov)?;
     let link = prov.join(clan_fi::FILE_NAME);
     if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&lib, &link)?;
+        // Made under a name of this process's and renamed over the link: two runs making it
+        // at once (a test and a benchmark) both succeed, and a loader never finds it missing.
+        let new = prov.join(format!(".{}.{}", clan_fi::FILE_NAME, std::process::id()));
+        let _ = std::fs::remove_file(&new);
+        std::os::unix::fs::symlink(&lib, &new)?;
+        std::fs::rename(&new, &link)?;
     }
     Ok(prov)
 }
