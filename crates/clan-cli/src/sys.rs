@@ -102,3 +102,36 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     found.remove(0);
     found
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+
+    /// A process's children and theirs are found; others are not.
+    #[test]
+    fn descendants_are_children_and_theirs() {
+        // sh (the child) runs a subshell that runs sleep: both below the child.
+        let mut child =
+            Command::new("sh").args(["-c", "(sleep 30; true) & wait"]).stdout(Stdio::null()).spawn().expect("sh");
+        let start = std::time::Instant::now();
+        let found = loop {
+            let d = super::descendants(child.id());
+            let names: Vec<String> = d
+                .iter()
+                .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
+                .map(|s| s.trim().to_owned())
+                .collect();
+            if names.iter().any(|n| n == "sleep") || start.elapsed() > std::time::Duration::from_secs(20) {
+                break (d, names);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert!(found.1.iter().any(|n| n == "sleep"), "the grandchild is found: {found:?}");
+        assert!(!found.0.contains(&child.id()) && !found.0.contains(&std::process::id()), "{found:?}");
+        for p in &found.0 {
+            let _ = Command::new("kill").args(["-KILL", &p.to_string()]).status();
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
