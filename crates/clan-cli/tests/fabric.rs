@@ -84,13 +84,30 @@ fn objects_through_libfabric() {
     let exe = std::env::temp_dir().join(format!("clan-fi-objects-{}", std::process::id()));
     let cc = Command::new("cc").args(["-Wall", "-o"]).arg(&exe).arg(src).arg("-lfabric").output().unwrap();
     assert!(cc.status.success(), "building {src}: {}", String::from_utf8_lossy(&cc.stderr));
-    let out = Command::new(&exe).env("FI_PROVIDER_PATH", &path).env_remove("FI_PROVIDER").output().unwrap();
+    let out = Command::new(&exe)
+        .env("FI_PROVIDER_PATH", &path)
+        .env_remove("FI_PROVIDER")
+        .env_remove("CLAN_LOG")
+        .output()
+        .unwrap();
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok",
         "{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("NIC open"), "quiet without CLAN_LOG");
+    // With `CLAN_LOG`, the provider's NIC says what it does on standard error; the
+    // program's own output is the same.
+    let out = Command::new(&exe)
+        .env("FI_PROVIDER_PATH", &path)
+        .env_remove("FI_PROVIDER")
+        .env("CLAN_LOG", "clan=debug")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok", "{err}");
+    assert!(err.contains("NIC open") && err.contains("DEBUG"), "CLAN_LOG=clan=debug:\n{err}");
     // The same under valgrind's memcheck: no read or write of memory the provider does not
     // own (a request handle used after its answer, a made-up one) at the C boundary.
     let valgrind = Command::new("sh").args(["-c", "command -v valgrind"]).output().is_ok_and(|o| o.status.success());

@@ -36,9 +36,21 @@ use crate::cq::Direct;
 /// ([`nic_config`]).
 pub fn nic() -> Result<&'static Nic, Error> {
     static NIC: OnceLock<Result<Nic, String>> = OnceLock::new();
-    NIC.get_or_init(|| nic_config(|k| std::env::var(k).ok()).and_then(|c| Nic::open(c).map_err(|e| e.to_string())))
-        .as_ref()
-        .map_err(|e| Error::Nic(e.clone()))
+    NIC.get_or_init(|| {
+        log_init();
+        nic_config(|k| std::env::var(k).ok()).and_then(|c| Nic::open(c).map_err(|e| e.to_string()))
+    })
+    .as_ref()
+    .map_err(|e| Error::Nic(e.clone()))
+}
+
+/// `CLAN_LOG` (as `clan`'s: `CLAN_LOG=debug`, `CLAN_LOG=clan=debug,warn`): what the NIC
+/// decides, on standard error with timestamps (connections, imports, links and their
+/// failures). Unset, nothing is said. An application with a subscriber of its own keeps it.
+fn log_init() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("CLAN_LOG") {
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    }
 }
 
 /// The NIC's configuration from the environment (`var` looks a variable up):
