@@ -25,8 +25,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use clan::{EventQueue, Nic, Tripwire};
+use clan_proto::InPlace;
 use clan_proto::SetupError;
-use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueError, QueueListener};
+use clan_proto::queue::{MsgReceiver, MsgSender, QueueConfig, QueueError, QueueListener, Short};
 
 use crate::av::Addr;
 use crate::cq::Direct;
@@ -210,6 +211,14 @@ pub trait Land: Send + Sync {
     /// Bytes `at..at + data.len()` of the message for receive `p` (what lies past `p.len`
     /// is dropped: the message is truncated).
     fn part(&self, p: &Posted, at: usize, data: &[u8]);
+    /// [`Land::part`] of `len` bytes that lie in a sender's ring at `from` in `src`, copied
+    /// from there (once: the short path of a message of one slot).
+    fn part_from(&self, p: &Posted, at: usize, src: &InPlace<'_>, from: u64, len: usize) {
+        let mut data = vec![0u8; len];
+        if src.read(from, &mut data).is_ok() {
+            self.part(p, at, &data);
+        }
+    }
     /// The message for `p` is whole: `len` bytes in all, its header in `m` (whose `data` is
     /// empty: its bytes came by `part`). Its completion goes to `direct` if that is the
     /// reader of its queue ([`crate::cq::Cq::push_to`]).
@@ -714,6 +723,21 @@ fn take_in(s: &mut State, land: Option<&dyn Land>, direct: &mut Direct) -> u64 {
         // messages taken before it counts as gone)
         let alive = r.rx.is_connected();
         let dead = loop {
+            if let (Some(land), None) = (land, &r.assembly) {
+                // The short path: a plain message of one slot for the oldest posted receive
+                // is matched on its header where it lies and copied from the ring straight
+                // into the receive's buffer. Anything else goes the whole way below.
+                let from = r.from;
+                match r.rx.try_recv_whole_with(|_, first, body| land_first(first, &body, from, land, posted, direct)) {
+                    Ok(Short::Taken(())) => {
+                        taken += 1;
+                        continue;
+                    }
+                    Ok(Short::Nothing) => break !alive,
+                    Ok(Short::Other) => {}
+                    Err(_) => break true,
+                }
+            }
             // (never waiting: a message's parts come as its sender, which may be waiting
             // for us in turn, writes them; the parts taken wait in the receiver)
             let part = match r.rx.try_recv_part(&mut r.buf) {
@@ -829,6 +853,36 @@ fn whole(
         Some(Incoming::Done(d)) => done.push(d),
         None => {}
     }
+}
+
+/// A plain message of one slot, `body` where it lies in its sender's ring (`first`: its first
+/// bytes, copied out with its header), landed for the oldest posted receive if that one
+/// matches it (`None`: not so, nothing was done).
+#[inline]
+fn land_first(
+    first: &[u8],
+    body: &InPlace<'_>,
+    from: Option<Addr>,
+    land: &dyn Land,
+    posted: &mut VecDeque<Posted>,
+    direct: &mut Direct,
+) -> Option<()> {
+    let a = plain(first, from)?;
+    let p = posted.front()?;
+    if !p.matches(&a) {
+        return None;
+    }
+    let len = body.len() as usize - HEADER;
+    if a.data.len() == len {
+        // (all of it came with the header)
+        land.part(p, 0, a.data);
+    } else {
+        land.part_from(p, 0, body, HEADER as u64, len);
+    }
+    let a = Landed { data: &[], ..a };
+    land.done(p, a, len, direct);
+    posted.pop_front();
+    Some(())
 }
 
 /// Message `a` to the first posted receive it matches (landed at once, with a place to
@@ -1218,6 +1272,44 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         panic!("nothing came in 5 s");
+    }
+
+    /// Messages of one slot land where they lie (the short path) when the oldest posted
+    /// receive matches them, bytes past the header's copy included; anything else (a receive
+    /// further back, no receive, several slots) goes the whole way, and every message lands
+    /// whole, in order, with its tag and sender.
+    #[test]
+    fn short_messages_land_from_the_ring_and_the_rest_the_whole_way() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        let landed = Arc::new(Mutex::new(Vec::new()));
+        b.set_land(Box::new(Keep(landed.clone(), Mutex::default())));
+        let long_short: Vec<u8> = (0..200u8).collect(); // one slot, past the header's copy
+        let several = vec![9u8; 40_000]; // three slots
+        // Posted oldest first: tags 1, 2, 3; then tags 5 and 6 behind tag 9, which nothing
+        // matches.
+        for (ctx, tag) in [(1, 1), (2, 2), (3, 3), (4, 9), (5, 5), (6, 6)] {
+            assert!(b.post(Posted { len: 1 << 16, ..posted(ctx, true, tag) }).is_none());
+        }
+        let sent: [(u64, &[u8]); 6] =
+            [(1, b""), (2, b"8 bytes!"), (3, &long_short), (5, b"behind"), (6, &several), (7, b"unexpected")];
+        for (tag, data) in sent {
+            a.send(b.addr(), data, true, tag, None).unwrap();
+        }
+        until(|| {
+            b.progress();
+            (landed.lock().unwrap().len() == 5 && b.lock().unexpected.len() == 1).then_some(())
+        });
+        let got = landed.lock().unwrap().clone();
+        let want: Vec<Kept> = sent[..5]
+            .iter()
+            .zip(1..)
+            .map(|(&(tag, d), ctx)| (ctx + usize::from(ctx > 3), d.to_vec(), tag, Some(a.addr())))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(b.lock().unexpected[0].data, b"unexpected");
+        assert_eq!(b.lock().posted.iter().map(|p| p.context).collect::<Vec<_>>(), [4], "tag 9 still waits");
     }
 
     /// Remote memory requests reach the target's progress with who sent them; answers reach

@@ -223,6 +223,21 @@ pub struct Part {
     pub last: bool,
 }
 
+/// How many of a short message's first bytes [`MsgReceiver::try_recv_whole_with`] copies out
+/// with its header.
+pub const SHORT_PREFIX: u64 = 64;
+
+/// What [`MsgReceiver::try_recv_whole_with`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Short<R> {
+    /// A message of one slot, taken: what the taker returned.
+    Taken(R),
+    /// Nothing has come.
+    Nothing,
+    /// Something has, left for another take.
+    Other,
+}
+
 /// A received message ([`MsgReceiver::recv`]).
 ///
 /// ```
@@ -1224,6 +1239,78 @@ impl MsgReceiver {
             self.parting = Some((meta, total, at + part));
         }
         Ok(Some(Part { meta, total, at, last }))
+    }
+
+    /// The next message if it came whole in one slot, the short message's case, read where
+    /// it lies: `take(meta, first, body)` gets its metadata word, its first bytes (up to
+    /// [`SHORT_PREFIX`], copied out with its header in one read) and the whole of it in the
+    /// ring ([`InPlace`], memory the sender writes: copy what you use), and says whether it
+    /// took it. [`Short::Taken`]: the slot is consumed. [`Short::Other`]: the message stays
+    /// for the next take, of any kind, as it does when it comes in several parts or one was
+    /// begun part by part (take those with [`MsgReceiver::try_recv_part`], which also says
+    /// what is wrong with a malformed one). [`Short::Nothing`]: nothing has come. A receiver
+    /// that matches short messages to their destinations before copying them copies each
+    /// once, from the ring to where it belongs.
+    ///
+    /// ```
+    /// use clan_proto::queue::Short;
+    /// # use std::time::Duration;
+    /// # use clan_proto::queue::{MsgSender, QueueConfig, QueueListener};
+    /// # let nic = clan::Nic::open_default()?;
+    /// # let listener = QueueListener::bind(&nic, QueueConfig::default())?;
+    /// # let (addr, n2) = (listener.local_addr(), nic.clone());
+    /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
+    /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
+    /// # let mut tx = connecting.join().unwrap()?;
+    /// assert_eq!(rx.try_recv_whole_with(|_, _, _| Some(()))?, Short::Nothing);
+    /// tx.send(1, b"not for me")?;
+    /// tx.send(2, b"mine")?;
+    /// # while rx.pending()? < 2 { std::thread::yield_now(); }
+    /// // Left where it is: the next take sees it again.
+    /// assert_eq!(rx.try_recv_whole_with(|meta, _, _| (meta == 2).then_some(()))?, Short::Other);
+    /// assert_eq!(rx.try_recv()?.map(|m| m.data), Some(b"not for me".to_vec()));
+    /// let took = rx.try_recv_whole_with(|meta, first, _| Some((meta, first.to_vec())))?;
+    /// assert_eq!(took, Short::Taken((2, b"mine".to_vec())));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[inline]
+    pub fn try_recv_whole_with<R>(
+        &mut self,
+        take: impl FnOnce(u64, &[u8], InPlace<'_>) -> Option<R>,
+    ) -> Result<Short<R>, QueueError> {
+        if self.partial.is_some() || self.parting.is_some() {
+            return Ok(Short::Other);
+        }
+        let i = self.read;
+        let at = self.read_at;
+        // SYNC POINT: the Acquire load of the sequence word pairs with the sender's Release
+        // store of it, which follows the slot's fields and body (`header_of`'s, by hand).
+        if self.mine.load_u64(at)? != i + 1 {
+            // (with the counter past it, a slot without its sequence word: `next_header` says so)
+            return Ok(if self.written_seen > i { Short::Other } else { Short::Nothing });
+        }
+        // The header and the body's first bytes, in one copy (what lies past the message in
+        // the slot is read and never handed out).
+        let mut h = [0u8; (HEADER + SHORT_PREFIX) as usize];
+        let n = (HEADER + SHORT_PREFIX).min(self.slot) as usize;
+        self.mine.read(at, &mut h[..n])?;
+        let part = u64::from(u32::from_le_bytes([h[8], h[9], h[10], h[11]]));
+        let flags = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
+        let word = |a: usize| u64::from_le_bytes(h[a..a + 8].try_into().unwrap_or([0; 8]));
+        let (meta, total) = (word(16), word(24));
+        // Sealed (its sequence word covers it), first and last, as long as it says, within a
+        // slot; anything else the whole way.
+        if flags & (SEALED | FIRST | MORE) != SEALED | FIRST || part != total || part > self.slot - HEADER {
+            return Ok(Short::Other);
+        }
+        let first = &h[HEADER as usize..n.min((HEADER + part) as usize)];
+        match take(meta, first, InPlace::new(&self.mine, at + HEADER, part)) {
+            Some(r) => {
+                self.consume()?;
+                Ok(Short::Taken(r))
+            }
+            None => Ok(Short::Other),
+        }
     }
 
     fn take_parts(&mut self) -> Result<Option<Message>, QueueError> {

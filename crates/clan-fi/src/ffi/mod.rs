@@ -1922,6 +1922,17 @@ impl crate::rdm::Land for LandIn {
         self.ep().land_part(p, at, data);
     }
 
+    fn part_from(&self, p: &crate::rdm::Posted, at: usize, src: &clan_proto::InPlace<'_>, from: u64, len: usize) {
+        let n = len.min(p.len.saturating_sub(at));
+        if n > 0 {
+            // SAFETY: the application posted `p.len` writable bytes at `p.buf`, valid until
+            // this receive completes, and lends them to nothing else meanwhile; `at + n <=
+            // p.len`. (The copy from the ring is `InPlace::read`'s, bounds-checked.)
+            let dst = unsafe { std::slice::from_raw_parts_mut((p.buf as *mut u8).add(at), n) };
+            let _ = src.read(from, dst);
+        }
+    }
+
     fn done(&self, p: &crate::rdm::Posted, m: crate::rdm::Landed<'_>, len: usize, direct: &mut crate::cq::Direct) {
         self.ep().land_done(p, m, len, direct);
     }
