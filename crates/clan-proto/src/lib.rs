@@ -90,6 +90,7 @@ const _: () = {
     send_sync::<queue::QueueError>();
     send_sync::<queue::Header>();
     send_sync::<queue::Part>();
+    send_sync::<queue::Short<u64>>();
     send_sync::<queue::Message>();
     send_sync::<queue::QueueListener>();
     send_sync::<queue::MsgSender>();
