@@ -658,7 +658,9 @@ impl Rdm {
         // this thread's CPU, would wait its turn: a round trip between two hosts took 3×
         // libfabric's tcp provider's). One load when the NIC has no link.
         if let Ok(n) = nic() {
-            n.spin_links().drive();
+            if n.has_links() {
+                n.spin_links().drive();
+            }
         }
         let mut s = self.lock();
         self.take_in_to(&mut s, direct);

@@ -1727,6 +1727,20 @@ impl Nic {
         self.inner.progress()
     }
 
+    /// Whether a link to another host is open: a hint (one may open or close at any time),
+    /// for a poll loop that calls [`Nic::spin_links`] only when there is something to drive.
+    ///
+    /// ```
+    /// let nic = clan::Nic::open_default()?;
+    /// assert!(!nic.has_links(), "no other host yet");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[inline]
+    pub fn has_links(&self) -> bool {
+        // A hint (Relaxed, as in `spin_links`).
+        self.inner.links.open.load(Ordering::Relaxed) != 0
+    }
+
     /// Begin a spin on this NIC's links: for a thread that polls for data that may come from
     /// other hosts (a completion queue read in a loop, a non-blocking read), which should
     /// apply those bytes itself ([`crate::LinkSpin::drive`]) rather than wait for the engine's
