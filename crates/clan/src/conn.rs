@@ -736,12 +736,7 @@ impl Endpoint {
             // The server's NIC is asked to grant the import as it accepts, on the connection
             // the request then goes on, just before it (`crate::onaccept`); failing that, the
             // import is begun as the answer comes in (`on_message`).
-            let mut on_accept = crate::peer::try_begin_on_accept(&self.inner, to.nic, token);
-            if on_accept.is_none() && crate::peer::connect_peer(&self.inner, to.nic, deadline) {
-                // A first connect to that NIC: its control connection is made now (the
-                // request would have made it), so that the import goes with the request.
-                on_accept = crate::peer::try_begin_on_accept(&self.inner, to.nic, token);
-            }
+            let on_accept = crate::peer::try_begin_on_accept(&self.inner, to.nic, token);
             lock(&conns.prefetch).insert(token, on_accept);
         }
         // Whatever the outcome, the dial's import slot goes (an import begun for a dial that

@@ -614,24 +614,6 @@ pub(crate) fn try_begin_import(ep: &EndpointInner, desc: &Descriptor) -> Option<
     Some(PendingImport { peer, sent: Some(sent), on_accept: false })
 }
 
-/// Make the control connection to NIC `to` of this host, if there is none yet, by
-/// `deadline` (its liveness then watched by the engine, as a request over it would have it):
-/// whether it is up. `false` for this NIC, for a NIC that is not of this host or not there,
-/// and when it cannot be made in time: the caller then goes the way it would without it.
-/// A first connect to a NIC makes it before its request, so that the import it asks for goes
-/// with the request ([`try_begin_on_accept`]) rather than a round trip after the answer.
-pub(crate) fn connect_peer(ep: &EndpointInner, to: NicAddr, deadline: Instant) -> bool {
-    if ep.nic.config.local_transport != crate::config::LocalTransport::SharedMemory || to == ep.nic.addr {
-        return false;
-    }
-    let peer = ep.nic.peer(to);
-    let up = peer.channel(deadline).is_ok();
-    if up {
-        ep.nic.watch(&peer);
-    }
-    up
-}
-
 /// Ask NIC `to` of this host to grant endpoint `ep`, when it accepts our connect with
 /// `token`, the import of what it accepts it with (`Request::ImportOnAccept`, see
 /// `crate::onaccept`). Sent only if that needs no wait at all, on the connection the connect
