@@ -338,11 +338,6 @@ type Key = Addr;
 /// announces many makes itself slower, nobody else).
 type Fast<K, V> = HashMap<K, V, BuildHasherDefault<rustc_hash::FxHasher>>;
 
-/// Our queue to a peer.
-struct Tx {
-    tx: MsgSender,
-}
-
 /// Where a message longer than a slot goes as its parts come in.
 enum Assembly {
     /// Straight into the buffer of the posted receive its first part matched (its header:
@@ -354,7 +349,10 @@ enum Assembly {
 
 #[derive(Default)]
 struct State {
-    senders: Fast<Key, Arc<Mutex<Tx>>>,
+    /// Our queues to peers: `None` while a send that waits for room has it out (it never
+    /// waits with the state's lock held); other sends to that peer wait for it to be put
+    /// back, so that the peer's messages stay in order.
+    senders: Fast<Key, Option<MsgSender>>,
     receivers: Vec<Rx>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Arrival>,
@@ -524,65 +522,102 @@ impl Rdm {
     }
 
     /// The short path: a small message to a peer we are connected to, with room in its ring
-    /// now (`None`: none of that; nothing was sent). Its sender is only tried (a send waiting
-    /// for room holds it, and takes the state's lock while it waits), and the state's lock
-    /// is held for a send that does not wait.
+    /// now (`None`: none of that; nothing was sent), sent under the state's lock: one lock
+    /// for the lookup and the send.
     #[inline]
     fn send_now(&self, to: Addr, all: &[&[u8]]) -> Option<Result<(), Error>> {
-        let s = self.lock();
-        let sent = match s.senders.get(&to).map(|t| t.try_lock()) {
-            Some(Ok(mut t)) => t.tx.try_send_small(0, all),
+        let mut s = self.lock();
+        let sent = match s.senders.get_mut(&to) {
+            Some(Some(tx)) => tx.try_send_small(0, all),
             _ => Ok(false),
         };
         match sent {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
             Err(e) => {
-                drop(s);
-                Some(Err(self.broken(to, e)))
+                s.senders.remove(&to);
+                Some(Err(gone_or(e)))
             }
         }
     }
 
-    /// The long path: connect first if need be, and wait for room.
+    /// The long path: connect first if need be, and wait for room. The sender is taken out
+    /// of the state while it waits (the state's lock is not held: the receive side goes on,
+    /// and this wait takes in what others send us), then put back.
     #[inline(never)]
     fn send_waiting(&self, to: Addr, all: &[&[u8]]) -> Result<(), Error> {
-        let existing = self.lock().senders.get(&to).cloned();
-        let tx = match existing {
-            Some(tx) => tx,
-            None => {
-                // (connecting without the lock: the peer's acceptor thread may be ours)
-                let dest = to.endpoint().ok_or(Error::BadAddr)?;
-                let mut tx = MsgSender::connect(nic()?, dest, &config()).map_err(|e| match e {
-                    QueueError::Setup(SetupError::Connect(_)) => Error::PeerGone,
-                    e => Error::Queue(e),
-                })?;
-                let mut hello = vec![0u8; HEADER];
-                hello[..8].copy_from_slice(&F_HELLO.to_le_bytes());
-                hello.extend_from_slice(self.me.bytes());
-                tx.send(0, &hello)?;
-                let tx = Tx { tx };
-                self.lock().senders.entry(to).or_insert_with(|| Arc::new(Mutex::new(tx))).clone()
+        let mut looked = 0u32;
+        let mut tx = loop {
+            let mut s = self.lock();
+            match s.senders.get_mut(&to) {
+                Some(t) => match t.take() {
+                    Some(tx) => break tx,
+                    None => {
+                        // Another thread's send to this peer waits for room: take in
+                        // meanwhile (the peer may be waiting for room in our rings), then
+                        // look again.
+                        self.take_in(&mut s);
+                        drop(s);
+                        // (yielding, then napping: that send may wait long)
+                        looked += 1;
+                        if looked < 64 {
+                            std::thread::yield_now();
+                        } else {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                    }
+                },
+                None => {
+                    drop(s);
+                    // (connecting without the lock: the peer's acceptor thread may be ours)
+                    let tx = self.connect(to)?;
+                    let mut s = self.lock();
+                    if let std::collections::hash_map::Entry::Vacant(v) = s.senders.entry(to) {
+                        v.insert(None);
+                        break tx;
+                    }
+                    // (another thread connected meanwhile: its sender is the one used)
+                }
             }
         };
-        // Only this peer's sender is held while it waits for room (never the receive side).
+        // Only this peer's sender is out while it waits for room (never the receive side).
         // While it waits, what others send us is taken in: the peer may be waiting for room
         // in our rings to finish a send to us before it reads ours.
-        let r = tx.lock().unwrap_or_else(|p| p.into_inner()).tx.send_vectored_idling(0, all, &mut || {
+        let r = tx.send_vectored_idling(0, all, &mut || {
             let mut s = self.lock();
             self.take_in(&mut s);
         });
-        r.map_err(|e| self.broken(to, e))
+        let mut s = self.lock();
+        let back = matches!(s.senders.get(&to), Some(None));
+        match r {
+            // (put back, unless the peer was found gone meanwhile: then it is dropped, and
+            // the next send connects again)
+            Ok(()) if back => {
+                s.senders.insert(to, Some(tx));
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if back {
+                    s.senders.remove(&to);
+                }
+                Err(gone_or(e))
+            }
+        }
     }
 
-    /// A send to `to` failed with `e`: the connection is dropped (the next send makes it
-    /// again), and the error said as the provider's.
-    fn broken(&self, to: Addr, e: QueueError) -> Error {
-        self.lock().senders.remove(&to);
-        match e {
-            QueueError::Disconnected | QueueError::Access(_) => Error::PeerGone,
+    /// A new connection to `to`, announced by its hello.
+    fn connect(&self, to: Addr) -> Result<MsgSender, Error> {
+        let dest = to.endpoint().ok_or(Error::BadAddr)?;
+        let mut tx = MsgSender::connect(nic()?, dest, &config()).map_err(|e| match e {
+            QueueError::Setup(SetupError::Connect(_)) => Error::PeerGone,
             e => Error::Queue(e),
-        }
+        })?;
+        let mut hello = vec![0u8; HEADER];
+        hello[..8].copy_from_slice(&F_HELLO.to_le_bytes());
+        hello.extend_from_slice(self.me.bytes());
+        tx.send(0, &hello)?;
+        Ok(tx)
     }
 
     /// Post a receive: matched at once against what already arrived, if anything did; failed
@@ -670,16 +705,9 @@ impl Rdm {
     /// Whether `peer` went away: its connection to us ended (and it has not connected
     /// again), or ours to it did.
     pub fn is_gone(&self, peer: Addr) -> bool {
-        let tx = {
-            let s = self.lock();
-            if s.gone.contains(&peer) {
-                return true;
-            }
-            s.senders.get(&peer).cloned()
-        };
-        // (never the sender's lock while holding the state's: a send holds its sender's and
-        // takes the state's while it waits; a sender busy sending is found out by its send)
-        tx.is_some_and(|tx| tx.try_lock().is_ok_and(|tx| !tx.tx.is_connected()))
+        let s = self.lock();
+        // (a sender out with a waiting send is found out by that send)
+        s.gone.contains(&peer) || matches!(s.senders.get(&peer), Some(Some(tx)) if !tx.is_connected())
     }
 
     /// The first waiting message that `p` would match, without taking it; with `claim`,
@@ -707,6 +735,14 @@ impl Rdm {
         let mut s = self.lock();
         let i = s.posted.iter().position(|p| p.context == context)?;
         s.posted.remove(i)
+    }
+}
+
+/// A send's error as the provider's: the connection ended (or its memory went), or another.
+fn gone_or(e: QueueError) -> Error {
+    match e {
+        QueueError::Disconnected | QueueError::Access(_) => Error::PeerGone,
+        e => Error::Queue(e),
     }
 }
 
@@ -1410,6 +1446,65 @@ mod tests {
             }
         }
         assert_eq!(got, [Some(true), Some(true)]);
+    }
+
+    /// Threads sending to one peer at once, each more than its ring holds: one send waits
+    /// for room with the sender out of the state, the others wait for it to be back; every
+    /// message arrives, each thread's in the order it sent them.
+    #[test]
+    fn threads_sending_to_one_peer_at_once_all_arrive_in_their_order() {
+        let q = queue();
+        let a = std::sync::Arc::new(Rdm::open(&q).unwrap());
+        let b = Rdm::open(&q).unwrap();
+        let (threads, each) = (4u64, 200u64);
+        let senders: Vec<_> = (0..threads)
+            .map(|t| {
+                let (a, to) = (a.clone(), b.addr());
+                std::thread::spawn(move || {
+                    for k in 0..each {
+                        // (long ones too: they go part by part, waiting for room)
+                        let len = if k % 10 == 0 { 40_000 } else { 16 };
+                        let mut m = vec![t as u8; len];
+                        m[..8].copy_from_slice(&k.to_le_bytes());
+                        a.send(to, &m, true, t, None).unwrap();
+                    }
+                })
+            })
+            .collect();
+        // (nothing received for a while: the ring fills, and the senders wait)
+        std::thread::sleep(Duration::from_millis(300));
+        let mut next = vec![0u64; threads as usize];
+        let start = std::time::Instant::now();
+        let mut ctx = 0;
+        while next.iter().any(|&n| n < each) {
+            assert!(start.elapsed() < Duration::from_secs(60), "received {next:?}");
+            ctx += 1;
+            let mut p = posted(ctx, true, 0);
+            (p.len, p.ignore) = (40_000, !0);
+            let got = match b.post(p) {
+                Some(d) => vec![d],
+                None => {
+                    let mut got = b.progress();
+                    if got.is_empty() {
+                        b.cancel(ctx);
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    got.retain(|d| matches!(d, Done::Received(..)));
+                    got
+                }
+            };
+            for d in got {
+                let (_, m) = received(d);
+                let k = u64::from_le_bytes(m.data[..8].try_into().unwrap());
+                let t = m.tag as usize;
+                assert_eq!(k, next[t], "thread {t}'s messages out of order");
+                assert!(m.data[8..].iter().all(|&x| x == t as u8));
+                next[t] += 1;
+            }
+        }
+        for s in senders {
+            s.join().unwrap();
+        }
     }
 
     #[test]
