@@ -226,8 +226,9 @@ struct TripRecord {
 #[derive(Debug, Default)]
 struct OwnerState {
     cam: CamOwner,
-    /// By queue index.
-    trips: HashMap<u32, TripRecord>,
+    /// By queue index (indexes this queue handed out itself: a fast hash, looked up by
+    /// every [`Tripwire::arm`] and wait).
+    trips: HashMap<u32, TripRecord, std::hash::BuildHasherDefault<rustc_hash::FxHasher>>,
     /// Entries of the index free for reuse (oldest first), and the first never used.
     slots_free: std::collections::VecDeque<u32>,
     slots_next: u32,
