@@ -236,7 +236,6 @@ struct OwnerState {
     /// same layout, so without it the first entries of a thousand apertures would all sit
     /// at one page offset, in one set of the CPU's caches.
     colour: u32,
-    dead: bool,
 }
 
 impl OwnerState {
@@ -266,6 +265,11 @@ pub(crate) struct WatchOwner {
     /// identity ([`source_of`]); `NO_SOURCE` for a mapping's index, which nobody else reads.
     pub source: u64,
     state: Mutex<OwnerState>,
+    /// Cleared ([`WatchOwner::clear`]): every tripwire removed, and none made from now on.
+    /// Set under `state`'s lock. A tripwire leaves its owner's records only so or when it
+    /// is dropped, so a live [`Tripwire`] is current exactly while this is unset: its
+    /// check ([`Tripwire::arm`], every wait) is one load, no lock.
+    dead: std::sync::atomic::AtomicBool,
     /// For a mapping's (outgoing) index: whether the mapping's exporter is still there (a
     /// wait on such a tripwire ends with an error once it is not).
     pub alive: Option<Box<dyn Fn() -> bool + Send + Sync>>,
@@ -290,7 +294,18 @@ impl WatchOwner {
         // 64 colours of 64-byte entries: every offset within a page.
         let colour = ((tag as u32).wrapping_mul(0x9e37_79b1) >> 26) % (cam.view().entries.len().max(1) as u32);
         let state = OwnerState { colour, ..OwnerState::default() };
-        WatchOwner { eq, cam, tag, len, base, endpoint, source, state: Mutex::new(state), alive: None }
+        WatchOwner {
+            eq,
+            cam,
+            tag,
+            len,
+            base,
+            endpoint,
+            source,
+            state: Mutex::new(state),
+            dead: std::sync::atomic::AtomicBool::new(false),
+            alive: None,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OwnerState> {
@@ -308,7 +323,8 @@ impl WatchOwner {
         }
         let (start, end) = (s + self.base, e + self.base);
         let mut st = self.lock();
-        if st.dead {
+        // (set under the lock: no tripwire is made after `clear` took them all)
+        if self.dead.load(Ordering::Relaxed) {
             return Err(TripwireError::Stale);
         }
         let cap = self.cam.view().entries.len() as u32;
@@ -373,7 +389,9 @@ impl WatchOwner {
     /// Remove every tripwire; later creations fail with `Stale`.
     pub fn clear(&self) {
         let mut st = self.lock();
-        st.dead = true;
+        // SYNC POINT: pairs with the Acquire load in `is_current`: a tripwire found current
+        // was not yet taken by this clear (its later use finds its entry retired).
+        self.dead.store(true, Ordering::Release);
         let all: Vec<(u32, u32)> = st.trips.iter().map(|(&i, r)| (i, r.generation)).collect();
         for (i, g) in all {
             self.remove_locked(&mut st, i, g);
@@ -407,8 +425,22 @@ impl WatchOwner {
         }
     }
 
+    /// Whether the tripwire with queue index `index` of `generation`, which the caller
+    /// holds (so it was not dropped), is still this owner's: unless `clear` took them all.
     fn is_current(&self, index: u32, generation: u32) -> bool {
-        self.lock().trips.get(&index).is_some_and(|r| r.generation == generation)
+        #[cfg(debug_assertions)]
+        {
+            // (under the lock `clear` holds: the records and the flag agree)
+            let st = self.lock();
+            let kept = st.trips.get(&index).is_some_and(|r| r.generation == generation);
+            debug_assert!(
+                kept || self.dead.load(Ordering::Relaxed),
+                "a live tripwire missing from its owner's records"
+            );
+        }
+        #[cfg(not(debug_assertions))]
+        let _ = (index, generation);
+        !self.dead.load(Ordering::Acquire)
     }
 }
 
@@ -668,6 +700,9 @@ impl Tripwire {
             }
             None
         };
+        // Sleep in slices to look at the exporter, if there is one to look at.
+        let slice = alive.map(|_| ALIVE_SLICE);
+        let deadline = Deadline::after(timeout);
         let sleep = |nap: Option<Duration>| {
             links.sleeping();
             slept.set(true);
@@ -678,14 +713,12 @@ impl Tripwire {
             if !eq.drives_links_asleep() && nic.as_ref().is_some_and(|n| progress::sleep_on_links(n, None, nap)) {
                 return;
             }
-            let until = nap.map(|n| Instant::now() + n);
+            // (without slices the nap ends at the deadline: no clock read for it)
+            let until = if slice.is_none() { deadline.instant() } else { nap.map(|n| Instant::now() + n) };
             skip_drive.set(sleep_drives());
             eq.wait_word(&e.seq, &e.waiters, until, || e.seq.load(Ordering::Acquire) != seen);
         };
-        // Sleep in slices to look at the exporter, if there is one to look at.
-        let slice = alive.map(|_| ALIVE_SLICE);
-        let r =
-            progress::wait(spin, Deadline::after(timeout), slice, poll, sleep).unwrap_or(Err(TripwireError::Timeout));
+        let r = progress::wait(spin, deadline, slice, poll, sleep).unwrap_or(Err(TripwireError::Timeout));
         if r.is_ok() {
             self.last_seen.store(e.seq.load(Ordering::Acquire), Ordering::Relaxed);
         }
