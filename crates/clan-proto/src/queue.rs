@@ -82,7 +82,9 @@ const IDLE_EVERY: Duration = Duration::from_millis(1);
 pub struct QueueConfig {
     /// Slots in the receiver's ring (one stays free).
     pub slots: u64,
-    /// Bytes of a slot, header included (a multiple of 8, more than the header).
+    /// Bytes of a slot, header included (a multiple of 8, more than the header). An odd
+    /// number of cache lines (the default: 2 KiB and a line) spreads consecutive slots over
+    /// the CPU's cache sets; a multiple of 128 bytes puts them in few.
     pub slot_size: u64,
     /// How long a blocked send or receive polls before it sleeps.
     /// Default: [`clan::default_spin`] (`CLAN_SPIN_US`, else 15 µs); zero: sleep at once,
@@ -98,7 +100,11 @@ impl Default for QueueConfig {
     fn default() -> Self {
         QueueConfig {
             slots: 64,
-            slot_size: 2048,
+            // 2 KiB and a line: slots 2 KiB apart would begin at two places in a page only,
+            // and their first lines (where a small message lives) take turns in two sets of
+            // the CPU's first-level cache, pushing out what else shares them; a line more
+            // walks them through every set (a slot size that is an odd number of lines).
+            slot_size: 2048 + 64,
             spin: clan::default_spin(),
             dma_threshold: crate::vmmc::DEFAULT_INLINE_MAX,
             connect_timeout: Duration::from_secs(10),
@@ -366,7 +372,7 @@ fn ring_pages(slots: u64, slot: u64) -> impl Iterator<Item = (u64, u64)> {
 /// # let connecting = std::thread::spawn(move || MsgSender::connect(&n2, addr, &QueueConfig::default()));
 /// # let mut rx = listener.accept(Some(Duration::from_secs(5)))?;
 /// # let mut tx = connecting.join().unwrap()?;
-/// assert_eq!(tx.slot_payload(), 2048 - clan_proto::queue::HEADER);
+/// assert_eq!(tx.slot_payload(), 2048 + 64 - clan_proto::queue::HEADER);
 /// tx.send(1, b"one slot")?;
 /// assert!(tx.is_connected());
 /// assert_eq!(tx.sent(), 1);
