@@ -62,7 +62,8 @@ fn log_init() {
 /// - `CLAN_FI_KEY`: the cluster's key, 64 hex digits: links authenticate both ends with it
 ///   and refuse peers without it (every host must have the same).
 pub fn nic_config(var: impl Fn(&str) -> Option<String>) -> Result<clan::NicConfig, String> {
-    let mut c = clan::NicConfig::default();
+    // The application owns its signals (MPI runtimes and their libraries use some).
+    let mut c = clan::NicConfig { wake_signal: false, ..clan::NicConfig::default() };
     if let Some(ip) = var("CLAN_FI_IP") {
         c.ip = ip.trim().parse().map_err(|_| format!("CLAN_FI_IP={ip:?} is not an IP address"))?;
         c.tcp = true;

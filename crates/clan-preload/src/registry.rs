@@ -208,7 +208,8 @@ impl Runtime {
         crate::hooks::on_fork_handlers();
         // Our descriptors go high: the program sizes its tables by the ones it expects.
         clan_shm::fdfloor::set(fd_floor());
-        let nic = Nic::open(NicConfig { tcp: false, ..NicConfig::default() }).map_err(io::Error::other)?;
+        let nic = Nic::open(NicConfig { tcp: false, wake_signal: false, ..NicConfig::default() })
+            .map_err(io::Error::other)?;
         let listener = Listener::bind(&nic)?;
         let rt = Arc::new(Runtime {
             addr: listener.local_addr(),

@@ -9,6 +9,7 @@
 //! | [`segment`] | a mapping of shared memory, accessed only by bounds-checked copies and atomic views |
 //! | [`memfd`] | sealed memfds, the unit of protection between processes |
 //! | [`futex`], [`eventfd`] | sleeping and waking across processes |
+//! | [`wakesig`] | the signal that wakes a thread out of a blocking socket receive |
 //! | [`seqpacket`] | abstract `SOCK_SEQPACKET` sockets with fd passing and peer credentials |
 //! | [`ring`] | the per-producer event rings of an event queue (robust to a producer killed at any instruction) |
 //! | [`trip`] | tripwire entries, firing (once-only, actions) and waiting |
@@ -58,3 +59,5 @@ pub mod memfd;
 pub mod segment;
 #[cfg(not(loom))]
 pub mod seqpacket;
+#[cfg(not(loom))]
+pub mod wakesig;

@@ -322,10 +322,11 @@ impl Segment {
         Ok(unsafe { std::slice::from_raw_parts(self.as_ptr().add(offset).cast::<T>(), n) })
     }
 
-    /// Read from `fd` straight into `len` bytes at `offset` (one `read` call): returns how
-    /// many bytes arrived (0 at end of stream). The bytes go from the kernel into the shared
-    /// memory with no intermediate buffer.
-    pub fn read_from(&self, fd: impl AsFd, offset: usize, len: usize) -> io::Result<usize> {
+    /// Receive from socket `fd` straight into `len` bytes at `offset` (one `recv` call with
+    /// `MSG_DONTWAIT`: never blocks, whatever the socket's mode): returns how many bytes
+    /// arrived (0 at end of stream). The bytes go from the kernel into the shared memory with
+    /// no intermediate buffer.
+    pub fn recv_from(&self, fd: impl AsFd, offset: usize, len: usize) -> io::Result<usize> {
         self.check_writable().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         self.check(offset, len).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         // SAFETY: the range lies inside our live, writable mapping (checked); the kernel writes
@@ -334,17 +335,18 @@ impl Segment {
         // call.
         let buf = unsafe { std::slice::from_raw_parts_mut(self.as_ptr().add(offset), len) };
         loop {
-            match rustix::io::read(&fd, &mut *buf) {
-                Ok(n) => return Ok(n),
+            match rustix::net::recv(&fd, &mut *buf, rustix::net::RecvFlags::DONTWAIT) {
+                Ok((n, _)) => return Ok(n),
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
     }
 
-    /// Write `head` then `len` bytes at `offset` to `fd` with one vectored write (no copy of
-    /// the shared bytes): returns how many bytes were written in total.
-    pub fn write_to(&self, fd: impl AsFd, head: &[u8], offset: usize, len: usize) -> io::Result<usize> {
+    /// Send `head` then `len` bytes at `offset` on socket `fd` with one vectored send (no
+    /// copy of the shared bytes; `MSG_DONTWAIT | MSG_NOSIGNAL`: never blocks, whatever the
+    /// socket's mode): returns how many bytes were sent in total.
+    pub fn send_to(&self, fd: impl AsFd, head: &[u8], offset: usize, len: usize) -> io::Result<usize> {
         self.check(offset, len).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         // SAFETY: the range lies inside our live mapping (checked); the kernel only reads it
         // during the call. Concurrent writers make the copy a snapshot of racing bytes, never
@@ -352,7 +354,8 @@ impl Segment {
         let data = unsafe { std::slice::from_raw_parts(self.as_ptr().add(offset), len) };
         let iov = [io::IoSlice::new(head), io::IoSlice::new(data)];
         loop {
-            match rustix::io::writev(&fd, &iov) {
+            let flags = rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL;
+            match rustix::net::sendmsg(&fd, &iov, &mut rustix::net::SendAncillaryBuffer::default(), flags) {
                 Ok(n) => return Ok(n),
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),

@@ -199,6 +199,14 @@ pub struct NicConfig {
     pub max_link_imports: usize,
     /// Control connections from the processes of this host: per process, per user, in all.
     pub admission: AdmissionLimits,
+    /// Let a thread asleep on a queue as its leader, driving one link and no ports, sleep in
+    /// the link socket's own `recv`, so that a byte from the other host wakes it with its
+    /// data (one system call fewer per message than a sleep in epoll). Local events wake it
+    /// with a real-time signal whose handler does nothing (`clan_shm::wakesig`: `SIGRTMAX - 3`,
+    /// or `CLAN_WAKE_SIGNAL`; taken only if the program does not handle it). Default: on.
+    /// `clan run` and the libfabric provider turn it off: the programs they serve own their
+    /// signals.
+    pub wake_signal: bool,
 }
 
 /// The DMA engine of a NIC (a thread started with the first DMA request).
@@ -251,6 +259,7 @@ impl Default for NicConfig {
             dma: DmaConfig::default(),
             max_link_imports: 65536,
             admission: AdmissionLimits::default(),
+            wake_signal: true,
         }
     }
 }

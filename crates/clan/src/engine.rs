@@ -73,6 +73,9 @@ const RETRY: Duration = Duration::from_millis(5);
 /// [`PARK_CHECK_MAX`] (each look takes the CPU from a spinner). Threads that go to sleep
 /// unpark at once; this bounds the wait of a thread that neither spins nor sleeps.
 const PARK_CHECK: Duration = Duration::from_micros(200);
+/// Looks at a link whose receive lock a sleeping leader holds before the engine leaves it
+/// to that leader ([`Engine::service_link`]): the leader reads whatever comes in any case.
+const PARK_TRIES: u32 = 64;
 const PARK_CHECK_MAX: Duration = Duration::from_millis(5);
 
 /// Server-side state of one host connection.
@@ -402,7 +405,7 @@ impl Run {
             if let Progress::BusyPoll(d) = nic.config.progress {
                 for (t, e) in &self.entries {
                     if let Entry::Link(l) = e {
-                        if l.engine_receive(&nic, BUDGET) || l.is_closed() {
+                        if l.engine_receive(&nic, BUDGET) == Some(true) || l.is_closed() {
                             more.push(*t);
                         }
                     }
@@ -1078,7 +1081,18 @@ impl Run {
             more |= l.take_resume();
         }
         if readable && !nic.manual_progress() && !self.park(nic, t, &l) {
-            more |= l.engine_receive(nic, BUDGET);
+            // A leader asleep in the socket's `recv` has the link (it counts as a spinner):
+            // park it as for one. If it just left, its lock is free at the next look.
+            for _ in 0..PARK_TRIES {
+                match l.engine_receive(nic, BUDGET) {
+                    Some(m) => {
+                        more |= m;
+                        break;
+                    }
+                    None if self.park(nic, t, &l) => break,
+                    None => std::thread::yield_now(),
+                }
+            }
         }
         if l.is_closed() {
             self.drop_entry(nic, t, "link closed");

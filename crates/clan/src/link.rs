@@ -32,7 +32,7 @@
 //! tripwires fire exactly as for a local write.
 
 use std::collections::HashMap;
-use std::io::{IoSlice, Read, Write};
+use std::io::IoSlice;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -165,6 +165,10 @@ pub(crate) struct LinkStats {
     pub refused_out: AtomicU64,
     /// Receive calls that found nothing.
     pub empty_receives: AtomicU64,
+    /// Sleeps of a queue's leader in the socket's `recv` (written under `rx`).
+    pub recv_sleeps: AtomicU64,
+    /// Of those, ended by a local wake's signal (`EINTR`).
+    pub recv_interrupts: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -200,6 +204,12 @@ pub(crate) struct Rx {
     /// lock, once they are worth an acknowledgement ([`Link::ack_every`]), so a receive call
     /// that applies a small transfer takes no lock for it.
     unacked: (u64, u64),
+    /// A sleep in `recv` ([`RecvSleep`]) read less than it asked for: the socket was drained
+    /// then, and the next receive decodes what came without asking the socket again (a new
+    /// arrival makes it readable again: a new epoll edge, or the next sleeper's `recv`).
+    drained: bool,
+    /// The socket's receive timeout ([`RECV_SLICES`]): set by sleepers only, under this lock.
+    timeo: Duration,
 }
 
 impl std::fmt::Debug for Rx {
@@ -267,7 +277,34 @@ pub(crate) struct Link {
     /// Something arrived since the timer last looked: the timer turns it into the time the
     /// peer was last heard from ([`Link::handle_timeout`]), so receiving reads no clock.
     heard: AtomicBool,
+    /// The socket is blocking with a receive timeout ([`RECV_SLICES`]), so that a queue's
+    /// leader may sleep in its `recv` ([`Link::sleeper`]). Every other call on it passes
+    /// `MSG_DONTWAIT` and never blocks.
+    sleepable: bool,
+    /// A leader sleeps in the socket's `recv` holding `rx` (the engine leaves the link to it
+    /// rather than wait for the lock: [`Link::engine_receive`]).
+    rx_asleep: AtomicBool,
+    /// A waker made the socket non-blocking to end a sleep in `recv` ([`Link::interrupt`]):
+    /// the next sleeper makes it blocking again.
+    kicked: AtomicBool,
 }
+
+/// The receive timeouts (`SO_RCVTIMEO`) of a sleep in a link socket's `recv`, longest
+/// first: a sleep takes the longest that fits its own timeout with [`TICK`] to spare (the
+/// kernel rounds it up to whole clock ticks), returns early from a longer one (waiters
+/// re-check), and sets the socket's again only when it needs another. Never zero: without
+/// a timeout, a signal would not end the `recv` (`SA_RESTART` restarts it).
+const RECV_SLICES: [Duration; 3] = [Duration::from_secs(1), Duration::from_millis(100), Duration::from_millis(15)];
+/// A clock tick at 250 Hz: what the kernel may add to a receive timeout.
+const TICK: Duration = Duration::from_millis(4);
+/// Shortest timeout a leader sleeps in `recv` with (a shorter one sleeps in epoll, whose
+/// timeout is exact). The streams' waits sleep 20 ms at a time (`clan-proto`'s
+/// `wait::SLICE`).
+pub(crate) const RECV_SLEEP_MIN: Duration = Duration::from_millis(19);
+
+/// How every send on a link's socket goes: never blocking (the socket itself is blocking,
+/// for the sleepers), never raising `SIGPIPE`.
+const SEND_NOW: rustix::net::SendFlags = rustix::net::SendFlags::DONTWAIT.union(rustix::net::SendFlags::NOSIGNAL);
 
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -277,6 +314,85 @@ impl std::fmt::Debug for Link {
             .field("dialled", &self.dialled)
             .field("closed", &self.is_closed())
             .finish_non_exhaustive()
+    }
+}
+
+/// A queue's leader about to sleep in a link socket's `recv`, with the link's receive lock
+/// ([`Link::sleeper`]).
+pub(crate) struct RecvSleep<'a> {
+    link: &'a Link,
+    rx: std::sync::MutexGuard<'a, Rx>,
+}
+
+impl RecvSleep<'_> {
+    /// Sleep in the socket's `recv` until bytes come, the peer ends the stream, a signal
+    /// lands ([`Link::interrupt`]) or about `timeout` passes (at most that, at least
+    /// [`RECV_SLEEP_MIN`] less a tick; None: a second). What came stays in the receive
+    /// buffer for the next receive to decode ([`Link::progress`]), which the caller makes
+    /// when this returns true: bytes came, or the socket has news (its end, an error).
+    pub fn sleep(&mut self, timeout: Option<Duration>) -> bool {
+        let rx = &mut *self.rx;
+        if rx.drained {
+            // Read by an earlier sleep and not decoded yet: nothing to wait for.
+            return true;
+        }
+        let slice = RECV_SLICES
+            .iter()
+            .copied()
+            .find(|s| timeout.is_none_or(|t| *s + TICK <= t))
+            .unwrap_or(RECV_SLICES[RECV_SLICES.len() - 1]);
+        if slice != rx.timeo {
+            let r = rustix::net::sockopt::set_socket_timeout(
+                &self.link.sock,
+                rustix::net::sockopt::Timeout::Recv,
+                Some(slice),
+            );
+            if r.is_err() {
+                // (the caller re-checks, and sleeps again)
+                return false;
+            }
+            rx.timeo = slice;
+        }
+        if rx.head == rx.tail {
+            rx.head = 0;
+            rx.tail = 0;
+        } else if rx.tail == rx.buf.len() {
+            rx.buf.copy_within(rx.head..rx.tail, 0);
+            rx.tail -= rx.head;
+            rx.head = 0;
+        }
+        let (tail, end) = (rx.tail, rx.buf.len());
+        match rustix::net::recv(&self.link.sock, &mut rx.buf[tail..end], rustix::net::RecvFlags::empty()) {
+            Ok((0, _)) => true,
+            Ok((n, _)) => {
+                rx.tail += n;
+                rx.drained = n < end - tail;
+                true
+            }
+            Err(rustix::io::Errno::INTR) => {
+                // (only the holder of `rx` writes it: a load and a store)
+                let i = &self.link.stats.recv_interrupts;
+                i.store(i.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+                false
+            }
+            Err(rustix::io::Errno::AGAIN) => {
+                // The slice passed, or a waker made the socket non-blocking: the next sleeper
+                // makes it blocking again (one `ioctl` too many if it was the slice).
+                self.link.kicked.store(true, Ordering::Relaxed);
+                false
+            }
+            Err(e) => {
+                self.link.close(Status::Other, format!("receive failed: {e}"));
+                true
+            }
+        }
+    }
+}
+
+impl Drop for RecvSleep<'_> {
+    fn drop(&mut self) {
+        // (before the lock is let go, with `rx`)
+        self.link.rx_asleep.store(false, Ordering::Relaxed);
     }
 }
 
@@ -300,6 +416,12 @@ impl Link {
     ) -> Link {
         let max_queued = state.config().max_queued;
         let ack_every = (state.config().credit / 4).max(1);
+        // Blocking, with a receive timeout: a leader may sleep in its `recv` (and a signal
+        // then ends that sleep with EINTR even under SA_RESTART, signal(7)).
+        let sleepable =
+            rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, Some(RECV_SLICES[0]))
+                .is_ok()
+                && rustix::io::ioctl_fionbio(&sock, false).is_ok();
         Link {
             peer,
             source: sock.peer_addr().map_or(peer.ip(), |a| a.ip()),
@@ -322,6 +444,8 @@ impl Link {
                 access: None,
                 applied: (0, 0),
                 unacked: (0, 0),
+                drained: false,
+                timeo: RECV_SLICES[0],
             }),
             closed: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
@@ -337,7 +461,28 @@ impl Link {
             gone: AtomicBool::new(false),
             ack_every,
             heard: AtomicBool::new(false),
+            sleepable,
+            rx_asleep: AtomicBool::new(false),
+            kicked: AtomicBool::new(false),
         }
+    }
+
+    // ---- the socket ---------------------------------------------------------------------
+    //
+    // Blocking (`sleepable`), for a leader's sleep in `recv` ([`Link::sleeper`]); every
+    // other call below says MSG_DONTWAIT, and none of them ever blocks.
+
+    fn send_now(&self, b: &[u8]) -> std::io::Result<usize> {
+        rustix::net::send(&self.sock, b, SEND_NOW).map_err(Into::into)
+    }
+
+    fn sendv_now(&self, iov: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        rustix::net::sendmsg(&self.sock, iov, &mut rustix::net::SendAncillaryBuffer::default(), SEND_NOW)
+            .map_err(Into::into)
+    }
+
+    fn recv_now(&self, b: &mut [u8]) -> std::io::Result<usize> {
+        rustix::net::recv(&self.sock, b, rustix::net::RecvFlags::DONTWAIT).map(|(n, _)| n).map_err(Into::into)
     }
 
     /// Whether this is the first report of the link's end.
@@ -376,7 +521,7 @@ impl Link {
         *lock(&self.reason) = why;
         let mut b = Vec::new();
         Frame::Close { status }.encode(&mut b);
-        let _ = (&self.sock).write(&b);
+        let _ = self.send_now(&b);
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
         // Reads that will never be answered: complete them (waiters see the link closed;
         // notifications and callbacks must still come).
@@ -495,7 +640,7 @@ impl Link {
         }
         let mut q = lock(&self.overflow);
         while !q.is_empty() {
-            match (&self.sock).write(&q) {
+            match self.send_now(&q) {
                 Ok(0) => return false,
                 Ok(n) => {
                     q.drain(..n);
@@ -570,28 +715,24 @@ impl Link {
                     // with `clan bench latency --transport tcp`). Larger payloads are sent
                     // vectored, straight from the caller's memory.
                     // The frame is all head (gathered bursts): one plain send.
-                    Payload::Bytes(_) if len == 0 => {
-                        rustix::net::send(&self.sock, &head[done..], rustix::net::SendFlags::NOSIGNAL)
-                            .map_err(std::io::Error::from)
-                    }
+                    Payload::Bytes(_) if len == 0 => self.send_now(&head[done..]),
                     Payload::Bytes(d) if done == 0 && head.len() + len <= SMALL_FRAME => {
                         let mut b = [0u8; SMALL_FRAME];
                         b[..head.len()].copy_from_slice(head);
                         b[head.len()..head.len() + len].copy_from_slice(&d[..len]);
-                        rustix::net::send(&self.sock, &b[..head.len() + len], rustix::net::SendFlags::NOSIGNAL)
-                            .map_err(std::io::Error::from)
+                        self.send_now(&b[..head.len() + len])
                     }
                     Payload::Bytes(d) => {
                         let iov = [IoSlice::new(&head[done..]), IoSlice::new(&d[..len])];
-                        (&self.sock).write_vectored(&iov)
+                        self.sendv_now(&iov)
                     }
-                    Payload::Seg(s, off) => s.write_to(&self.sock, &head[done..], *off, len),
+                    Payload::Seg(s, off) => s.send_to(&self.sock, &head[done..], *off, len),
                 }
             } else {
                 let at = done - head.len();
                 match payload {
-                    Payload::Bytes(d) => (&self.sock).write(&d[at..len]),
-                    Payload::Seg(s, off) => s.write_to(&self.sock, &[], off + at, len - at),
+                    Payload::Bytes(d) => self.send_now(&d[at..len]),
+                    Payload::Seg(s, off) => s.send_to(&self.sock, &[], off + at, len - at),
                 }
             };
             match r {
@@ -781,7 +922,7 @@ impl Link {
                     Some(IoSlice::new(rest))
                 })
                 .collect();
-            match (&self.sock).write_vectored(&iov) {
+            match self.sendv_now(&iov) {
                 Ok(0) => {
                     self.close(Status::Other, "connection closed while sending");
                     return Err(self.down());
@@ -950,27 +1091,81 @@ impl Link {
     }
 
     /// The engine's entry: wait for the receive lock, process at most `budget` bytes.
-    /// Returns whether the budget ran out (more may be pending).
-    pub fn engine_receive(&self, nic: &NicInner, budget: usize) -> bool {
+    /// Returns whether the budget ran out (more may be pending); None if a leader sleeps in
+    /// the socket's `recv` with the lock ([`Link::sleeper`]): it reads what comes, and the
+    /// engine must not wait for it (it could sleep a whole second).
+    pub fn engine_receive(&self, nic: &NicInner, budget: usize) -> Option<bool> {
         if self.is_closed() {
-            return false;
+            return Some(false);
         }
         let more = {
-            let mut rx = lock(&self.rx);
+            let mut rx = loop {
+                match self.rx.try_lock() {
+                    Ok(rx) => break rx,
+                    Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => {
+                        // A hint (Relaxed): a sleeper not seen yet is seen at the next look;
+                        // any other holder receives for a moment only.
+                        if self.rx_asleep.load(Ordering::Relaxed) {
+                            return None;
+                        }
+                        std::thread::yield_now();
+                    }
+                }
+            };
             let before = self.stats.bytes_in.load(Ordering::Relaxed);
             self.receive(nic, &mut rx, budget);
             self.stats.bytes_in.load(Ordering::Relaxed) - before >= budget as u64
         };
         self.try_flush();
-        more
+        Some(more)
+    }
+
+    /// The receive side, for a sleep in the socket's `recv` by a queue's leader
+    /// (`wake.rs::Sleepers::sleep`): None if the link cannot be slept on now (closed, not
+    /// blocking, paused for a peer that does not read, or another thread receives).
+    pub fn sleeper(&self) -> Option<RecvSleep<'_>> {
+        if !self.sleepable || self.is_closed() || self.rx_paused.load(Ordering::Acquire) {
+            return None;
+        }
+        let rx = match self.rx.try_lock() {
+            Ok(rx) => rx,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        // SYNC POINT: pairs with the Release store in `interrupt`, made after its `ioctl`
+        // made the socket non-blocking: seen set here, ours comes after that one.
+        if self.kicked.swap(false, Ordering::AcqRel) && rustix::io::ioctl_fionbio(&self.sock, false).is_err() {
+            self.kicked.store(true, Ordering::Relaxed);
+            return None;
+        }
+        // A hint for the engine (Relaxed: it only decides whether to wait for the lock).
+        self.rx_asleep.store(true, Ordering::Relaxed);
+        self.stats.recv_sleeps.store(self.stats.recv_sleeps.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        Some(RecvSleep { link: self, rx })
+    }
+
+    /// End a sleep in the socket's `recv` (`wake.rs::Sleepers::kick`): the socket made
+    /// non-blocking first, so that a sleeper not yet in `recv` returns at once from it
+    /// (the kernel looks at the mode as the call begins), then `sig` for one already in it
+    /// (it ends with EINTR). Thread `tid` must be alive: the caller holds what the sleeper
+    /// clears, after it woke, before it can go.
+    pub fn interrupt(&self, tid: i32, sig: i32) {
+        let _ = rustix::io::ioctl_fionbio(&self.sock, true);
+        // SYNC POINT: pairs with the AcqRel swap in `sleeper`, which makes the socket
+        // blocking again for the next sleep (never before our `ioctl`, which it follows).
+        self.kicked.store(true, Ordering::Release);
+        let _ = clan_shm::wakesig::interrupt(tid, sig);
     }
 
     /// Receive loop: decode buffered bytes, read more (straight into an aperture when inside
     /// an accepted burst), until the socket is drained or `budget` bytes were taken.
     fn receive(&self, nic: &NicInner, rx: &mut Rx, budget: usize) -> bool {
-        let mut did = false;
+        // Bytes a sleeper read, and the socket drained then: decode them, ask no more.
+        let hinted = std::mem::take(&mut rx.drained);
+        let mut did = hinted;
         let mut taken = 0usize;
-        let mut drained = false;
+        let mut drained = hinted;
         loop {
             if let Err(e) = self.decode_buffered(nic, rx) {
                 self.close(Status::Malformed, format!("protocol error from {}: {e}", self.peer));
@@ -1029,7 +1224,7 @@ impl Link {
             };
             let end = (rx.tail + want).min(rx.buf.len());
             let tail = rx.tail;
-            match (&self.sock).read(&mut rx.buf[tail..end]) {
+            match self.recv_now(&mut rx.buf[tail..end]) {
                 Ok(0) => {
                     self.close(Status::Other, "connection closed by the peer");
                     return true;
@@ -1094,7 +1289,7 @@ impl Link {
         let ap = ctx.ap.as_ref().expect("checked by the caller").clone();
         let end = ctx.end;
         let n = ap.window.receive_piece(to.offset, remaining, end, &mut rx.scratch, |seg, rel, len| {
-            seg.read_from(&self.sock, rel, len)
+            seg.recv_from(&self.sock, rel, len)
         })?;
         if n == 0 {
             return Ok(0);

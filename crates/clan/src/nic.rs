@@ -407,6 +407,11 @@ pub struct NicStats {
     /// that had no bytes: a thread that drives three links or more asks which have bytes
     /// first, and reads those only).
     pub link_empty_receives: u64,
+    /// Sleeps of a queue's leader in a link socket's own `recv` (one link, no ports:
+    /// [`crate::NicConfig::wake_signal`]): woken by the peer's bytes with them.
+    pub link_recv_sleeps: u64,
+    /// Of `link_recv_sleeps`: those a local wake ended with the wake signal.
+    pub link_recv_interrupts: u64,
 }
 
 /// The four descriptors an import grant hands over, held open until the reply is sent: the
@@ -1777,6 +1782,8 @@ impl Nic {
             link_parks: i.spinners.parks(),
             links: i.links.all().iter().filter(|l| !l.is_closed()).count() as u64,
             link_empty_receives: i.links.all().iter().map(|l| l.stats.empty_receives.load(Ordering::Relaxed)).sum(),
+            link_recv_sleeps: i.links.all().iter().map(|l| l.stats.recv_sleeps.load(Ordering::Relaxed)).sum(),
+            link_recv_interrupts: i.links.all().iter().map(|l| l.stats.recv_interrupts.load(Ordering::Relaxed)).sum(),
             endpoints: i
                 .endpoints
                 .lock()

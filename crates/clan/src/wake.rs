@@ -91,10 +91,28 @@ pub(crate) fn give_back_woken_links(ids: Vec<u64>) {
 /// The link sockets in a leader's set: each link's id and the link.
 type LinksInSet = Vec<(u64, std::sync::Weak<crate::link::Link>)>;
 
+/// `leader_sleeping`: the leader sleeps in epoll (a local wake signals its eventfd).
+const IN_EPOLL: u32 = 1;
+/// `leader_sleeping`: the leader sleeps in a link socket's `recv` (a local wake interrupts
+/// it: `Link::interrupt`).
+const IN_RECV: u32 = 2;
+
+/// A leader asleep in a link socket's `recv`: the link, the thread and the signal that
+/// wakes it.
+type RecvSleeper = (Arc<crate::link::Link>, i32, i32);
+
 /// The sleepers of one queue.
 pub(crate) struct Sleepers {
     leader: AtomicBool,
+    /// 0, [`IN_EPOLL`] or [`IN_RECV`].
     leader_sleeping: AtomicU32,
+    /// The leader asleep in a link socket's `recv`, set before `leader_sleeping` says so and
+    /// cleared after it stops saying so; a waker holds the lock while it interrupts the
+    /// sleep, so the thread cannot end meanwhile (it clears this first).
+    recv_sleeper: std::sync::Mutex<Option<RecvSleeper>>,
+    /// Ports watched (their count, for a leader that would sleep in `recv`: it may only
+    /// with none).
+    nwatched: std::sync::atomic::AtomicUsize,
     followers: AtomicU32,
     /// Followers' futex word.
     bell: AtomicU32,
@@ -137,6 +155,8 @@ impl Sleepers {
         Ok(Sleepers {
             leader: AtomicBool::new(false),
             leader_sleeping: AtomicU32::new(0),
+            recv_sleeper: std::sync::Mutex::new(None),
+            nwatched: std::sync::atomic::AtomicUsize::new(0),
             followers: AtomicU32::new(0),
             bell: AtomicU32::new(0),
             lead: OnceLock::new(),
@@ -222,6 +242,14 @@ impl Sleepers {
             }
         }
         watched.insert(Arc::as_ptr(fd) as usize, (Arc::downgrade(fd), id));
+        self.nwatched.store(watched.len(), Ordering::Relaxed);
+        drop(watched);
+        // A leader asleep in a link's `recv` does not hear this port: wake it, and it sleeps
+        // in epoll next time (Dekker with its "IN_RECV, fence, load nwatched").
+        fence(Ordering::SeqCst);
+        if self.leader_sleeping.load(Ordering::Acquire) == IN_RECV {
+            self.interrupt_recv();
+        }
         Ok(())
     }
 
@@ -229,6 +257,7 @@ impl Sleepers {
     pub fn unwatch(&self, fd: &Arc<EventFd>) {
         let mut watched = crate::lock(&self.watched);
         watched.remove(&(Arc::as_ptr(fd) as usize));
+        self.nwatched.store(watched.len(), Ordering::Relaxed);
         if let Some(l) = self.lead.get() {
             let _ = epoll::delete(&l.epoll, fd.as_fd());
         }
@@ -239,14 +268,67 @@ impl Sleepers {
     /// the changed word itself. The caller changed the word and fenced (`SeqCst`) before.
     pub fn kick(&self) {
         // SYNC POINT: pairs with the leader's Release store of `leader_sleeping`, made after
-        // it made `lead`: a leader seen asleep has its eventfd.
-        if self.leader_sleeping.load(Ordering::Acquire) != 0 {
-            if let Some(l) = self.lead.get() {
-                l.kick.signal();
+        // it made `lead` (a leader seen asleep in epoll has its eventfd) and set
+        // `recv_sleeper` (one seen asleep in `recv` can be found).
+        match self.leader_sleeping.load(Ordering::Acquire) {
+            0 => {}
+            IN_RECV => self.interrupt_recv(),
+            _ => {
+                if let Some(l) = self.lead.get() {
+                    l.kick.signal();
+                }
             }
         }
         if self.followers.load(Ordering::Relaxed) != 0 {
             self.ring();
+        }
+    }
+
+    /// End the leader's sleep in a link socket's `recv`, if it still sleeps there (a
+    /// spurious wake-up of its next sleep otherwise: it re-checks).
+    fn interrupt_recv(&self) {
+        if let Some((link, tid, sig)) = &*crate::lock(&self.recv_sleeper) {
+            link.interrupt(*tid, *sig);
+        }
+    }
+
+    /// Whether this leader may sleep in its link's `recv` (and the signal that would wake
+    /// it): allowed by the NIC's config, the wait long enough ([`crate::link::RECV_SLEEP_MIN`]:
+    /// a shorter one sleeps in epoll, whose timeout is exact), no ports to hear, and the wake signal available and not
+    /// blocked in this thread (asked once in [`MASK_EVERY`] sleeps: one system call).
+    fn recv_sleep_signal(&self, nic: &crate::nic::NicInner, timeout: Option<Duration>) -> Option<i32> {
+        if !nic.config.wake_signal
+            || timeout.is_some_and(|t| t < crate::link::RECV_SLEEP_MIN)
+            || self.nwatched.load(Ordering::Relaxed) != 0
+        {
+            return None;
+        }
+        let sig = clan_shm::wakesig::signal()?;
+        thread_local! {
+            /// Sleeps until this thread's signal mask is asked again, and whether it
+            /// blocked the wake signal when last asked.
+            static MASK: std::cell::Cell<(u32, bool)> = const { std::cell::Cell::new((0, false)) };
+        }
+        let blocked = MASK.with(|m| {
+            let (left, blocked) = m.get();
+            if left == 0 {
+                let blocked = clan_shm::wakesig::blocked_here(sig);
+                m.set((MASK_EVERY - 1, blocked));
+                blocked
+            } else {
+                m.set((left - 1, blocked));
+                blocked
+            }
+        });
+        (!blocked).then_some(sig)
+    }
+
+    /// The one link in the leader's set, if it holds exactly one.
+    fn sole_link(&self) -> Option<Arc<crate::link::Link>> {
+        let guard = crate::lock(&self.links);
+        match guard.1.as_slice() {
+            [(_, l)] => l.upgrade(),
+            _ => None,
         }
     }
 
@@ -322,35 +404,67 @@ impl Sleepers {
                 d.nic.spinners.begin();
             }
             let mut link_ready = false;
-            // SYNC POINT: pairs with `kick`'s Acquire load (`lead` is made before this).
-            self.leader_sleeping.store(1, Ordering::Release);
-            let quiet = arm_ports();
-            // Dekker with `kick`'s "word changed, fence, load leader_sleeping".
-            fence(Ordering::SeqCst);
-            // SYNC POINT: pairs with the firer's `seq.fetch_add(AcqRel)`.
-            if quiet && word.load(Ordering::Acquire) == expected {
-                // (on the stack: a sleep allocates nothing)
-                let mut events = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 16];
-                let ts = timeout.map(|d| rustix::time::Timespec {
-                    tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
-                    tv_nsec: d.subsec_nanos().into(),
-                });
-                if let Ok((events, _)) = epoll::wait(&lead.epoll, &mut events[..], ts.as_ref()) {
-                    for ev in events.iter() {
-                        match ev.data.u64() {
-                            OWN => {
-                                lead.kick.drain();
+            // One link and nothing else to hear: sleep in its socket's `recv`, which a byte
+            // from the peer ends with the byte (no epoll in between), and a local wake with
+            // a signal (`kick` → `interrupt_recv`).
+            let in_recv = driving.as_ref().and_then(|d| {
+                let sig = self.recv_sleep_signal(d.nic, timeout)?;
+                let link = self.sole_link()?;
+                Some((sig, link))
+            });
+            let mut recv_sleep = in_recv.as_ref().and_then(|(sig, link)| Some((*sig, link, link.sleeper()?)));
+            if let Some((sig, link, rs)) = &mut recv_sleep {
+                *crate::lock(&self.recv_sleeper) = Some(((*link).clone(), clan_shm::wakesig::tid(), *sig));
+                // SYNC POINT: pairs with `kick`'s Acquire load (`recv_sleeper` is set before).
+                self.leader_sleeping.store(IN_RECV, Ordering::Release);
+                let quiet = arm_ports();
+                // Dekker with `kick`'s "word changed, fence, load leader_sleeping", and
+                // with `watch`'s "port added, fence, load leader_sleeping".
+                fence(Ordering::SeqCst);
+                // SYNC POINT: pairs with the firer's `seq.fetch_add(AcqRel)`.
+                if quiet
+                    && word.load(Ordering::Acquire) == expected
+                    && self.nwatched.load(Ordering::Relaxed) == 0
+                    && rs.sleep(timeout)
+                {
+                    link_ready = true;
+                    WOKEN_LINKS.with(|w| w.borrow_mut().push(link.id));
+                }
+                self.leader_sleeping.store(0, Ordering::Relaxed);
+                *crate::lock(&self.recv_sleeper) = None;
+            } else {
+                // SYNC POINT: pairs with `kick`'s Acquire load (`lead` is made before this).
+                self.leader_sleeping.store(IN_EPOLL, Ordering::Release);
+                let quiet = arm_ports();
+                // Dekker with `kick`'s "word changed, fence, load leader_sleeping".
+                fence(Ordering::SeqCst);
+                // SYNC POINT: pairs with the firer's `seq.fetch_add(AcqRel)`.
+                if quiet && word.load(Ordering::Acquire) == expected {
+                    // (on the stack: a sleep allocates nothing)
+                    let mut events = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 16];
+                    let ts = timeout.map(|d| rustix::time::Timespec {
+                        tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
+                        tv_nsec: d.subsec_nanos().into(),
+                    });
+                    if let Ok((events, _)) = epoll::wait(&lead.epoll, &mut events[..], ts.as_ref()) {
+                        for ev in events.iter() {
+                            match ev.data.u64() {
+                                OWN => {
+                                    lead.kick.drain();
+                                }
+                                id if id & LINK != 0 => {
+                                    link_ready = true;
+                                    WOKEN_LINKS.with(|w| w.borrow_mut().push(id & !LINK));
+                                }
+                                id => drained(id),
                             }
-                            id if id & LINK != 0 => {
-                                link_ready = true;
-                                WOKEN_LINKS.with(|w| w.borrow_mut().push(id & !LINK));
-                            }
-                            id => drained(id),
                         }
                     }
                 }
+                self.leader_sleeping.store(0, Ordering::Relaxed);
             }
-            self.leader_sleeping.store(0, Ordering::Relaxed);
+            // (the receive lock, for the caller's receive)
+            drop(recv_sleep);
             if let Some(d) = &driving {
                 if d.nic.spinners.end(false) {
                     d.nic.command(crate::nic::Cmd::Unpark);
@@ -380,6 +494,11 @@ impl Sleepers {
 
 /// How long a would-be leader that could not make its epoll set sleeps before it looks again.
 const LEADERLESS_NAP: Duration = Duration::from_millis(1);
+
+/// A leader asks its thread's signal mask once in this many sleeps in `recv`: a thread that
+/// blocks the wake signal meanwhile is woken by its link's traffic or its receive timeout
+/// only, until it asks again.
+const MASK_EVERY: u32 = 64;
 
 /// The futex of a queue of ours: [`Futex::wake`] also reaches the sleepers that do not
 /// sleep on the word itself ([`Sleepers::kick`]).

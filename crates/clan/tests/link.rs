@@ -760,3 +760,94 @@ fn a_manual_progress_oob_wait_reads_its_links_and_sleeps_between() {
     let got = waiter.join().unwrap();
     assert!(got.contains(&b"link!".to_vec()) && got.contains(&b"local".to_vec()), "{got:?}");
 }
+
+/// A thread asleep on its queue as the leader, with one link and no ports, sleeps in the
+/// link socket's own `recv` (`NicConfig::wake_signal`): the peer's bytes wake it with them,
+/// a firing in this process ends the `recv` with the wake signal, and a port given to
+/// another process's NIC meanwhile sends it back to epoll, where it hears that port.
+#[test]
+fn a_leader_asleep_in_its_links_recv_is_woken_from_the_link_and_from_here() {
+    let _wd = Watchdog::new("leader asleep in recv", Duration::from_secs(120));
+    let (a, b) = (nic(), nic());
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let ap = std::sync::Arc::new(ea.export(4096).unwrap());
+    let remote = eb.import(&ap.descriptor()).unwrap();
+    assert!(remote.is_remote());
+    // Another endpoint of this NIC: its stores are this process's, snooped here.
+    let here = a.endpoint().unwrap().import(&ap.descriptor()).unwrap();
+    assert!(!here.is_remote());
+    const ROUNDS: u64 = 6;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let w = {
+        let ap = ap.clone();
+        std::thread::spawn(move || {
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get() as u64).unwrap();
+            // Word 0 from the link, words 1..=ROUNDS from this process, the last from a port.
+            for i in 0..=ROUNDS + 1 {
+                let tw = ap.tripwire(TripwireConfig::writes(i * 8..i * 8 + 8)).unwrap();
+                while ap.load_u64(i * 8).unwrap() == 0 {
+                    tw.wait(Some(Duration::from_secs(60))).expect("woken");
+                }
+                tx.send(i).unwrap();
+            }
+        })
+    };
+    let tid = rx.recv().unwrap();
+    let sleeping = || {
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/status"))
+            .unwrap()
+            .lines()
+            .any(|l| l.starts_with("State:") && l.contains("S (sleeping)"))
+    };
+    // Asleep in `recv` (a sleep counted since `since`, and the thread asleep now). Bounded
+    // by the watchdog.
+    let asleep_in_recv = |since: u64| {
+        while a.stats().link_recv_sleeps <= since || !sleeping() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    asleep_in_recv(0);
+    remote.store_u64(0, 1).unwrap();
+    assert_eq!(rx.recv().unwrap(), 0);
+    let mut interrupts = Vec::new();
+    for i in 1..=ROUNDS {
+        asleep_in_recv(a.stats().link_recv_sleeps);
+        let before = a.stats().link_recv_interrupts;
+        here.store_u64(i * 8, 1).unwrap();
+        assert_eq!(rx.recv().unwrap(), i);
+        interrupts.push(a.stats().link_recv_interrupts - before);
+    }
+    // (a round whose wake landed between two sleeps is woken by its re-check instead)
+    assert!(interrupts.iter().any(|n| *n > 0), "no local wake ended a sleep in recv: {interrupts:?}");
+    // A write through shared memory by another NIC of this host, as another process's would
+    // be: announced through its port of our queue, which the leader now sleeps on in epoll.
+    asleep_in_recv(a.stats().link_recv_sleeps);
+    let c = Nic::open_default().unwrap();
+    let other = c.endpoint().unwrap().import(&ap.descriptor()).unwrap();
+    assert!(!other.is_remote());
+    other.store_u64((ROUNDS + 1) * 8, 1).unwrap();
+    w.join().unwrap();
+}
+
+/// With `wake_signal` off, a leader never sleeps in a link's `recv`, and is woken all the same.
+#[test]
+fn without_the_wake_signal_a_leader_sleeps_in_epoll() {
+    let _wd = Watchdog::new("leader in epoll", Duration::from_secs(60));
+    let a = Nic::open(NicConfig { local_transport: LocalTransport::Link, wake_signal: false, ..NicConfig::default() })
+        .unwrap();
+    let b = nic();
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let ap = ea.export(4096).unwrap();
+    let remote = eb.import(&ap.descriptor()).unwrap();
+    let tw = ap.tripwire(TripwireConfig::writes(0..8)).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            remote.store_u64(0, 1).unwrap();
+        });
+        while ap.load_u64(0).unwrap() == 0 {
+            tw.wait(Some(Duration::from_secs(30))).unwrap();
+        }
+    });
+    assert_eq!(a.stats().link_recv_sleeps, 0);
+}
