@@ -35,6 +35,11 @@
 //! over the queue's own eventfd (signalled by posts to our ring while it is armed for it) and
 //! the ports' eventfds.
 //!
+//! A leader that drives exactly one link and hears no port may sleep in that link socket's
+//! own `recv` instead of epoll (`leader_sleeping == IN_RECV`; `docs/ARCHITECTURE.md`,
+//! "Waiting"): the same protocol, with `Link::interrupt` (socket made non-blocking, then the
+//! wake signal to the leader's thread) in place of the eventfd, found under `recv_sleeper`.
+//!
 //! The leader's epoll set and eventfd are made by the first leader ([`Sleepers::lead`]):
 //! most queues never have one (a queue with few ports, or one an event loop waits on through
 //! its descriptor), and a queue per connection (`clan run`) would otherwise hold two
