@@ -955,7 +955,7 @@ impl Polls {
         if self.activity.load(Relaxed) != activity {
             // (something was taken in: busy, not idle)
             self.activity.store(activity, Relaxed);
-            self.found();
+            self.busy();
             return false;
         }
         // (a load and a store, not an atomic add: a count lost to a racing poller only
@@ -1008,6 +1008,18 @@ impl Polls {
         if !self.found_last.load(Relaxed) {
             self.found_last.store(true, Relaxed);
         }
+        self.busy();
+    }
+
+    /// A read's progress took something in, though the read found nothing (the parts of
+    /// a long message, or the message a read before completed straight to its caller):
+    /// not idle. The next read makes its pass all the same: only a read that returned
+    /// completions lets the one after it skip ([`Polls::after_find`]). A skip after mere
+    /// activity could hide what came while the process was off its CPU: with two ranks on
+    /// one CPU, Open MPI yields after every empty read, and such a skip cost each hop a
+    /// round of yields (one way 6.2–6.8 µs against 3.6–4.1 µs).
+    fn busy(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
         if self.n.load(Relaxed) != 0 {
             self.n.store(0, Relaxed);
         }
@@ -2536,5 +2548,8 @@ mod tests {
         p.found();
         p.found();
         assert!(p.after_find() && !p.after_find(), "one skip however many finds");
+        // Activity without a find (what the last read's progress took in) is not a find.
+        assert!(!p.empty(true, 7), "activity: busy");
+        assert!(!p.after_find(), "the read after mere activity makes its pass");
     }
 }
