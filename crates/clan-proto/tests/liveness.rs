@@ -604,7 +604,8 @@ impl Server {
 
     /// Its descriptors once a client over a link came and went: what the server keeps for
     /// good after its first link (its queue's leader, which sleeps on the link sockets too,
-    /// makes its epoll set and eventfd then), the base later clients must bring it back to.
+    /// makes its epoll set and eventfd then, if it slept while the link was open), the base
+    /// later clients must bring it back to.
     fn fds_after_a_first_link_client(&mut self) -> usize {
         let mut first = spawn_clients(self, 1, "normal", true);
         assert_eq!(expect_done(&mut first).0, 0);
@@ -839,7 +840,8 @@ fn a_hostile_link_peer_cannot_stall_or_lock_out_others() {
     assert!(rss1 < rss0 + 64 * 1024, "the attack grew the server from {rss0} to {rss1} KiB");
     drop(keep);
     drop(nic);
-    server.settle_fds(base, "after the hostile link peer went");
+    // (its queue's leader set may have come after the base: see the test below)
+    server.settle_fds(base + LEADER_SET_FDS, "after the hostile link peer went");
 }
 
 #[test]
@@ -857,8 +859,16 @@ fn clients_over_links_that_come_and_go_leave_nothing_behind() {
         assert_eq!(v.expect("vanishing"), "vanishing");
     }
     drop(vanishers);
-    server.settle_fds(base, "after clients over links came and went");
+    // The server's queue makes its leader's epoll set and eventfd (two descriptors, kept
+    // for good) the first time its thread sleeps driving a link: after the first client
+    // only if that client's link was still open when the server slept again, which a loaded
+    // machine may not give (seen failing so before and after the leader learnt to sleep in
+    // a link's `recv`). Leaks per connection, what this test is for, are many more.
+    server.settle_fds(base + LEADER_SET_FDS, "after clients over links came and went");
 }
+
+/// The descriptors of a queue leader's set (`clan/src/wake.rs`: an epoll set and an eventfd).
+const LEADER_SET_FDS: usize = 2;
 
 /// A hostile child, as the unprivileged user `nobody` when we are root.
 fn hostile_peer(role: &str, env: &[(&str, String)]) -> Peer {

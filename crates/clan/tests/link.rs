@@ -819,6 +819,13 @@ fn a_leader_asleep_in_its_links_recv_is_woken_from_the_link_and_from_here() {
     }
     // (a round whose wake landed between two sleeps is woken by its re-check instead)
     assert!(interrupts.iter().any(|n| *n > 0), "no local wake ended a sleep in recv: {interrupts:?}");
+    // The interrupted sleeps left the socket blocking again: idle, the leader sleeps whole
+    // receive timeouts (a second each here), not a `recv` that returns at once in a loop.
+    asleep_in_recv(a.stats().link_recv_sleeps);
+    let before = a.stats().link_recv_sleeps;
+    std::thread::sleep(Duration::from_millis(300));
+    let slept = a.stats().link_recv_sleeps - before;
+    assert!(slept <= 10, "{slept} sleeps in recv in 300 ms of nothing: the socket stayed non-blocking");
     // A write through shared memory by another NIC of this host, as another process's would
     // be: announced through its port of our queue, which the leader now sleeps on in epoll.
     asleep_in_recv(a.stats().link_recv_sleeps);
