@@ -362,6 +362,9 @@ impl RecvSleep<'_> {
             rx.head = 0;
         }
         let (tail, end) = (rx.tail, rx.buf.len());
+        // (only the holder of `rx` writes it: a load and a store)
+        let s = &self.link.stats.recv_sleeps;
+        s.store(s.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         match rustix::net::recv(&self.link.sock, &mut rx.buf[tail..end], rustix::net::RecvFlags::empty()) {
             Ok((0, _)) => true,
             Ok((n, _)) => {
@@ -1141,7 +1144,6 @@ impl Link {
         }
         // A hint for the engine (Relaxed: it only decides whether to wait for the lock).
         self.rx_asleep.store(true, Ordering::Relaxed);
-        self.stats.recv_sleeps.store(self.stats.recv_sleeps.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         Some(RecvSleep { link: self, rx })
     }
 
