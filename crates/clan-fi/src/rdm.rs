@@ -368,6 +368,30 @@ struct State {
     done: Vec<Done>,
     /// Messages claimed by a peek (`FI_CLAIM`), by the peek's context.
     claimed: HashMap<usize, Arrival>,
+    /// Sleeps of the provider's own between their [`Rdm::prepare_wait`] and
+    /// [`Rdm::end_wait`].
+    sleepers: u32,
+    /// A waiter that never says when its sleep ends armed the receivers
+    /// ([`Sleeper::Theirs`]): they are left armed from then on.
+    kept_armed: bool,
+}
+
+/// Who sleeps once [`Rdm::prepare_wait`] has armed the receivers.
+///
+/// An armed receiver costs its sender: each message it publishes finds the tripwire armed
+/// and asks this process to fire it (a claim posted to our event queue, ~550 instructions
+/// and the queue's lines), until this process takes the claim from its queue, which only a
+/// sleeper does. A receiver left armed after its waiter woke would charge every message of
+/// a peer that this process then polls for (an MPI rank after one idle moment) for nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sleeper {
+    /// A sleep of the provider's own (a blocking read, the nap of an idle queue): it calls
+    /// [`Rdm::end_wait`] once awake, and the last of them to wake disarms the receivers.
+    Ours,
+    /// One that never says when it ends: the application's, after `fi_trywait`, or the
+    /// progress thread's, which sleeps again at once. The receivers stay armed from then
+    /// on (each until it fires).
+    Theirs,
 }
 
 /// The cookie of receivers' readiness events, and of the acceptor's wake-up.
@@ -643,9 +667,14 @@ impl Rdm {
 
     /// Before sleeping on the queue: arm every receiver's readiness tripwire and look again.
     /// `true`: nothing has arrived and every sender is still there (sleep; a sender's next
-    /// message wakes the queue); `false`: make progress first.
-    pub fn prepare_wait(&self) -> bool {
+    /// message wakes the queue); `false`: make progress first. A sleeper of
+    /// [`Sleeper::Ours`] calls [`Rdm::end_wait`] afterwards, whatever this returned.
+    pub fn prepare_wait(&self, who: Sleeper) -> bool {
         let mut s = self.lock();
+        match who {
+            Sleeper::Ours => s.sleepers = s.sleepers.saturating_add(1),
+            Sleeper::Theirs => s.kept_armed = true,
+        }
         for r in &mut s.receivers {
             if r.ready.is_none() {
                 match r.rx.readiness_tripwire(READY) {
@@ -660,6 +689,24 @@ impl Rdm {
         // (after arming: a message published before the arm is seen here, one after it
         // fires the tripwire)
         s.receivers.iter().all(|r| r.rx.pending().is_ok_and(|n| n == 0) && r.rx.is_connected())
+    }
+
+    /// A sleep of [`Sleeper::Ours`] ended (or was not taken): the last such sleeper to wake
+    /// disarms the receivers, unless one of [`Sleeper::Theirs`] has armed them. A receiver
+    /// that fired meanwhile is disarmed already; a claim of it still in the queue then
+    /// fires nothing when it is taken.
+    pub fn end_wait(&self) {
+        let mut s = self.lock();
+        s.sleepers = s.sleepers.saturating_sub(1);
+        if s.sleepers == 0 && !s.kept_armed {
+            for r in &s.receivers {
+                if let Some(t) = &r.ready {
+                    // (a tripwire of this process's own aperture: stale only once the
+                    // receiver is gone, when there is nothing to disarm)
+                    let _ = t.disarm();
+                }
+            }
+        }
     }
 
     /// [`take_in`], counted in [`Rdm::activity`].
@@ -1257,12 +1304,12 @@ mod tests {
             if !b.lock().unexpected.is_empty() {
                 break;
             }
-            if b.prepare_wait() {
+            if b.prepare_wait(Sleeper::Theirs) {
                 let _ = q.wait(Some(Duration::from_millis(50)));
             }
         }
         assert_eq!(b.lock().unexpected.len(), 1);
-        assert!(b.prepare_wait(), "nothing pending: safe to sleep");
+        assert!(b.prepare_wait(Sleeper::Theirs), "nothing pending: safe to sleep");
         while q.try_take().is_some() {}
         let t = std::thread::spawn({
             let to = b.addr();
@@ -1298,7 +1345,7 @@ mod tests {
                 failed = Some(p.context);
                 break;
             }
-            if b.prepare_wait() {
+            if b.prepare_wait(Sleeper::Theirs) {
                 let _ = q.wait(Some(Duration::from_millis(50)));
             }
         }
@@ -1308,6 +1355,61 @@ mod tests {
             "and later ones at once"
         );
     }
+    /// Whether each receiver of `r` has its readiness tripwire armed.
+    fn armed(r: &Rdm) -> Vec<bool> {
+        r.lock().receivers.iter().map(|x| x.ready.as_ref().is_some_and(|t| t.is_armed())).collect()
+    }
+
+    /// A sleep of the provider's own leaves no receiver armed once its last sleeper has
+    /// woken, so that the sender's next messages find nothing to fire (an armed receiver
+    /// charges each of them a firing); one of the application's (`fi_trywait`) keeps them
+    /// armed, and the next message wakes its queue.
+    #[test]
+    fn receivers_are_disarmed_when_the_last_sleep_of_ours_ends() {
+        let q = queue();
+        let a = Rdm::open(&q).unwrap();
+        let b = Rdm::open(&q).unwrap();
+        let mut messages = 0;
+        let mut send = |a: &Rdm| {
+            a.send(b.addr(), b"m", false, 0, None).unwrap();
+            messages += 1;
+            let n = messages;
+            until(|| {
+                b.progress();
+                (b.lock().unexpected.len() == n).then_some(())
+            });
+        };
+        send(&a);
+        assert_eq!(armed(&b), [false], "nobody has slept yet");
+        // Two sleepers of ours: the receiver stays armed until the second wakes.
+        assert!(b.prepare_wait(Sleeper::Ours));
+        assert!(b.prepare_wait(Sleeper::Ours));
+        assert_eq!(armed(&b), [true]);
+        b.end_wait();
+        assert_eq!(armed(&b), [true], "one sleeper still sleeps");
+        b.end_wait();
+        assert_eq!(armed(&b), [false], "the last one woke");
+        while q.try_take().is_some() {}
+        send(&a);
+        assert!(q.try_take().is_none(), "a message after the sleep fired nothing");
+        // A look that finds something pending (no sleep follows) ends the same way.
+        assert!(b.prepare_wait(Sleeper::Ours));
+        a.send(b.addr(), b"m", false, 0, None).unwrap();
+        until(|| (!b.prepare_wait(Sleeper::Ours)).then_some(()));
+        b.end_wait();
+        b.end_wait();
+        assert_eq!(armed(&b), [false]);
+        while q.try_take().is_some() {}
+        // The application's sleep: armed from then on, and the next message wakes the queue.
+        assert!(b.progress().is_empty());
+        assert!(b.prepare_wait(Sleeper::Theirs));
+        assert!(b.prepare_wait(Sleeper::Ours));
+        b.end_wait();
+        assert_eq!(armed(&b), [true], "the application may still sleep");
+        a.send(b.addr(), b"m", false, 0, None).unwrap();
+        assert!(q.wait(Some(Duration::from_secs(20))).is_ok(), "woken by the message");
+    }
+
     fn until<T>(mut f: impl FnMut() -> Option<T>) -> T {
         for _ in 0..5000 {
             if let Some(x) = f() {

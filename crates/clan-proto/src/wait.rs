@@ -149,6 +149,8 @@ pub(crate) fn wait_sliced_with(
             }
         }
     }
+    // Armed from here on, and disarmed again on every way out (see `Disarm`).
+    let _disarm = Disarm(tw);
     loop {
         tw.arm().map_err(|_| WaitError::Stale)?;
         if ready() {
@@ -177,6 +179,23 @@ pub(crate) fn wait_sliced_with(
         }
         if ready() {
             return Ok(());
+        }
+    }
+}
+
+/// Disarms a wait's tripwire when the wait ends, unless it has fired (a once-only tripwire
+/// disarms then; one load). Left armed after a wait that found its condition without
+/// sleeping, or that timed out, the tripwire would charge every later write of the peer's
+/// to the watched words a firing (from another process: a claim that this process takes
+/// only when it next sleeps), although nobody waits: ~250 instructions and a line of this
+/// process's port on each of the peer's stores, for as long as this side polls.
+struct Disarm<'a>(&'a Tripwire);
+
+impl Drop for Disarm<'_> {
+    fn drop(&mut self) {
+        if self.0.is_armed() {
+            // (stale only once the aperture is gone: nothing left to disarm)
+            let _ = self.0.disarm();
         }
     }
 }
@@ -233,6 +252,58 @@ pub(crate) fn wait_check_with<E>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// However a wait ends (its condition found at the look after arming, a timeout, or a
+    /// write that woke it), its tripwire is disarmed afterwards: a peer's later stores fire
+    /// nothing.
+    #[test]
+    fn a_wait_leaves_its_tripwire_disarmed() {
+        let nic = clan::Nic::open_default().unwrap();
+        let (ep, peer) = (nic.endpoint().unwrap(), nic.endpoint().unwrap());
+        let ap = ep.export(4096).unwrap();
+        let tw = wait_tripwire(&ap, 0..8).unwrap();
+        let never = || false;
+        // Found at the look after arming (the first look, before it, said no).
+        let mut looks = 0;
+        let found = wait_sliced(
+            &tw,
+            Duration::ZERO,
+            None,
+            SLICE,
+            || {
+                looks += 1;
+                looks > 1
+            },
+            never,
+        );
+        assert_eq!((found, looks), (Ok(()), 2));
+        assert!(!tw.is_armed(), "found without sleeping");
+        // A timeout.
+        let late = Instant::now() + Duration::from_millis(20);
+        assert_eq!(wait_sliced(&tw, Duration::ZERO, Some(late), SLICE, || false, never), Err(WaitError::Timeout));
+        assert!(!tw.is_armed(), "timed out");
+        // Woken by a write of another endpoint's (an import of the aperture).
+        let m = peer.import(&ap.descriptor()).unwrap();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            m.store_u64(0, 1).unwrap();
+            m
+        });
+        let woke = wait_sliced(
+            &tw,
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_secs(20)),
+            SLICE,
+            || ap.load_u64(0).unwrap() == 1,
+            never,
+        );
+        assert_eq!(woke, Ok(()));
+        assert!(!tw.is_armed(), "woken");
+        let m = writer.join().unwrap();
+        tw.take_fired();
+        m.store_u64(0, 2).unwrap();
+        assert!(!tw.take_fired(), "nothing armed to fire");
+    }
 
     #[test]
     fn a_spin_is_futile_only_for_a_peer_asleep_on_our_only_cpu() {

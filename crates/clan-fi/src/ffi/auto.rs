@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::prepare_eps;
+use crate::rdm::Sleeper;
 
 /// The progress thread of a domain, and the endpoints it serves.
 pub(super) struct Auto {
@@ -34,7 +35,9 @@ impl Auto {
                     super::progress_eps(&eps, &mut crate::cq::Direct::none());
                     // (drained before arming: events from now on are for the next look)
                     while queue.try_take().is_some() {}
-                    prepare_eps(&eps)
+                    // (this thread sleeps again as soon as it has made progress: the
+                    // receivers stay armed)
+                    prepare_eps(&eps, Sleeper::Theirs)
                 };
                 if idle {
                     // (bounded, so that a stop is seen)

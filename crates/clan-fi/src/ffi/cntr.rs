@@ -7,7 +7,8 @@
 use std::ffi::{c_int, c_void};
 
 use super::sys::*;
-use super::{err, prepare_eps, progress_eps};
+use super::{end_eps, err, prepare_eps, progress_eps};
+use crate::rdm::Sleeper;
 
 /// A counter (`fid_cntr` first).
 #[repr(C)]
@@ -194,11 +195,17 @@ unsafe extern "C" fn cntr_wait(c: *mut fid_cntr, threshold: u64, timeout: c_int)
         let left = end.map(|e| e.saturating_duration_since(now));
         c.cntr.sleeping(|| {
             while c.queue.try_take().is_some() {}
-            if (!c.arms || prepare_eps(&c.eps())) && c.cntr.read() < threshold && c.cntr.read_err() == errors {
+            if (!c.arms || prepare_eps(&c.eps(), Sleeper::Ours))
+                && c.cntr.read() < threshold
+                && c.cntr.read_err() == errors
+            {
                 // (bounded: a wake-up taken by another thread sleeping on the same queue
                 // costs at most this)
                 let nap = Duration::from_millis(100);
                 let _ = c.queue.wait(Some(left.map_or(nap, |l| l.min(nap))));
+            }
+            if c.arms {
+                end_eps(&c.eps());
             }
         });
     }

@@ -25,6 +25,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use sys::*;
 
 use crate::offer::{self, EpType, Hints};
+use crate::rdm::Sleeper;
 
 const fn fi_version(major: u32, minor: u32) -> u32 {
     (major << 16) | minor
@@ -388,7 +389,8 @@ unsafe extern "C" fn trywait(fabric: *mut fid_fabric, fids: *mut *mut fid, count
                     return err(FI_EINVAL);
                 }
                 q.progress();
-                if !q.prepare_wait() || !q.queue.arm() {
+                // (the application sleeps next, and never says when it wakes)
+                if !q.prepare_wait(Sleeper::Theirs) || !q.queue.arm() {
                     return err(FI_EAGAIN);
                 }
             }
@@ -838,9 +840,16 @@ impl CqObj {
     /// Before sleeping on the queue: forget the events already there, arm every bound
     /// endpoint's receivers and look again. `true`: sleeping is safe (whatever arrives from
     /// now on posts to the queue); `false`: something is there to progress or read.
-    fn prepare_wait(&self) -> bool {
+    fn prepare_wait(&self, who: Sleeper) -> bool {
         while self.queue.try_take().is_some() {}
-        (!self.arms || prepare_eps(&self.eps())) && !self.cq.has_any() && !self.cq.is_signaled()
+        (!self.arms || prepare_eps(&self.eps(), who)) && !self.cq.has_any() && !self.cq.is_signaled()
+    }
+
+    /// After a [`CqObj::prepare_wait`] of [`Sleeper::Ours`] and its sleep, if any.
+    fn end_wait(&self) {
+        if self.arms {
+            end_eps(&self.eps());
+        }
     }
 
     /// Sleep on the queue for at most `d`, unless something is there to progress or read
@@ -848,9 +857,10 @@ impl CqObj {
     /// blocking read it is meant for.
     fn nap(&self, d: std::time::Duration) {
         self.cq.sleeping(|| {
-            if self.prepare_wait() {
+            if self.prepare_wait(Sleeper::Ours) {
                 let _ = self.queue.wait(Some(d));
             }
+            self.end_wait();
         });
     }
 
@@ -878,12 +888,13 @@ impl CqObj {
                 return Err(ReadError::Again);
             }
             self.cq.sleeping(|| {
-                if self.prepare_wait() {
+                if self.prepare_wait(Sleeper::Ours) {
                     // (bounded: a wake-up taken by another thread sleeping on the same
                     // queue costs at most this)
                     let nap = std::time::Duration::from_millis(100);
                     let _ = self.queue.wait(Some(left.map_or(nap, |l| l.min(nap))));
                 }
+                self.end_wait();
             });
         }
     }
@@ -1050,12 +1061,29 @@ fn progress_eps(eps: &[usize], direct: &mut crate::cq::Direct) -> u64 {
 }
 
 /// Arm the receivers of the endpoints `eps` and look again: `true` when nothing has
-/// arrived (sleeping on the domain's queue is safe).
-fn prepare_eps(eps: &[usize]) -> bool {
-    eps.iter().all(|&ep| {
+/// arrived (sleeping on the domain's queue is safe). Every endpoint is armed, even after one
+/// said no, so that a sleep of [`Sleeper::Ours`] ends on each with [`end_eps`].
+fn prepare_eps(eps: &[usize], who: Sleeper) -> bool {
+    eps.iter().fold(true, |idle, &ep| {
         // SAFETY: as in `progress_eps`.
-        unsafe { (ep as *const EpObj).as_ref() }.is_none_or(|ep| ep.rdm.prepare_wait())
+        let this = unsafe { (ep as *const EpObj).as_ref() }.is_none_or(|ep| ep.rdm.prepare_wait(who));
+        idle && this
     })
+}
+
+/// A sleep of [`Sleeper::Ours`] over the endpoints `eps` ended (or was not taken): the
+/// last such sleeper of each disarms its receivers ([`crate::rdm::Rdm::end_wait`]). An
+/// endpoint bound between the two calls is told of an end it did not see begin: a sleeper
+/// of another queue on it may then lose its wake-up, and wake at the end of its nap
+/// instead (100 ms at most); one unbound between them keeps its receivers armed (its
+/// senders pay for it, nothing is lost).
+fn end_eps(eps: &[usize]) {
+    for &ep in eps {
+        // SAFETY: as in `progress_eps`.
+        if let Some(ep) = unsafe { (ep as *const EpObj).as_ref() } {
+            ep.rdm.end_wait();
+        }
+    }
 }
 
 static CQ_FI_OPS: fi_ops = fi_ops {
