@@ -187,8 +187,8 @@ pub(crate) fn wait_sliced_with(
 /// disarms then; one load). Left armed after a wait that found its condition without
 /// sleeping, or that timed out, the tripwire would charge every later write of the peer's
 /// to the watched words a firing (from another process: a claim that this process takes
-/// only when it next sleeps), although nobody waits: ~250 instructions and a line of this
-/// process's port on each of the peer's stores, for as long as this side polls.
+/// only when it next sleeps), although nobody waits: a claim posted to this process's port
+/// on each of the peer's stores, for as long as this side polls.
 struct Disarm<'a>(&'a Tripwire);
 
 impl Drop for Disarm<'_> {
