@@ -215,7 +215,7 @@ impl CamLayout {
 }
 
 /// A tripwire that may match an access.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Candidate {
     /// Entry index.
     pub index: u32,
@@ -225,6 +225,42 @@ pub struct Candidate {
     pub start: u64,
     /// Watched range end.
     pub end: u64,
+}
+
+/// Most armed entries [`CamView::armed_in`] hands back (the word that publishes a message
+/// is watched by its reader's tripwire, and rarely by a second).
+pub const ARMED_MAX: usize = 2;
+
+/// The entries a walk found armed ([`CamView::armed_in`]), in the order it met them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Armed {
+    n: usize,
+    found: [Candidate; ARMED_MAX],
+}
+
+impl Armed {
+    /// The entries found.
+    pub fn as_slice(&self) -> &[Candidate] {
+        &self.found[..self.n]
+    }
+
+    /// Whether none was.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// Add `c` unless it is there already; `false` if it is new and there is no room.
+    fn add(&mut self, c: Candidate) -> bool {
+        if self.as_slice().contains(&c) {
+            return true;
+        }
+        if self.n == ARMED_MAX {
+            return false;
+        }
+        self.found[self.n] = c;
+        self.n += 1;
+        true
+    }
 }
 
 /// One index as seen by a process.
@@ -329,6 +365,29 @@ impl<'a> CamView<'a> {
             !armed
         });
         armed || !walk.consistent
+    }
+
+    /// [`CamView::armed_over`], keeping what it found: every entry watching `access` that
+    /// overlaps `[start, end)` and whose mirror says armed (none: empty). `None` when the
+    /// walk was inconsistent or found more than [`ARMED_MAX`], which only the whole
+    /// [`CamView::collect`] path may settle. Called after the writer's fence, as
+    /// `armed_over` is, the entries it found are those a firing must try (an entry it saw
+    /// disarmed was armed, if at all, after that fence: its owner's re-check sees the data);
+    /// the writer fires them without a second walk ([`crate::snoop::finish_store_armed`]).
+    #[inline]
+    pub fn armed_in(&self, tag: u64, start: u64, end: u64, access: Access) -> Option<Armed> {
+        let mut armed = Armed::default();
+        if !self.may_match(start, end) {
+            return Some(armed);
+        }
+        let mut room = true;
+        let walk = self.visit(tag, start, end, access, &mut |c, flags| {
+            if flags & ARMED != 0 {
+                room = armed.add(c);
+            }
+            room
+        });
+        (walk.consistent && room).then_some(armed)
     }
 
     /// Call `f(candidate, flags of its mirror)` for every entry watching `access` that

@@ -31,11 +31,14 @@
 //! [`finish_store`]). Each is on the path of every message before its first store, so what
 //! it leaves out is latency (a ping-pong's one way went from ~130 to ~110 ns). The word a
 //! message is published by is nearly always watched, by its reader's tripwire, disarmed
-//! while the reader polls: [`CamView::armed_over`] reads the mirrors of the entries over it
-//! and settles that case too, with no scratch list and no firing attempt. The loom models
-//! run both forms (`write_then_store_vs_arm` fails if `armed_over` misses an arming).
+//! while the reader polls: [`CamView::armed_in`] reads the mirrors of the entries over it
+//! and settles that case too, with no scratch list and no firing attempt. When the reader
+//! sleeps, the same walk hands over the entries it found armed ([`Quick::Fire`]), and
+//! [`finish_store_armed`] fires them without walking again (a second walk cost ~280
+//! instructions of every write that wakes a reader). The loom models run both forms
+//! (`write_then_store_vs_arm` fails if the walk misses an arming).
 
-use crate::cam::{CamView, Candidate};
+use crate::cam::{Armed, CamView, Candidate};
 use crate::sync::{Futex, Ordering, fence};
 use crate::trip::{self, Access, Fired, TripTable};
 
@@ -386,6 +389,15 @@ pub enum Quick {
     /// index caught changing) watches the word:
     /// finish with [`finish_store`], given this epoch (the one seen before the move).
     Finish(u64),
+    /// Moved, stored and fenced, the index unchanged, and the word watched by the armed
+    /// tripwires `armed` ([`transfer_then_store_quick`] only): finish with
+    /// [`finish_store_armed`], given the epoch seen before the move.
+    Fire {
+        /// The epoch seen before the move.
+        seen: u64,
+        /// What the walk after the fence found armed over the word.
+        armed: Armed,
+    },
 }
 
 /// [`transfer_then_store`] without a scratch list, for the common case where nothing near
@@ -423,12 +435,50 @@ pub fn transfer_then_store_quick<E>(
     // the fence between an owner's arming and its look at the data, `crate::trip`).
     fence(Ordering::SeqCst);
     let e2 = watch.cam.header.epoch.load(Ordering::Acquire);
-    // (the word is typically watched by a disarmed tripwire: its reader's, armed only while
-    // it sleeps; the mirrors say so without a scratch list or a firing attempt)
-    if e2 == e1 && !watch.cam.armed_over(watch.tag, word_off, word_off.saturating_add(word_len), Access::Write) {
-        return Ok(Quick::Done);
+    if e2 != e1 {
+        return Ok(Quick::Finish(e1));
     }
-    Ok(Quick::Finish(e1))
+    // (the word is typically watched by a disarmed tripwire: its reader's, armed only while
+    // it sleeps; the mirrors say so without a scratch list or a firing attempt, and when
+    // one is armed the walk that saw it hands it over, so that firing walks no more)
+    match watch.cam.armed_in(watch.tag, word_off, word_off.saturating_add(word_len), Access::Write) {
+        Some(armed) if armed.is_empty() => Ok(Quick::Done),
+        Some(armed) => Ok(Quick::Fire { seen: e1, armed }),
+        None => Ok(Quick::Finish(e1)),
+    }
+}
+
+/// [`finish_store`] after [`transfer_then_store_quick`] said [`Quick::Fire`]: the same,
+/// with the word's tripwires the ones its walk found armed (`armed`) instead of a second
+/// walk to collect them. Returns the number fired.
+#[allow(clippy::too_many_arguments)]
+pub fn finish_store_armed(
+    watch: &Watch<'_>,
+    sink: &impl Sink,
+    off: u64,
+    len: u64,
+    word_off: u64,
+    word_len: u64,
+    seen_epoch: u64,
+    armed: &Armed,
+    scratch: &mut Vec<Candidate>,
+) -> u32 {
+    let access = Access::Write;
+    let end = off.saturating_add(len);
+    scratch.clear();
+    let mut fired = redo(access, watch, sink, off, end, end, seen_epoch, scratch);
+    let wend = word_off.saturating_add(word_len);
+    // As `fire_complete` does with what it collects: fire each, and keep them in `scratch`,
+    // so that the look below at what was armed meanwhile fires no entry twice.
+    scratch.clear();
+    for c in armed.as_slice() {
+        scratch.push(*c);
+        if stop(c, wend) <= wend {
+            fired += fire_one(watch, sink, c, access);
+        }
+    }
+    fired += redo(access, watch, sink, word_off, wend, wend, seen_epoch, scratch);
+    fired
 }
 
 /// The rest of [`transfer_then_store`] after [`transfer_then_store_quick`] said

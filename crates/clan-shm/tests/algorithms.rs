@@ -261,6 +261,16 @@ proptest! {
             prop_assert_eq!(&found, &expect);
             // The quick paths' question: anything armed to fire over the range?
             prop_assert_eq!(cv.armed_over(TAG, off, off + len, Access::Write), !expect.is_empty());
+            // And what the then-store quick path fires without a second walk: exactly those,
+            // or (more than it keeps) nothing, for the whole path to settle.
+            match cv.armed_in(TAG, off, off + len, Access::Write) {
+                Some(a) => {
+                    let mut got: Vec<u32> = a.as_slice().iter().map(|c| c.index).collect();
+                    got.sort();
+                    prop_assert_eq!(&got, &expect);
+                }
+                None => prop_assert!(expect.len() > clan_shm::cam::ARMED_MAX, "a quiet index walks consistently"),
+            }
             let fired = snoop::transfer(Access::Write, &watch, &sink, off, len, &mut scratch, |_, _| Ok::<(), ()>(())).unwrap();
             prop_assert_eq!(fired as usize, expect.len());
         }

@@ -74,7 +74,9 @@ fn transfer_either(
     }
     match snoop::transfer_quick(watch, off, len, &mut mover).unwrap() {
         snoop::Quick::Done => 0,
-        snoop::Quick::Finish(seen) => snoop::finish_transfer(access, watch, sink, off, len, seen, &mut scratch),
+        snoop::Quick::Finish(seen) | snoop::Quick::Fire { seen, .. } => {
+            snoop::finish_transfer(access, watch, sink, off, len, seen, &mut scratch)
+        }
         snoop::Quick::Watched => snoop::transfer(access, watch, sink, off, len, &mut scratch, mover).unwrap(),
     }
 }
@@ -98,6 +100,9 @@ fn then_store_either(
     match snoop::transfer_then_store_quick(watch, off, len, word_off, 8, &mut mover, &store).unwrap() {
         snoop::Quick::Done => 0,
         snoop::Quick::Finish(seen) => snoop::finish_store(watch, sink, off, len, word_off, 8, seen, &mut scratch),
+        snoop::Quick::Fire { seen, armed } => {
+            snoop::finish_store_armed(watch, sink, off, len, word_off, 8, seen, &armed, &mut scratch)
+        }
         snoop::Quick::Watched => {
             snoop::transfer_then_store(watch, sink, off, len, word_off, 8, &mut scratch, mover, store).unwrap()
         }

@@ -143,7 +143,8 @@ impl Window {
     ) -> Result<u32, AccessError> {
         self.with_watch(|w| match snoop::transfer_quick(w, abs, len, mover)? {
             snoop::Quick::Done => Ok(0),
-            snoop::Quick::Finish(seen) => {
+            // (`Fire` is the then-store form's: here only as `Finish`, which covers it)
+            snoop::Quick::Finish(seen) | snoop::Quick::Fire { seen, .. } => {
                 let sink = self.port.sink(self.claim);
                 Ok(with_scratch(|s| snoop::finish_transfer(access, w, &sink, abs, len, seen, s)))
             }
@@ -185,6 +186,10 @@ impl Window {
             snoop::Quick::Finish(seen) => {
                 let sink = self.port.sink(self.claim);
                 Ok(with_scratch(|s| snoop::finish_store(w, &sink, abs, len, word_abs, 8, seen, s)))
+            }
+            snoop::Quick::Fire { seen, armed } => {
+                let sink = self.port.sink(self.claim);
+                Ok(with_scratch(|s| snoop::finish_store_armed(w, &sink, abs, len, word_abs, 8, seen, &armed, s)))
             }
             snoop::Quick::Watched => {
                 let sink = self.port.sink(self.claim);
