@@ -168,7 +168,14 @@ fn spawn_server(mut rpc: RpcServer, shared: Arc<Shared>) -> std::thread::JoinHan
             .expect("one client's doing never fails the server's loop");
             let mut c = shared.callers.lock().unwrap();
             for id in called {
-                c.insert((id.0, rpc.peer_identity(id).expect("a connection that called is open")));
+                // (a client may call, hear its reply and be gone before this looks: the
+                // process the test kills at the end, its last call served by a `run_once`
+                // that was preempted before it returned, and then took the departure too;
+                // seen once in ~400 runs with three at once; the shares are checked while
+                // every client still holds its connections)
+                if let Some(who) = rpc.peer_identity(id) {
+                    c.insert((id.0, who));
+                }
             }
             drop(c);
             shared.open.store(rpc.connections(), Ordering::Release);
