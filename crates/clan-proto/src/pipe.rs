@@ -76,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use clan::{AccessError, Aperture, Tripwire, TripwireConfig};
 
-use crate::wait::{SLICE, WaitError, wait_check, wait_check_with, wait_sliced, wait_tripwire};
+use crate::wait::{SLICE, Spin, WaitError, wait_check, wait_check_with, wait_sliced, wait_tripwire};
 
 pub(crate) const CTL_READ: u64 = 0;
 pub(crate) const CTL_POST_SEQ: u64 = 64;
@@ -317,7 +317,8 @@ impl PipeTx {
     /// Wait until there is room for at least one byte.
     pub fn wait_space(&self, deadline: Option<Instant>, dead: &mut dyn FnMut() -> bool) -> Result<(), PipeError> {
         let posted = || matches!(self.post(), Ok(Some((_, at, len))) if self.write >= at && self.write < at + len);
-        wait_check(&self.space, self.spin, deadline, SLICE, || Ok(self.room()? > 0 || posted()), dead, wait_err)
+        let spin = Spin::for_peer(self.spin, self.peer.across_link());
+        wait_check(&self.space, spin, deadline, SLICE, || Ok(self.room()? > 0 || posted()), dead, wait_err)
     }
 
     /// Shut down writing: the receiver reads what was written, then end of stream.
@@ -620,7 +621,7 @@ impl PipeRx {
             if self.spin.is_zero() || crate::wait::spin_is_futile(&self.mine) { Duration::ZERO } else { self.spin };
         let r = wait_check_with(
             &self.data,
-            spin,
+            Spin::for_peer(spin, self.peer.across_link()),
             deadline,
             SLICE,
             || Ok(self.available()? > 0 || self.at_end()?),
@@ -646,7 +647,7 @@ impl PipeRx {
     ) -> Result<(), PipeError> {
         wait_check(
             &self.data,
-            self.spin,
+            Spin::for_peer(self.spin, self.peer.across_link()),
             deadline,
             SLICE,
             || Ok(self.written()? > beyond || self.at_end_after(beyond)?),
@@ -686,7 +687,7 @@ impl PipeRx {
         // publication that follows it says so, and that does not fire this tripwire.
         let r = wait_sliced(
             &tw,
-            self.spin,
+            Spin::for_peer(self.spin, self.peer.across_link()),
             deadline,
             Duration::from_micros(500),
             || tw.count() > 0 || self.written().is_ok_and(|w| w >= pos) || self.at_end().unwrap_or(true),

@@ -36,7 +36,7 @@ use clan::{
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_READ, RING, RX_WRITE};
 use crate::side::{self, Geometry, SetupError};
-use crate::wait::{SLICE, WaitError, wait_check, wait_tripwire};
+use crate::wait::{SLICE, Spin, WaitError, wait_check, wait_tripwire};
 
 /// Bytes of a slot header.
 pub const HEADER: u64 = 32;
@@ -480,7 +480,15 @@ impl MsgSender {
     }
 
     fn wait_free(&self, deadline: Option<Instant>) -> Result<(), QueueError> {
-        wait_check(&self.space, self.spin, deadline, SLICE, || Ok(self.free()? > 0), || !self.conn.is_alive(), wait_err)
+        wait_check(
+            &self.space,
+            Spin::for_conn(self.spin, &self.conn),
+            deadline,
+            SLICE,
+            || Ok(self.free()? > 0),
+            || !self.conn.is_alive(),
+            wait_err,
+        )
     }
 
     /// Write the header of the next slot at `at`: its fields, then its sequence word (an
@@ -1078,7 +1086,15 @@ impl MsgReceiver {
                 None => Err(QueueError::Protocol("a published slot without its header")),
             }
         };
-        wait_check(data, self.spin, deadline, SLICE, ready, || !self.conn.is_alive(), wait_err)
+        wait_check(
+            data,
+            Spin::for_conn(self.spin, &self.conn),
+            deadline,
+            SLICE,
+            ready,
+            || !self.conn.is_alive(),
+            wait_err,
+        )
     }
 
     fn consume(&mut self) -> Result<(), QueueError> {
@@ -1426,7 +1442,7 @@ impl MsgReceiver {
         let mut found = None;
         wait_check(
             &tw,
-            self.spin,
+            Spin::for_conn(self.spin, &self.conn),
             deadline,
             Duration::from_millis(1),
             || {

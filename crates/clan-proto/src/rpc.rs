@@ -39,7 +39,7 @@ use clan::{
 use crate::inplace::InPlace;
 use crate::pipe::{CTL_NUDGE, CTL_READ, RX_WRITE};
 use crate::side::{self, Geometry, SetupError, Sides};
-use crate::wait::{SLICE, WaitError, wait_check, wait_check_with, wait_tripwire};
+use crate::wait::{SLICE, Spin, WaitError, wait_check, wait_check_with, wait_tripwire};
 
 /// What went wrong.
 ///
@@ -355,7 +355,7 @@ impl Party {
     fn wait_flag(&self, v: u64, deadline: Option<Instant>) -> Result<(), RpcError> {
         wait_check_with(
             &self.flag,
-            self.spin,
+            Spin::for_conn(self.spin, &self.sides.conn),
             deadline,
             SLICE,
             || match self.my_flag()? {
@@ -527,7 +527,7 @@ impl ChannelSender {
         let conn = &self.p.sides.conn;
         wait_check(
             &self.tx_ready,
-            self.p.spin,
+            Spin::for_conn(self.p.spin, conn),
             deadline,
             SLICE,
             || match mine.load_u64(CTL_READ)? {
