@@ -27,7 +27,10 @@
 //! - `⌈len/4096⌉ + ⌈len/262144⌉ + 2` word loads when nothing near is watched (the common case);
 //! - otherwise, in addition, one list walk per watched line in `[off − 3 lines, off + len)`,
 //!   visiting the narrow tripwires that *start* in those lines, plus the wide list of this
-//!   index if a written page is covered by a wide tripwire.
+//!   index if a written page is covered by a wide tripwire;
+//! - except for the quick paths' question, after the writer's fence, whether anything over
+//!   a watched word is armed ([`CamView::armed_in`]): one more load when no entry of the
+//!   index is armed (the header's count, [`CamHeader::armed`]), the walk otherwise.
 //!
 //! Nothing here depends on the tripwires of any other aperture, nor on the total number of
 //! tripwires of the NIC.
@@ -53,13 +56,13 @@ pub const PAGE_SHIFT: u32 = 12;
 /// A tripwire spanning at most this many lines is narrow.
 pub const NARROW_LINES: u64 = 4;
 /// Magic word of an index (its [`CamMeta`]).
-pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM4");
+pub const CAM_MAGIC: u64 = u64::from_le_bytes(*b"CLANCAM5");
 /// Alignment of the entries within an index (a cache line: a small index keeps its header,
 /// bits, list heads and first entries in one page).
 const ENTRY_ALIGN: usize = 64;
 
 /// The hot words of an index, 24 bytes at its start: what every access through a mapping
-/// reads. The index's bits and first list heads follow in the same cache line, and what is
+/// reads (`armed` only by a write to a watched word, after its fence). The index's bits and first list heads follow in the same cache line, and what is
 /// read only once, at import, is further on ([`CamMeta`]): a write into a small aperture
 /// whose tripwires watch its first lines looks at one line of the index, not two (at
 /// thousands of apertures each line looked at is a cache miss).
@@ -73,7 +76,10 @@ pub struct CamHeader {
     pub epoch: AtomicU64,
     /// First wide entry, as `index + 1`.
     pub wide_head: AtomicU32,
-    _r: AtomicU32,
+    /// At least the number of entries whose mirror says armed ([`crate::trip::ArmedCount`]):
+    /// a writer that reads 0 after its fence has nothing to fire in this index, and walks
+    /// no list.
+    pub armed: AtomicU32,
 }
 
 impl CamHeader {
@@ -83,7 +89,7 @@ impl CamHeader {
             state: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             wide_head: AtomicU32::new(0),
-            _r: AtomicU32::new(0),
+            armed: AtomicU32::new(0),
         }
     }
 }
@@ -356,7 +362,7 @@ impl<'a> CamView<'a> {
     /// was not yet mirrored and fenced, so its owner's re-check sees the data.
     #[inline]
     pub fn armed_over(&self, tag: u64, start: u64, end: u64, access: Access) -> bool {
-        if !self.may_match(start, end) {
+        if self.none_armed() || !self.may_match(start, end) {
             return false;
         }
         let mut armed = false;
@@ -377,7 +383,7 @@ impl<'a> CamView<'a> {
     #[inline]
     pub fn armed_in(&self, tag: u64, start: u64, end: u64, access: Access) -> Option<Armed> {
         let mut armed = Armed::default();
-        if !self.may_match(start, end) {
+        if self.none_armed() || !self.may_match(start, end) {
             return Some(armed);
         }
         let mut room = true;
@@ -388,6 +394,25 @@ impl<'a> CamView<'a> {
             room
         });
         (walk.consistent && room).then_some(armed)
+    }
+
+    /// The count of this index's armed mirrors, which the owner keeps with every write of a
+    /// mirror ([`crate::trip::mirror`], [`crate::trip::publish`] and the changes).
+    #[inline]
+    pub fn armed_count(&self) -> trip::ArmedCount<'a> {
+        trip::ArmedCount(&self.header.armed)
+    }
+
+    /// Whether no entry of this index is armed, by its count ([`CamHeader::armed`]). Called
+    /// after the writer's fence, as [`CamView::armed_over`] is: an arming counts itself
+    /// before it mirrors its word and fences (`crate::trip::ArmedCount`), so an arming this
+    /// load does not see came after that fence, and its owner's re-check sees the data.
+    /// One load of the header's line, which the access has read already.
+    #[inline(always)]
+    fn none_armed(&self) -> bool {
+        // SYNC POINT: ordered by the writer's fence(SeqCst) before it against the arming
+        // side's fence after its count (`trip::ArmedCount`), as the mirrors' loads are.
+        self.header.armed.load(Ordering::Acquire) == 0
     }
 
     /// Call `f(candidate, flags of its mirror)` for every entry watching `access` that

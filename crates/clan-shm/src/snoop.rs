@@ -31,7 +31,8 @@
 //! [`finish_store`]). Each is on the path of every message before its first store, so what
 //! it leaves out is latency (a ping-pong's one way went from ~130 to ~110 ns). The word a
 //! message is published by is nearly always watched, by its reader's tripwire, disarmed
-//! while the reader polls: [`CamView::armed_in`] reads the mirrors of the entries over it
+//! while the reader polls: [`CamView::armed_in`] reads the index's count of armed mirrors
+//! (nothing armed in the index: done, one load), else the mirrors of the entries over it,
 //! and settles that case too, with no scratch list and no firing attempt. When the reader
 //! sleeps, the same walk hands over the entries it found armed ([`Quick::Fire`]), and
 //! [`finish_store_armed`] fires them without walking again (a second walk cost ~280
@@ -80,7 +81,7 @@ pub fn fire_here<S: Sink + ?Sized>(sink: &S, watch: &Watch<'_>, c: &Candidate, a
     let Some(e) = watch.cam.entries.get(c.index as usize) else {
         return false;
     };
-    match trip::fire_entry(e, c.generation, access, watch.table, sink.futex()) {
+    match trip::fire_entry(e, watch.cam.armed_count(), c.generation, access, watch.table, sink.futex()) {
         Fired::No => false,
         Fired::Yes { .. } => true,
         Fired::PostEvent { qindex, .. } => {

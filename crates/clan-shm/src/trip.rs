@@ -35,6 +35,21 @@
 //! and fires it, directly or by a claim, or the arming side sees the data: a tripwire can
 //! fire spuriously, never be missed.
 //!
+//! ## The armed count: nothing to walk when nothing is armed
+//!
+//! Each index counts, in its header ([`crate::cam::CamHeader::armed`]), the entries whose
+//! mirror says armed; a writer that reads 0 after its fence walks no list
+//! ([`crate::cam::CamView::armed_in`]). Every write of a mirror word keeps the count
+//! ([`ArmedCount`]): a word that says armed is counted *before* it is written, and the armed
+//! word it replaces is uncounted *after*. So the count is never below the number of armed
+//! mirrors, whatever threads race (of two mirror writes, the second reads the first's word
+//! with its compare-exchange, and so uncounts it only after the first counted it), and an
+//! arming is counted before its fence, as its mirror is written before it: the writer's
+//! fence either comes later, and its load sees the count, or earlier, and the owner's
+//! re-check sees the data. A count above the truth costs a walk, as before; only a count
+//! below it could lose a wake-up. The count lives in the index (the owner's memory, mapped
+//! read-only by importers): a lying owner only keeps its own wake-ups from itself.
+//!
 //! ## Once-only
 //!
 //! A once-only tripwire fires by `compare_exchange(state, disarmed)` on the cell: of any
@@ -328,6 +343,47 @@ fn fires(s: u64, generation_: u32, access: Access) -> bool {
     generation(s) == generation_ && fl & (LIVE | ARMED) == (LIVE | ARMED) && fl & access.flag() != 0
 }
 
+/// The count of armed mirrors of one index ([`crate::cam::CamHeader::armed`]), kept by every
+/// write of a mirror word (module documentation).
+#[derive(Debug, Clone, Copy)]
+pub struct ArmedCount<'a>(pub &'a AtomicU32);
+
+impl ArmedCount<'_> {
+    /// Before writing the mirror word `new`: count it if it says armed. Returns what
+    /// [`ArmedCount::after`] must be told.
+    #[inline]
+    fn before(self, new: u64) -> bool {
+        let up = says_armed(new);
+        if up {
+            // SYNC POINT: before the mirror's write and the arming's fence(SeqCst): a
+            // writer's fence that comes after that one sees it (`CamView::none_armed`).
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        up
+    }
+
+    /// After trying to write a mirror word counted by [`ArmedCount::before`] (`up`): `old`,
+    /// the word it replaced (`Some`), or `None` if it was not written.
+    #[inline]
+    fn after(self, up: bool, old: Option<u64>) {
+        let down = match old {
+            Some(old) => says_armed(old),
+            None => up,
+        };
+        if down {
+            // (after the write that replaced an armed word, or undoing a count of a word
+            // never written: never below the armed mirrors)
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Whether a mirror word says armed (live and armed, any generation).
+#[inline]
+fn says_armed(s: u64) -> bool {
+    flags(s) & (LIVE | ARMED) == (LIVE | ARMED)
+}
+
 /// Whether entry `e` of generation `generation` would fire for `access` now (live, armed,
 /// watching that access), by its mirror: the look of a process that may not fire it itself.
 pub fn would_fire(e: &TripEntry, generation_: u32, access: Access) -> bool {
@@ -392,12 +448,19 @@ pub fn fire(table: &TripTable<'_>, qindex: u32, generation_: u32, access: Access
 
 /// [`fire`] the tripwire of entry `e` (its queue index read from the entry; a stale one
 /// names a cell of another generation, which does not fire) and mirror a once-only disarm.
-pub fn fire_entry(e: &TripEntry, generation_: u32, access: Access, table: &TripTable<'_>, futex: &impl Futex) -> Fired {
+pub fn fire_entry(
+    e: &TripEntry,
+    armed: ArmedCount<'_>,
+    generation_: u32,
+    access: Access,
+    table: &TripTable<'_>,
+    futex: &impl Futex,
+) -> Fired {
     let qindex = e.qindex.load(Ordering::Relaxed);
     let f = fire(table, qindex, generation_, access, futex);
     if f.disarmed() {
         if let Some(c) = table.cell(qindex) {
-            mirror(e, c, qindex);
+            mirror(e, armed, c, qindex);
         }
     }
     f
@@ -412,7 +475,7 @@ pub fn fire_entry(e: &TripEntry, generation_: u32, access: Access, table: &TripT
 /// two changes, the later word stays, whichever thread writes last. Hence once a change has
 /// been mirrored, the mirror shows it or a later one — what the arming protocol needs (module
 /// documentation).
-pub fn mirror(e: &TripEntry, c: &TripCell, qindex: u32) {
+pub fn mirror(e: &TripEntry, armed: ArmedCount<'_>, c: &TripCell, qindex: u32) {
     // SYNC POINT: pairs with `publish`'s Release store of the mirror: seeing its word, we see
     // the entry's `qindex` it published.
     let mut m = e.state.load(Ordering::Acquire);
@@ -426,11 +489,19 @@ pub fn mirror(e: &TripEntry, c: &TripCell, qindex: u32) {
         if generation(now) != generation(m) || !newer(now, m) {
             return;
         }
+        let up = armed.before(now);
         // SYNC POINT: Release pairs with the readers' Acquire load of the mirror (`cam`'s
-        // seqlock, `would_fire`).
+        // seqlock, `would_fire`), and with the next mirror write's compare-exchange, which
+        // uncounts this word only after this thread counted it (`ArmedCount`).
         match e.state.compare_exchange(m, now, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => return,
-            Err(seen) => m = seen,
+            Ok(old) => {
+                armed.after(up, Some(old));
+                return;
+            }
+            Err(seen) => {
+                armed.after(up, None);
+                m = seen;
+            }
         }
     }
 }
@@ -449,6 +520,7 @@ pub fn mirror(e: &TripEntry, c: &TripCell, qindex: u32) {
 #[allow(clippy::too_many_arguments)]
 pub fn publish(
     e: &TripEntry,
+    armed: ArmedCount<'_>,
     c: &TripCell,
     generation_: u32,
     flags_: u32,
@@ -471,15 +543,25 @@ pub fn publish(
     c.state.store(word, Ordering::Release);
     // SYNC POINT: pairs with the readers' Acquire load of the mirror (the seqlock in `cam`,
     // `mirror`). A new generation is written here, never by `mirror`; then catch up with a
-    // change made to the cell since (a claim guessing the new generation).
-    e.state.store(word, Ordering::Release);
-    mirror(e, c, qindex);
+    // change made to the cell since (a claim guessing the new generation). A swap, counted
+    // as `mirror` counts its writes (`ArmedCount`: the word replaced is the retired one).
+    let up = armed.before(word);
+    let old = e.state.swap(word, Ordering::AcqRel);
+    armed.after(up, Some(old));
+    mirror(e, armed, c, qindex);
 }
 
 /// Owner: change the state of the tripwire in cell `c` of queue index `qindex` (entry `e`) of
 /// generation `generation_` with `f(flags)`, and mirror it; false if it is not live in that
 /// generation.
-fn change(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, f: impl Fn(u32) -> u32) -> bool {
+fn change(
+    e: &TripEntry,
+    armed: ArmedCount<'_>,
+    c: &TripCell,
+    qindex: u32,
+    generation_: u32,
+    f: impl Fn(u32) -> u32,
+) -> bool {
     let mut s = c.state.load(Ordering::Relaxed);
     loop {
         if generation(s) != generation_ || flags(s) & LIVE == 0 {
@@ -491,23 +573,23 @@ fn change(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, f: impl Fn
             Err(now) => s = now,
         }
     }
-    mirror(e, c, qindex);
+    mirror(e, armed, c, qindex);
     true
 }
 
 /// Owner: retire a live tripwire (entry `e`, cell `c` of queue index `qindex`); it stops
 /// firing and readers drop it. Its generation is kept (the next `publish` must use a new one).
-pub fn retire(e: &TripEntry, c: &TripCell, qindex: u32) {
+pub fn retire(e: &TripEntry, armed: ArmedCount<'_>, c: &TripCell, qindex: u32) {
     let s = c.state.load(Ordering::Relaxed);
-    change(e, c, qindex, generation(s), |_| 0);
+    change(e, armed, c, qindex, generation(s), |_| 0);
 }
 
 /// Owner: arm (`on`) or disarm the tripwire of entry `e`, cell `c` of queue index `qindex`,
 /// of generation `generation_`, mirror it, and fence, so that a re-check of the watched data
 /// made afterwards cannot miss a concurrent write. Returns false if it is not live in that
 /// generation.
-pub fn set_armed(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, on: bool) -> bool {
-    if !change(e, c, qindex, generation_, |fl| if on { fl | ARMED } else { fl & !ARMED }) {
+pub fn set_armed(e: &TripEntry, armed: ArmedCount<'_>, c: &TripCell, qindex: u32, generation_: u32, on: bool) -> bool {
+    if !change(e, armed, c, qindex, generation_, |fl| if on { fl | ARMED } else { fl & !ARMED }) {
         return false;
     }
     // Dekker with the writers' "store data, fence, load the mirror" (`snoop`).
@@ -516,8 +598,16 @@ pub fn set_armed(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, on:
 }
 
 /// Owner: switch action flags `mask` on or off (event registration and the like).
-pub fn set_flags(e: &TripEntry, c: &TripCell, qindex: u32, generation_: u32, mask: u32, on: bool) -> bool {
-    change(e, c, qindex, generation_, |fl| if on { fl | mask } else { fl & !mask })
+pub fn set_flags(
+    e: &TripEntry,
+    armed: ArmedCount<'_>,
+    c: &TripCell,
+    qindex: u32,
+    generation_: u32,
+    mask: u32,
+    on: bool,
+) -> bool {
+    change(e, armed, c, qindex, generation_, |fl| if on { fl | mask } else { fl & !mask })
 }
 
 /// Whether the tripwire of cell `c` is armed in generation `generation_`.

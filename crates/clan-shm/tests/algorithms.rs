@@ -45,7 +45,19 @@ fn add(eq: &EqModel, cam: &CamModel, owner: &mut CamOwner, index: u32, start: u6
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
     let cell = &v.table.cells[index as usize];
-    trip::publish(&cam.view().entries[index as usize], cell, 1, fl | wide, start, end, TAG, index, trip::NO_SOURCE);
+    let cv = cam.view();
+    trip::publish(
+        &cv.entries[index as usize],
+        cv.armed_count(),
+        cell,
+        1,
+        fl | wide,
+        start,
+        end,
+        TAG,
+        index,
+        trip::NO_SOURCE,
+    );
     owner.insert(&cam.view(), index, start, end);
 }
 
@@ -166,12 +178,27 @@ fn once_only_counter_bitmap_and_access_kinds() {
     assert!(!trip::test_bit(&v.table, 2), "no bitmap action");
     // Re-arm the once-only tripwire.
     let c = &v.table.cells;
+    let armed = || cam_v.header.armed.load(std::sync::atomic::Ordering::Relaxed);
     assert!(!trip::would_fire(&e[1], 1, Access::Write), "the firing was mirrored");
-    assert!(trip::set_armed(&e[1], &c[1], 1, 1, true));
+    assert_eq!(armed(), 2, "the once-only tripwire's firing uncounted it");
+    assert!(trip::set_armed(&e[1], cam_v.armed_count(), &c[1], 1, 1, true));
     assert!(trip::would_fire(&e[1], 1, Access::Write), "the arming was mirrored");
+    assert_eq!(armed(), 3, "and counted");
+    assert!(trip::set_armed(&e[1], cam_v.armed_count(), &c[1], 1, 1, true));
+    assert_eq!(armed(), 3, "armed twice, counted once");
     assert_eq!(snoop::transfer(Access::Write, &watch, &sink, 0, 1, &mut scratch, nop).unwrap(), 2);
+    assert_eq!(armed(), 2);
     // Stale generation cannot arm.
-    assert!(!trip::set_armed(&e[1], &c[1], 1, 2, true));
+    assert!(!trip::set_armed(&e[1], cam_v.armed_count(), &c[1], 1, 2, true));
+    assert_eq!(armed(), 2);
+    // Disarmed and retired: uncounted once each.
+    assert!(trip::set_armed(&e[2], cam_v.armed_count(), &c[2], 2, 1, false));
+    assert!(trip::set_armed(&e[2], cam_v.armed_count(), &c[2], 2, 1, false));
+    assert_eq!(armed(), 1);
+    trip::retire(&e[5], cam_v.armed_count(), &c[5], 5);
+    trip::retire(&e[2], cam_v.armed_count(), &c[2], 2);
+    assert_eq!(armed(), 0, "nothing armed: writers walk nothing");
+    assert!(!cam_v.armed_over(TAG, 0, 8192, Access::Write));
 }
 
 #[test]
@@ -183,8 +210,8 @@ fn corrupted_index_costs_time_not_safety() {
     use std::sync::atomic::Ordering::Relaxed;
     // A cycle: entry 0 -> 1 -> 0, both claiming our tag, and garbage heads.
     let c = &v.table.cells;
-    trip::publish(&cv.entries[0], &c[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0, trip::NO_SOURCE);
-    trip::publish(&cv.entries[1], &c[1], 1, ARMED | ON_WRITE, 0, 8, TAG, 1, trip::NO_SOURCE);
+    trip::publish(&cv.entries[0], cv.armed_count(), &c[0], 1, ARMED | ON_WRITE, 0, 8, TAG, 0, trip::NO_SOURCE);
+    trip::publish(&cv.entries[1], cv.armed_count(), &c[1], 1, ARMED | ON_WRITE, 0, 8, TAG, 1, trip::NO_SOURCE);
     cv.entries[0].next.store(2, Relaxed);
     cv.entries[1].next.store(1, Relaxed);
     cv.heads[0].store(1, Relaxed);
@@ -239,10 +266,13 @@ proptest! {
         for r in removals {
             if live.is_empty() { break; }
             let (i, t) = live.remove(r.index(live.len()));
-            trip::retire(&cv.entries[i as usize], &v.table.cells[i as usize], i);
+            trip::retire(&cv.entries[i as usize], cv.armed_count(), &v.table.cells[i as usize], i);
             owner.remove(&cv, i, t.start, t.start + t.len);
         }
         prop_assert_eq!(owner.len(), live.len());
+        // One thread: the count of armed mirrors is exact.
+        let armed = live.iter().filter(|(_, t)| t.armed).count() as u32;
+        prop_assert_eq!(cv.header.armed.load(std::sync::atomic::Ordering::Relaxed), armed);
         let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
         let sink = RecSink::new(|_| {});
         let mut scratch: Vec<Candidate> = Vec::new();

@@ -53,7 +53,19 @@ fn add(eq: &EqModel, cam_m: &CamModel, owner: &mut CamOwner, index: u32, start: 
     let v = eq.view();
     let wide = if cam::is_wide(start, end) { WIDE } else { 0 };
     let cell = &v.table.cells[index as usize];
-    trip::publish(&cam_m.view().entries[index as usize], cell, 1, fl | wide, start, end, TAG, index, trip::NO_SOURCE);
+    let cv = cam_m.view();
+    trip::publish(
+        &cv.entries[index as usize],
+        cv.armed_count(),
+        cell,
+        1,
+        fl | wide,
+        start,
+        end,
+        TAG,
+        index,
+        trip::NO_SOURCE,
+    );
     owner.insert(&cam_m.view(), index, start, end);
 }
 
@@ -304,7 +316,14 @@ fn arm_by_enable_vs_write_with(quick: bool) {
                 })
             })
         };
-        assert!(trip::set_armed(&cam_m.view().entries[0], &eq.view().table.cells[0], 0, 1, true));
+        assert!(trip::set_armed(
+            &cam_m.view().entries[0],
+            cam_m.view().armed_count(),
+            &eq.view().table.cells[0],
+            0,
+            1,
+            true
+        ));
         let saw = data.load(Ordering::Relaxed) == 1;
         let fired = writer.join().unwrap();
         assert!(fired == 1 || saw, "lost wake-up");
@@ -330,7 +349,7 @@ fn once_fire_mirror_vs_rearm_vs_claimant() {
                 let v = eq.view();
                 let f = trip::fire(&v.table, 0, 1, Access::Write, &*futex);
                 if f.disarmed() {
-                    trip::mirror(&cam_m.view().entries[0], &v.table.cells[0], 0);
+                    trip::mirror(&cam_m.view().entries[0], cam_m.view().armed_count(), &v.table.cells[0], 0);
                 }
             })
         };
@@ -344,14 +363,14 @@ fn once_fire_mirror_vs_rearm_vs_claimant() {
                     let v = eq.view();
                     let f = trip::fire(&v.table, 0, 1, Access::Write, &*futex);
                     if f.disarmed() {
-                        trip::mirror(&cam_m.view().entries[0], &v.table.cells[0], 0);
+                        trip::mirror(&cam_m.view().entries[0], cam_m.view().armed_count(), &v.table.cells[0], 0);
                     }
                 }
             })
         };
         // The owner re-arms, then re-checks the data.
         let v = eq.view();
-        assert!(trip::set_armed(&cam_m.view().entries[0], &v.table.cells[0], 0, 1, true));
+        assert!(trip::set_armed(&cam_m.view().entries[0], cam_m.view().armed_count(), &v.table.cells[0], 0, 1, true));
         let saw = data.load(Ordering::Relaxed) == 1;
         pump.join().unwrap();
         writer.join().unwrap();
@@ -377,15 +396,15 @@ fn stale_mirror_does_not_cross_entries() {
             let (eq, cam_m) = (eq.clone(), cam_m.clone());
             thread::spawn(move || {
                 let v = eq.view();
-                trip::mirror(&cam_m.view().entries[0], &v.table.cells[0], 0);
+                trip::mirror(&cam_m.view().entries[0], cam_m.view().armed_count(), &v.table.cells[0], 0);
             })
         };
         // The owner retires entry 0 and publishes queue index 0 again, in entry 1.
         let v = eq.view();
         let cv = cam_m.view();
         let c0 = &v.table.cells[0];
-        trip::retire(&cv.entries[0], c0, 0);
-        trip::publish(&cv.entries[1], c0, 2, ARMED | ON_WRITE, 16, 24, TAG, 0, trip::NO_SOURCE);
+        trip::retire(&cv.entries[0], cv.armed_count(), c0, 0);
+        trip::publish(&cv.entries[1], cv.armed_count(), c0, 2, ARMED | ON_WRITE, 16, 24, TAG, 0, trip::NO_SOURCE);
         late.join().unwrap();
         let s0 = cv.entries[0].state.load(Ordering::Relaxed);
         assert_eq!(trip::generation(s0), 1, "entry 0 keeps its own generation");
@@ -476,9 +495,9 @@ fn relink_under_walker_still_fires_with(quick: bool) {
         let a = &cv.entries[0];
         let v = eq.view();
         let c0 = &v.table.cells[0];
-        trip::retire(a, c0, 0);
+        trip::retire(a, cv.armed_count(), c0, 0);
         owner.remove(&cv, 0, 0, 8);
-        trip::publish(a, c0, 2, ARMED | ON_WRITE, 1024, 1032, TAG, 0, trip::NO_SOURCE);
+        trip::publish(a, cv.armed_count(), c0, 2, ARMED | ON_WRITE, 1024, 1032, TAG, 0, trip::NO_SOURCE);
         owner.insert(&cv, 0, 1024, 1032);
         writer.join().unwrap();
         assert_eq!(eq.view().table.cells[1].count.load(Ordering::Relaxed), 1, "B must fire exactly once");
@@ -661,7 +680,14 @@ fn write_then_store_vs_arm() {
                 })
             };
             let saw = if on_flag {
-                assert!(trip::set_armed(&cam_m.view().entries[0], &eq.view().table.cells[0], 0, 1, true));
+                assert!(trip::set_armed(
+                    &cam_m.view().entries[0],
+                    cam_m.view().armed_count(),
+                    &eq.view().table.cells[0],
+                    0,
+                    1,
+                    true
+                ));
                 flag.load(Ordering::Acquire) == 1
             } else {
                 add(&eq, &cam_m, &mut owner, 0, 0, 8, ARMED | ON_WRITE | ACT_COUNTER);
@@ -671,6 +697,49 @@ fn write_then_store_vs_arm() {
             assert!(fired == 1 || saw, "lost wake-up (tripwire on the {})", if on_flag { "flag" } else { "message" });
         });
     }
+}
+
+/// The count of armed mirrors never drops below them, however an arming and a firing of
+/// another entry race: entry A is armed throughout; entry B (once-only) is armed by one
+/// thread while another's write fires it (its mirror disarmed and uncounted). A write to
+/// A's word that reads the count after its fence must still find A to fire: had B's arming
+/// counted itself after its mirror said armed, B's firing could uncount it first, and the
+/// count read 0 with A armed.
+#[test]
+fn armed_count_never_below_the_armed_mirrors() {
+    model(|| {
+        let eq = Arc::new(EqModel::new(tiny()));
+        let cam_m = Arc::new(CamModel::new(256, 4));
+        let mut owner = CamOwner::new();
+        add(&eq, &cam_m, &mut owner, 0, 128, 136, ARMED | ON_WRITE | ACT_COUNTER);
+        add(&eq, &cam_m, &mut owner, 1, 0, 8, ONCE | ON_WRITE);
+        let sink = Arc::new(LoomSink::new());
+        let arm_b = {
+            let (eq, cam_m) = (eq.clone(), cam_m.clone());
+            thread::spawn(move || {
+                let cv = cam_m.view();
+                assert!(trip::set_armed(&cv.entries[1], cv.armed_count(), &eq.view().table.cells[1], 1, 1, true));
+            })
+        };
+        let fire_b = {
+            let (eq, cam_m, sink) = (eq.clone(), cam_m.clone(), sink.clone());
+            thread::spawn(move || {
+                let v = eq.view();
+                let cv = cam_m.view();
+                let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
+                snoop::transfer(Access::Write, &watch, &*sink, 0, 8, &mut Vec::new(), |_, _| Ok::<(), ()>(())).unwrap();
+            })
+        };
+        {
+            let v = eq.view();
+            let cv = cam_m.view();
+            let watch = Watch { cam: &cv, table: &v.table, tag: TAG };
+            then_store_either(true, &watch, &sink, 0, 0, 128, |_, _| Ok(()), || {});
+        }
+        arm_b.join().unwrap();
+        fire_b.join().unwrap();
+        assert_eq!(eq.view().table.cells[0].count.load(Ordering::Relaxed), 1, "A was armed: its word's write fires it");
+    });
 }
 
 /// The engine parks a link while a thread drives; the driver then stops to sleep. Either

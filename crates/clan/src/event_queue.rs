@@ -515,9 +515,16 @@ impl EqInner {
         lock(&self.trips).free.push_back(index);
     }
 
-    /// Register queue index `index` (whose entry is `entry`) for events with `cookie`, or
-    /// unregister it.
-    pub fn set_registration(&self, entry: &trip::TripEntry, index: u32, generation: u32, cookie: Option<u64>) -> bool {
+    /// Register queue index `index` (whose entry is `entry`, in the index counting its armed
+    /// mirrors with `armed`) for events with `cookie`, or unregister it.
+    pub fn set_registration(
+        &self,
+        entry: &trip::TripEntry,
+        armed: trip::ArmedCount<'_>,
+        index: u32,
+        generation: u32,
+        cookie: Option<u64>,
+    ) -> bool {
         let meta = self.meta.read().unwrap_or_else(|e| e.into_inner());
         match meta.get(index as usize) {
             Some(m) if m.live && m.generation == generation => {
@@ -529,7 +536,7 @@ impl EqInner {
                     // state change that publishes it.
                     c.cookie.store(cookie.unwrap_or(0), Ordering::Relaxed);
                     c.owner.store(endpoint, Ordering::Relaxed);
-                    trip::set_flags(entry, c, index, generation, trip::ACT_EVENT, cookie.is_some())
+                    trip::set_flags(entry, armed, c, index, generation, trip::ACT_EVENT, cookie.is_some())
                 })
             }
             _ => false,

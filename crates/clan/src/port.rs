@@ -366,8 +366,11 @@ impl EqInner {
                     // A once-only tripwire: tell the claimants' snooping (off the common
                     // path: a claim names its entry, checked against the cell by `mirror`).
                     let cam = grants.rest.get(aperture as usize).and_then(Option::as_ref).map(|g| &g.cam);
-                    if let Some(e) = cam.and_then(|cam| cam.view().entries.get(slot as usize)) {
-                        trip::mirror(e, c, qindex);
+                    if let Some(cam) = cam {
+                        let cv = cam.view();
+                        if let Some(e) = cv.entries.get(slot as usize) {
+                            trip::mirror(e, cv.armed_count(), c, qindex);
+                        }
                     }
                 }
                 match fired {

@@ -352,7 +352,7 @@ impl WatchOwner {
         let seq = cell.seq.load(Ordering::Acquire);
         cell.count.store(0, Ordering::Relaxed);
         trip::clear_bit(&v.table, index);
-        trip::publish(entry, cell, generation, flags, start, end, self.tag, index, self.source);
+        trip::publish(entry, cv.armed_count(), cell, generation, flags, start, end, self.tag, index, self.source);
         st.cam.insert(cv, slot, start, end);
         st.trips.insert(index, TripRecord { generation, start, end, slot });
         drop(st);
@@ -364,7 +364,7 @@ impl WatchOwner {
             last_seen: AtomicU32::new(seq),
         };
         if let Some(cookie) = cfg.cookie {
-            self.eq.set_registration(entry, index, generation, Some(cookie));
+            self.eq.set_registration(entry, cv.armed_count(), index, generation, Some(cookie));
         }
         Ok(tw)
     }
@@ -374,7 +374,8 @@ impl WatchOwner {
             st.trips.remove(&index);
             let cv = self.cam.view();
             // Order: retire, unlink (epoch bump), free; the next `publish` fences (trip.rs).
-            trip::retire(&cv.entries[r.slot as usize], &self.eq.view().table.cells[index as usize], index);
+            let cell = &self.eq.view().table.cells[index as usize];
+            trip::retire(&cv.entries[r.slot as usize], cv.armed_count(), cell, index);
             st.cam.remove(cv, r.slot, r.start, r.end);
             st.slots_free.push_back(r.slot);
             self.eq.free_trip(index);
@@ -402,9 +403,10 @@ impl WatchOwner {
     /// watches that access, as another process's claim asks (`crate::port`); the event to
     /// post, if its event action is on.
     pub fn fire_claim(&self, slot: u32, generation: u32, access: Access) -> Option<Word> {
-        let e = self.cam.view().entries.get(slot as usize)?;
+        let cv = self.cam.view();
+        let e = cv.entries.get(slot as usize)?;
         let v = self.eq.view();
-        match trip::fire_entry(e, generation, access, &v.table, &self.eq.port.futex()) {
+        match trip::fire_entry(e, cv.armed_count(), generation, access, &v.table, &self.eq.port.futex()) {
             trip::Fired::PostEvent { qindex, .. } => Some(Word::Trip { index: qindex, generation, access }),
             trip::Fired::Yes { .. } | trip::Fired::No => None,
         }
@@ -508,6 +510,11 @@ impl Tripwire {
         &self.owner.cam.view().entries[self.slot as usize]
     }
 
+    /// The count of armed mirrors of the index its entry is in.
+    fn armed_count(&self) -> clan_shm::trip::ArmedCount<'_> {
+        self.owner.cam.view().armed_count()
+    }
+
     /// Its firing state, in its queue's table.
     pub(crate) fn cell(&self) -> &clan_shm::trip::TripCell {
         &self.owner.eq.view().table.cells[self.id.index as usize]
@@ -524,7 +531,7 @@ impl Tripwire {
         self.check()?;
         let e = self.entry();
         self.last_seen.store(self.cell().seq.load(Ordering::Acquire), Ordering::Relaxed);
-        if trip::set_armed(e, self.cell(), self.id.index, self.id.generation, true) {
+        if trip::set_armed(e, self.armed_count(), self.cell(), self.id.index, self.id.generation, true) {
             Ok(())
         } else {
             Err(TripwireError::Stale)
@@ -552,7 +559,7 @@ impl Tripwire {
     /// ```
     pub fn disarm(&self) -> Result<(), TripwireError> {
         self.check()?;
-        if trip::set_armed(self.entry(), self.cell(), self.id.index, self.id.generation, false) {
+        if trip::set_armed(self.entry(), self.armed_count(), self.cell(), self.id.index, self.id.generation, false) {
             Ok(())
         } else {
             Err(TripwireError::Stale)
@@ -730,7 +737,7 @@ impl Tripwire {
             return Err(TripwireError::Foreign);
         }
         self.check()?;
-        if self.owner.eq.set_registration(self.entry(), self.id.index, self.id.generation, cookie) {
+        if self.owner.eq.set_registration(self.entry(), self.armed_count(), self.id.index, self.id.generation, cookie) {
             Ok(())
         } else {
             Err(TripwireError::Stale)
