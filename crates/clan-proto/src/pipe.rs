@@ -101,6 +101,14 @@ fn chunk(cap: u64) -> u64 {
     (cap / 2).max(1024)
 }
 
+/// Where stream position `pos` falls in a ring of `cap` bytes: a mask when `cap` is a power
+/// of two (every ring of the default geometry), else a division (a 64-bit `div`, tens of
+/// cycles, on the path of every write and read).
+#[inline(always)]
+fn wrap(pos: u64, cap: u64) -> u64 {
+    if cap.is_power_of_two() { pos & (cap - 1) } else { pos % cap }
+}
+
 /// A broken protocol, a dead peer, or an access failure.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PipeError {
@@ -180,6 +188,10 @@ impl PipeTx {
         }
         for _ in 0..8 {
             let s1 = self.mine.load_u64(CTL_POST_SEQ)?;
+            if s1 == 0 {
+                // Never posted (a post makes the sequence odd, then even and non-zero).
+                return Ok(None);
+            }
             if s1 % 2 == 1 {
                 std::hint::spin_loop();
                 continue;
@@ -241,7 +253,7 @@ impl PipeTx {
         if room == 0 {
             return Ok(0);
         }
-        let at = self.write % self.cap;
+        let at = wrap(self.write, self.cap);
         // At most half the ring per publication: the receiver starts copying out
         // while the rest is still being written (with a small ring, one big write would
         // make the two sides take turns instead of working at once).
@@ -303,7 +315,7 @@ impl PipeTx {
         let peer = self.peer.get()?;
         let mut done = 0u64;
         while done < out.len() as u64 {
-            let at = (r + done) % self.cap;
+            let at = wrap(r + done, self.cap);
             let n = (out.len() as u64 - done).min(self.cap - at);
             peer.read(RING + at, &mut out[done as usize..(done + n) as usize])?;
             done += n;
@@ -471,11 +483,11 @@ impl PipeRx {
                     return Ok((RING + self.cap + (q - at), at + len - q));
                 }
                 // In the ring, up to where redirection began.
-                let r = q % self.cap;
+                let r = wrap(q, self.cap);
                 return Ok((RING + r, (began - q).min(self.cap - r)));
             }
         }
-        let r = q % self.cap;
+        let r = wrap(q, self.cap);
         let mut run = self.cap - r;
         if let Some((_, at, _)) = self.post {
             if q < at {
@@ -678,7 +690,7 @@ impl PipeRx {
         if pos - self.read > self.cap - 1 || self.post.is_some() {
             return Err(PipeError::Protocol("can only wait for a position within the ring, without a posted buffer"));
         }
-        let byte = RING + (pos - 1) % self.cap;
+        let byte = RING + wrap(pos - 1, self.cap);
         let tw = self
             .mine
             .tripwire(TripwireConfig::writes(byte..byte + 1).once().disarmed().actions(clan::Actions::COUNTER))
@@ -775,7 +787,7 @@ impl PipeRx {
         let mut q = at;
         let mut tmp = vec![0u8; (began - at).min(64 << 10) as usize];
         while q < began {
-            let r = q % self.cap;
+            let r = wrap(q, self.cap);
             let n = (began - q).min(self.cap - r).min(tmp.len() as u64) as usize;
             self.mine.read(RING + r, &mut tmp[..n])?;
             self.mine.write(RING + self.cap + (q - at), &tmp[..n])?;

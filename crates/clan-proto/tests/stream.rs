@@ -101,6 +101,41 @@ fn connect_data_reaches_the_listener_and_is_bounded() {
     assert_eq!(c.peer_data(), b"");
 }
 
+/// A ring whose size is not a power of two (positions wrap by division, not by a mask):
+/// writes of every size up to past the ring's, many times around it, arrive whole and in
+/// order, read back in pieces of other sizes.
+#[test]
+fn a_ring_of_any_size_wraps_in_order() {
+    let _wd = Watchdog::new("odd ring", Duration::from_secs(60));
+    for ring in [3000u64, 4097, 12_345] {
+        let cfg = StreamConfig { ring, post_area: 0, ..StreamConfig::default() };
+        let (mut c, mut s, _l) = pair(cfg);
+        let total: usize = 20 * ring as usize + 77;
+        let data: Vec<u8> = (0..total).map(|i| (i * 31 + i / 251) as u8).collect();
+        let d2 = data.clone();
+        let w = std::thread::spawn(move || {
+            let (mut at, mut n) = (0usize, 1usize);
+            while at < d2.len() {
+                let k = n.min(d2.len() - at);
+                c.write_all(&d2[at..at + k]).unwrap();
+                at += k;
+                n = n * 7 % (ring as usize + 500) + 1;
+            }
+            c
+        });
+        let mut got = vec![0u8; total];
+        let (mut at, mut n) = (0usize, 3usize);
+        while at < total {
+            let k = n.min(total - at);
+            s.read_exact(&mut got[at..at + k]).unwrap();
+            at += k;
+            n = n * 5 % 2000 + 1;
+        }
+        w.join().unwrap();
+        assert!(got == data, "a {ring}-byte ring: the bytes arrive whole and in order");
+    }
+}
+
 /// The reader publishes its position lazily (every quarter of the ring): a writer blocked on
 /// a full ring must still be woken when the reader drains it in tiny reads, and a
 /// request/response exchange of sizes that never add up to a quarter must not stall.

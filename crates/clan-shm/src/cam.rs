@@ -409,7 +409,7 @@ impl<'a> CamView<'a> {
     /// load does not see came after that fence, and its owner's re-check sees the data.
     /// One load of the header's line, which the access has read already.
     #[inline(always)]
-    fn none_armed(&self) -> bool {
+    pub fn none_armed(&self) -> bool {
         // SYNC POINT: ordered by the writer's fence(SeqCst) before it against the arming
         // side's fence after its count (`trip::ArmedCount`), as the mirrors' loads are.
         self.header.armed.load(Ordering::Acquire) == 0

@@ -441,7 +441,11 @@ pub fn transfer_then_store_quick<E>(
     }
     // (the word is typically watched by a disarmed tripwire: its reader's, armed only while
     // it sleeps; the mirrors say so without a scratch list or a firing attempt, and when
-    // one is armed the walk that saw it hands it over, so that firing walks no more)
+    // one is armed the walk that saw it hands it over, so that firing walks no more; with
+    // nothing armed in the whole index, its count says so in one load and no list is built)
+    if watch.cam.none_armed() {
+        return Ok(Quick::Done);
+    }
     match watch.cam.armed_in(watch.tag, word_off, word_off.saturating_add(word_len), Access::Write) {
         Some(armed) if armed.is_empty() => Ok(Quick::Done),
         Some(armed) => Ok(Quick::Fire { seen: e1, armed }),
