@@ -1005,6 +1005,18 @@ impl Stream {
     }
 
     fn do_write(&self, data: &[u8]) -> io::Result<usize> {
+        self.write_some(data, false)
+    }
+
+    /// `write_all` with the sending side locked once for the whole of `data` (another
+    /// thread's writes come before or after it, never inside), not once per piece. The
+    /// write timeout counts from the last progress, as for a `write` per piece.
+    fn do_write_all(&self, data: &[u8]) -> io::Result<()> {
+        self.write_some(data, true).map(drop)
+    }
+
+    /// Write what fits of `data` (at least a byte unless it fails), or all of it (`all`).
+    fn write_some(&self, mut data: &[u8], all: bool) -> io::Result<usize> {
         if self.inner.handed.load(Ordering::Acquire) {
             return Err(handed());
         }
@@ -1013,6 +1025,7 @@ impl Stream {
         }
         let mut deadline_slot = None;
         let mut tx = lock(&self.inner.tx);
+        let mut done = 0;
         loop {
             if !self.inner.alive() {
                 return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the peer went away"));
@@ -1022,7 +1035,13 @@ impl Stream {
                 other => pipe_error(other),
             })?;
             if n > 0 {
-                return Ok(n);
+                done += n;
+                data = &data[n..];
+                if !all || data.is_empty() {
+                    return Ok(done);
+                }
+                deadline_slot = None;
+                continue;
             }
             if self.inner.nonblocking.load(Ordering::Acquire) {
                 drop(tx);
@@ -1306,6 +1325,9 @@ impl io::Write for Stream {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
         self.do_write(data)
     }
+    fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        self.do_write_all(data)
+    }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
@@ -1314,6 +1336,9 @@ impl io::Write for Stream {
 impl io::Write for &Stream {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
         self.do_write(data)
+    }
+    fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        self.do_write_all(data)
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())

@@ -101,6 +101,59 @@ fn connect_data_reaches_the_listener_and_is_bounded() {
     assert_eq!(c.peer_data(), b"");
 }
 
+/// `write_all` holds the sending side for the whole buffer: two threads writing buffers
+/// larger than the ring into one stream at once deliver each buffer whole, one after the
+/// other. Its write timeout counts from the last progress: a reader that keeps taking
+/// bytes, slower than the timeout overall, never makes it time out; one that stops does.
+#[test]
+fn write_all_is_whole_and_times_out_only_without_progress() {
+    let _wd = Watchdog::new("write_all", Duration::from_secs(120));
+    let cfg = StreamConfig { ring: 4096, post_area: 0, ..StreamConfig::default() };
+    let (c, mut s, _l) = pair(cfg);
+    let c = std::sync::Arc::new(c);
+    const LEN: usize = 20_000;
+    let writers: Vec<_> = (0..2u8)
+        .map(|k| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                for round in 0..5u8 {
+                    let buf = vec![k * 16 + round; LEN];
+                    (&*c).write_all(&buf).unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut got = vec![0u8; 10 * LEN];
+    s.read_exact(&mut got).unwrap();
+    for w in writers {
+        w.join().unwrap();
+    }
+    for (i, b) in got.chunks(LEN).enumerate() {
+        assert!(b.iter().all(|x| *x == b[0]), "buffer {i} arrived whole, not interleaved with another");
+    }
+
+    // Progress resets the timeout: 12 pauses of 250 ms, 3 s in all, under a 2 s timeout.
+    c.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut piece = vec![0u8; 4000];
+        for _ in 0..12 {
+            std::thread::sleep(Duration::from_millis(250));
+            s.read_exact(&mut piece).unwrap();
+        }
+        s
+    });
+    let started = std::time::Instant::now();
+    (&*c).write_all(&vec![9u8; 12 * 4000]).unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(2), "the reader paced the writer past one timeout");
+    let s = reader.join().unwrap();
+
+    // A reader that takes nothing: the write times out.
+    c.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
+    let e = (&*c).write_all(&vec![1u8; 3 * 4096]).unwrap_err();
+    assert!(matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock), "{e}");
+    drop(s);
+}
+
 /// A ring whose size is not a power of two (positions wrap by division, not by a mask):
 /// writes of every size up to past the ring's, many times around it, arrive whole and in
 /// order, read back in pieces of other sizes.

@@ -122,6 +122,14 @@ impl Write for AnyStream {
             AnyStream::Tcp(s) => s.write(b),
         }
     }
+    fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        // Each stream's own (clan's holds its side once for the whole buffer).
+        match self {
+            AnyStream::Clan(s) => s.write_all(b),
+            AnyStream::Unix(s) => s.write_all(b),
+            AnyStream::Tcp(s) => s.write_all(b),
+        }
+    }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
