@@ -435,6 +435,10 @@ impl Drop for Inner {
 
 /// A connected byte stream. See the module documentation.
 ///
+/// `&Stream` reads and writes too, so threads may share one. A `write_all` is whole with
+/// respect to other threads' writes of the same stream: theirs come before or after it,
+/// never inside it (a `write` is whole only for the bytes it returns).
+///
 /// ```
 /// use std::io::{Read, Write};
 /// use std::net::Shutdown;
