@@ -154,6 +154,85 @@ fn write_all_is_whole_and_times_out_only_without_progress() {
     drop(s);
 }
 
+/// A stream with one handle reads and writes without its sides' locks (`&mut Stream`, no
+/// clone); with clones it takes them. The two ways give the same bytes, waits and errors,
+/// and a stream goes from one to the other as its clones come and go.
+#[test]
+fn the_only_handle_and_shared_handles_behave_alike() {
+    let _wd = Watchdog::new("solo and shared", Duration::from_secs(60));
+    let cfg = StreamConfig { ring: 4096, post_area: 0, ..StreamConfig::default() };
+    let (mut c, mut s, _l) = pair(cfg);
+    let data: Vec<u8> = (0..60_000u32).map(|i| (i * 13 + i / 509) as u8).collect();
+
+    // The only handle: writes of 100 bytes fill the ring, wait for room, go on.
+    let d2 = data.clone();
+    let w = std::thread::spawn(move || {
+        for piece in d2.chunks(100) {
+            c.write_all(piece).unwrap();
+        }
+        c
+    });
+    let mut got = vec![0u8; data.len()];
+    s.read_exact(&mut got).unwrap();
+    let mut c = w.join().unwrap();
+    assert!(got == data, "in order through the only handle");
+
+    // A clone: both handles write through the locks, each write_all whole.
+    let mut c2 = c.try_clone().unwrap();
+    let w2 = std::thread::spawn(move || {
+        c2.write_all(&[0xAA; 10_000]).unwrap();
+        c2 // kept alive until joined
+    });
+    let w = std::thread::spawn(move || {
+        c.write_all(&[0x55; 10_000]).unwrap();
+        c
+    });
+    let mut both = vec![0u8; 20_000];
+    s.read_exact(&mut both).unwrap();
+    let (mut c, c2) = (w.join().unwrap(), w2.join().unwrap());
+    let (a, b) = both.split_at(10_000);
+    assert!(a.iter().all(|x| *x == a[0]) && b.iter().all(|x| *x == b[0]) && a[0] != b[0], "each whole");
+    drop(c2);
+
+    // The only handle again (the clone is gone): a read finds nothing, then what is written.
+    s.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 64];
+    assert_eq!(s.read(&mut buf).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+    c.write_all(b"after the clone").unwrap();
+    s.set_nonblocking(false).unwrap();
+    s.read_exact(&mut buf[..15]).unwrap();
+    assert_eq!(&buf[..15], b"after the clone");
+
+    // Full ring, non-blocking: WouldBlock, as through a shared handle.
+    c.set_nonblocking(true).unwrap();
+    let mut sent = 0;
+    loop {
+        match c.write(&[7u8; 1000]) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(sent > 0 && sent <= 4095, "{sent} bytes: the ring filled");
+    assert_eq!(s.available().unwrap(), sent as u64);
+
+    // Reading shut down: the end at once, though bytes are there.
+    s.shutdown(Shutdown::Read).unwrap();
+    assert_eq!(s.read(&mut buf).unwrap(), 0);
+
+    // The peer gone: the write fails (as over TCP: a broken pipe or a reset, by when it looks).
+    drop(s);
+    c.set_nonblocking(false).unwrap();
+    c.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+    let e = loop {
+        match c.write(&[1u8; 100]) {
+            Ok(n) => assert!(n > 0),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset), "{e}");
+}
+
 /// A ring whose size is not a power of two (positions wrap by division, not by a mask):
 /// writes of every size up to past the ring's, many times around it, arrive whole and in
 /// order, read back in pieces of other sizes.
