@@ -239,7 +239,7 @@ fn queue_stream_and_slots() {
     let points = v["points"].as_array().expect("points");
     assert_eq!(points.len(), 1);
     positive(&points[0], &both);
-    positive(&points[0], &["size", "slot_bytes", "slots"]);
+    positive(&points[0], &["size", "slot_bytes", "slots", "fenced_ring_mbit_s"]);
     // The slot queue's ring holds the same bytes as the stream's.
     let ring = points[0]["slot_bytes"].as_u64().unwrap() * points[0]["slots"].as_u64().unwrap();
     assert!(ring <= v["buffer_bytes"].as_u64().unwrap(), "slot ring {ring} within the buffer: {v}");

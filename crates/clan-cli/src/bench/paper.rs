@@ -768,6 +768,12 @@ fn fig_queue(p: Profile) -> Result<Figure> {
         ),
         ("peak".into(), mbit(v.peak_mbit_s), "—".into(), "—".into()),
         ("half of the peak reached at".into(), size_of(v.half_peak_size), "—".into(), "—".into()),
+        (
+            "half of the peak reached at, by the ring with one fence a publication (a tripwire's least)".into(),
+            size_of(v.fenced_ring_half_peak_size),
+            "—".into(),
+            "—".into(),
+        ),
         ("peak, slot-based message queue".into(), mbit(v.slot_peak_mbit_s), "—".into(), "—".into()),
         (
             "half of the peak reached at, slot-based message queue".into(),
@@ -1274,6 +1280,10 @@ fn plot(dir: &Path, fig: &Figure, m: &sys::Machine) -> Result<()> {
             curves.push(("clan slot message queue".into(), curve(|p| p.slot_mbit_s)));
             curves.push(("memcpy in and out (baseline)".into(), curve(|p| p.baseline_mbit_s)));
             curves.push(("hand-written ring (baseline)".into(), curve(|p| p.ring_mbit_s.unwrap_or(f64::NAN))));
+            curves.push((
+                "hand-written ring, a fence a publication".into(),
+                curve(|p| p.fenced_ring_mbit_s.unwrap_or(f64::NAN)),
+            ));
         }
         "oneway" | "send-overhead" => {
             let pts: Vec<BandwidthPoint> = typed(&fig.data["bandwidth"])?;

@@ -56,6 +56,9 @@ pub struct QueuePoint {
     /// The hand-written ring (shm only).
     pub ring_mbit_s: Option<f64>,
     pub ring_ratio: Option<f64>,
+    /// The hand-written ring with one `fence(SeqCst)` after each publication, the least a
+    /// writer whose stores can fire tripwires needs (shm only).
+    pub fenced_ring_mbit_s: Option<f64>,
     /// Transfers per second through the byte stream.
     pub msg_per_s: f64,
     /// The slot-based message queue: slots of this many bytes (header included).
@@ -105,6 +108,8 @@ pub struct QueueReport {
     /// The slot queue's.
     pub slot_peak_mbit_s: f64,
     pub slot_half_peak_size: Option<usize>,
+    /// Where the fenced hand-written ring reaches half of the byte stream's peak (shm only).
+    pub fenced_ring_half_peak_size: Option<usize>,
     pub placement: String,
     pub machine: sys::Machine,
 }
@@ -131,7 +136,7 @@ pub fn run(a: &QueueArgs) -> Result<()> {
         // swing between rounds on this machine (where the host runs the two virtual CPUs),
         // and one round could catch either regime.
         let bytes = queue_bytes(size, tcp) / 2;
-        let (mut o, mut q, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut o, mut q, mut b, mut g, mut f) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut qb, mut ucx, mut rpc) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds.max(1) {
             o.push(queue_round(hosts.as_ref(), size, bytes, buffer, QueueKind::Stream)?);
@@ -151,7 +156,8 @@ pub fn run(a: &QueueArgs) -> Result<()> {
                 Some(h) => b.push(queue_round(Some(h), size, bytes, buffer, QueueKind::Tcp)?),
                 None => {
                     b.push(memcpy_transfers(size, bytes, buffer));
-                    g.push(ring_round(size, bytes, buffer)?);
+                    g.push(ring_round(size, bytes, buffer, false)?);
+                    f.push(ring_round(size, bytes, buffer, true)?);
                 }
             }
             bar.inc(1);
@@ -168,6 +174,7 @@ pub fn run(a: &QueueArgs) -> Result<()> {
         rpc.sort_by(f64::total_cmp);
         let rpc = rpc.get(rpc.len() / 2).copied();
         let ring = median(&mut g).map(|d| mbit(bytes, d));
+        let fenced = median(&mut f).map(|d| mbit(bytes, d));
         let msgs = (bytes / size as u64) as f64;
         let geometry = slot_config(size, buffer);
         points.push(QueuePoint {
@@ -177,6 +184,7 @@ pub fn run(a: &QueueArgs) -> Result<()> {
             ratio: ratio(mbit(bytes, ours), mbit(bytes, base)),
             ring_mbit_s: ring,
             ring_ratio: ring.map(|r| ratio(mbit(bytes, ours), r)),
+            fenced_ring_mbit_s: fenced,
             msg_per_s: msgs / ours.as_secs_f64().max(1e-9),
             slot_bytes: geometry.slot_size,
             slots: geometry.slots,
@@ -211,6 +219,7 @@ pub fn run(a: &QueueArgs) -> Result<()> {
     };
     let (peak, half) = peak_of(|p| p.mbit_s);
     let (slot_peak, slot_half) = peak_of(|p| p.slot_mbit_s);
+    let fenced_half = points.iter().find(|p| p.fenced_ring_mbit_s.is_some_and(|f| f >= peak / 2.0)).map(|p| p.size);
     let last = points.last().ok_or("no sizes")?;
     let r = QueueReport {
         bench: "queue",
@@ -233,6 +242,7 @@ pub fn run(a: &QueueArgs) -> Result<()> {
         half_peak_size: half,
         slot_peak_mbit_s: slot_peak,
         slot_half_peak_size: slot_half,
+        fenced_ring_half_peak_size: fenced_half,
         placement: format!(
             "{}; sender process pinned to CPU 0, receiver to CPU 1; each transfer is copied into the queue by the \
              sender and out of it by the receiver; both variants wait the library's way (poll 15 µs, then sleep); \
@@ -253,21 +263,23 @@ pub fn run(a: &QueueArgs) -> Result<()> {
         if ring {
             println!(
                 "ring: the same copies through a hand-written ring of the same size between the same two CPUs \
-                 (no tripwires, locks or checks)"
+                 (no tripwires, locks or checks); fenced: the same ring with one fence(SeqCst) after each \
+                 publication, the least a writer whose stores may fire a tripwire needs (the arm/fire handshake)"
             );
         }
         let line = |l: String| println!("{}", l.trim_end());
         line(format!(
-            "{:>8}  {:>23}  {:>29}  {:>12}  {:>6} {:>13}",
+            "{:>8}  {:>23}  {:>29}  {:>12}  {:>6} {:>13} {:>6}",
             "",
             "byte stream",
             "slot message queue",
             "",
             "",
-            if ring { "ring" } else { "" }
+            if ring { "ring" } else { "" },
+            if ring { "fenced" } else { "" }
         ));
         line(format!(
-            "{:>8}  {:>10} {:>12}  {:>10} {:>12} {:>5}  {:>12}  {:>6} {:>6} {:>6}",
+            "{:>8}  {:>10} {:>12}  {:>10} {:>12} {:>5}  {:>12}  {:>6} {:>6} {:>6} {:>6}",
             "size",
             "Mbit/s",
             "msg/s",
@@ -277,11 +289,12 @@ pub fn run(a: &QueueArgs) -> Result<()> {
             r.baseline,
             "ratio",
             if ring { "Mbit/s" } else { "" },
-            if ring { "ratio" } else { "" }
+            if ring { "ratio" } else { "" },
+            if ring { "Mbit/s" } else { "" }
         ));
         for p in &r.points {
             line(format!(
-                "{:>8}  {:>10.0} {:>12.0}  {:>10.0} {:>12.0} {:>5}  {:>12.0}  {:>6.2} {:>6} {:>6}",
+                "{:>8}  {:>10.0} {:>12.0}  {:>10.0} {:>12.0} {:>5}  {:>12.0}  {:>6.2} {:>6} {:>6} {:>6}",
                 p.size,
                 p.mbit_s,
                 p.msg_per_s,
@@ -291,7 +304,8 @@ pub fn run(a: &QueueArgs) -> Result<()> {
                 p.baseline_mbit_s,
                 p.ratio,
                 p.ring_mbit_s.map_or(String::new(), |g| format!("{g:.0}")),
-                p.ring_ratio.map_or(String::new(), |g| format!("{g:.2}"))
+                p.ring_ratio.map_or(String::new(), |g| format!("{g:.2}")),
+                p.fenced_ring_mbit_s.map_or(String::new(), |g| format!("{g:.0}"))
             ));
         }
         println!("ratio: the byte stream over {}; slot: bytes per slot, header included", r.baseline);
@@ -326,6 +340,12 @@ pub fn run(a: &QueueArgs) -> Result<()> {
             r.peak_mbit_s,
             r.half_peak_size.map_or("no measured size".into(), |s| format!("{s}-byte transfers"))
         );
+        if ring {
+            println!(
+                "fenced ring: half of the byte stream's peak reached at {}",
+                r.fenced_ring_half_peak_size.map_or("no measured size".into(), |s| format!("{s}-byte transfers"))
+            );
+        }
         println!(
             "slot queue : peak {:.0} Mbit/s, half of it reached at {}; at {} bytes {:.2}× the byte stream",
             r.slot_peak_mbit_s,
@@ -371,6 +391,8 @@ pub struct RingArgs {
     /// The shared memfd, through `/proc`.
     path: String,
     cpu: usize,
+    /// A `fence(SeqCst)` after each publication.
+    fenced: bool,
 }
 
 /// The slot queue's geometry for `size`-byte transfers in `buffer` bytes: a slot holds one
@@ -488,8 +510,9 @@ const RING_ACK: usize = 128;
 
 /// The same transfers through a hand-written ring of `buffer` bytes between two pinned peer
 /// processes, copied in and out in the same pieces as the queue (at most half the ring per
-/// publication, the read position mirrored every quarter). Sender's time, as `queue_round`.
-fn ring_round(size: usize, bytes: u64, buffer: u64) -> Result<Duration> {
+/// publication, the read position mirrored every quarter), with a `fence(SeqCst)` after each
+/// publication if `fenced`. Sender's time, as `queue_round`.
+fn ring_round(size: usize, bytes: u64, buffer: u64, fenced: bool) -> Result<Duration> {
     let page = clan_shm::segment::page_size();
     let len = page + clan_shm::segment::page_align(buffer as usize);
     let memfd = clan_shm::memfd::Memfd::create("clan-bench-ring", len as u64)?;
@@ -498,7 +521,7 @@ fn ring_round(size: usize, bytes: u64, buffer: u64) -> Result<Duration> {
         memfd.as_fd().as_raw_fd()
     });
     let spawn = |cpu: usize, role: Role| -> Result<PeerProc> {
-        PeerProc::spawn(role, &RingArgs { size, bytes, buffer, path: path.clone(), cpu })
+        PeerProc::spawn(role, &RingArgs { size, bytes, buffer, path: path.clone(), cpu, fenced })
     };
     let mut rx = spawn(1, Role::PqRingRecv)?;
     if rx.recv()? != "ready" {
@@ -534,7 +557,7 @@ fn spin_on(mut cond: impl FnMut() -> bool) -> Result<()> {
 pub fn ring_peer(role: Role, a: RingArgs) -> Result<()> {
     use clan_shm::segment::{Access, Segment};
     use std::sync::atomic::{AtomicU64, Ordering};
-    let RingArgs { size, bytes, buffer: cap, path, cpu } = a;
+    let RingArgs { size, bytes, buffer: cap, path, cpu, fenced } = a;
     sys::pin(cpu);
     let page = clan_shm::segment::page_size();
     let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
@@ -606,6 +629,12 @@ pub fn ring_peer(role: Role, a: RingArgs) -> Result<()> {
                     *w += k as u64;
                     // Pairs with the receiver's Acquire load: the bytes above are visible.
                     w_at.store(*w, Ordering::Release);
+                    if fenced {
+                        // As a writer that fires tripwires: its stores, then a look at what
+                        // is armed (here nothing is), ordered by this fence (no partner: the
+                        // cost is what is measured).
+                        std::sync::atomic::fence(Ordering::SeqCst);
+                    }
                 }
                 Ok(())
             };
