@@ -442,7 +442,7 @@ impl AsyncRead for AsyncStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let me = self.get_mut();
         for _ in 0..2 {
-            match io::Read::read(&mut &me.s, buf.initialize_unfilled()) {
+            match io::Read::read(&mut me.s, buf.initialize_unfilled()) {
                 Ok(n) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -466,7 +466,7 @@ impl AsyncWrite for AsyncStream {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
         let me = self.get_mut();
         for _ in 0..2 {
-            match io::Write::write(&mut &me.s, data) {
+            match io::Write::write(&mut me.s, data) {
                 Ok(n) => return Poll::Ready(Ok(n)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     me.reactor.shared.register(me.cookies.1, cx.waker());
