@@ -88,6 +88,50 @@ fn setup_error(e: SetupError) -> io::Error {
     e.into()
 }
 
+/// A read from `rx` (locked, or reached through the only handle): the bytes there, else the
+/// end, else a wait for either (until the read timeout, or the connection's end). `None`:
+/// the stream is non-blocking and nothing is there.
+fn read_loop(
+    rx: &mut PipeRx,
+    buf: &mut [u8],
+    conn: &Connection,
+    nonblocking: &AtomicBool,
+    read_timeout: &AtomicU64,
+) -> io::Result<Option<usize>> {
+    let mut deadline = None;
+    loop {
+        let n = rx.try_read(buf).map_err(pipe_error)?;
+        if n > 0 {
+            return Ok(Some(n));
+        }
+        if rx.at_end().map_err(pipe_error)? {
+            return Ok(Some(0));
+        }
+        if !conn.is_alive() {
+            return Err(pipe_error(PipeError::Dead));
+        }
+        if nonblocking.load(Ordering::Acquire) {
+            if rx.drive_links() {
+                // Bytes came over a link: look again.
+                continue;
+            }
+            return Ok(None);
+        }
+        // (computed when it first has to wait: a read that finds its bytes at once never
+        // reads the clock)
+        let deadline = *deadline.get_or_insert_with(|| deadline_of(read_timeout));
+        rx.wait_data(deadline, &mut || !conn.is_alive()).map_err(pipe_error)?;
+    }
+}
+
+/// The deadline of a call starting now under timeout `t` (nanoseconds; 0: none).
+fn deadline_of(t: &AtomicU64) -> Option<Instant> {
+    match t.load(Ordering::Acquire) {
+        0 => None,
+        n => Some(Instant::now() + Duration::from_nanos(n)),
+    }
+}
+
 /// A failed write: an access refused (revoked, disconnected) is the peer's close.
 fn write_error(e: PipeError) -> io::Error {
     match e {
@@ -972,10 +1016,7 @@ impl Stream {
     }
 
     fn deadline(&self, t: &AtomicU64) -> Option<Instant> {
-        match t.load(Ordering::Acquire) {
-            0 => None,
-            n => Some(Instant::now() + Duration::from_nanos(n)),
-        }
+        deadline_of(t)
     }
 
     /// The deadline of a call that started at its first look, computed when it first has to
@@ -994,30 +1035,15 @@ impl Stream {
         if buf.is_empty() || self.inner.read_shut.load(Ordering::Acquire) {
             return Ok(0);
         }
-        let mut deadline_slot = None;
         let mut rx = lock(&self.inner.rx);
-        loop {
-            let n = rx.try_read(buf).map_err(pipe_error)?;
-            if n > 0 {
-                return Ok(n);
-            }
-            if rx.at_end().map_err(pipe_error)? {
-                return Ok(0);
-            }
-            if !self.inner.alive() {
-                return Err(pipe_error(PipeError::Dead));
-            }
-            if self.inner.nonblocking.load(Ordering::Acquire) {
-                if rx.drive_links() {
-                    // Bytes came over a link: look again.
-                    continue;
-                }
+        let i = &self.inner;
+        match read_loop(&mut rx, buf, &i.conn, &i.nonblocking, &i.read_timeout)? {
+            Some(n) => Ok(n),
+            None => {
                 drop(rx);
                 self.mio_rearm(true, false);
-                return Err(io::ErrorKind::WouldBlock.into());
+                Err(io::ErrorKind::WouldBlock.into())
             }
-            let deadline = self.lazy_deadline(&self.inner.read_timeout, &mut deadline_slot);
-            rx.wait_data(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
         }
     }
 
@@ -1044,20 +1070,20 @@ impl Stream {
     }
 
     /// A read through the only handle on this stream, without the receiving side's lock
-    /// (as [`Stream::solo_write`]); `None` when the handle is shared or nothing is there to
-    /// read now: the locked path ([`Stream::do_read`]) then does it all.
+    /// (as [`Stream::solo_write`]), waiting as the locked path does; `None` when the handle
+    /// is shared, or when a non-blocking read finds nothing: the locked path
+    /// ([`Stream::do_read`]) then does it all (the `WouldBlock`, and the re-arm of mio's
+    /// edge).
     #[inline]
     fn solo_read(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
         let inner = Arc::get_mut(&mut self.inner)?;
         if buf.is_empty() || *inner.handed.get_mut() || *inner.read_shut.get_mut() {
             return None;
         }
-        let rx = inner.rx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match rx.try_read(buf) {
-            Ok(0) => None,
-            Ok(n) => Some(Ok(n)),
-            Err(e) => Some(Err(pipe_error(e))),
-        }
+        // (the fields apart: the pipe borrowed mutably, the rest shared)
+        let Inner { rx, conn, nonblocking, read_timeout, .. } = inner;
+        let rx = rx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        read_loop(rx, buf, conn, nonblocking, read_timeout).transpose()
     }
 
     fn do_write(&self, data: &[u8]) -> io::Result<usize> {

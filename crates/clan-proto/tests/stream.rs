@@ -154,9 +154,10 @@ fn write_all_is_whole_and_times_out_only_without_progress() {
     drop(s);
 }
 
-/// A stream with one handle reads and writes without its sides' locks (`&mut Stream`, no
-/// clone); with clones it takes them. The two ways give the same bytes, waits and errors,
-/// and a stream goes from one to the other as its clones come and go.
+/// A stream with one handle reads (waits included) and writes without its sides' locks
+/// (`&mut Stream`, no clone); with clones it takes them. The two ways give the same bytes,
+/// waits, timeouts and errors, and a stream goes from one to the other as its clones come
+/// and go.
 #[test]
 fn the_only_handle_and_shared_handles_behave_alike() {
     let _wd = Watchdog::new("solo and shared", Duration::from_secs(60));
@@ -198,10 +199,18 @@ fn the_only_handle_and_shared_handles_behave_alike() {
     s.set_nonblocking(true).unwrap();
     let mut buf = [0u8; 64];
     assert_eq!(s.read(&mut buf).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
-    c.write_all(b"after the clone").unwrap();
     s.set_nonblocking(false).unwrap();
-    s.read_exact(&mut buf[..15]).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    assert_eq!(s.read(&mut buf).unwrap_err().kind(), std::io::ErrorKind::TimedOut, "a wait times out");
+    s.set_read_timeout(None).unwrap();
+    let w = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        c.write_all(b"after the clone").unwrap();
+        c
+    });
+    s.read_exact(&mut buf[..15]).unwrap(); // waits for it
     assert_eq!(&buf[..15], b"after the clone");
+    let mut c = w.join().unwrap();
 
     // Full ring, non-blocking: WouldBlock, as through a shared handle.
     c.set_nonblocking(true).unwrap();
