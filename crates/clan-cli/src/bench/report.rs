@@ -58,7 +58,8 @@ impl Samples {
             p999_ns: self.p(0.999),
             min_ns: self.h.min(),
             max_ns: self.h.max(),
-            mean_ns: self.h.mean(),
+            // (0 for no samples, not NaN: a report must read back)
+            mean_ns: if self.h.is_empty() { 0.0 } else { self.h.mean() },
             count: self.h.len(),
         }
     }
