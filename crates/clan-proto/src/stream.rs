@@ -132,6 +132,48 @@ fn deadline_of(t: &AtomicU64) -> Option<Instant> {
     }
 }
 
+/// A write into `tx` (locked, or the only handle's own) of what fits of `data` (at least a
+/// byte, waiting for room), or of all of it (`all`; the write timeout counts from the last
+/// progress). `None`: the stream is non-blocking and there is no room (for `all`, after
+/// what was written: as `std`'s `write_all`, a `WouldBlock` does not say how much).
+fn write_loop(
+    tx: &mut PipeTx,
+    mut data: &[u8],
+    all: bool,
+    conn: &Connection,
+    nonblocking: &AtomicBool,
+    write_timeout: &AtomicU64,
+) -> io::Result<Option<usize>> {
+    let mut deadline = None;
+    let mut done = 0;
+    loop {
+        if !conn.is_alive() {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the peer went away"));
+        }
+        let n = tx.try_write(data).map_err(write_error)?;
+        if n > 0 {
+            done += n;
+            data = &data[n..];
+            if !all || data.is_empty() {
+                return Ok(Some(done));
+            }
+            deadline = None;
+            continue;
+        }
+        if nonblocking.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        // (computed when it first has to wait: a write that finds room never reads the clock)
+        let deadline = *deadline.get_or_insert_with(|| deadline_of(write_timeout));
+        tx.wait_space(deadline, &mut || !conn.is_alive()).map_err(pipe_error)?;
+    }
+}
+
+/// The sending side is not where it should be (never: it is the only handle's, or shared).
+fn tx_gone() -> io::Error {
+    io::Error::other("the stream's sending side is gone")
+}
+
 /// A failed write: an access refused (revoked, disconnected) is the peer's close.
 fn write_error(e: PipeError) -> io::Error {
     match e {
@@ -438,7 +480,8 @@ impl Listener {
 #[derive(Debug)]
 struct Inner {
     // Field order: the pipes (and their mappings) go before the connection and endpoint.
-    tx: Mutex<PipeTx>,
+    /// The sending side once shared (`Stream::own_tx` until then; `tx_moved` says which).
+    tx: Mutex<Option<PipeTx>>,
     rx: Mutex<PipeRx>,
     conn: Connection,
     side: Arc<clan::Aperture>,
@@ -450,6 +493,8 @@ struct Inner {
     /// Handed over or taken over ([`Stream::hand_over`], [`Stream::take_over`]): no more
     /// reads or writes.
     handed: AtomicBool,
+    /// The sending side has moved from the only handle into `tx`.
+    tx_moved: AtomicBool,
     /// Nanoseconds; 0: none.
     read_timeout: AtomicU64,
     write_timeout: AtomicU64,
@@ -481,7 +526,9 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // End of stream for the peer; then the fields drop, the connection last but the
         // endpoint (the peer's reads drain what is in its ring first).
-        let _ = self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).finish();
+        if let Some(tx) = self.tx.get_mut().unwrap_or_else(|e| e.into_inner()) {
+            let _ = tx.finish();
+        }
     }
 }
 
@@ -491,10 +538,12 @@ impl Drop for Inner {
 /// respect to other threads' writes of the same stream: theirs come before or after it,
 /// never inside it (a `write` is whole only for the bytes it returns).
 ///
-/// A stream with one handle (never cloned, or its clones dropped), read and written through
-/// `&mut Stream`, does without the locks that sharing needs. A small write then has two
-/// instructions that wait for this CPU's earlier stores to reach its cache (a
-/// compare-and-swap and the tripwire's fence) instead of three (README's notes).
+/// A stream with one handle, read and written through `&mut Stream`, does without the locks
+/// that sharing needs: a small write then has one instruction that waits for this CPU's
+/// earlier stores to reach its cache (the tripwire's fence) instead of three (README's
+/// notes). Its writes stay so until something reaches the stream through `&self` (a
+/// clone, a write through `&Stream`, `readiness`, `shutdown`); its reads while it has no
+/// clone.
 ///
 /// ```
 /// use std::io::{Read, Write};
@@ -523,9 +572,33 @@ impl Drop for Inner {
 /// echo.join().unwrap()?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone)]
 pub struct Stream {
     inner: Arc<Inner>,
+    /// The sending side while this is the only handle and nothing has reached it through
+    /// `&self`: written through `&mut self` with no lock and no atomic read-modify-write.
+    /// Moved into `Inner::tx` for good at the first access through `&self` (a clone,
+    /// `&Stream`'s writes, `readiness`, `shutdown`: [`Stream::tx`]); `None` after.
+    own_tx: Mutex<Option<PipeTx>>,
+}
+
+impl Clone for Stream {
+    fn clone(&self) -> Stream {
+        // (the sending side moves to where every handle reaches it)
+        drop(self.tx());
+        Stream { inner: self.inner.clone(), own_tx: Mutex::new(None) }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // The only handle's own sending side: end of stream for the peer (as `Inner`'s
+        // drop does for the shared one), and gone before `Inner` (no clone exists: it goes
+        // next), whose connection and endpoint outlive the pipes.
+        if let Some(mut tx) = self.own_tx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            let _ = tx.finish();
+            drop(tx);
+        }
+    }
 }
 
 impl Stream {
@@ -628,8 +701,10 @@ impl Stream {
         let tx = PipeTx::new(mine.clone(), s.peer.clone(), s.peer_cap, s.peer_post_cap, cfg.spin)?;
         let rx = PipeRx::new(mine.clone(), s.peer.clone(), cfg.ring, cfg.post_area, cfg.spin)?;
         Ok(Stream {
+            own_tx: Mutex::new(Some(tx)),
             inner: Arc::new(Inner {
-                tx: Mutex::new(tx),
+                tx: Mutex::new(None),
+                tx_moved: AtomicBool::new(false),
                 rx: Mutex::new(rx),
                 local: s.ep.addr(),
                 peer: s.conn.peer(),
@@ -792,19 +867,16 @@ impl Stream {
             r.readable = true;
             r.eof = true;
         }
-        {
-            let mut tx = lock(&self.inner.tx);
-            if tx.is_finished() {
-                r.writable = true;
-            } else {
-                match tx.poll_space() {
-                    Ok((room, freed)) => {
-                        r.writable = room;
-                        r.tx_freed = freed;
-                    }
-                    Err(_) => r.error = true,
+        match self.tx().as_mut() {
+            None => r.error = true,
+            Some(tx) if tx.is_finished() => r.writable = true,
+            Some(tx) => match tx.poll_space() {
+                Ok((room, freed)) => {
+                    r.writable = room;
+                    r.tx_freed = freed;
                 }
-            }
+                Err(_) => r.error = true,
+            },
         }
         if r.error {
             // A read or a write returns an error at once.
@@ -915,7 +987,7 @@ impl Stream {
     /// ```
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Write | Shutdown::Both) {
-            lock(&self.inner.tx).finish().map_err(pipe_error)?;
+            self.tx().as_mut().ok_or_else(tx_gone)?.finish().map_err(pipe_error)?;
         }
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             self.inner.read_shut.store(true, Ordering::Release);
@@ -958,9 +1030,10 @@ impl Stream {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn hand_over(&self) -> io::Result<HandOver> {
-        let mut tx = lock(&self.inner.tx);
+        let mut g = self.tx();
+        let tx = g.as_mut().ok_or_else(tx_gone)?;
         if tx.peer_left().map_err(pipe_error)?.is_some() {
-            drop(tx);
+            drop(g);
             return self.take_over().map(HandOver::PeerLeftFirst);
         }
         let mut rx = lock(&self.inner.rx);
@@ -972,7 +1045,7 @@ impl Stream {
         std::sync::atomic::fence(Ordering::SeqCst);
         if tx.peer_left().map_err(pipe_error)?.is_some() {
             // Both left: we saw the peer's, so we also take back what it will not read.
-            drop(tx);
+            drop(g);
             return self.take_over().map(HandOver::PeerLeftFirst);
         }
         tx.finish().map_err(pipe_error)?;
@@ -992,7 +1065,8 @@ impl Stream {
     /// what it wrote and we have not read yet (all of it has landed: the peer wrote nothing
     /// after leaving). The stream is done after this.
     pub fn take_over(&self) -> io::Result<TakeOver> {
-        let mut tx = lock(&self.inner.tx);
+        let mut g = self.tx();
+        let tx = g.as_mut().ok_or_else(tx_gone)?;
         let finished = tx.is_finished();
         let resend = tx.take_back().map_err(pipe_error)?;
         let mut rx = lock(&self.inner.rx);
@@ -1047,26 +1121,28 @@ impl Stream {
         }
     }
 
-    /// A write through the only handle on this stream (`&mut self`, no clone, no other
-    /// reference): the sending side is reached without its lock, whose two atomic
-    /// read-modify-writes (each waits for this CPU's earlier stores to reach the cache, the
-    /// last write's counter among them) cost as much as the copy of a small write. `None`
-    /// when the handle is shared, or when the write would wait or the stream is not in a
-    /// state to write: the locked path ([`Stream::do_write`]) then does it all, as for a
-    /// shared handle.
+    /// A write through the only handle on this stream (`&mut self`, nothing reached it
+    /// through `&self`): its own sending side, with no lock and no atomic read-modify-write
+    /// (each waits for this CPU's earlier stores to reach its cache, the last write's
+    /// counter among them: as much as the copy of a small write), waits included. `None`
+    /// when the sending side is shared, or the stream is handed over: the locked path
+    /// ([`Stream::write_some`]) then does it all.
     #[inline]
-    fn solo_write(&mut self, data: &[u8]) -> Option<io::Result<usize>> {
-        // (one atomic compare-and-swap, on the count of weak references: none is ever made)
-        let inner = Arc::get_mut(&mut self.inner)?;
-        if data.is_empty() || *inner.handed.get_mut() || !inner.alive() {
+    fn solo_write(&mut self, data: &[u8], all: bool) -> Option<io::Result<usize>> {
+        let tx = self.own_tx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).as_mut()?;
+        let i = &self.inner;
+        if data.is_empty() || i.handed.load(Ordering::Acquire) {
             return None;
         }
-        let tx = inner.tx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match tx.try_write(data) {
-            Ok(0) => None,
-            Ok(n) => Some(Ok(n)),
-            Err(e) => Some(Err(write_error(e))),
-        }
+        // (not the locked path after a `WouldBlock`: part of `data` may be written)
+        Some(match write_loop(tx, data, all, &i.conn, &i.nonblocking, &i.write_timeout) {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => {
+                self.mio_rearm(false, true);
+                Err(io::ErrorKind::WouldBlock.into())
+            }
+            Err(e) => Err(e),
+        })
     }
 
     /// A read through the only handle on this stream, without the receiving side's lock
@@ -1098,38 +1174,40 @@ impl Stream {
     }
 
     /// Write what fits of `data` (at least a byte unless it fails), or all of it (`all`).
-    fn write_some(&self, mut data: &[u8], all: bool) -> io::Result<usize> {
+    fn write_some(&self, data: &[u8], all: bool) -> io::Result<usize> {
         if self.inner.handed.load(Ordering::Acquire) {
             return Err(handed());
         }
         if data.is_empty() {
             return Ok(0);
         }
-        let mut deadline_slot = None;
-        let mut tx = lock(&self.inner.tx);
-        let mut done = 0;
-        loop {
-            if !self.inner.alive() {
-                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the peer went away"));
-            }
-            let n = tx.try_write(data).map_err(write_error)?;
-            if n > 0 {
-                done += n;
-                data = &data[n..];
-                if !all || data.is_empty() {
-                    return Ok(done);
-                }
-                deadline_slot = None;
-                continue;
-            }
-            if self.inner.nonblocking.load(Ordering::Acquire) {
-                drop(tx);
+        let mut g = self.tx();
+        let tx = g.as_mut().ok_or_else(tx_gone)?;
+        let i = &self.inner;
+        match write_loop(tx, data, all, &i.conn, &i.nonblocking, &i.write_timeout)? {
+            Some(n) => Ok(n),
+            None => {
+                drop(g);
                 self.mio_rearm(false, true);
-                return Err(io::ErrorKind::WouldBlock.into());
+                Err(io::ErrorKind::WouldBlock.into())
             }
-            let deadline = self.lazy_deadline(&self.inner.write_timeout, &mut deadline_slot);
-            tx.wait_space(deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
         }
+    }
+
+    /// The sending side, shared by every handle: moved there first from the only handle's
+    /// own (`own_tx`), for good (a handle reached through `&self` may have others).
+    fn tx(&self) -> std::sync::MutexGuard<'_, Option<PipeTx>> {
+        // Acquire: pairs with the Release store below; the move (under the locks) is then
+        // seen too, and `own_tx` is not looked at again.
+        if !self.inner.tx_moved.load(Ordering::Acquire) {
+            let mut own = lock(&self.own_tx);
+            if let Some(tx) = own.take() {
+                *lock(&self.inner.tx) = Some(tx);
+                // Release: pairs with the Acquire load above (another handle's).
+                self.inner.tx_moved.store(true, Ordering::Release);
+            }
+        }
+        lock(&self.inner.tx)
     }
 
     /// Lend up to `max` received bytes in place (no copy into a buffer of ours): `f` reads
@@ -1405,20 +1483,16 @@ impl io::Read for &Stream {
 
 impl io::Write for Stream {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        match self.solo_write(data) {
+        match self.solo_write(data, false) {
             Some(r) => r,
             None => self.do_write(data),
         }
     }
-    fn write_all(&mut self, mut data: &[u8]) -> io::Result<()> {
-        while !data.is_empty() {
-            match self.solo_write(data) {
-                Some(Ok(n)) => data = &data[n..],
-                Some(Err(e)) => return Err(e),
-                None => return self.do_write_all(data),
-            }
+    fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        match self.solo_write(data, true) {
+            Some(r) => r.map(drop),
+            None => self.do_write_all(data),
         }
-        Ok(())
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())

@@ -242,6 +242,34 @@ fn the_only_handle_and_shared_handles_behave_alike() {
     assert!(matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset), "{e}");
 }
 
+/// A non-blocking `write_all` through the only handle that runs out of room says
+/// `WouldBlock` with a prefix of its bytes written once; then writes through `&Stream` (the
+/// sending side shared from then on) and through the handle again go on in order.
+#[test]
+fn a_non_blocking_write_all_leaves_a_prefix_and_sharing_keeps_the_order() {
+    let _wd = Watchdog::new("write_all prefix", Duration::from_secs(60));
+    let cfg = StreamConfig { ring: 4096, post_area: 0, ..StreamConfig::default() };
+    let (mut c, mut s, _l) = pair(cfg);
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 29 + i / 97) as u8).collect();
+    c.set_nonblocking(true).unwrap();
+    assert_eq!(c.write_all(&data).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+    let k = s.available().unwrap() as usize;
+    assert!(k > 0 && k < data.len(), "{k} bytes written");
+    let mut got = vec![0u8; k];
+    s.read_exact(&mut got).unwrap();
+    assert!(got == data[..k], "a prefix, once");
+    c.set_nonblocking(false).unwrap();
+    (&c).write_all(b"shared ").unwrap();
+    c.write_all(b"then own").unwrap();
+    let mut tail = [0u8; 15];
+    s.read_exact(&mut tail).unwrap();
+    assert_eq!(&tail, b"shared then own");
+    drop(c);
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "the end of stream, once the handle is gone");
+}
+
 /// A ring whose size is not a power of two (positions wrap by division, not by a mask):
 /// writes of every size up to past the ring's, many times around it, arrive whole and in
 /// order, read back in pieces of other sizes.
