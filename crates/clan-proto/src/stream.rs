@@ -541,9 +541,8 @@ impl Drop for Inner {
 /// A stream with one handle, read and written through `&mut Stream`, does without the locks
 /// that sharing needs: a small write then has one instruction that waits for this CPU's
 /// earlier stores to reach its cache (the tripwire's fence) instead of three (README's
-/// notes). Its writes stay so until something reaches the stream through `&self` (a
-/// clone, a write through `&Stream`, `readiness`, `shutdown`); its reads while it has no
-/// clone.
+/// notes). Its writes stay so until it is cloned or written through `&Stream`; its reads
+/// while it has no clone.
 ///
 /// ```
 /// use std::io::{Read, Write};
@@ -576,8 +575,8 @@ pub struct Stream {
     inner: Arc<Inner>,
     /// The sending side while this is the only handle and nothing has reached it through
     /// `&self`: written through `&mut self` with no lock and no atomic read-modify-write.
-    /// Moved into `Inner::tx` for good at the first access through `&self` (a clone,
-    /// `&Stream`'s writes, `readiness`, `shutdown`: [`Stream::tx`]); `None` after.
+    /// Moved into `Inner::tx` for good at the first clone or write through `&Stream`
+    /// ([`Stream::tx`]); `None` after.
     own_tx: Mutex<Option<PipeTx>>,
 }
 
@@ -867,16 +866,12 @@ impl Stream {
             r.readable = true;
             r.eof = true;
         }
-        match self.tx().as_mut() {
-            None => r.error = true,
-            Some(tx) if tx.is_finished() => r.writable = true,
-            Some(tx) => match tx.poll_space() {
-                Ok((room, freed)) => {
-                    r.writable = room;
-                    r.tx_freed = freed;
-                }
-                Err(_) => r.error = true,
-            },
+        match self.with_tx_briefly(|tx| if tx.is_finished() { Ok((true, 0)) } else { tx.poll_space() }) {
+            Some(Ok((room, freed))) => {
+                r.writable = room;
+                r.tx_freed = freed;
+            }
+            Some(Err(_)) | None => r.error = true,
         }
         if r.error {
             // A read or a write returns an error at once.
@@ -987,7 +982,7 @@ impl Stream {
     /// ```
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Write | Shutdown::Both) {
-            self.tx().as_mut().ok_or_else(tx_gone)?.finish().map_err(pipe_error)?;
+            self.with_tx_briefly(PipeTx::finish).ok_or_else(tx_gone)?.map_err(pipe_error)?;
         }
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             self.inner.read_shut.store(true, Ordering::Release);
@@ -1192,6 +1187,18 @@ impl Stream {
                 Err(io::ErrorKind::WouldBlock.into())
             }
         }
+    }
+
+    /// `f` on the sending side wherever it is, for a moment (no wait inside `f`): the only
+    /// handle's own stays its own (`readiness`, `shutdown` do not share it).
+    fn with_tx_briefly<R>(&self, f: impl FnOnce(&mut PipeTx) -> R) -> Option<R> {
+        // Acquire: pairs with the Release store in `Stream::tx`.
+        if !self.inner.tx_moved.load(Ordering::Acquire) {
+            if let Some(tx) = lock(&self.own_tx).as_mut() {
+                return Some(f(tx));
+            }
+        }
+        lock(&self.inner.tx).as_mut().map(f)
     }
 
     /// The sending side, shared by every handle: moved there first from the only handle's
