@@ -506,6 +506,14 @@ fn paper_report() {
     for v in server["data"]["busy"].as_array().expect("busy points") {
         positive(v, &["/spin/clan/rtt_p50_ns", "/block/clan/rtt_p50_ns", "raw_shm_rtt_p50_ns"]);
     }
+    // Requests/s at the largest scale against the wide one, 1 and 16 in flight, each way.
+    positive(&server["data"]["inflight16_widest"], &["/spin/clan/req_per_s", "/block/clan/req_per_s"]);
+    for flight in ["1 in flight", "16 in flight"] {
+        for both in ["both spinning", "both blocking"] {
+            let row = format!("requests/s growth, {flight}, {both}: 32 endpoints / 16");
+            assert!(md.lines().any(|l| l.contains(&row) && l.contains("≥ 0.9×")), "a row '{row}' in\n{md}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
