@@ -72,20 +72,30 @@ pub enum SetupError {
 }
 
 /// Both ends of a connection, once set up.
+///
+/// Laid out in order (`repr(C)`; the fields that drop in the order they are declared): what
+/// every message reads (`mine`, `peer_cap`) is [`Sides::HOT`], one run of bytes, so that a
+/// user of thousands of connections asks for those lines alone (`rpc`'s parties).
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct Sides {
     pub ep: Arc<Endpoint>,
     pub conn: Connection,
     /// Our side, held by value: a load of our own flag follows no pointer to reach it (at
     /// thousands of connections each pointer followed is a cache miss).
     pub mine: Aperture,
-    /// The peer's side (imported when first used, on the accepting side).
-    pub peer: Arc<PeerSide>,
     /// The peer's ring and post area (what our writes go into).
     pub peer_cap: u64,
+    /// The peer's side (imported when first used, on the accepting side).
+    pub peer: Arc<PeerSide>,
     pub peer_post_cap: u64,
     /// The peer's slot size (message queues; 0 for byte rings).
     pub peer_slot: u64,
+}
+
+impl Sides {
+    /// The bytes a message's send or receipt reads: `mine` and `peer_cap`.
+    pub const HOT: std::ops::Range<usize> = std::mem::offset_of!(Sides, mine)..std::mem::offset_of!(Sides, peer);
 }
 
 /// The geometry of a side.
