@@ -1353,3 +1353,40 @@ impl RpcServer {
         self.conns.get(id.0 as usize).and_then(Option::as_ref).map(|c| c.served)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{align_of, offset_of, size_of};
+
+    /// The lines a call asks for at thousands of connections ([`Party::HOT`] and the first
+    /// line of its holder) hold every field it reads: a field moved out of the run would be
+    /// read cold, after the others.
+    #[test]
+    fn a_calls_fields_are_in_the_lines_it_asks_for() {
+        let hot = Party::HOT;
+        let sides = offset_of!(Party, sides);
+        let fields = [
+            (offset_of!(Party, seq), size_of::<u64>()),
+            (offset_of!(Party, answered), size_of::<u64>()),
+            (offset_of!(Party, peer), size_of::<OnceLock<Mapping>>()),
+            (sides + offset_of!(Sides, mine), size_of::<clan::Aperture>()),
+            (sides + offset_of!(Sides, peer_cap), size_of::<u64>()),
+        ];
+        for (at, len) in fields {
+            assert!(hot.start <= at && at + len <= hot.end, "a field at {at}..{} outside {hot:?}", at + len);
+        }
+        // The holders' own hot words lead their first line; with the run, at most 7 lines.
+        let lines = |start: usize, len: usize| (start + len - 1) / 64 - start / 64 + 1;
+        for (p, first_word, align) in [
+            (offset_of!(RpcClient, p), offset_of!(RpcClient, pending), align_of::<RpcClient>()),
+            (offset_of!(ServerConn, p), offset_of!(ServerConn, served), align_of::<ServerConn>()),
+        ] {
+            assert_eq!((align, first_word), (64, 0));
+            let run = p + hot.start;
+            assert!(run >= 64, "the run starts past the first line");
+            let asked = 1 + lines(run, hot.len());
+            assert!(asked <= 7, "{asked} lines");
+        }
+    }
+}
