@@ -741,7 +741,19 @@ impl Endpoint {
         }
         // Whatever the outcome, the dial's import slot goes (an import begun for a dial that
         // failed is given back when dropped).
-        let take_import = || if import { lock(&conns.prefetch).remove(&token).flatten() } else { None };
+        // (the table's storage goes with its last dial: an endpoint dials once and then keeps
+        // its connection, and thousands of them would each keep it)
+        let take_import = || {
+            if !import {
+                return None;
+            }
+            let mut p = lock(&conns.prefetch);
+            let taken = p.remove(&token).flatten();
+            if p.is_empty() {
+                p.shrink_to_fit();
+            }
+            taken
+        };
         // Registered before the request goes out: a close that follows the answer at once is
         // never missed.
         let shared = nic.conns.insert(self.port(), token, to);
