@@ -33,7 +33,7 @@ pub struct PaperArgs {
     /// Report folder (made if missing).
     #[arg(long, default_value = "clan-report")]
     pub out: PathBuf,
-    /// Fewer sizes and repetitions: under a minute on 2 cores (the default takes about four
+    /// Fewer sizes and repetitions: under a minute on 2 cores (the default takes about five
     /// minutes).
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
