@@ -168,8 +168,9 @@ pub(crate) struct PeerSide {
     map: OnceLock<Mapping>,
     failed: OnceLock<AccessError>,
     /// The import, started at accept if that cost no wait (its round trip then overlaps the
-    /// client's own set-up).
-    importing: Mutex<Option<clan::PendingImport>>,
+    /// client's own set-up). Boxed: it lives only until the first use, the side for the
+    /// connection's life.
+    importing: Mutex<Option<Box<clan::PendingImport>>>,
     /// Whether the peer is reached through a link (its connection says so from the start,
     /// before the import that would say it too).
     across_link: bool,
@@ -356,7 +357,7 @@ pub(crate) fn accept(
         timeout,
         map: OnceLock::new(),
         failed: OnceLock::new(),
-        importing: Mutex::new(Some(pending)),
+        importing: Mutex::new(Some(Box::new(pending))),
         across_link: matches!(conn.peer_identity(), clan::PeerIdentity::Remote { .. }),
     });
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })

@@ -44,8 +44,7 @@
 //! are bounded by the table size and every entry is validated (generation, tag, line), so a
 //! corrupted index costs time, never safety.
 
-use std::collections::HashMap;
-
+use crate::smallmap::SmallMap;
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 use crate::trip::{self, ARMED, Access, LIVE, TripEntry, WIDE};
 
@@ -540,10 +539,11 @@ fn walk(
 /// The owner's private mirror of an index, from which the shared lists are written.
 #[derive(Debug, Default)]
 pub struct CamOwner {
-    narrow: HashMap<u64, Vec<u32>>,
+    // (small maps: nearly every index holds one tripwire, on one line; `crate::smallmap`)
+    narrow: SmallMap<u64, Vec<u32>>,
     wide: Vec<u32>,
-    line_refs: HashMap<u64, u32>,
-    page_refs: HashMap<u64, u32>,
+    line_refs: SmallMap<u64, u32>,
+    page_refs: SmallMap<u64, u32>,
 }
 
 /// Whether a tripwire over `[start, end)` goes on the wide list.
@@ -593,7 +593,7 @@ impl CamOwner {
             // SYNC POINT: publishes the entry's fields; pairs with `collect`'s Acquire.
             cam.header.wide_head.store(index + 1, Ordering::Release);
             for p in (start >> PAGE_SHIFT)..=((end - 1) >> PAGE_SHIFT) {
-                let r = self.page_refs.entry(p).or_insert(0);
+                let r = self.page_refs.get_or_insert_with(p, || 0);
                 *r += 1;
                 if *r == 1 {
                     set_bit(cam.wide, p);
@@ -601,16 +601,20 @@ impl CamOwner {
             }
         } else {
             let line = start >> LINE_SHIFT;
-            let list = self.narrow.entry(line).or_default();
+            let list = self.narrow.get_or_insert_with(line, Vec::new);
             let old = list.first().map_or(0, |i| i + 1);
             e.next.store(old, Ordering::Relaxed);
+            if list.len() == list.capacity() {
+                // Room for one, then doubling: most lines hold one tripwire.
+                list.reserve_exact(list.len().max(1));
+            }
             list.insert(0, index);
             if let Some(h) = cam.heads.get(line as usize) {
                 // SYNC POINT: publishes the entry's fields; pairs with `collect`'s Acquire.
                 h.store(index + 1, Ordering::Release);
             }
             for l in line..=((end - 1) >> LINE_SHIFT) {
-                let r = self.line_refs.entry(l).or_insert(0);
+                let r = self.line_refs.get_or_insert_with(l, || 0);
                 *r += 1;
                 if *r == 1 {
                     set_bit(cam.watch, l);

@@ -17,6 +17,7 @@
 //! | [`snoop`] | the data path: move bytes, fire the tripwires they touch, in the right order |
 //! | [`eq`] | the layout of an event queue's segment |
 //! | [`doorbell`] | request queues that wake their service only when they were idle (the DMA doorbell) |
+//! | [`smallmap`] | a map for the few entries most of them hold (the indexes' private records) |
 //!
 //! ## Guarantees
 //!
@@ -42,6 +43,7 @@ pub mod eq;
 pub mod handoff;
 pub mod prefetch;
 pub mod ring;
+pub mod smallmap;
 pub mod snoop;
 pub mod sync;
 pub mod trip;

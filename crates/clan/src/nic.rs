@@ -12,6 +12,7 @@ use clan_wire::{ImportReply, Status};
 
 use clan_shm::cam::live_state;
 use clan_shm::seqpacket::{PeerCred, SeqPacket};
+use clan_shm::smallmap::SmallMap;
 use clan_wire::control::{Code, ImportGrant, OOB_PAYLOAD, Reply};
 use clan_wire::grant::{Importer, Refusal};
 
@@ -343,10 +344,11 @@ struct ApSlot {
     live: Weak<ApertureInner>,
     in_use: bool,
     exported: bool,
-    /// Live imports per connection.
-    remote: HashMap<u64, u32>,
+    /// Live imports per connection (small maps: nearly every aperture is imported through
+    /// one connection; `clan_shm::smallmap`).
+    remote: SmallMap<u64, u32>,
     /// Connections that ever imported this generation and are still connected.
-    holders: HashSet<u64>,
+    holders: SmallMap<u64, ()>,
     parked: Option<Arc<ApertureMem>>,
     /// Its memory is carved from a pool (reusable once its peer unimported it).
     pooled: bool,
@@ -1086,6 +1088,8 @@ impl NicInner {
         let mut policy = cfg.policy;
         let pooled = match cfg.pooled_for {
             Some(peer) => {
+                // (room for this one only: a pooled export's policy names its peer alone)
+                policy.nics.reserve_exact(1);
                 policy.nics.push(peer);
                 ApertureMem::pooled(&self.pools.for_peer(peer), len)?.map(Arc::new)
             }
@@ -1128,8 +1132,8 @@ impl NicInner {
             s.generation = s.generation.wrapping_add(1).max(1);
             s.in_use = true;
             s.exported = true;
-            s.remote.clear();
-            s.holders.clear();
+            s.remote = SmallMap::new();
+            s.holders = SmallMap::new();
             s.pooled = is_pooled;
             (id, s.generation)
         };
@@ -1297,7 +1301,7 @@ impl NicInner {
             let mut t = lock(&self.apertures);
             for id in 0..t.slots.len() as u32 {
                 let s = &mut t.slots[id as usize];
-                let touched = s.remote.remove(&c.id).is_some() | s.holders.remove(&c.id);
+                let touched = s.remote.remove(&c.id).is_some() | s.holders.remove(&c.id).is_some();
                 if touched {
                     if let Some(m) = self.after_remote_change(&mut t, id) {
                         recycle.push(m);
@@ -1407,8 +1411,8 @@ impl NicInner {
         {
             let mut t = lock(&self.apertures);
             if let Some(s) = t.slots.get_mut(ap.id as usize).filter(|s| s.generation == ap.generation) {
-                *s.remote.entry(c.id).or_insert(0) += 1;
-                s.holders.insert(c.id);
+                *s.remote.get_or_insert_with(c.id, || 0) += 1;
+                s.holders.insert(c.id, ());
             }
         }
         Ok((

@@ -45,7 +45,6 @@
 //! apertures; a table holds up to 2^24 tripwires per event queue (the NIC's default queue
 //! holds 2^20).
 
-use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -54,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use clan_shm::cam::{self, CamOwner};
 use clan_shm::eq::CamMap;
+use clan_shm::smallmap::SmallMap;
 use clan_shm::trip::{self, ACT_BITMAP, ACT_COUNTER, ACT_EVENT, ARMED, ON_READ, ON_WRITE, ONCE, WIDE};
 
 use crate::error::TripwireError;
@@ -226,9 +226,9 @@ struct TripRecord {
 #[derive(Debug, Default)]
 struct OwnerState {
     cam: CamOwner,
-    /// By queue index (indexes this queue handed out itself: a fast hash, looked up by
-    /// every [`Tripwire::arm`] and wait).
-    trips: HashMap<u32, TripRecord, std::hash::BuildHasherDefault<rustc_hash::FxHasher>>,
+    /// By queue index (indexes this queue handed out itself). Nearly every index holds one
+    /// tripwire: a small map ([`clan_shm::smallmap`]), found in one comparison.
+    trips: SmallMap<u32, TripRecord>,
     /// Entries of the index free for reuse (oldest first), and the first never used.
     slots_free: std::collections::VecDeque<u32>,
     slots_next: u32,
