@@ -59,7 +59,8 @@ pub(crate) struct Runtime {
 }
 
 enum Attach {
-    Ready(Stream, EventQueue),
+    /// (boxed: a stream holds its two sides, a few hundred bytes; a decline, nothing)
+    Ready(Box<Stream>, EventQueue),
     Declined,
 }
 
@@ -240,7 +241,7 @@ impl Runtime {
         let mut m = lock(&self.attached);
         loop {
             match m.remove(&token) {
-                Some(Attach::Ready(s, q)) => return Some((s, q)),
+                Some(Attach::Ready(s, q)) => return Some((*s, q)),
                 Some(Attach::Declined) => return None,
                 None => {}
             }
@@ -267,7 +268,7 @@ impl Runtime {
     fn attach(&self, token: u64, s: Stream, q: EventQueue) {
         let mut m = lock(&self.attached);
         if m.is_vacant(&token) {
-            m.insert(token, Attach::Ready(s, q));
+            m.insert(token, Attach::Ready(Box::new(s), q));
         }
         let sweep = m.since_sweep >= SWEEP_EVERY;
         drop(m);

@@ -174,6 +174,10 @@ fn tx_gone() -> io::Error {
     io::Error::other("the stream's sending side is gone")
 }
 
+fn rx_gone() -> io::Error {
+    io::Error::other("the stream's receiving side is gone")
+}
+
 /// A failed write: an access refused (revoked, disconnected) is the peer's close.
 fn write_error(e: PipeError) -> io::Error {
     match e {
@@ -482,7 +486,8 @@ struct Inner {
     // Field order: the pipes (and their mappings) go before the connection and endpoint.
     /// The sending side once shared (`Stream::own_tx` until then; `tx_moved` says which).
     tx: Mutex<Option<PipeTx>>,
-    rx: Mutex<PipeRx>,
+    /// The receiving side once shared (`Stream::own_rx` until then; `rx_moved` says which).
+    rx: Mutex<Option<PipeRx>>,
     conn: Connection,
     side: Arc<clan::Aperture>,
     ep: Arc<Endpoint>,
@@ -495,6 +500,8 @@ struct Inner {
     handed: AtomicBool,
     /// The sending side has moved from the only handle into `tx`.
     tx_moved: AtomicBool,
+    /// The receiving side has moved from the only handle into `rx`.
+    rx_moved: AtomicBool,
     /// Nanoseconds; 0: none.
     read_timeout: AtomicU64,
     write_timeout: AtomicU64,
@@ -541,8 +548,9 @@ impl Drop for Inner {
 /// A stream with one handle, read and written through `&mut Stream`, does without the locks
 /// that sharing needs: a small write then has one instruction that waits for this CPU's
 /// earlier stores to reach its cache (the tripwire's fence) instead of three (README's
-/// notes). Its writes stay so until it is cloned or written through `&Stream`; its reads
-/// while it has no clone.
+/// notes), and a read none. Its writes stay so until it is cloned or written through
+/// `&Stream`; its reads until it is cloned or read through `&Stream` (or waits in one of
+/// its `&self` methods: [`Stream::read_in_place`] and the like).
 ///
 /// ```
 /// use std::io::{Read, Write};
@@ -578,13 +586,16 @@ pub struct Stream {
     /// Moved into `Inner::tx` for good at the first clone or write through `&Stream`
     /// ([`Stream::tx`]); `None` after.
     own_tx: Mutex<Option<PipeTx>>,
+    /// The receiving side, likewise (`Inner::rx` once moved, [`Stream::rx`]).
+    own_rx: Mutex<Option<PipeRx>>,
 }
 
 impl Clone for Stream {
     fn clone(&self) -> Stream {
-        // (the sending side moves to where every handle reaches it)
+        // (both sides move to where every handle reaches them)
         drop(self.tx());
-        Stream { inner: self.inner.clone(), own_tx: Mutex::new(None) }
+        drop(self.rx());
+        Stream { inner: self.inner.clone(), own_tx: Mutex::new(None), own_rx: Mutex::new(None) }
     }
 }
 
@@ -597,6 +608,8 @@ impl Drop for Stream {
             let _ = tx.finish();
             drop(tx);
         }
+        // (the receiving side too goes before `Inner`, as the shared one does in its drop)
+        drop(self.own_rx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take());
     }
 }
 
@@ -701,10 +714,12 @@ impl Stream {
         let rx = PipeRx::new(mine.clone(), s.peer.clone(), cfg.ring, cfg.post_area, cfg.spin)?;
         Ok(Stream {
             own_tx: Mutex::new(Some(tx)),
+            own_rx: Mutex::new(Some(rx)),
             inner: Arc::new(Inner {
                 tx: Mutex::new(None),
                 tx_moved: AtomicBool::new(false),
-                rx: Mutex::new(rx),
+                rx: Mutex::new(None),
+                rx_moved: AtomicBool::new(false),
                 local: s.ep.addr(),
                 peer: s.conn.peer(),
                 conn: s.conn,
@@ -757,7 +772,7 @@ impl Stream {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn stats(&self) -> StreamStats {
-        let (read, read_sleeps, early_wakeups) = lock(&self.inner.rx).counts();
+        let (read, read_sleeps, early_wakeups) = self.with_rx_briefly(|rx| rx.counts()).unwrap_or_default();
         StreamStats { read, read_sleeps, early_wakeups }
     }
 
@@ -851,16 +866,13 @@ impl Stream {
         if !self.inner.alive() {
             r.error = true;
         }
-        {
-            let rx = lock(&self.inner.rx);
-            match (rx.available(), rx.at_end(), rx.landed()) {
-                (Ok(n), Ok(end), Ok(landed)) => {
-                    r.readable = n > 0 || end;
-                    r.eof = end;
-                    r.rx_landed = landed;
-                }
-                _ => r.error = true,
+        match self.with_rx_briefly(|rx| (rx.available(), rx.at_end(), rx.landed())) {
+            Some((Ok(n), Ok(end), Ok(landed))) => {
+                r.readable = n > 0 || end;
+                r.eof = end;
+                r.rx_landed = landed;
             }
+            _ => r.error = true,
         }
         if self.inner.read_shut.load(Ordering::Acquire) {
             r.readable = true;
@@ -950,12 +962,14 @@ impl Stream {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
-        let rx = lock(&self.inner.rx);
-        let n = rx.available().map_err(pipe_error)?.min(buf.len() as u64) as usize;
-        if n == 0 {
-            return Ok(0);
-        }
-        rx.peek(0, &mut buf[..n]).map_err(pipe_error)
+        self.with_rx_briefly(|rx| {
+            let n = rx.available().map_err(pipe_error)?.min(buf.len() as u64) as usize;
+            if n == 0 {
+                return Ok(0);
+            }
+            rx.peek(0, &mut buf[..n]).map_err(pipe_error)
+        })
+        .unwrap_or_else(|| Err(rx_gone()))
     }
 
     /// Shut down reading, writing or both. Shutting down writing sends end of stream after
@@ -1031,10 +1045,11 @@ impl Stream {
             drop(g);
             return self.take_over().map(HandOver::PeerLeftFirst);
         }
-        let mut rx = lock(&self.inner.rx);
+        let mut gr = self.rx();
+        let rx = gr.as_mut().ok_or_else(rx_gone)?;
         let unread = rx.unread().map_err(pipe_error)?;
         rx.leave().map_err(pipe_error)?;
-        drop(rx);
+        drop(gr);
         // SeqCst: our CTL_LEFT store (above) against the peer's, each side loading the
         // other's after its own; pairs with the same fence in the peer's `hand_over`.
         std::sync::atomic::fence(Ordering::SeqCst);
@@ -1064,7 +1079,8 @@ impl Stream {
         let tx = g.as_mut().ok_or_else(tx_gone)?;
         let finished = tx.is_finished();
         let resend = tx.take_back().map_err(pipe_error)?;
-        let mut rx = lock(&self.inner.rx);
+        let mut gr = self.rx();
+        let rx = gr.as_mut().ok_or_else(rx_gone)?;
         let mut unread = vec![0u8; rx.unread().map_err(pipe_error)? as usize];
         let mut got = 0;
         while got < unread.len() {
@@ -1081,7 +1097,7 @@ impl Stream {
     /// After [`Stream::hand_over`]: whether the peer has taken back what we left unread (the
     /// handle may then go), or can no longer (it is gone).
     pub fn taken(&self) -> bool {
-        lock(&self.inner.rx).taken() || !self.inner.alive()
+        self.with_rx_briefly(|rx| rx.taken()).unwrap_or(false) || !self.inner.alive()
     }
 
     fn deadline(&self, t: &AtomicU64) -> Option<Instant> {
@@ -1104,12 +1120,13 @@ impl Stream {
         if buf.is_empty() || self.inner.read_shut.load(Ordering::Acquire) {
             return Ok(0);
         }
-        let mut rx = lock(&self.inner.rx);
+        let mut g = self.rx();
+        let rx = g.as_mut().ok_or_else(rx_gone)?;
         let i = &self.inner;
-        match read_loop(&mut rx, buf, &i.conn, &i.nonblocking, &i.read_timeout)? {
+        match read_loop(rx, buf, &i.conn, &i.nonblocking, &i.read_timeout)? {
             Some(n) => Ok(n),
             None => {
-                drop(rx);
+                drop(g);
                 self.mio_rearm(true, false);
                 Err(io::ErrorKind::WouldBlock.into())
             }
@@ -1147,14 +1164,20 @@ impl Stream {
     /// edge).
     #[inline]
     fn solo_read(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
-        let inner = Arc::get_mut(&mut self.inner)?;
-        if buf.is_empty() || *inner.handed.get_mut() || *inner.read_shut.get_mut() {
+        let rx = self.own_rx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).as_mut()?;
+        let i = &self.inner;
+        if buf.is_empty() || i.handed.load(Ordering::Acquire) || i.read_shut.load(Ordering::Acquire) {
             return None;
         }
-        // (the fields apart: the pipe borrowed mutably, the rest shared)
-        let Inner { rx, conn, nonblocking, read_timeout, .. } = inner;
-        let rx = rx.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        read_loop(rx, buf, conn, nonblocking, read_timeout).transpose()
+        Some(match read_loop(rx, buf, &i.conn, &i.nonblocking, &i.read_timeout) {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => {
+                // (here, not the locked path: that would share the side for good)
+                self.mio_rearm(true, false);
+                Err(io::ErrorKind::WouldBlock.into())
+            }
+            Err(e) => Err(e),
+        })
     }
 
     fn do_write(&self, data: &[u8]) -> io::Result<usize> {
@@ -1217,6 +1240,35 @@ impl Stream {
         lock(&self.inner.tx)
     }
 
+    /// `f` on the receiving side wherever it is, for a moment (no wait inside `f`): the only
+    /// handle's own stays its own (`readiness`, `peek`, `stats` do not share it).
+    fn with_rx_briefly<R>(&self, f: impl FnOnce(&mut PipeRx) -> R) -> Option<R> {
+        // Acquire: pairs with the Release store in `Stream::rx`.
+        if !self.inner.rx_moved.load(Ordering::Acquire) {
+            if let Some(rx) = lock(&self.own_rx).as_mut() {
+                return Some(f(rx));
+            }
+        }
+        lock(&self.inner.rx).as_mut().map(f)
+    }
+
+    /// The receiving side, shared by every handle: moved there first from the only handle's
+    /// own (`own_rx`), for good (as [`Stream::tx`]). What may wait through `&self` takes it
+    /// so: a clone made meanwhile then waits for nothing but the lock of the shared side.
+    fn rx(&self) -> std::sync::MutexGuard<'_, Option<PipeRx>> {
+        // Acquire: pairs with the Release store below; the move (under the locks) is then
+        // seen too, and `own_rx` is not looked at again.
+        if !self.inner.rx_moved.load(Ordering::Acquire) {
+            let mut own = lock(&self.own_rx);
+            if let Some(rx) = own.take() {
+                *lock(&self.inner.rx) = Some(rx);
+                // Release: pairs with the Acquire load above (another handle's).
+                self.inner.rx_moved.store(true, Ordering::Release);
+            }
+        }
+        lock(&self.inner.rx)
+    }
+
     /// Lend up to `max` received bytes in place (no copy into a buffer of ours): `f` reads
     /// them through [`InPlace`]; they are consumed when it returns. `Ok(None)` at end of
     /// stream. Blocks like `read`.
@@ -1241,7 +1293,8 @@ impl Stream {
     /// ```
     pub fn read_in_place<R>(&self, max: u64, f: impl FnOnce(InPlace<'_>) -> R) -> io::Result<Option<R>> {
         let mut deadline_slot = None;
-        let mut rx = lock(&self.inner.rx);
+        let mut g = self.rx();
+        let rx = g.as_mut().ok_or_else(rx_gone)?;
         loop {
             if rx.available().map_err(pipe_error)? > 0 {
                 let r = rx.read_in_place(max, |ap, off, len| f(InPlace::new(ap, off, len))).map_err(pipe_error)?;
@@ -1258,7 +1311,7 @@ impl Stream {
                     // Bytes came over a link: look again.
                     continue;
                 }
-                drop(rx);
+                drop(g);
                 self.mio_rearm(true, false);
                 return Err(io::ErrorKind::WouldBlock.into());
             }
@@ -1291,11 +1344,13 @@ impl Stream {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn post_recv(&self, len: u64) -> io::Result<()> {
-        let mut rx = lock(&self.inner.rx);
-        rx.post(len).map(|_| ()).map_err(|e| match e {
-            PipeError::Protocol(why) => io::Error::new(io::ErrorKind::InvalidInput, why),
-            other => pipe_error(other),
+        self.with_rx_briefly(|rx| {
+            rx.post(len).map(|_| ()).map_err(|e| match e {
+                PipeError::Protocol(why) => io::Error::new(io::ErrorKind::InvalidInput, why),
+                other => pipe_error(other),
+            })
         })
+        .unwrap_or_else(|| Err(rx_gone()))
     }
 
     /// Wait until the posted buffer is complete (or the stream ended early), and lend it:
@@ -1303,7 +1358,8 @@ impl Stream {
     /// and how many were copied) and the data in place. Example at [`Stream::post_recv`].
     pub fn recv_posted<R>(&self, f: impl FnOnce(Redirection, InPlace<'_>) -> R) -> io::Result<R> {
         let deadline = self.deadline(&self.inner.read_timeout);
-        let mut rx = lock(&self.inner.rx);
+        let mut g = self.rx();
+        let rx = g.as_mut().ok_or_else(rx_gone)?;
         let rep = rx.complete_post(deadline, &mut || !self.inner.alive()).map_err(|e| match e {
             PipeError::Protocol(why) if why == "no posted buffer" => io::Error::new(io::ErrorKind::InvalidInput, why),
             other => pipe_error(other),
@@ -1338,7 +1394,8 @@ impl Stream {
     /// ```
     pub fn peek_when_landed(&self, n: u64, buf: &mut [u8]) -> io::Result<usize> {
         let deadline = self.deadline(&self.inner.read_timeout);
-        let mut rx = lock(&self.inner.rx);
+        let mut g = self.rx();
+        let rx = g.as_mut().ok_or_else(rx_gone)?;
         let pos = rx.consumed() + n;
         rx.wait_position(pos, deadline, &mut || !self.inner.alive()).map_err(pipe_error)?;
         let k = buf.len().min(n as usize);
@@ -1347,7 +1404,10 @@ impl Stream {
 
     /// Bytes that can be read without waiting.
     pub fn available(&self) -> io::Result<u64> {
-        lock(&self.inner.rx).available().map_err(pipe_error)
+        match self.with_rx_briefly(|rx| rx.available()) {
+            Some(r) => r.map_err(pipe_error),
+            None => Err(rx_gone()),
+        }
     }
 }
 

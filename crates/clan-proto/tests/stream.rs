@@ -155,9 +155,8 @@ fn write_all_is_whole_and_times_out_only_without_progress() {
 }
 
 /// A stream with one handle reads (waits included) and writes without its sides' locks
-/// (`&mut Stream`, no clone); with clones it takes them. The two ways give the same bytes,
-/// waits, timeouts and errors, and a stream goes from one to the other as its clones come
-/// and go.
+/// (`&mut Stream`, no clone); with clones it takes them (for good: its sides are shared from
+/// the first clone on). The two ways give the same bytes, waits, timeouts and errors.
 #[test]
 fn the_only_handle_and_shared_handles_behave_alike() {
     let _wd = Watchdog::new("solo and shared", Duration::from_secs(60));
@@ -240,6 +239,66 @@ fn the_only_handle_and_shared_handles_behave_alike() {
         }
     };
     assert!(matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset), "{e}");
+}
+
+/// The receiving side of the only handle stays its own through brief looks (`peek`,
+/// `available`, `stats`, `readiness`, a posted receive's set-up) and moves for good to where
+/// every handle reaches it at a read or a wait through `&Stream`, or a clone: the bytes come
+/// in order across every change, each counted once.
+#[test]
+fn reads_keep_their_order_as_the_receiving_side_moves() {
+    let _wd = Watchdog::new("receiving side moves", Duration::from_secs(60));
+    let cfg = StreamConfig { ring: 4096, post_area: 0, ..StreamConfig::default() };
+    let (mut c, mut s, _l) = pair(cfg);
+    let data: Vec<u8> = (0..40_000u32).map(|i| (i * 31 + i / 251) as u8).collect();
+    let d2 = data.clone();
+    let w = std::thread::spawn(move || {
+        for piece in d2.chunks(100) {
+            c.write_all(piece).unwrap();
+        }
+        c
+    });
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut at = 0;
+    let check = |buf: &[u8], at: &mut usize| {
+        assert!(buf == &data[*at..*at + buf.len()], "bytes {at}..{} in order", *at + buf.len());
+        *at += buf.len();
+    };
+    let mut buf = vec![0u8; 1000];
+    // The only handle's own side: a read, then brief looks, then a read again.
+    s.read_exact(&mut buf).unwrap();
+    check(&buf, &mut at);
+    let mut peeked = [0u8; 8];
+    let k = s.peek(&mut peeked).unwrap();
+    assert!(k <= 8 && peeked[..k] == data[at..at + k], "a peek shows what comes next");
+    assert_eq!(s.stats().read, 1000, "each byte counted once");
+    let _ = s.readiness();
+    let _ = s.available().unwrap();
+    s.read_exact(&mut buf).unwrap();
+    check(&buf, &mut at);
+    // A wait through `&Stream`: the side is shared from now on.
+    let mut head = [0u8; 8];
+    assert_eq!(s.peek_when_landed(8, &mut head).unwrap(), 8);
+    assert!(head[..] == data[at..at + 8], "landed, not consumed");
+    let got = s.read_in_place(300, |d| d.to_vec()).unwrap().unwrap();
+    assert!(!got.is_empty() && got.len() <= 300);
+    check(&got, &mut at);
+    (&s).read_exact(&mut buf).unwrap();
+    check(&buf, &mut at);
+    s.read_exact(&mut buf).unwrap();
+    check(&buf, &mut at);
+    // A clone reads from where the handle left off, and the handle after it.
+    let mut s2 = s.try_clone().unwrap();
+    s2.read_exact(&mut buf).unwrap();
+    check(&buf, &mut at);
+    s.read_exact(&mut buf).unwrap();
+    check(&buf, &mut at);
+    drop(s2);
+    let mut rest = vec![0u8; data.len() - at];
+    s.read_exact(&mut rest).unwrap();
+    check(&rest, &mut at);
+    assert_eq!(s.stats().read, data.len() as u64, "each byte counted once");
+    drop(w.join().unwrap());
 }
 
 /// A non-blocking `write_all` through the only handle that runs out of room says
