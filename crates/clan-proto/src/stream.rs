@@ -17,7 +17,7 @@
 use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use clan::{ConnectError, Connection, Endpoint, EndpointAddr, EventQueue, Nic, ToEndpointAddrs};
@@ -176,6 +176,43 @@ fn tx_gone() -> io::Error {
 
 fn rx_gone() -> io::Error {
     io::Error::other("the stream's receiving side is gone")
+}
+
+/// One side of a stream (`own`: the only handle's; `shared`: where every handle reaches it
+/// once `moved`), shared for good: moved there first if it is still the handle's own.
+fn shared<'a, T>(
+    own: &Mutex<Option<T>>,
+    shared: &'a Mutex<Option<T>>,
+    moved: &AtomicBool,
+) -> MutexGuard<'a, Option<T>> {
+    // Acquire: pairs with the Release store below; the move (under the locks) is then seen
+    // too, and `own` is not looked at again.
+    if !moved.load(Ordering::Acquire) {
+        let mut own = lock(own);
+        if let Some(side) = own.take() {
+            *lock(shared) = Some(side);
+            // Release: pairs with the Acquire load above (another handle's).
+            moved.store(true, Ordering::Release);
+        }
+    }
+    lock(shared)
+}
+
+/// `f` on one side of a stream wherever it is ([`shared`]'s arguments), for a moment: the
+/// only handle's own stays its own.
+fn briefly<T, R>(
+    own: &Mutex<Option<T>>,
+    shared: &Mutex<Option<T>>,
+    moved: &AtomicBool,
+    f: impl FnOnce(&mut T) -> R,
+) -> Option<R> {
+    // Acquire: pairs with the Release store in `shared`.
+    if !moved.load(Ordering::Acquire) {
+        if let Some(side) = lock(own).as_mut() {
+            return Some(f(side));
+        }
+    }
+    lock(shared).as_mut().map(f)
 }
 
 /// A failed write: an access refused (revoked, disconnected) is the peer's close.
@@ -1215,58 +1252,26 @@ impl Stream {
     /// `f` on the sending side wherever it is, for a moment (no wait inside `f`): the only
     /// handle's own stays its own (`readiness`, `shutdown` do not share it).
     fn with_tx_briefly<R>(&self, f: impl FnOnce(&mut PipeTx) -> R) -> Option<R> {
-        // Acquire: pairs with the Release store in `Stream::tx`.
-        if !self.inner.tx_moved.load(Ordering::Acquire) {
-            if let Some(tx) = lock(&self.own_tx).as_mut() {
-                return Some(f(tx));
-            }
-        }
-        lock(&self.inner.tx).as_mut().map(f)
+        briefly(&self.own_tx, &self.inner.tx, &self.inner.tx_moved, f)
     }
 
     /// The sending side, shared by every handle: moved there first from the only handle's
     /// own (`own_tx`), for good (a handle reached through `&self` may have others).
     fn tx(&self) -> std::sync::MutexGuard<'_, Option<PipeTx>> {
-        // Acquire: pairs with the Release store below; the move (under the locks) is then
-        // seen too, and `own_tx` is not looked at again.
-        if !self.inner.tx_moved.load(Ordering::Acquire) {
-            let mut own = lock(&self.own_tx);
-            if let Some(tx) = own.take() {
-                *lock(&self.inner.tx) = Some(tx);
-                // Release: pairs with the Acquire load above (another handle's).
-                self.inner.tx_moved.store(true, Ordering::Release);
-            }
-        }
-        lock(&self.inner.tx)
+        shared(&self.own_tx, &self.inner.tx, &self.inner.tx_moved)
     }
 
     /// `f` on the receiving side wherever it is, for a moment (no wait inside `f`): the only
     /// handle's own stays its own (`readiness`, `peek`, `stats` do not share it).
     fn with_rx_briefly<R>(&self, f: impl FnOnce(&mut PipeRx) -> R) -> Option<R> {
-        // Acquire: pairs with the Release store in `Stream::rx`.
-        if !self.inner.rx_moved.load(Ordering::Acquire) {
-            if let Some(rx) = lock(&self.own_rx).as_mut() {
-                return Some(f(rx));
-            }
-        }
-        lock(&self.inner.rx).as_mut().map(f)
+        briefly(&self.own_rx, &self.inner.rx, &self.inner.rx_moved, f)
     }
 
     /// The receiving side, shared by every handle: moved there first from the only handle's
     /// own (`own_rx`), for good (as [`Stream::tx`]). What may wait through `&self` takes it
     /// so: a clone made meanwhile then waits for nothing but the lock of the shared side.
     fn rx(&self) -> std::sync::MutexGuard<'_, Option<PipeRx>> {
-        // Acquire: pairs with the Release store below; the move (under the locks) is then
-        // seen too, and `own_rx` is not looked at again.
-        if !self.inner.rx_moved.load(Ordering::Acquire) {
-            let mut own = lock(&self.own_rx);
-            if let Some(rx) = own.take() {
-                *lock(&self.inner.rx) = Some(rx);
-                // Release: pairs with the Acquire load above (another handle's).
-                self.inner.rx_moved.store(true, Ordering::Release);
-            }
-        }
-        lock(&self.inner.rx)
+        shared(&self.own_rx, &self.inner.rx, &self.inner.rx_moved)
     }
 
     /// Lend up to `max` received bytes in place (no copy into a buffer of ours): `f` reads
