@@ -163,23 +163,31 @@ impl Geometry {
 /// use then fails.
 pub(crate) struct PeerSide {
     ep: Arc<Endpoint>,
-    desc: Descriptor,
+    /// The peer's NIC (what its descriptor names).
+    nic: clan::NicAddr,
     timeout: Duration,
     map: OnceLock<Mapping>,
     failed: OnceLock<AccessError>,
-    /// The import, started at accept if that cost no wait (its round trip then overlaps the
-    /// client's own set-up). Boxed: it lives only until the first use, the side for the
-    /// connection's life.
-    importing: Mutex<Option<Box<clan::PendingImport>>>,
+    /// What the import needs, until it is made (`None` after, whichever way it ended).
+    /// Boxed: it lives only until the first use, the side for the connection's life.
+    importing: Mutex<Option<Box<ToImport>>>,
     /// Whether the peer is reached through a link (its connection says so from the start,
     /// before the import that would say it too).
     across_link: bool,
 }
 
+/// What a [`PeerSide`] needs to import the peer's side: its descriptor, and the import
+/// itself if it was started at accept (its round trip then overlaps the client's own
+/// set-up).
+struct ToImport {
+    desc: Descriptor,
+    begun: Option<clan::PendingImport>,
+}
+
 impl std::fmt::Debug for PeerSide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PeerSide")
-            .field("peer", &self.desc.nic())
+            .field("peer", &self.nic)
             .field("imported", &self.map.get().is_some())
             .finish_non_exhaustive()
     }
@@ -218,9 +226,12 @@ impl PeerSide {
         if let Some(e) = self.failed.get() {
             return Err(e.clone());
         }
-        let r = match pending.take() {
-            Some(p) => p.finish(self.timeout),
-            None => self.ep.import_timeout(&self.desc, self.timeout),
+        let r = match pending.take().map(|b| *b) {
+            Some(ToImport { begun: Some(p), .. }) => p.finish(self.timeout),
+            Some(ToImport { desc, begun: None }) => self.ep.import_timeout(&desc, self.timeout),
+            // (taken only here, under the lock, which sets `map` or `failed` before it lets
+            // go: not met)
+            None => return Err(self.failed.get_or_init(|| AccessError::Disconnected).clone()),
         };
         match r {
             Ok(m) => Ok(self.map.get_or_init(|| m)),
@@ -318,7 +329,7 @@ fn connect_one(
     };
     let peer = Arc::new(PeerSide {
         ep: ep.clone(),
-        desc: conn.peer_descriptor().clone(),
+        nic: conn.peer_descriptor().nic(),
         timeout,
         map: OnceLock::from(m),
         failed: OnceLock::new(),
@@ -353,11 +364,11 @@ pub(crate) fn accept(
     let pending = ep.import_begin(&desc);
     let peer = Arc::new(PeerSide {
         ep: ep.clone(),
-        desc,
+        nic: desc.nic(),
         timeout,
         map: OnceLock::new(),
         failed: OnceLock::new(),
-        importing: Mutex::new(Some(Box::new(pending))),
+        importing: Mutex::new(Some(Box::new(ToImport { desc, begun: Some(pending) }))),
         across_link: matches!(conn.peer_identity(), clan::PeerIdentity::Remote { .. }),
     });
     Ok(Sides { ep, conn, mine, peer, peer_cap: pg.cap, peer_post_cap: pg.post_cap, peer_slot: pg.slot })

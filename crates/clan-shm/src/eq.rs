@@ -353,8 +353,9 @@ mod mapped {
 
     /// An index mapped in this process, with its view.
     pub struct CamMap {
+        // (no copy of the layout: the view holds what it placed, and an aperture on each
+        // side of each connection has one of these)
         view: CamView<'static>,
-        layout: CamLayout,
         seg: Arc<Segment>,
     }
 
@@ -377,17 +378,12 @@ mod mapped {
             // SAFETY: as in `EqMap::new`: the references point into `seg`'s mapping, kept
             // alive and unmoved by this struct, and are only lent out for `&self`'s lifetime.
             let view = unsafe { std::mem::transmute::<CamView<'_>, CamView<'static>>(view) };
-            Ok(CamMap { view, layout, seg })
+            Ok(CamMap { view, seg })
         }
 
         /// The view.
         pub fn view(&self) -> &CamView<'_> {
             &self.view
-        }
-
-        /// The layout.
-        pub fn layout(&self) -> &CamLayout {
-            &self.layout
         }
 
         /// The segment.

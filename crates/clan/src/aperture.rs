@@ -239,7 +239,6 @@ pub(crate) struct ApertureInner {
     pub mem: Option<Arc<ApertureMem>>,
     pub window: Window,
     pub watch: Arc<WatchOwner>,
-    pub key: [u8; 32],
     pub policy: ImportPolicy,
     pub revoked: AtomicBool,
 }
@@ -260,8 +259,14 @@ impl ApertureInner {
         self.nic.aperture_unexported(self.id, self.generation);
     }
 
+    /// The key its descriptors' tags chain from: derived from the NIC's secret when asked
+    /// (at an export or an import, not on the data path), not kept in every aperture.
+    pub fn key(&self) -> [u8; 32] {
+        crate::descriptor::aperture_key(&self.nic.secret, self.id, self.generation)
+    }
+
     pub fn descriptor(&self) -> Descriptor {
-        Descriptor::root(self.nic.addr, self.id, self.generation, self.len, &self.key)
+        Descriptor::root(self.nic.addr, self.id, self.generation, self.len, &self.key())
     }
 
     /// Post a notification for `len` bytes at `offset` to the owner's event queue.

@@ -19,7 +19,7 @@ use clan_wire::grant::{Importer, Refusal};
 use crate::addr::{EndpointAddr, NicAddr, PeerIdentity};
 use crate::aperture::{Aperture, ApertureInner, ApertureMem, MAX_APERTURE, aperture_tag};
 use crate::config::{EventQueueConfig, ExportConfig, NicConfig};
-use crate::descriptor::{Descriptor, Rights, aperture_key};
+use crate::descriptor::{Descriptor, Rights};
 use crate::endpoint::{Endpoint, EndpointConfig, EndpointInner, OobMessage};
 use crate::engine::{Conn, Engine};
 use crate::error::{EndpointError, EventQueueError, ExportError, NicError};
@@ -459,7 +459,7 @@ pub(crate) const KEPT_PER_PEER: usize = 4;
 pub(crate) struct NicInner {
     pub addr: NicAddr,
     pub config: NicConfig,
-    secret: [u8; 32],
+    pub(crate) secret: [u8; 32],
     serial: AtomicU64,
     apertures: Mutex<ApertureTable>,
     endpoints: Mutex<(HashMap<u32, Weak<EndpointInner>>, u32)>,
@@ -858,7 +858,7 @@ impl NicInner {
             return Err(Refusal::NotOurs);
         }
         let ap = self.live_aperture(desc.aperture(), desc.generation()).ok_or(Refusal::Revoked)?;
-        if !desc.verify(&ap.key) || desc.aperture_len() != ap.len {
+        if !desc.verify(&ap.key()) || desc.aperture_len() != ap.len {
             return Err(Refusal::BadKey);
         }
         let p = &ap.policy;
@@ -1161,7 +1161,6 @@ impl NicInner {
             mem: Some(mem),
             window,
             watch,
-            key: aperture_key(&self.secret, id, generation),
             policy,
             revoked: Default::default(),
         });
