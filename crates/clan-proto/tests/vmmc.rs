@@ -267,7 +267,7 @@ fn child() {
         "receiver" => {
             let buf = v.export(1 << 20, ExportOptions { notify: Notify::Wait, ..Default::default() }).unwrap();
             util::say(buf.descriptor());
-            for _ in 0..2 {
+            for _ in 0..2 + BURST {
                 let Notification::Landed { offset, len } = buf.wait_notification(WAIT).unwrap() else { panic!("lost") };
                 let mut got = vec![0u8; len as usize];
                 buf.read(offset, &mut got).unwrap();
@@ -279,6 +279,11 @@ fn child() {
         other => panic!("unknown role {other}"),
     }
 }
+
+/// Notifications the test sends back to back, without waiting for their answers: the
+/// receiver's queue takes them from the sender's port several at a time (the claims of a
+/// batch are looked up together) and must hand them over in the order they were sent.
+const BURST: u64 = 24;
 
 #[test]
 fn notifications_across_processes() {
@@ -295,6 +300,18 @@ fn notifications_across_processes() {
         v.send_msg(&src, 0, &dst, off, n, SendFlags::notify()).unwrap();
         let sum = data.iter().fold(0u64, |h, &b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
         assert_eq!(peer.expect("notification"), format!("{off} {n} {sum}"));
+    }
+    let mut want = Vec::new();
+    for i in 0..BURST {
+        let (off, n) = (4096 * (i + 1) + i, 64 + i);
+        let data = pattern(n as usize, i as u8);
+        src.write(off, &data).unwrap();
+        v.send_msg(&src, off, &dst, off, n, SendFlags::notify()).unwrap();
+        let sum = data.iter().fold(0u64, |h, &b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        want.push(format!("{off} {n} {sum}"));
+    }
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&peer.expect("notification"), w, "notification {i} of the burst, in order");
     }
 }
 

@@ -43,6 +43,8 @@ use crate::lock;
 /// Words taken from one port in one pump, at most (a flooding process cannot hold the
 /// consumer up).
 const PUMP_BATCH: usize = 256;
+/// Claims taken at once from a port, their lines asked for together (`pump_port`).
+const PUMP_AHEAD: usize = 8;
 
 /// Most ports a sleeper waits on with one `futex_waitv` (with its own word and the epoch);
 /// a queue with more sleeps through its epoll descriptor (`crate::wake`).
@@ -288,34 +290,83 @@ impl EqInner {
         let v = p.map.view();
         let rings = v.rings();
         let mut n = 0;
+        // Taken a few at a time: the grant and tripwire cell of each claim of a batch are
+        // asked for first, so that their cache misses overlap (at thousands of connections
+        // each is a miss, and a server with many calls in flight finds several claims at
+        // once). Applied in the order taken.
         while n < PUMP_BATCH {
-            match c.take(&rings) {
-                None => break,
-                Some(Taken::Event { words, .. }) => {
-                    if let Some(w) = self.apply(grants, words) {
-                        match first.as_deref_mut() {
-                            Some(slot @ None) => *slot = Some(w),
-                            _ => {
-                                self.post_local(w);
-                            }
+            let Some(t0) = c.take(&rings) else { break };
+            let Some(t1) = c.take(&rings) else {
+                // One alone (the common case with one call in flight): nothing to overlap.
+                self.apply_taken(grants, t0, first.as_deref_mut());
+                n += 1;
+                break;
+            };
+            let mut got = [None; PUMP_AHEAD];
+            (got[0], got[1]) = (Some(t0), Some(t1));
+            let mut k = 2;
+            while k < PUMP_AHEAD && n + k < PUMP_BATCH {
+                match c.take(&rings) {
+                    Some(t) => {
+                        got[k] = Some(t);
+                        k += 1;
+                    }
+                    None => break,
+                }
+            }
+            for t in got[..k].iter().flatten() {
+                if let Taken::Event { words, .. } = t {
+                    self.prefetch_claim(grants, *words);
+                }
+            }
+            for t in got[..k].iter_mut().filter_map(Option::take) {
+                self.apply_taken(grants, t, first.as_deref_mut());
+            }
+            n += k;
+            if k < PUMP_AHEAD {
+                break;
+            }
+        }
+        n > 0
+    }
+
+    /// Ask for the lines a claim's check will read: its grant and its tripwire's cell.
+    fn prefetch_claim(&self, grants: &Grants, words: [u64; 4]) {
+        if let Some(Word::Claim { aperture, qindex, .. }) = Word::decode(words) {
+            if let Some(w) = grants.checks.get(aperture as usize) {
+                clan_shm::prefetch::value(w);
+            }
+            if let Some(c) = self.view().table.cell(qindex) {
+                clan_shm::prefetch::value(c);
+            }
+        }
+    }
+
+    /// One thing taken from a port ([`EqInner::pump_port`]).
+    fn apply_taken(&self, grants: &Grants, t: Taken, first: Option<&mut Option<Word>>) {
+        match t {
+            Taken::Event { words, .. } => {
+                if let Some(w) = self.apply(grants, words) {
+                    match first {
+                        Some(slot) if slot.is_none() => *slot = Some(w),
+                        _ => {
+                            self.post_local(w);
                         }
                     }
                 }
-                Some(Taken::Overflow { lost, .. }) => {
-                    self.lost.fetch_add(lost, Ordering::Relaxed);
-                    self.resync(grants);
-                    self.post_local(Word::Overflow { lost });
-                }
-                Some(Taken::Corrupt { skipped, .. }) => {
-                    self.malformed.fetch_add(1, Ordering::Relaxed);
-                    self.lost.fetch_add(skipped, Ordering::Relaxed);
-                    self.resync(grants);
-                    self.post_local(Word::Overflow { lost: skipped });
-                }
             }
-            n += 1;
+            Taken::Overflow { lost, .. } => {
+                self.lost.fetch_add(lost, Ordering::Relaxed);
+                self.resync(grants);
+                self.post_local(Word::Overflow { lost });
+            }
+            Taken::Corrupt { skipped, .. } => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                self.lost.fetch_add(skipped, Ordering::Relaxed);
+                self.resync(grants);
+                self.post_local(Word::Overflow { lost: skipped });
+            }
         }
-        n > 0
     }
 
     /// One word from a port whose process holds `grants`: only claims and notifications, on
