@@ -166,12 +166,27 @@ impl SeqPacket {
         self.recv_lifting(buf, false)
     }
 
+    /// [`SeqPacket::recv`] that never blocks, whatever the socket's mode (`WouldBlock` when no
+    /// message waits): no switch of the socket's mode, and its cost of two system calls.
+    pub fn try_recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        self.recv_with(buf, true, RecvFlags::DONTWAIT)
+    }
+
+    /// [`SeqPacket::try_recv`], the descriptors left where the kernel put them.
+    pub fn try_recv_unlifted(&self, buf: &mut [u8]) -> io::Result<Received> {
+        self.recv_with(buf, false, RecvFlags::DONTWAIT)
+    }
+
     fn recv_lifting(&self, buf: &mut [u8], lift: bool) -> io::Result<Received> {
+        self.recv_with(buf, lift, RecvFlags::empty())
+    }
+
+    fn recv_with(&self, buf: &mut [u8], lift: bool, flags: RecvFlags) -> io::Result<Received> {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let mut iov = [io::IoSliceMut::new(buf)];
         let msg = loop {
-            match rustix::net::recvmsg(&self.fd, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+            match rustix::net::recvmsg(&self.fd, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC | flags) {
                 Ok(m) => break m,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
@@ -201,5 +216,31 @@ impl AsFd for SeqPacket {
 impl AsRawFd for SeqPacket {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `try_recv` never blocks, even on a blocking socket, and leaves the socket's mode as it
+    /// was; a message and its descriptors come whole, lifted or not as asked.
+    #[test]
+    fn try_recv_never_blocks_and_keeps_the_mode() {
+        let (a, b) = SeqPacket::pair().unwrap();
+        let mut buf = [0u8; 16];
+        let e = b.try_recv(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        let (x, _y) = SeqPacket::pair().unwrap();
+        a.send(b"one", &[x.as_fd()]).unwrap();
+        a.send(b"two", &[x.as_fd()]).unwrap();
+        let m = b.try_recv(&mut buf).unwrap();
+        assert_eq!((&buf[..m.len], m.fds.len(), m.truncated), (&b"one"[..], 1, false));
+        let m = b.try_recv_unlifted(&mut buf).unwrap();
+        assert_eq!((&buf[..m.len], m.fds.len()), (&b"two"[..], 1));
+        // (still blocking: a timed receive waits, then says so)
+        b.set_timeouts(Duration::from_millis(20)).unwrap();
+        let e = b.recv(&mut buf).unwrap_err();
+        assert!(matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{e:?}");
     }
 }
