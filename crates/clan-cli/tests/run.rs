@@ -351,6 +351,39 @@ fn child() {
             }
             println!("done");
         }
+        "connect_from_threads" => {
+            // `t` threads at once, each making `n` connections to the port one after the
+            // other (each echoing five bytes), on one CPU, every thread, as a benchmark pins
+            // its client: the threads that make streams ahead share it with the program.
+            let (port, t, n) =
+                (args[0].parse::<u16>().unwrap(), args[1].parse::<usize>().unwrap(), args[2].parse::<usize>().unwrap());
+            let mut one = rustix::thread::CpuSet::new();
+            one.set(0);
+            for task in std::fs::read_dir("/proc/self/task").unwrap() {
+                let tid = task.unwrap().file_name().to_string_lossy().parse::<i32>().unwrap();
+                let _ = rustix::thread::sched_setaffinity(rustix::process::Pid::from_raw(tid), &one);
+            }
+            let start = std::sync::Arc::new(std::sync::Barrier::new(t));
+            let threads: Vec<_> = (0..t)
+                .map(|_| {
+                    let start = start.clone();
+                    std::thread::spawn(move || {
+                        start.wait();
+                        for _ in 0..n {
+                            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                            s.write_all(b"hello").unwrap();
+                            let mut r = [0u8; 5];
+                            s.read_exact(&mut r).unwrap();
+                            assert_eq!(&r, b"hello");
+                        }
+                    })
+                })
+                .collect();
+            for h in threads {
+                h.join().unwrap();
+            }
+            println!("done");
+        }
         "connect_while_stopped" => {
             // One connection to the port (the server is then known), then, once the file
             // `go` exists (the server stopped meanwhile), two more: `a` non-blocking, waited
@@ -1565,6 +1598,31 @@ fn a_client_that_connects_again_and_again_has_its_streams_made_ahead() {
     // (a few for the queues the server keeps for new connections, whose number moves: a
     // spare kept for good would cost four or five a batch)
     assert!(after[batches - 1] <= after[0] + 8, "the server's descriptors after each batch: {after:?}");
+}
+
+/// A client whose threads connect to one server at once, faster than one stream's set-up
+/// at a time, has more spares kept for it, made by helper threads too (`spares.rs`); every
+/// connection still carries its own bytes over clan. (Two were kept, made by one thread,
+/// whatever the demand.)
+#[test]
+fn a_client_that_connects_from_many_threads_has_more_streams_made_ahead() {
+    let mut server = Proc::spawn("serve_until_killed", &[], true);
+    let port = server.expect("port");
+    let (t, n) = (8, 12);
+    let mut client = Proc::spawn("connect_from_threads", &[&port, &t.to_string(), &n.to_string()], true);
+    client.expect("done");
+    let cerr = client.finish(Duration::from_secs(120));
+    drop(server);
+    assert_eq!(over_clan(&cerr), t * n, "{cerr}");
+    assert!(!cerr.contains("left to the kernel"), "{cerr}");
+    let kept: Vec<usize> = cerr
+        .lines()
+        .filter_map(|l| l.split("spares kept for ").nth(1))
+        .filter_map(|l| l.rsplit(": ").next()?.trim().parse().ok())
+        .collect();
+    assert!(kept.iter().any(|k| *k > 2), "never more than two spares kept: {kept:?}\n{cerr}");
+    assert!(cerr.contains("a helper joins"), "no helper made spares: {cerr}");
+    assert!(cerr.contains("made ahead"), "{cerr}");
 }
 
 /// A client connecting to a server that is stopped (`SIGSTOP`: a debugger, a pause) neither

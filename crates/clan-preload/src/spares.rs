@@ -93,7 +93,10 @@ impl State {
 
     /// Change the spares kept for `server` (within [`PER_SERVER`]..=[`MAX_PER_SERVER`]).
     fn set_depth(&mut self, server: EndpointAddr, f: impl FnOnce(usize) -> usize) {
-        let d = f(self.depth(server)).clamp(PER_SERVER, MAX_PER_SERVER);
+        let (was, d) = (self.depth(server), f(self.depth(server)).clamp(PER_SERVER, MAX_PER_SERVER));
+        if d != was {
+            crate::say(format_args!("spares kept for {server}: {d}"));
+        }
         match self.depth.iter_mut().find(|(s, _)| *s == server) {
             Some(e) => e.1 = d,
             None if d != PER_SERVER => {
@@ -190,6 +193,7 @@ fn want_locked(st: &mut State, rt: &Arc<Runtime>, server: EndpointAddr) {
         st.makers += 1;
         if !first {
             st.idle_helpers += 1;
+            crate::say(format_args!("spares: a helper joins ({} making)", st.makers));
         }
     }
     if st.makers == 0 {
