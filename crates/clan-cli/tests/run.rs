@@ -13,6 +13,8 @@ const CLAN: &str = env!("CARGO_BIN_EXE_clan");
 struct Proc {
     child: Child,
     out: BufReader<std::process::ChildStdout>,
+    /// The thread that reads its standard error (taken once).
+    err: Option<std::thread::JoinHandle<String>>,
 }
 
 impl Proc {
@@ -29,6 +31,15 @@ impl Proc {
         Proc::from_command(&mut c, role, args)
     }
 
+    /// As [`Proc::spawn`], under `clan run`, with every connection over clan however short
+    /// (`CLAN_RUN_MIN_TURNS=0`): for tests of what many one-exchange connections go through
+    /// over clan, which `short.rs` would otherwise leave to the kernel after eight.
+    fn spawn_every_connection(role: &str, args: &[&str]) -> Proc {
+        let mut c = Command::new(CLAN);
+        c.arg("run").arg("--").arg(std::env::current_exe().unwrap()).env("CLAN_RUN_MIN_TURNS", "0");
+        Proc::from_command(&mut c, role, args)
+    }
+
     /// `c` (a command that runs this test binary: [`unprivileged`]) in `role`.
     fn from_command(c: &mut Command, role: &str, args: &[&str]) -> Proc {
         c.args(["--exact", "child", "--nocapture", "--test-threads=1"])
@@ -40,7 +51,15 @@ impl Proc {
             .stderr(Stdio::piped());
         let mut child = c.spawn().unwrap();
         let out = BufReader::new(child.stdout.take().unwrap());
-        Proc { child, out }
+        // Its standard error is read as it comes, by a thread: a program that says a line
+        // per connection would otherwise fill the pipe and block.
+        let mut e = child.stderr.take().unwrap();
+        let err = Some(std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = e.read_to_string(&mut s);
+            s
+        }));
+        Proc { child, out, err }
     }
 
     /// The next line the program printed that starts with `want`.
@@ -49,8 +68,8 @@ impl Proc {
         loop {
             line.clear();
             if self.out.read_line(&mut line).unwrap() == 0 {
-                let mut err = String::new();
-                let _ = self.child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+                let _ = self.child.wait();
+                let err = self.err.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
                 panic!("the program ended before printing {want}: {err}");
             }
             // (libtest may have printed "test child ... " before it on the same line)
@@ -60,13 +79,18 @@ impl Proc {
         }
     }
 
+    /// Its standard error, all of it once the program ended (the handle of the thread that
+    /// reads it).
+    fn stderr_at_end(&mut self) -> std::thread::JoinHandle<String> {
+        self.err.take().unwrap()
+    }
+
     /// Wait for the end (at most `limit`); its standard error.
     fn finish(mut self, limit: Duration) -> String {
         let start = Instant::now();
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
-                let mut err = String::new();
-                self.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                let err = self.err.take().unwrap().join().unwrap();
                 assert!(st.success(), "the program failed ({st}): {err}");
                 return err;
             }
@@ -249,6 +273,47 @@ fn child() {
                 s.write_all(&b).unwrap();
             }
             println!("served {n}");
+        }
+        "echo_each_until_killed" => {
+            // Echo everything on each connection until its end, one connection after the
+            // other, until killed.
+            let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+            println!("port {}", l.local_addr().unwrap().port());
+            let mut buf = vec![0u8; 65536];
+            loop {
+                let (mut s, _) = l.accept().unwrap();
+                loop {
+                    let n = s.read(&mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    s.write_all(&buf[..n]).unwrap();
+                }
+            }
+        }
+        "connect_turns" => {
+            // Phases of connections, one after the other: `N:TURNS[:SIZE]` makes N
+            // connections that each send SIZE bytes (5 by default) and read them back echoed,
+            // TURNS times, then close.
+            let port: u16 = args[0].parse().unwrap();
+            let mut made = 0;
+            for phase in args[1].split(',') {
+                let f: Vec<usize> = phase.split(':').map(|x| x.parse().unwrap()).collect();
+                let (n, turns, size) = (f[0], f[1], f.get(2).copied().unwrap_or(5));
+                let sent: Vec<u8> = (0..size).map(|i| (i * 7 + made) as u8).collect();
+                let mut back = vec![0u8; size];
+                for _ in 0..n {
+                    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                    for _ in 0..turns {
+                        s.write_all(&sent).unwrap();
+                        s.read_exact(&mut back).unwrap();
+                        assert_eq!(back, sent);
+                    }
+                    made += 1;
+                }
+                println!("phase {phase} done");
+            }
+            println!("connected {made}");
         }
         "serve_until_killed" => {
             // Echo five bytes on each connection, one after the other, until killed.
@@ -1521,7 +1586,7 @@ fn listeners_that_share_their_port_in_one_process_share_their_claims() {
     let port = server.expect("port");
     let go = std::env::temp_dir().join(format!("clan-run-reuseport-{}", std::process::id()));
     let _ = std::fs::remove_file(&go);
-    let mut client = Proc::spawn("connect_n", &[&port, "20", "99", go.to_str().unwrap()], true);
+    let mut client = Proc::spawn_every_connection("connect_n", &[&port, "20", "99", go.to_str().unwrap()]);
     client.expect("connected 20");
     let cerr = client.finish(Duration::from_secs(60));
     server.expect("served 20");
@@ -1564,6 +1629,68 @@ fn a_connection_that_ended_before_its_accept_keeps_its_bytes() {
     assert_eq!((over_clan(&cerr), over_clan(&serr)), (1, 1), "client: {cerr}\nserver: {serr}");
 }
 
+/// A client whose connections to a server make one exchange each (a connection per request)
+/// has its next ones stay with the kernel once the last eight were short (`short.rs`), but
+/// for one in 64 that goes over clan to look again; both sides agree on every connection,
+/// and every byte is echoed. (Over clan, such a client ran at a quarter of its kernel
+/// speed: `redis-benchmark -k 0`.)
+#[test]
+fn short_connections_stay_with_the_kernel_but_for_probes() {
+    let mut server = Proc::spawn("echo_each_until_killed", &[], true);
+    let port = server.expect("port");
+    let server_err = server.stderr_at_end();
+    let mut client = Proc::spawn("connect_turns", &[&port, "200:1"], true);
+    client.expect("connected 200");
+    let cerr = client.finish(Duration::from_secs(60));
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    let serr = server_err.join().unwrap();
+    let over = over_clan(&cerr);
+    let kept = cerr.matches("left to the kernel: its connections are short").count();
+    let probes = cerr.matches("this one is a probe").count();
+    // (the first eight, then one in 64: 11 when every close is recorded at once)
+    assert!((8..=24).contains(&over) && over + kept == 200, "over clan {over}, kept with the kernel {kept}: {cerr}");
+    assert!(probes >= 2 && cerr.contains("are short"), "probes {probes}: {cerr}");
+    assert_eq!(over_clan(&serr), over, "the server took another number over clan: {serr}");
+    assert_eq!(went_over(&cerr), 0, "{cerr}");
+}
+
+/// Connections that make many exchanges, or move many bytes in one, pay for their set-up:
+/// they all go over clan, and the server is never found short. With `CLAN_RUN_MIN_TURNS=0`,
+/// one-exchange connections all go over clan too.
+#[test]
+fn connections_that_carry_enough_stay_over_clan() {
+    let mut server = Proc::spawn("echo_each_until_killed", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("connect_turns", &[&port, "20:10,12:1:300000"], true);
+    client.expect("connected 32");
+    let cerr = client.finish(Duration::from_secs(60));
+    assert_eq!(over_clan(&cerr), 32, "{cerr}");
+    assert!(!cerr.contains("short"), "{cerr}");
+    let mut client = Proc::spawn_every_connection("connect_turns", &[&port, "30:1"]);
+    client.expect("connected 30");
+    let cerr = client.finish(Duration::from_secs(60));
+    assert_eq!(over_clan(&cerr), 30, "{cerr}");
+    assert!(!cerr.contains("short"), "{cerr}");
+}
+
+/// A client found short whose connections then make many exchanges is back over clan after
+/// two probes that paid.
+#[test]
+fn a_short_servers_connections_go_back_over_clan_when_they_grow() {
+    let mut server = Proc::spawn("echo_each_until_killed", &[], true);
+    let port = server.expect("port");
+    let mut client = Proc::spawn("connect_turns", &[&port, "100:1,300:10"], true);
+    client.expect("phase 100:1 done");
+    client.expect("connected 400");
+    let cerr = client.finish(Duration::from_secs(120));
+    let (short_at, back_at) = (cerr.find("are short"), cerr.find("not short any more"));
+    assert!(matches!((short_at, back_at), (Some(a), Some(b)) if a < b), "{cerr}");
+    // (two probes in the second phase, 64 connections apart, then the rest)
+    let over = over_clan(&cerr);
+    assert!(over >= 150, "over clan {over}: {cerr}");
+}
+
 /// A client that connects again and again to one server has its next connection's clan
 /// stream made ahead (`spares.rs`): later connections take one instead of making theirs in
 /// `connect`. The spares it lets go unused (they expire) are dropped by the server's runtime
@@ -1576,7 +1703,8 @@ fn a_client_that_connects_again_and_again_has_its_streams_made_ahead() {
     let spid = server.child.id();
     let fds = || std::fs::read_dir(format!("/proc/{spid}/fd")).unwrap().count();
     let batches = 5;
-    let mut client = Proc::spawn("connect_batches", &[&port, &batches.to_string(), "10", go.to_str().unwrap()], true);
+    let mut client =
+        Proc::spawn_every_connection("connect_batches", &[&port, &batches.to_string(), "10", go.to_str().unwrap()]);
     let mut after = Vec::new();
     for b in 0..batches {
         client.expect(&format!("batch {b}"));
@@ -1609,7 +1737,7 @@ fn a_client_that_connects_from_many_threads_has_more_streams_made_ahead() {
     let mut server = Proc::spawn("serve_until_killed", &[], true);
     let port = server.expect("port");
     let (t, n) = (8, 12);
-    let mut client = Proc::spawn("connect_from_threads", &[&port, &t.to_string(), &n.to_string()], true);
+    let mut client = Proc::spawn_every_connection("connect_from_threads", &[&port, &t.to_string(), &n.to_string()]);
     client.expect("done");
     let cerr = client.finish(Duration::from_secs(120));
     drop(server);

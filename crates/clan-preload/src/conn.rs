@@ -10,8 +10,9 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
+use std::net::SocketAddr;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clan::{EventQueue, Tripwire};
@@ -54,10 +55,33 @@ pub(crate) struct Conn {
     awaiting: AtomicBool,
     /// Handed to `answers.rs`'s thread (once).
     pub watched: AtomicBool,
+    /// The server's listening address, on the connecting side: what the connection carried
+    /// is told to `short.rs` when it ends (set before the connection is shared).
+    pub client_of: Option<SocketAddr>,
+    /// Writes that followed a read, the first write included (`short.rs`: a request and its
+    /// reply are one turn). Counted with Relaxed loads and stores, not read-modify-writes: a
+    /// count two threads' writes race on may lose one, and it only steers a heuristic.
+    turns: AtomicU32,
+    /// The last call that moved bytes was a read (true at first: the first write is a turn).
+    read_last: AtomicBool,
+    /// Bytes written (Relaxed, as `turns`).
+    written: AtomicU64,
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
+        // What it carried, if it ended over clan on the connecting side (one that went over
+        // to the kernel is no evidence either way; nor is a child's copy after `fork`, which
+        // also makes no claims, and whose copy of the policy's lock another thread of the
+        // parent may have held at the fork).
+        if let Some(server) = self.client_of {
+            if !*self.kernel.get_mut() && !crate::table::forked() {
+                let read = self.stream.stats().read;
+                let turns = *self.turns.get_mut();
+                let bytes = self.written.get_mut().saturating_add(read);
+                crate::short::ended(server, crate::short::Carried { turns, bytes });
+            }
+        }
         // Its queue serves the next connection (the stream and the tripwires on the queue go
         // right after this, with the other fields).
         crate::registry::recycle_queue(self.queue.clone());
@@ -166,6 +190,10 @@ impl Conn {
             claim: Mutex::new(None),
             awaiting: AtomicBool::new(false),
             watched: AtomicBool::new(false),
+            client_of: None,
+            turns: AtomicU32::new(0),
+            read_last: AtomicBool::new(true),
+            written: AtomicU64::new(0),
         })
     }
 
@@ -518,6 +546,9 @@ impl Conn {
                 Ok(0) => return Ok(done),
                 Ok(n) => {
                     done += n;
+                    if !f.peek && !self.read_last.load(Ordering::Relaxed) {
+                        self.read_last.store(true, Ordering::Relaxed);
+                    }
                     if f.peek || !f.waitall || done == buf.len() {
                         return Ok(done);
                     }
@@ -562,6 +593,7 @@ impl Conn {
             match (&self.stream).write(&buf[done..]) {
                 Ok(n) => {
                     done += n;
+                    self.count_write(n);
                     if done == buf.len() || (nb && n > 0) {
                         return Ok(done);
                     }
@@ -587,6 +619,19 @@ impl Conn {
                 return if done > 0 { Ok(done) } else { Err(e) };
             }
         }
+    }
+
+    /// `n` bytes written over clan: a turn if a read came before (`short.rs`).
+    fn count_write(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        if self.read_last.load(Ordering::Relaxed) {
+            self.read_last.store(false, Ordering::Relaxed);
+            self.turns.store(self.turns.load(Ordering::Relaxed).saturating_add(1), Ordering::Relaxed);
+        }
+        let w = self.written.load(Ordering::Relaxed);
+        self.written.store(w.saturating_add(n as u64), Ordering::Relaxed);
     }
 
     pub fn shutdown(&self, fd: c_int, how: c_int) -> Result<(), c_int> {

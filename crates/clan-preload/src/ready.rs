@@ -673,7 +673,12 @@ pub(crate) fn epoll_wait(
 ) -> Result<usize, c_int> {
     let max = out.len();
     let end = deadline(timeout);
-    let spin_until = Instant::now() + spin();
+    // (a set whose accelerated members are all gone — it stays marked until closed — has
+    // nothing of ours to poll: the kernel's wait at once, as an unmarked set's. A server
+    // whose clients' short connections stay with the kernel, `short.rs`, but for a probe
+    // now and then, spun and called once more on every wait of its set.)
+    let members = sets().get(&epfd).is_some_and(|s| !s.members.is_empty());
+    let spin_until = if members { Instant::now() + spin() } else { Instant::now() };
     let mut got: Vec<epoll_event> = Vec::new();
     loop {
         got.clear();

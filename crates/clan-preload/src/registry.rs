@@ -943,10 +943,14 @@ fn parse_answer(r: &[u8]) -> Result<EndpointAddr, NotTaken> {
 /// claim from the channel itself), so a claim costs no round trip of its own. Else the
 /// answer comes first, with the address.
 fn claim_and_connect(fd: c_int, dest: SocketAddr) -> Result<Claimed, &'static str> {
-    tcp_local(fd).ok_or("not a TCP socket")?;
     if !is_local(dest.ip()) {
         return Err("not an address of this host");
     }
+    // (before the socket is looked at: a connection kept on the kernel costs no call more)
+    if crate::short::keep_on_kernel(dest) {
+        return Err("its connections are short (CLAN_RUN_MIN_TURNS)");
+    }
+    tcp_local(fd).ok_or("not a TCP socket")?;
     let rt = runtime().ok_or("clan is not available in this process")?;
     if !real::with_fd(fd, fd_room) {
         return Err("few descriptors left for clan (a connection holds about six)");
@@ -1196,6 +1200,10 @@ impl Claimed {
     pub(crate) fn attach(self, fd: c_int, dest: SocketAddr, nonblock: bool) -> Option<Conn> {
         let Claimed { token, dest: claimed, chan, server, stream: (s, q), answered } = self;
         let c = if peer_of(fd) == Some(dest) { Conn::new(s, q, nonblock).ok() } else { None };
+        let c = c.map(|mut c| {
+            c.client_of = Some(claimed);
+            c
+        });
         match (c, answered) {
             (None, true) => {
                 withdraw(claimed, chan, server, token);
@@ -1237,6 +1245,24 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     if no_claims && lock(&reg.channels).is_empty() && !reg.new_channels() {
         return None;
     }
+    let rt = runtime()?;
+    if no_claims {
+        // Channels open but no claim filed: a claim for this connection, if there is one,
+        // was sent before its client's `connect`, so it is in a channel now; one look at
+        // them (a `poll`) before the connection's own look-up (its addresses and a netlink
+        // query: five calls), which a client whose connections stay with the kernel
+        // (`short.rs`) would otherwise cost the server on every accept.
+        let mut passes = 0;
+        while lock(&reg.pending).is_empty() && !reg.closed.load(Ordering::Acquire) && passes < 16 {
+            passes += 1;
+            if !serve_channels(rt, &reg, true) {
+                break;
+            }
+        }
+        if lock(&reg.pending).is_empty() {
+            return None;
+        }
+    }
     let local = real::with_fd(fd, |b| SocketAddr::try_from(rustix::net::getsockname(b).ok()?).ok())?;
     let peer = peer_of(fd)?;
     let found = crate::procnet::peer_socket(peer, local)?;
@@ -1244,7 +1270,6 @@ pub(crate) fn on_accept(lfd: c_int, fd: c_int, nonblock: bool) -> Option<Conn> {
     // Not (yet) taken by the listener's thread: a claim on a kept channel is answered after
     // its client's kernel `connect`, and that `connect` may come here first. The claim was
     // sent before it: it is in its channel, taken now.
-    let rt = runtime()?;
     // (the listener's thread may be taking it: its pass holds the channels, so the claim is
     // in `pending` when this one gets them; looked for after every pass)
     let mut passes = 0;
