@@ -544,7 +544,12 @@ fn unmodified_programs_with_and_without_clan() {
     let skipped = v["skipped"].as_array().expect("skipped");
     if std::env::var_os("CI").is_some() {
         assert!(skipped.is_empty(), "CI installs sockperf and redis: {skipped:?}");
-        assert_eq!(rows.len(), 8, "{v}");
+        assert_eq!(rows.len(), 10, "{v}");
+        // (a new connection per request: with clan run's default, and every one over clan)
+        for both in ["clan run's default", "every connection over clan"] {
+            let n = rows.iter().filter(|r| r["measure"].as_str().is_some_and(|m| m.contains(both))).count();
+            assert_eq!(n, 2, "{both}: {v}");
+        }
     }
     for (i, _) in rows.iter().enumerate() {
         positive(&v, &[&format!("/rows/{i}/clan"), &format!("/rows/{i}/baseline"), &format!("/rows/{i}/ratio")]);
