@@ -16,7 +16,7 @@
 //!   and the listening socket's readiness keep working; its bytes move over the stream.
 //! - **Short connections** (`short.rs`): a process whose connections to a server carry too
 //!   little to repay a stream's set-up (a connection per request) makes its next ones plain
-//!   TCP connections, but for one in 64 that goes over clan to look again.
+//!   TCP connections, but for a probe now and then that goes over clan to look again.
 //! - **Readiness** (`ready.rs`): `poll`, `select` and `epoll` read accelerated descriptors'
 //!   readiness from their streams and sleep in the kernel on the other descriptors together
 //!   with the streams' event queues.

@@ -14,8 +14,11 @@
 //! it wrote and read. One that made [`min_turns`] turns or moved [`PAID_BYTES`] *paid*. When
 //! the last [`HISTORY`] connections to a server (its listening address) that ended over clan
 //! hold at most [`SHORT_PAID`] that paid, the next connections to it stay with the kernel,
-//! but for one in [`PROBE_EVERY`], which goes over clan to see whether the program changed
-//! its ways; and a history that heard nothing for [`FORGET`] is forgotten, so a program
+//! but for a probe now and then, which goes over clan to see whether the program changed
+//! its ways: the first after [`PROBE_EVERY`] connections, each probe that did not pay
+//! doubling the gap to the next (up to [`PROBE_MAX`]), one that paid bringing it back to
+//! [`PROBE_EVERY`] (a probe costs what a short connection over clan costs, several kernel
+//! ones); and a history that heard nothing for [`FORGET`] is forgotten, so a program
 //! that now connects rarely (long connections are rare) is back over clan at its next one.
 //! A connection that stays with the kernel does so from its `connect` on, on both sides
 //! (the server's `accept` finds no claim for it): nothing moves between the two paths.
@@ -38,8 +41,11 @@ pub(crate) const PAID_BYTES: u64 = 256 << 10;
 pub(crate) const HISTORY: u32 = 8;
 /// A server whose last [`HISTORY`] connections hold at most this many that paid is short.
 pub(crate) const SHORT_PAID: u32 = 1;
-/// While a server is short, one connection in this many goes over clan all the same.
+/// While a server is short, the first probe (a connection over clan all the same) comes
+/// after this many connections, and after a probe that paid, the next.
 pub(crate) const PROBE_EVERY: u32 = 64;
+/// The gap between probes, doubled by each that did not pay, grows to this at most.
+pub(crate) const PROBE_MAX: u32 = 1024;
 /// A server's history is forgotten once no connection to it ended over clan for this long.
 pub(crate) const FORGET: Duration = Duration::from_secs(2);
 /// Servers remembered at most (the least recently heard of goes first).
@@ -77,12 +83,23 @@ struct History {
     /// The last `len` outcomes, newest in bit 0: 1 paid.
     paid: u32,
     len: u32,
-    /// Connections that stayed with the kernel since the server was found short.
+    /// Connections that stayed with the kernel since the last probe (or since the server was
+    /// found short).
     kept: u32,
+    /// Connections between two probes now (`PROBE_EVERY` up to `PROBE_MAX`).
+    gap: u32,
+    /// Probes made whose outcome was not heard yet: the next outcomes heard are theirs (a
+    /// connection made before the verdict that ends after it, as a client's other threads'
+    /// do, is no probe: it leaves the gap alone).
+    probing: u32,
     heard: Instant,
 }
 
 impl History {
+    fn new(server: SocketAddr, now: Instant) -> History {
+        History { server, paid: 0, len: 0, kept: 0, gap: PROBE_EVERY, probing: 0, heard: now }
+    }
+
     fn short(&self) -> bool {
         self.len >= HISTORY && (self.paid & ((1 << HISTORY) - 1)).count_ones() <= SHORT_PAID
     }
@@ -120,7 +137,13 @@ impl Policy {
             return Decision::Clan;
         }
         h.kept += 1;
-        if h.kept % PROBE_EVERY == 0 { Decision::Probe } else { Decision::Kernel }
+        if h.kept >= h.gap {
+            h.kept = 0;
+            h.probing += 1;
+            Decision::Probe
+        } else {
+            Decision::Kernel
+        }
     }
 
     /// A connection to `server` that ended over clan at `now` carried `c`. Returns whether
@@ -129,7 +152,7 @@ impl Policy {
         let i = match self.servers.iter().position(|h| h.server == server) {
             Some(i) if now.saturating_duration_since(self.servers[i].heard) < FORGET => i,
             Some(i) => {
-                self.servers[i] = History { server, paid: 0, len: 0, kept: 0, heard: now };
+                self.servers[i] = History::new(server, now);
                 i
             }
             None => {
@@ -138,18 +161,25 @@ impl Policy {
                         self.servers.swap_remove(old);
                     }
                 }
-                self.servers.push(History { server, paid: 0, len: 0, kept: 0, heard: now });
+                self.servers.push(History::new(server, now));
                 self.servers.len() - 1
             }
         };
         let h = &mut self.servers[i];
         let was = h.short();
-        h.paid = (h.paid << 1) | u32::from(c.paid(min_turns));
+        let paid = c.paid(min_turns);
+        if was && h.probing > 0 {
+            h.probing -= 1;
+            h.gap = if paid { PROBE_EVERY } else { (h.gap * 2).min(PROBE_MAX) };
+        }
+        h.paid = (h.paid << 1) | u32::from(paid);
         h.len = (h.len + 1).min(HISTORY);
         h.heard = now;
         let is = h.short();
-        if is && !was {
+        if is != was {
             h.kept = 0;
+            h.gap = PROBE_EVERY;
+            h.probing = 0;
         }
         (is != was).then_some(is)
     }
@@ -184,7 +214,7 @@ pub(crate) fn ended(server: SocketAddr, c: Carried) {
     match changed {
         Some(true) => crate::say(format_args!(
             "connections to {server} are short (at most {SHORT_PAID} of the last {HISTORY} made {min} turns or moved \
-             {PAID_BYTES} bytes): the next stay with the kernel, but for a probe in {PROBE_EVERY}"
+             {PAID_BYTES} bytes): the next stay with the kernel, but for a probe now and then"
         )),
         Some(false) => crate::say(format_args!("connections to {server} are not short any more: clan again")),
         None => {}
@@ -210,11 +240,20 @@ mod tests {
             let changed = p.record(s, SHORT, 8, t);
             assert_eq!(changed, (k == HISTORY - 1).then_some(true));
         }
-        let decisions: Vec<Decision> = (0..PROBE_EVERY * 2).map(|_| p.decide(s, t)).collect();
-        let probes = decisions.iter().filter(|d| **d == Decision::Probe).count();
-        assert_eq!(probes, 2, "one probe in {PROBE_EVERY}");
-        assert_eq!(decisions[PROBE_EVERY as usize - 1], Decision::Probe);
-        assert!(decisions[..PROBE_EVERY as usize - 1].iter().all(|d| *d == Decision::Kernel));
+        // The first probe after PROBE_EVERY connections; each that did not pay doubles the
+        // gap, up to PROBE_MAX.
+        let mut gaps = Vec::new();
+        let mut since = 0;
+        for _ in 0..PROBE_EVERY * 64 {
+            since += 1;
+            if p.decide(s, t) == Decision::Probe {
+                gaps.push(since);
+                since = 0;
+                assert_eq!(p.record(s, SHORT, 8, t), None);
+            }
+        }
+        assert_eq!(&gaps[..6], &[PROBE_EVERY, PROBE_EVERY * 2, PROBE_EVERY * 4, PROBE_EVERY * 8, PROBE_MAX, PROBE_MAX]);
+        assert!(gaps.iter().all(|g| *g <= PROBE_MAX), "{gaps:?}");
         // Another server is unaffected.
         assert_eq!(p.decide(addr(2), t), Decision::Clan);
     }
@@ -244,7 +283,16 @@ mod tests {
             p.record(s, SHORT, 8, t);
         }
         assert_eq!(p.decide(s, t), Decision::Kernel);
+        // Connections made before the verdict, ending after it: no probes, the gap stays.
+        p.record(s, SHORT, 8, t);
+        assert_eq!(p.servers[0].gap, PROBE_EVERY);
+        // A probe that did not pay, then one that paid: the gap back at its start.
+        while p.decide(s, t) != Decision::Probe {}
+        p.record(s, SHORT, 8, t);
+        assert_eq!(p.servers[0].gap, PROBE_EVERY * 2);
+        while p.decide(s, t) != Decision::Probe {}
         assert_eq!(p.record(s, LONG, 8, t), None, "one paid: still short");
+        assert_eq!(p.servers[0].gap, PROBE_EVERY);
         assert_eq!(p.record(s, LONG, 8, t), Some(false), "two paid: over clan again");
         assert_eq!(p.decide(s, t), Decision::Clan);
     }

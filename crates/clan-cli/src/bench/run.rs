@@ -307,7 +307,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
                 program: "redis",
                 measure: format!(
                     "GET requests/s, a new connection per request (-k 0), {clients} client{plural}: clan run's \
-                     default (short connections stay with the kernel but for a probe in 64)"
+                     default (short connections stay with the kernel but for a probe now and then)"
                 ),
                 clan: s_d,
                 baseline: s_t,
