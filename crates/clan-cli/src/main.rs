@@ -32,9 +32,14 @@ enum Cmd {
     /// (a child after fork touches it, it survives exec, it is passed with SCM_RIGHTS) goes
     /// over to the kernel's TCP connection under it, losing and doubling no byte; while the
     /// children of a fork live, the parent's listeners leave new connections to the kernel.
+    /// A client whose connections to a server carry too little to repay their clan set-up
+    /// (at most one of the last eight made 8 exchanges or moved 256 KiB: a connection per
+    /// request) makes its next ones there over the kernel, but for a probe now and then.
     ///
     /// Environment: CLAN_LOG=debug says on standard error what was decided for each
-    /// connection and why; CLAN_SPIN_US sets the spin before sleeping (default 15; 0: never spin).
+    /// connection and why; CLAN_SPIN_US sets the spin before sleeping (default 15; 0: never
+    /// spin); CLAN_RUN_MIN_TURNS the exchanges a connection must make (default 8; 0: every
+    /// connection over clan, however short).
     ///
     /// Example: `clan run -- redis-server --port 6379` and, in another shell,
     /// `clan run -- redis-benchmark -p 6379 -t get`.
@@ -153,6 +158,12 @@ struct RunArgs {
     /// (sets `CLAN_SPIN_US`; 0: never spin).
     #[arg(long)]
     spin_us: Option<u64>,
+    /// Exchanges (writes after reads) a connection must make, or 256 KiB it must move, to
+    /// repay its clan set-up; a client whose connections to a server mostly do not keeps its
+    /// next ones there on the kernel (sets `CLAN_RUN_MIN_TURNS`; 0: every connection over
+    /// clan, however short).
+    #[arg(long)]
+    min_turns: Option<u32>,
     /// The interposition library (default: `libclan_preload.so` next to this executable,
     /// or `CLAN_PRELOAD`).
     #[arg(long)]
@@ -194,6 +205,9 @@ fn run(a: &RunArgs) -> bench::Result<()> {
     c.args(args).env("LD_PRELOAD", preload);
     if let Some(us) = a.spin_us {
         c.env("CLAN_SPIN_US", us.to_string());
+    }
+    if let Some(n) = a.min_turns {
+        c.env("CLAN_RUN_MIN_TURNS", n.to_string());
     }
     // Replace this process: the program's exit status and signals are its own.
     let e = c.exec();

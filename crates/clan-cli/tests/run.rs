@@ -31,12 +31,12 @@ impl Proc {
         Proc::from_command(&mut c, role, args)
     }
 
-    /// As [`Proc::spawn`], under `clan run`, with every connection over clan however short
-    /// (`CLAN_RUN_MIN_TURNS=0`): for tests of what many one-exchange connections go through
-    /// over clan, which `short.rs` would otherwise leave to the kernel after eight.
+    /// As [`Proc::spawn`], under `clan run --min-turns 0`, every connection over clan however
+    /// short (`CLAN_RUN_MIN_TURNS=0`): for tests of what many one-exchange connections go
+    /// through over clan, which `short.rs` would otherwise leave to the kernel after eight.
     fn spawn_every_connection(role: &str, args: &[&str]) -> Proc {
         let mut c = Command::new(CLAN);
-        c.arg("run").arg("--").arg(std::env::current_exe().unwrap()).env("CLAN_RUN_MIN_TURNS", "0");
+        c.args(["run", "--min-turns", "0", "--"]).arg(std::env::current_exe().unwrap());
         Proc::from_command(&mut c, role, args)
     }
 
